@@ -1,0 +1,5 @@
+import sys
+
+from gearflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""``gearflow bench SUITE``: benchmarks that print one JSON object per measurement.
+
+Each line is ``{"bench", "workload", "metric", "value", "unit", "floor", "ratio"}``:
+``floor`` is the same work done by the plainest possible code (a numpy gather of
+the same bytes, a bare EnvPool loop) measured in the same run, and ``ratio`` is
+gearflow's rate over the floor's, so the numbers compare on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+SUITES = {
+    "replay": "gearflow.bench.replay",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", choices=sorted(SUITES), help="which benchmark suite to run")
+    parser.add_argument("--json", action="store_true", help="JSON lines only (no table)")
+    parser.add_argument(
+        "--workloads", default="", help="comma-separated workload names to run (default: all)"
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the sizes and durations of the workloads (e.g. 0.1 for a smoke run)",
+    )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="replay device")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+
+
+def emit(record: dict[str, Any], as_json: bool) -> None:
+    """Print one measurement: a JSON line, or a readable row."""
+    if as_json:
+        print(json.dumps(record), flush=True)
+        return
+    ratio = record.get("ratio")
+    floor = record.get("floor")
+    extra = ""
+    if floor is not None:
+        extra = f"  floor {floor:,.4g}  ratio {ratio:.3f}" if ratio is not None else f"  floor {floor:,.4g}"
+    print(
+        f"{record['bench']}/{record['workload']:<14} {record['metric']:<28} "
+        f"{record['value']:>14,.4g} {record['unit']:<10}{extra}",
+        flush=True,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    module = importlib.import_module(SUITES[args.suite])
+    wanted = [w for w in args.workloads.split(",") if w]
+    return int(module.run(args, wanted, lambda rec: emit(rec, args.json)) or 0)
+
+

@@ -1,0 +1,141 @@
+"""The ``gearflow`` command line.
+
+    gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
+    gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
+    gearflow bench {replay,actors} [--json]    benchmarks that print JSON lines
+    gearflow replay gc                         remove shared memory left by crashed runs
+    gearflow info                              versions and what is usable here
+
+Every sub-command has ``--help``. Errors in the user's input (a bad config, a
+missing optional dependency) print one line and exit with status 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Sequence
+
+from gearflow.errors import GearflowError
+from gearflow.log import setup_logging
+
+log = logging.getLogger("gearflow.cli")
+
+OVERRIDES_HELP = "dotlist overrides applied after the file, e.g. replay.capacity=2e5 run.seed=3"
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    # Sub-commands SUPPRESS their defaults so `gearflow -v train` is not reset by `train`.
+    default = False if top else argparse.SUPPRESS
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    group.add_argument(
+        "-q", "--quiet", action="store_true", default=default, help="warnings and errors only"
+    )
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from gearflow.config import explain, load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    print(explain(cfg) if args.explain else to_yaml(cfg), end="\n" if args.explain else "")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from gearflow.config import load_config
+
+    load_config(args.config, args.overrides)
+    raise GearflowError(
+        "gearflow train is not yet available: the actor/learner runner has not landed; "
+        "`gearflow config` validates this config meanwhile"
+    )
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from gearflow.info import collect, render
+
+    print(render(collect()))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from gearflow import bench
+
+    return bench.main(args)
+
+
+def _cmd_replay_gc(args: argparse.Namespace) -> int:
+    from gearflow.replay.storage import gc_segments
+
+    removed = gc_segments(prefix=args.prefix, dry_run=args.dry_run, include_live=args.force)
+    verb = "would remove" if args.dry_run else "removed"
+    for name, size in removed:
+        print(f"{verb} /dev/shm/{name} ({size / 2**20:.1f} MiB)")
+    print(f"{verb} {len(removed)} segment(s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gearflow",
+        description="Asynchronous actor/learner RL with embedded, GPU-centric replay.",
+    )
+    _add_verbosity(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        _add_verbosity(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("train", _cmd_train, "train from a YAML config on this machine")
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+    p = add("config", _cmd_config, "print the resolved config (defaults ← file ← overrides)")
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--explain", action="store_true", help="print every key with its meaning")
+
+    add("info", _cmd_info, "versions of the dependencies and whether CUDA, CuPy, nvcc, RDMA are usable")
+
+    p = add("bench", _cmd_bench, "benchmarks; each prints one JSON object per measurement")
+    from gearflow import bench
+
+    bench.add_arguments(p)
+
+    p = add("replay", lambda a: a.replay_func(a), "replay table maintenance")
+    rsub = p.add_subparsers(dest="replay_command", metavar="ACTION", required=True)
+    gc = rsub.add_parser(
+        "gc",
+        help="remove gearflow shared-memory segments whose owning process is gone",
+        description="remove gearflow shared-memory segments whose owning process is gone",
+    )
+    gc.add_argument("--prefix", default="gearflow", help="segment name prefix (default: gearflow)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    gc.add_argument("--force", action="store_true", help="also remove segments whose owner is alive")
+    gc.set_defaults(replay_func=_cmd_replay_gc)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbosity = -1 if args.quiet else (1 if args.verbose else 0)
+    setup_logging(verbosity)
+    try:
+        return args.func(args)
+    except GearflowError as exc:
+        print(f"gearflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gearflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

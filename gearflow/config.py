@@ -1,0 +1,504 @@
+"""Typed run configuration: one OmegaConf structured dataclass per component.
+
+A run is configured by a YAML file whose top-level groups mirror the
+components (``env``, ``actor``, ``replay``, ``learner``, ``agent``, ``run``),
+merged over the dataclass defaults, then by command-line dotlist overrides::
+
+    cfg = load_config("configs/cartpole_apex.yaml", ["replay.capacity=2e5", "run.seed=3"])
+    cfg.replay.capacity          # 200000 (an int: "2e5" is accepted for int fields)
+
+Every field carries a docstring (the string literal under it); ``gearflow
+config FILE --explain`` prints them next to the values. Unknown keys, wrong
+types and impossible values raise :class:`~gearflow.errors.ConfigError`
+naming the key and where the bad value came from (the file or the override).
+
+The ``agent`` group is typed by the agent itself: ``agent.name`` is an import
+path (``agents.apex_dqn`` or a user's own module) whose ``Config`` dataclass
+gives the remaining fields of the group.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from gearflow.errors import ConfigError
+
+ITEM_KINDS = ("transition", "sequence", "episode")
+SELECTORS = ("uniform", "prioritized", "fifo", "lifo", "max_heap", "min_heap", "top_k")
+ENV_BACKENDS = ("auto", "envpool", "gymnasium")
+DEVICES = ("auto", "cpu", "cuda")
+RUN_MODES = ("online", "offline")
+
+
+@dataclass
+class EnvConfig:
+    id: str = "CartPole-v1"
+    """Environment id: an EnvPool task id (see ``envpool.list_all_envs()``) or a gymnasium id."""
+    backend: str = "auto"
+    """``envpool``, ``gymnasium``, or ``auto`` (EnvPool when it has the id, else gymnasium)."""
+    num_envs: int = 8
+    """Environments per actor process; each environment stream is one replay partition."""
+    batch_size: int = 0
+    """EnvPool async batch (envs returned per ``recv``); 0 means ``num_envs // 2`` (at least 1)."""
+    factory: Optional[str] = None
+    """Import path ``module:function(num_envs, seed)`` returning a gymnasium vector env."""
+    obs_transform: Optional[str] = None
+    """Import path ``module:function(obs) -> obs`` applied to every observation batch."""
+    seed: int = 0
+    """Base seed of the environments (each actor adds its own offset)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to ``envpool.make`` or ``gymnasium.make``."""
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 2
+    """Actor processes; the ε ladder spans all ``num_actors * env.num_envs`` environments."""
+    epsilon: float = 0.4
+    """Ape-X base ε: environment i of N explores with ε^(1 + α·i/(N−1))."""
+    epsilon_alpha: float = 7.0
+    """Ape-X ladder exponent α."""
+    n_step: int = 3
+    """Steps in the n-step return computed by the actors."""
+    gamma: float = 0.99
+    """Discount factor."""
+    weight_sync_period: int = 400
+    """Env steps (per actor) between checks for newer weights in the parameter store."""
+    max_restarts: int = 3
+    """Times the supervisor restarts a dead actor before the run fails."""
+    device: str = "cpu"
+    """Device the actors' policy runs on."""
+
+
+@dataclass
+class ReplayConfig:
+    capacity: int = 100_000
+    """Total steps held in host memory, split evenly over the partitions."""
+    item: str = "transition"
+    """What is sampled: ``transition`` (n-step), ``sequence`` (fixed windows) or ``episode``."""
+    sequence_length: int = 80
+    """Steps per sequence item (R2D2: 80)."""
+    sequence_period: int = 40
+    """Steps between the starts of consecutive sequence items (R2D2: 40)."""
+    burn_in: int = 40
+    """Leading steps of a sequence used only as context (no loss) (R2D2: 40)."""
+    max_episode_length: int = 1000
+    """Longest episode item; longer episodes are cut (``item=episode``)."""
+    selector: str = "prioritized"
+    """Item selector: uniform, prioritized, fifo, lifo, max_heap, min_heap or top_k."""
+    alpha: float = 0.6
+    """Priority exponent α of the prioritized selector."""
+    beta: float = 0.4
+    """Importance-weight exponent β (annealed to 1 over the run by the learner)."""
+    top_k: int = 1000
+    """k of the top_k selector."""
+    min_size_to_sample: int = 1000
+    """Items that must be in the table before the first sample."""
+    samples_per_insert: float = 0.0
+    """Target sampled items per inserted item (Reverb's ratio); 0 disables the ratio limit."""
+    error_buffer: float = 1000.0
+    """Slack, in sampled items, around the samples-per-insert ratio before either side blocks."""
+    timeout_s: float = 60.0
+    """Seconds a blocked insert or sample waits before raising instead of hanging."""
+    device: str = "auto"
+    """Where selection and gathers run: ``cpu``, ``cuda`` (CuPy kernels) or ``auto``."""
+
+
+@dataclass
+class LearnerConfig:
+    batch_size: int = 256
+    """Items per learner batch."""
+    device: str = "auto"
+    """Device the learner trains on: ``cpu``, ``cuda`` or ``auto``."""
+    prefetch: int = 2
+    """Batches sampled ahead in the background (≥ 1)."""
+    publish_every: int = 10
+    """Learner updates between weight publications to the actors."""
+    compile: bool = False
+    """Wrap the network in ``torch.compile``."""
+    bf16: bool = False
+    """bf16 autocast for the forward and backward pass (CUDA only)."""
+
+
+@dataclass
+class RunConfig:
+    name: str = ""
+    """Run name; empty means the config file's stem."""
+    dir: str = ""
+    """Run directory; empty means ``runs/<name>-<timestamp>``."""
+    seed: int = 0
+    """Seed of the learner, the replay selector and the actors."""
+    mode: str = "online"
+    """``online`` (actors feed the replay) or ``offline`` (train from ``run.dataset``)."""
+    dataset: str = ""
+    """HDF5 dataset of trajectories for ``mode=offline``."""
+    serial: bool = False
+    """Run one actor and the learner in one process with the same classes (debugging)."""
+    max_env_steps: int = 100_000
+    """Stop after this many environment steps in total (0: no limit)."""
+    max_seconds: float = 0.0
+    """Stop after this many seconds of wall-clock time (0: no limit)."""
+    max_updates: int = 0
+    """Stop after this many learner updates (0: no limit)."""
+    log_every_s: float = 5.0
+    """Seconds between progress lines and metric rows."""
+    checkpoint_every: int = 0
+    """Learner updates between checkpoints (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk; older ones are deleted."""
+    dry_run: bool = False
+    """Build the model on the meta device, print memory estimates and exit."""
+
+
+@dataclass
+class GearflowConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environments the actors step."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor processes: exploration, n-step returns, weight syncing."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """The embedded replay table."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """The learner loop around ``agent.learn``."""
+    agent: Any = None
+    """The agent: ``name`` is its import path, the other keys its ``Config`` dataclass."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Stopping, logging, checkpoints and run directory."""
+
+
+GROUPS = {
+    "env": EnvConfig,
+    "actor": ActorConfig,
+    "replay": ReplayConfig,
+    "learner": LearnerConfig,
+    "run": RunConfig,
+}
+DEFAULT_AGENT = "agents.apex_dqn"
+
+
+# --------------------------------------------------------------------------- docs
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type) -> Dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal under each field."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def explain(cfg: DictConfig) -> str:
+    """Every key of a resolved config with its value and its docstring."""
+    lines = []
+    for group, cls in [*GROUPS.items(), ("agent", agent_config_class(cfg.agent.name))]:
+        lines.append(f"{group}:  # {field_docs(GearflowConfig).get(group, '')}")
+        docs = field_docs(cls)
+        if group == "agent":
+            docs = {"name": "Import path of the agent module (e.g. agents.apex_dqn).", **docs}
+        for key, value in cfg[group].items():
+            rendered = OmegaConf.to_yaml({key: value}).strip().replace("\n", " ")
+            lines.append(f"  {rendered:<40} # {docs.get(key, '')}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ agents
+
+
+def agent_config_class(name: str) -> type:
+    """The ``Config`` dataclass of the agent module ``name`` (an import path)."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError(f"agent.name: cannot import agent module '{name}': {exc}") from exc
+    cls = getattr(module, "Config", None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"agent.name: module '{name}' has no Config dataclass")
+    return cls
+
+
+def _agent_schema(name: str) -> DictConfig:
+    """The agent's Config dataclass plus the ``name`` key that selected it."""
+    cls = agent_config_class(name)
+    named = dataclasses.make_dataclass(
+        f"{cls.__name__}WithName", [("name", str, field(default=name))], bases=(cls,)
+    )
+    return OmegaConf.structured(named)
+
+
+# ------------------------------------------------------------------------ loading
+
+
+_INT_LIKE = re.compile(r"^[+-]?\d+(\.\d*)?([eE][+-]?\d+)?$")
+
+
+def _coerce_ints(schema: DictConfig, data: Any) -> Any:
+    """Turn "2e6" / 2000000.0 into 2000000 where the schema field is an int."""
+    if not isinstance(data, dict) or not isinstance(schema, DictConfig) or schema._is_none():
+        return data
+    out = {}
+    for key, value in data.items():
+        node = schema._get_node(key) if key in schema else None
+        if isinstance(value, dict) and isinstance(node, DictConfig):
+            out[key] = _coerce_ints(node, value)
+            continue
+        if node is not None and type(node).__name__ == "IntegerNode":
+            text = str(value)
+            if not isinstance(value, bool) and _INT_LIKE.match(text) and float(text).is_integer():
+                value = int(float(text))
+        out[key] = value
+    return out
+
+
+def _describe_omegaconf_error(exc: OmegaConfBaseException, source: str, schema: DictConfig) -> str:
+    key = getattr(exc, "full_key", None) or "?"
+    if isinstance(exc, ConfigKeyError) or "not in" in str(exc):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = OmegaConf.select(schema, parent) if parent else schema
+        valid = list(node.keys()) if isinstance(node, DictConfig) else []
+        leaf = key.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(leaf, valid, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        where = f"'{parent}'" if parent else "the top level"
+        return (
+            f"{source}: unknown key '{key}'{hint}; valid keys in {where}: {', '.join(valid)}"
+        )
+    first = str(exc).strip().splitlines()[0]
+    return f"{source}: {key}: {first}"
+
+
+def _merge(schema: DictConfig, data: dict, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(schema, _coerce_ints(schema, data))  # type: ignore[return-value]
+    except (ConfigKeyError, ValidationError, OmegaConfBaseException) as exc:
+        raise ConfigError(_describe_omegaconf_error(exc, source, schema)) from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as exc:  # yaml.YAMLError and OmegaConf errors
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of groups, got {type(data).__name__}")
+    return data
+
+
+def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, dict]]:
+    parsed = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. replay.capacity=200000")
+        try:
+            parsed.append((item, OmegaConf.to_container(OmegaConf.from_dotlist([item]))))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override '{item}': {exc}") from None
+    return parsed
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Defaults ← YAML file ← overrides, then validation. Raises :class:`ConfigError`."""
+    yaml_data = _read_yaml(Path(path)) if path is not None else {}
+    parsed = _parse_overrides(overrides)
+    source = str(path) if path is not None else "defaults"
+    for group in yaml_data:
+        if group not in GearflowConfig.__dataclass_fields__:
+            valid = ", ".join(GearflowConfig.__dataclass_fields__)
+            raise ConfigError(f"{source}: unknown group '{group}'; valid groups: {valid}")
+
+    agent_name, agent_source = DEFAULT_AGENT, "defaults"
+    for where, data in [(source, yaml_data), *((f"override '{i}'", d) for i, d in parsed)]:
+        group = data.get("agent")
+        if not isinstance(group, dict):
+            if "agent" in data:
+                raise ConfigError(f"{where}: agent must be a mapping with a 'name' key, got {group!r}")
+        elif "name" in group:
+            agent_name, agent_source = str(group["name"]), where
+
+    schema = OmegaConf.structured(GearflowConfig)
+    OmegaConf.set_struct(schema, False)
+    try:
+        schema.agent = _agent_schema(agent_name)
+    except ConfigError as exc:
+        raise ConfigError(f"{agent_source}: {exc}") from None
+    OmegaConf.set_struct(schema, True)
+    _open_free_dicts(schema)
+
+    cfg = _merge(schema, yaml_data, source)
+    provenance = {key: source for key in _leaf_keys(yaml_data)}
+    for item, data in parsed:
+        cfg = _merge(cfg, data, f"override '{item}'")
+        provenance.update({key: f"override '{item}'" for key in _leaf_keys(data)})
+    if not cfg.run.name:
+        cfg.run.name = Path(path).stem if path is not None else "gearflow"
+    validate(cfg, provenance)
+    return cfg
+
+
+def _open_free_dicts(node: DictConfig) -> None:
+    """Let ``Dict[str, Any]`` fields (``env.kwargs``) take any key under the struct flag."""
+    for key in node:
+        child = node._get_node(key)
+        if not isinstance(child, DictConfig):
+            continue
+        if dataclasses.is_dataclass(child._metadata.object_type):
+            if not child._is_none():
+                _open_free_dicts(child)
+        else:
+            OmegaConf.set_struct(child, False)
+
+
+def _leaf_keys(data: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        keys.extend(_leaf_keys(value, full + ".") if isinstance(value, dict) else [full])
+    return keys
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
+    """Reject impossible values with a message naming the key and its source."""
+    provenance = provenance or {}
+
+    def check(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            value = OmegaConf.select(cfg, key)
+            where = provenance.get(key, "defaults")
+            raise ConfigError(f"{where}: {key}={value!r}: {why}")
+
+    r, e, a, le, run = cfg.replay, cfg.env, cfg.actor, cfg.learner, cfg.run
+    check(r.capacity > 0, "replay.capacity", "must be a positive number of steps")
+    check(r.item in ITEM_KINDS, "replay.item", f"must be one of {', '.join(ITEM_KINDS)}")
+    check(r.selector in SELECTORS, "replay.selector", f"must be one of {', '.join(SELECTORS)}")
+    check(r.alpha >= 0, "replay.alpha", "must be ≥ 0")
+    check(0 <= r.beta <= 1, "replay.beta", "must be in [0, 1]")
+    check(r.top_k >= 1, "replay.top_k", "must be ≥ 1")
+    check(r.sequence_length >= 1, "replay.sequence_length", "must be ≥ 1")
+    check(r.sequence_period >= 1, "replay.sequence_period", "must be ≥ 1")
+    check(0 <= r.burn_in < r.sequence_length, "replay.burn_in", "must be in [0, sequence_length)")
+    check(r.max_episode_length >= 1, "replay.max_episode_length", "must be ≥ 1")
+    check(r.min_size_to_sample >= 1, "replay.min_size_to_sample", "must be ≥ 1")
+    check(r.samples_per_insert >= 0, "replay.samples_per_insert", "must be ≥ 0 (0 disables)")
+    check(r.error_buffer >= 0, "replay.error_buffer", "must be ≥ 0")
+    check(r.timeout_s > 0, "replay.timeout_s", "must be > 0 seconds")
+    check(r.device in DEVICES, "replay.device", f"must be one of {', '.join(DEVICES)}")
+    check(le.batch_size >= 1, "learner.batch_size", "must be ≥ 1")
+    check(
+        le.batch_size <= r.capacity,
+        "learner.batch_size",
+        f"is larger than replay.capacity ({r.capacity})",
+    )
+    check(le.device in DEVICES, "learner.device", f"must be one of {', '.join(DEVICES)}")
+    check(le.prefetch >= 1, "learner.prefetch", "must be ≥ 1")
+    check(le.publish_every >= 1, "learner.publish_every", "must be ≥ 1")
+    check(e.num_envs >= 1, "env.num_envs", "must be ≥ 1")
+    check(0 <= e.batch_size <= e.num_envs, "env.batch_size", "must be in [0, env.num_envs]")
+    check(e.backend in ENV_BACKENDS, "env.backend", f"must be one of {', '.join(ENV_BACKENDS)}")
+    check(a.num_actors >= 1 or run.mode == "offline", "actor.num_actors", "must be ≥ 1")
+    check(0 <= a.epsilon <= 1, "actor.epsilon", "must be in [0, 1]")
+    check(a.epsilon_alpha >= 0, "actor.epsilon_alpha", "must be ≥ 0")
+    check(a.n_step >= 1, "actor.n_step", "must be ≥ 1")
+    check(0 <= a.gamma <= 1, "actor.gamma", "must be in [0, 1]")
+    check(a.weight_sync_period >= 1, "actor.weight_sync_period", "must be ≥ 1")
+    check(a.max_restarts >= 0, "actor.max_restarts", "must be ≥ 0")
+    steps_per_partition = r.capacity // max(1, a.num_actors * e.num_envs)
+    check(
+        run.mode == "offline" or steps_per_partition >= 2 * (a.n_step + 1),
+        "replay.capacity",
+        f"gives {steps_per_partition} steps per partition "
+        f"({a.num_actors} actors × {e.num_envs} envs); need at least {2 * (a.n_step + 1)}",
+    )
+    check(run.mode in RUN_MODES, "run.mode", f"must be one of {', '.join(RUN_MODES)}")
+    check(run.mode != "offline" or bool(run.dataset), "run.dataset", "is required when run.mode=offline")
+    check(run.max_env_steps >= 0, "run.max_env_steps", "must be ≥ 0")
+    check(run.max_seconds >= 0, "run.max_seconds", "must be ≥ 0")
+    check(run.max_updates >= 0, "run.max_updates", "must be ≥ 0")
+    check(run.log_every_s > 0, "run.log_every_s", "must be > 0")
+    check(run.checkpoint_every >= 0, "run.checkpoint_every", "must be ≥ 0")
+    check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
+    if e.factory is None and run.mode == "online":
+        known, why = env_id_known(e.id, e.backend)
+        check(known, "env.id", why)
+
+
+@lru_cache(maxsize=None)
+def _envpool_ids() -> frozenset[str]:
+    try:
+        import envpool
+    except ImportError:
+        return frozenset()
+    return frozenset(envpool.list_all_envs())
+
+
+def env_id_known(env_id: str, backend: str) -> tuple[bool, str]:
+    """Whether the chosen backend can make ``env_id``; otherwise a reason with suggestions."""
+    envpool_ids = _envpool_ids() if backend in ("auto", "envpool") else frozenset()
+    if env_id in envpool_ids:
+        return True, ""
+    if backend == "envpool":
+        if not envpool_ids:
+            return False, "env.backend=envpool but envpool is not installed (pip install envpool)"
+        close = difflib.get_close_matches(env_id, sorted(envpool_ids), n=3)
+        return False, f"unknown EnvPool task id; close matches: {', '.join(close) or 'none'}"
+    import gymnasium
+
+    if env_id in gymnasium.registry:
+        return True, ""
+    candidates = sorted(set(gymnasium.registry) | envpool_ids)
+    close = difflib.get_close_matches(env_id, candidates, n=3)
+    return False, (
+        f"unknown environment id (not in EnvPool nor gymnasium); close matches: "
+        f"{', '.join(close) or 'none'}; set env.factory for a custom environment"
+    )
+
+
+# ------------------------------------------------------------------- save / reload
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save_config(cfg: DictConfig, path: str | Path) -> Path:
+    """Write the resolved config (the run directory's ``config.yaml``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(path)
+    return path

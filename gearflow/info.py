@@ -1,0 +1,42 @@
+"""``gearflow info``: versions of the dependencies and which accelerators are usable."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+from dataclasses import dataclass
+
+from gearflow.native import Probe, probe_cuda, probe_cupy, probe_nvcc, probe_pyverbs
+
+PACKAGES = ("gearflow", "torch", "numpy", "envpool", "gymnasium", "omegaconf", "uvloop", "rich")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _package(name: str) -> Row:
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:  # a broken install can raise more than ImportError
+        return Row(name, False, f"not importable: {type(exc).__name__}: {exc}")
+    return Row(name, True, str(getattr(module, "__version__", "installed")))
+
+
+def collect() -> list[Row]:
+    rows = [Row("python", True, f"{platform.python_version()} ({platform.machine()})")]
+    rows += [_package(name) for name in PACKAGES]
+    probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), probe_pyverbs()]
+    rows += [Row(p.name, p.ok, p.detail) for p in probes]
+    return rows
+
+
+def render(rows: list[Row]) -> str:
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'component':<{width}}  usable  version / reason", "-" * (width + 40)]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {'yes' if r.ok else 'no':<6}  {r.detail}")
+    return "\n".join(lines)
