@@ -1,0 +1,355 @@
+"""``gearflow bench replay``: the replay core against the plainest code doing the same work.
+
+Workloads (sizes at ``--scale 1``):
+
+* ``W1`` transitions — step = obs uint8[4,84,84], action int64, reward float32,
+  done bool; 100,000 steps; 3-step items; inserts in chunks of 64; prioritized
+  batches of 256 (obs and next obs); priority updates of 256.
+* ``W2`` sequences — step = obs float32[128], action, reward; 1,000,000 steps;
+  windows of 32 (period 16); prioritized batches of 64.
+* ``W3`` concurrency — a writer process inserts W1 steps while this process
+  samples, for a bounded time; both rates against their solo rates, and every
+  sampled row is verified (stamp column + obs byte pattern): zero torn rows.
+* ``W4`` scale — cost of a batch-256 prioritized sample at 10^5, 10^6, 10^7 items.
+
+Floors are measured in the same run on the same machine: a plain slice copy of
+the same bytes into a preallocated array (inserts) and ``torch.index_select``
+of the same number of rows from a preallocated array into a preallocated
+output (samples). ``ratio`` = gearflow / floor (1.0 = no overhead).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gearflow.errors import GearflowError
+from gearflow.replay import (
+    RateLimiter,
+    Sequence,
+    SharedStorage,
+    Table,
+    TableSpec,
+    Transition,
+    Writer,
+    make_selector,
+)
+
+Emit = Callable[[dict], None]
+W1_SPEC = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool"}
+W3_SPEC = {**W1_SPEC, "stamp": "int64"}
+
+
+def _record(workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
+    return {
+        "bench": "replay",
+        "workload": workload,
+        "metric": metric,
+        "value": float(value),
+        "unit": unit,
+        "floor": None if floor is None else float(floor),
+        "ratio": None if not floor else float(value) / float(floor),
+    }
+
+
+def _timed(fn: Callable[[], object], min_seconds: float, min_calls: int = 5) -> float:
+    """Seconds per call of ``fn`` (after one warm-up call)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def _make_table(spec: dict, P: int, S: int, kind, seed: int, R: int | None = None) -> Table:
+    storage = SharedStorage.create(TableSpec.parse(spec), P, S, R)
+    selector = make_selector("prioritized", P * storage.items_per_partition, seed=seed, alpha=0.6, beta=0.4)
+    return Table(storage, kind, selector, RateLimiter(min_size_to_sample=1))
+
+
+def _chunk(spec: TableSpec, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    for c in spec:
+        if c.dtype == np.uint8:
+            out[c.name] = rng.integers(0, 255, (n, *c.shape), dtype=np.uint8)
+        elif c.dtype == np.bool_:
+            out[c.name] = np.zeros((n, *c.shape), dtype=bool)
+        else:
+            out[c.name] = rng.standard_normal((n, *c.shape)).astype(c.dtype)
+    return out
+
+
+def _fill_transitions(writer: Writer, chunk: dict, steps: int, n_step: int, rng) -> float:
+    """Insert ``steps`` steps in chunks with one (n+1)-step item per step; returns seconds."""
+    n = len(next(iter(chunk.values())))
+    start = time.perf_counter()
+    for _ in range(steps // n):
+        first = writer.extend(chunk)
+        ends = first + np.arange(1, n + 1)
+        ends = ends[ends - (n_step + 1) >= writer.episode_starts()[0]]
+        writer.create_items(rng.random(ends.size) + 0.01, n_step + 1, streams=0, ends=ends)
+    return time.perf_counter() - start
+
+
+def _floor_copy(chunk: dict, steps: int) -> float:
+    """Seconds for plain slice copies of the same chunks into preallocated (warm) arrays."""
+    n = len(next(iter(chunk.values())))
+    dst = {k: np.empty((steps, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()}
+    for k in dst:
+        dst[k][:] = 0  # fault the pages in, as the table's ring is after its first lap
+    start = time.perf_counter()
+    for i in range(steps // n):
+        for k, v in chunk.items():
+            dst[k][i * n : (i + 1) * n] = v
+    return time.perf_counter() - start
+
+
+def _floor_gather(sources: dict[str, torch.Tensor], rows_per_column: dict[str, int], capacity: int, min_s: float, seed: int) -> float:
+    """Seconds per batch for index_select of the same rows-per-column into preallocated outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = {k: torch.empty((n, *sources[k.split("#")[0]].shape[1:]), dtype=sources[k.split("#")[0]].dtype)
+            for k, n in rows_per_column.items()}  # fmt: skip
+    pool = [torch.randint(0, capacity, (max(rows_per_column.values()),), generator=gen) for _ in range(64)]
+    i = 0
+
+    def gather() -> None:
+        nonlocal i
+        idx = pool[i % len(pool)]
+        i += 1
+        for k, out in outs.items():
+            torch.index_select(sources[k.split("#")[0]], 0, idx[: out.shape[0]], out=out)
+
+    return _timed(gather, min_s)
+
+
+# ----------------------------------------------------------------------------- W1
+
+
+def w1(emit: Emit, scale: float, seed: int) -> None:
+    steps = max(2048, int(100_000 * scale)) // 64 * 64
+    rng = np.random.default_rng(seed)
+    table = _make_table(W1_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
+    try:
+        spec = table.storage.spec
+        writer = Writer(table.storage, [0])
+        chunk = _chunk(spec, 64, rng)
+        _fill_transitions(writer, chunk, steps, 3, rng)  # first lap: pages fault in
+        table.scan()
+        t_insert = _fill_transitions(writer, chunk, steps, 3, rng)  # steady state: ring overwrites
+        t_floor = _floor_copy(chunk, steps)
+        gb = steps * spec.step_nbytes / 1e9
+        emit(_record("W1", "insert_GB_per_s", gb / t_insert, "GB/s", gb / t_floor))
+        emit(_record("W1", "insert_steps_per_s", steps / t_insert, "steps/s", steps / t_floor))
+
+        table.scan()
+        B = 256
+        min_s = max(0.5, 2.0 * scale)
+        t_sample = _timed(lambda: table.sample(B), min_s)
+        rows = {"obs": B, "obs#next": B, "action": B, "reward": B, "done": B}
+        t_gather = _floor_gather(table.storage.tensors, rows, steps, min_s, seed)
+        batch_gb = B * (spec.step_nbytes + spec["obs"].nbytes) / 1e9
+        emit(_record("W1", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_gather))
+        emit(_record("W1", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_gather))
+
+        sample = table.sample(B)
+        keys = sample.keys.clone()
+        prios = torch.rand(B, dtype=torch.float64)
+        t_update = _timed(lambda: table.update_priorities(keys, prios), min_s)
+        emit(_record("W1", "priority_updates_per_s", B / t_update, "priorities/s"))
+    finally:
+        table.close()
+
+
+# ----------------------------------------------------------------------------- W2
+
+
+def w2(emit: Emit, scale: float, seed: int) -> None:
+    P = 4
+    steps = max(8192, int(1_000_000 * scale)) // P // 1024 * 1024
+    T, period, episode = 32, 16, 1024
+    rng = np.random.default_rng(seed)
+    spec_d = {"obs": "float32[128]", "action": "int64", "reward": "float32"}
+    kind = Sequence(length=T, period=period, burn_in=0)
+    table = _make_table(spec_d, P, steps, kind, seed, R=steps // period + 1)
+    try:
+        spec = table.storage.spec
+        writer = Writer(table.storage, list(range(P)))
+        n = 1024  # steps per insert call (512 KiB)
+        chunk = _chunk(spec, n, rng)
+
+        def fill() -> float:
+            start = time.perf_counter()
+            for p in range(P):
+                for _ in range(steps // n):
+                    first = writer.extend(chunk, stream=p)
+                    ep_start = int(writer.episode_starts()[p])
+                    ends = first + np.arange(1, n + 1)
+                    ep_len = ends - ep_start
+                    due = (ep_len >= T) & ((ep_len - T) % period == 0)
+                    if due.any():
+                        writer.create_items(rng.random(int(due.sum())) + 0.01, T, streams=p, ends=ends[due])
+                    if first + n - ep_start >= episode:
+                        writer.end_episode(p)
+            return time.perf_counter() - start
+
+        fill()
+        table.scan()
+        t_insert = fill()
+        t_floor = _floor_copy(chunk, steps) * P
+        gb = P * steps * spec.step_nbytes / 1e9
+        emit(_record("W2", "insert_GB_per_s", gb / t_insert, "GB/s", gb / t_floor))
+
+        table.scan()
+        B = 64
+        min_s = max(0.5, 2.0 * scale)
+        t_sample = _timed(lambda: table.sample(B), min_s)
+        rows = {name: B * T for name in spec.names}
+        t_gather = _floor_gather(table.storage.tensors, rows, P * steps, min_s, seed)
+        batch_gb = B * T * spec.step_nbytes / 1e9
+        emit(_record("W2", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_gather))
+        emit(_record("W2", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_gather))
+    finally:
+        table.close()
+
+
+# ----------------------------------------------------------------------------- W3
+
+
+def _stamp_obs(chunk: np.ndarray, steps: np.ndarray) -> None:
+    """Fill each obs with one byte derived from its step index."""
+    chunk[:] = (steps % 251 + 1).astype(np.uint8)[:, None, None, None]
+
+
+def _w3_writer(name: str, seconds: float, go, done_q) -> None:
+    """Writer process: inserts stamped W1 steps with 4-step items until ``seconds`` pass."""
+    torch.set_num_threads(1)
+    storage = SharedStorage.attach(name)
+    try:
+        writer = Writer(storage, [0], insert_timeout_s=seconds + 30)
+        rng = np.random.default_rng(1)
+        chunk = _chunk(storage.spec, 64, rng)
+        go.wait()
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            pos = int(writer.positions[0])
+            idx = np.arange(pos, pos + 64)
+            _stamp_obs(chunk["obs"], idx)
+            chunk["stamp"][:] = idx
+            first = writer.extend(chunk)
+            ends = first + np.arange(1, 65)
+            ends = ends[ends - 4 >= writer.episode_starts()[0]]
+            writer.create_items(rng.random(ends.size) + 0.01, 4, streams=0, ends=ends)
+            steps += 64
+        done_q.put(steps / (time.perf_counter() - start))
+    finally:
+        storage.close()
+
+
+def _verify(sample) -> int:
+    """Rows of a W3 batch whose stamp or obs pattern does not match the item's steps."""
+    d = sample.data
+    want_first = (d["stamp"] % 251 + 1).to(torch.uint8)
+    obs = d["obs"].view(d["obs"].shape[0], -1)
+    nxt = d["next_obs"].view(obs.shape[0], -1)
+    want_last = ((d["stamp"] + 3) % 251 + 1).to(torch.uint8)
+    bad = (obs[:, 0] != want_first) | (obs[:, -1] != want_first)
+    bad |= (nxt[:, 0] != want_last) | (nxt[:, -1] != want_last)
+    return int(bad.sum())
+
+
+def w3(emit: Emit, scale: float, seed: int) -> None:
+    steps = max(4096, int(100_000 * scale)) // 64 * 64
+    seconds = max(1.5, 5.0 * scale)
+    table = _make_table(W3_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        rates: dict[str, float] = {}
+        for phase in ("writer_solo", "concurrent"):
+            go, q = ctx.Event(), ctx.Queue()
+            proc = ctx.Process(target=_w3_writer, args=(table.storage.name, seconds, go, q), daemon=True)
+            proc.start()
+            procs.append(proc)
+            if phase == "concurrent":
+                table.wait_until_ready(256, timeout_s=60)
+            go.set()
+            if phase == "concurrent":
+                samples, bad, start = 0, 0, time.perf_counter()
+                while proc.is_alive() and time.perf_counter() - start < seconds:
+                    s = table.sample(256)
+                    bad += _verify(s)
+                    samples += 1
+                rates["sampler_concurrent"] = samples / (time.perf_counter() - start)
+                rates["torn_rows"] = bad
+            rates[phase] = q.get(timeout=seconds + 60)
+            proc.join(timeout=30)
+            table.scan()
+            if phase == "writer_solo":
+                samples, bad, start = 0, 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    s = table.sample(256)
+                    bad += _verify(s)
+                    samples += 1
+                rates["sampler_solo"] = samples / (time.perf_counter() - start)
+                rates["torn_rows_solo"] = bad
+        emit(_record("W3", "writer_steps_per_s", rates["concurrent"], "steps/s", rates["writer_solo"]))
+        emit(_record("W3", "sampler_batches_per_s", rates["sampler_concurrent"], "batches/s", rates["sampler_solo"]))
+        emit(_record("W3", "torn_or_corrupt_rows_returned", rates["torn_rows"] + rates["torn_rows_solo"], "rows"))
+        emit(_record("W3", "torn_items_detected_and_resampled", table.torn, "items"))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(timeout=10)
+        table.close()
+
+
+# ----------------------------------------------------------------------------- W4
+
+
+def w4(emit: Emit, scale: float, seed: int) -> None:
+    sizes = [10**5, 10**6, 10**7]
+    if scale < 1:
+        sizes = [max(10**3, int(s * scale)) for s in sizes]
+    costs = {}
+    for n in sizes:
+        chunk_n = min(n, 65536)
+        steps = -(-n // chunk_n) * chunk_n
+        table = _make_table({"action": "int64", "reward": "float32"}, 1, steps + 1, Transition(next_columns=()), seed)
+        try:
+            writer = Writer(table.storage, [0])
+            rng = np.random.default_rng(seed)
+            chunk = _chunk(table.storage.spec, chunk_n, rng)
+            for _ in range(steps // chunk_n):
+                first = writer.extend(chunk)
+                writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
+            table.scan()
+            t = _timed(lambda: table.sample(256), max(0.5, 1.5 * scale), min_calls=50)
+            costs[n] = t
+            emit(_record("W4", f"sample_us_at_{n}_items", t * 1e6, "us"))
+        finally:
+            table.close()
+    lo, hi = sizes[0], sizes[-1]
+    emit(_record("W4", f"sample_cost_ratio_{hi}_vs_{lo}", costs[hi] / costs[lo], "x"))
+
+
+WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4}
+
+
+def run(args, wanted: list[str], emit: Emit) -> int:
+    if args.device == "cuda":
+        from gearflow.native import require_cupy
+
+        require_cupy("gearflow bench replay --device cuda")
+    unknown = [w for w in wanted if w not in WORKLOADS]
+    if unknown:
+        raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    for name in wanted or list(WORKLOADS):
+        WORKLOADS[name](emit, args.scale, args.seed)
+    return 0
+

@@ -1,0 +1,204 @@
+"""Checkpoints of a replay table: storage, item records, selector, counters, rate limiter.
+
+    save_checkpoint(table, "ckpt/replay")           # consistent even while writers run
+    table2 = restore_checkpoint("ckpt/replay")      # a new shared-memory segment
+    # table2 samples exactly what `table` would have sampled next
+
+Layout of a checkpoint directory (written to ``<dir>.tmp-<pid>`` first, then
+renamed into place, so a reader sees the old checkpoint or the new one, never
+half of one)::
+
+    meta.json        spec, sizes, item kind, selector name, rate limiter, counters
+    columns/<c>.npy  each column's rows [P * S, *shape]
+    table.npz        per-slot records and per-partition ingest/evict positions
+    selector.npz     the selector's state (priorities, order, RNG)
+    MANIFEST.json    size and CRC-32 of every file above; written last
+
+Consistency with running writers: the table scans, then copies the columns,
+then re-reads every partition's RESERVE counter; items whose steps may have
+been overwritten during the copy are left out (as the next scan would evict
+them). A checkpoint whose manifest is missing or does not match its files is
+refused by :func:`restore_checkpoint` with :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gearflow.errors import GearflowError
+from gearflow.replay.items import kind_from_dict
+from gearflow.replay.rate_limiter import RateLimiter
+from gearflow.replay.selectors import make_selector
+from gearflow.replay.spec import TableSpec
+from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, RESERVE, SharedStorage
+from gearflow.replay.table import Table
+
+FORMAT = 1
+
+
+class CheckpointError(GearflowError):
+    """A checkpoint is missing, truncated or corrupt."""
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _scalarize(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v) for k, v in state.items()}
+
+
+def save_checkpoint(table: Table, path: str | Path) -> Path:
+    """Write ``table`` to the directory ``path`` atomically; returns the path."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "columns").mkdir(parents=True)
+    st = table.storage
+    P, S, R = st.num_partitions, st.steps_per_partition, st.items_per_partition
+
+    table.scan()
+    commit = st.counters[:, COMMIT].copy()
+    for name, column in st.columns.items():
+        np.save(tmp / "columns" / f"{name}.npy", column)
+    reserve_after = st.counters[:, RESERVE].copy()
+
+    live = table._slot_live.copy()
+    slots = np.flatnonzero(live)
+    overwritten = table._slot_start[slots] < reserve_after[slots // R] - S
+    dropped = slots[overwritten]
+    live[dropped] = False
+    selector_state = table.selector.state_dict()
+
+    np.savez(
+        tmp / "table.npz",
+        slot_seq=table._slot_seq,
+        slot_start=table._slot_start,
+        slot_length=table._slot_length,
+        slot_live=live,
+        dropped=dropped,
+        ingested=table._ingested,
+        live_lo=table._live_lo,
+    )
+    np.savez(tmp / "selector.npz", **{k: np.asarray(v) for k, v in selector_state.items()})
+    meta = {
+        "format": FORMAT,
+        "spec": st.spec.to_dict(),
+        "num_partitions": P,
+        "steps_per_partition": S,
+        "items_per_partition": R,
+        "kind": table.kind.to_dict(),
+        "selector": table.selector.name,
+        "rate_limiter": asdict(table.rate_limiter),
+        # a restored writer continues after every step written before the copy
+        "commit": np.maximum(commit, table._seen_reserve).tolist(),
+        "published": table._ingested.tolist(),
+        "episodes": st.counters[:, EPISODES].tolist(),
+        "samples": table.samples,
+        "inserts": table.inserts,
+        "evictions": table.evictions + int(dropped.size),
+        "torn": table.torn,
+        "order": table._order,
+        "sample_timeout_s": table.sample_timeout_s,
+        "num_buffers": table.num_buffers,
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+    (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+
+    old = path.with_name(f"{path.name}.old-{os.getpid()}")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the manifest against the files; returns ``meta.json`` or raises CheckpointError."""
+    path = Path(path)
+    manifest_path = path / "MANIFEST.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: not a complete replay checkpoint (no MANIFEST.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: MANIFEST.json is corrupt: {exc}") from None
+    for rel, want in manifest.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {rel} is missing")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"{path}: {rel} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
+        if _crc32(f) != want["crc32"]:
+            raise CheckpointError(f"{path}: {rel} is corrupt (CRC-32 mismatch)")
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} (this gearflow reads {FORMAT})")
+    return meta
+
+
+def restore_checkpoint(path: str | Path, name: str | None = None, pin_memory: bool | None = None) -> Table:
+    """A new table (in a new shared-memory segment) equal to the one saved at ``path``.
+
+    Writers attached to the new segment continue each partition's step and item
+    counters where the checkpoint left them.
+    """
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    spec = TableSpec.parse(meta["spec"])
+    P, S, R = meta["num_partitions"], meta["steps_per_partition"], meta["items_per_partition"]
+    storage = SharedStorage.create(spec, P, S, R, name=name)
+    try:
+        for c in spec:
+            storage.columns[c.name][:] = np.load(path / "columns" / f"{c.name}.npy", mmap_mode="r")
+        commit = np.asarray(meta["commit"], dtype=np.int64)
+        storage.counters[:, RESERVE] = commit
+        storage.counters[:, COMMIT] = commit
+        storage.counters[:, PUBLISHED] = np.asarray(meta["published"], dtype=np.int64)
+        storage.counters[:, EPISODES] = np.asarray(meta["episodes"], dtype=np.int64)
+
+        sel_state = _scalarize(dict(np.load(path / "selector.npz")))
+        selector = make_selector(meta["selector"], P * R)
+        selector.load_state_dict(sel_state)
+        with np.load(path / "table.npz") as t:
+            arrays = {k: t[k] for k in t.files}
+        if arrays["dropped"].size:
+            selector.remove(arrays["dropped"])
+        table = Table(
+            storage,
+            kind_from_dict(meta["kind"]),
+            selector,
+            RateLimiter(**meta["rate_limiter"]),
+            num_buffers=meta["num_buffers"],
+            sample_timeout_s=meta["sample_timeout_s"],
+            pin_memory=pin_memory,
+        )
+        table._slot_seq[:] = arrays["slot_seq"]
+        table._slot_start[:] = arrays["slot_start"]
+        table._slot_length[:] = arrays["slot_length"]
+        table._slot_live[:] = arrays["slot_live"]
+        table._ingested[:] = arrays["ingested"]
+        table._live_lo[:] = arrays["live_lo"]
+        table._seen_reserve[:] = commit
+        table.samples, table.inserts = meta["samples"], meta["inserts"]
+        table.evictions, table.torn, table._order = meta["evictions"], meta["torn"], meta["order"]
+        table._publish_insert_limit()
+    except Exception:
+        storage.close()
+        storage.unlink()
+        raise
+    return table

@@ -1,0 +1,212 @@
+"""Item kinds: what an item's record (partition, start, length) turns into in a batch.
+
+An item references consecutive steps of one partition; it never copies them.
+The kind decides which rows a sample gathers and the batch layout:
+
+* :class:`Transition` — n-step transition: every column at the first step,
+  and ``next_<c>`` for the ``next_columns`` at the last step (the bootstrap
+  step ``t + n``, or the final step of an episode that ended sooner). The
+  frame at ``t + n`` is stored once, as its own step. Batch: ``[B, *shape]``.
+* :class:`Sequence` — fixed-length window (R2D2: length 80, period 40, burn-in
+  40). Batch: ``[B, T, *shape]`` plus ``mask`` ``[B, T]`` (False on padding, which
+  is zero-filled), ``length`` ``[B]``.
+* :class:`Episode` — a whole episode up to ``max_length`` steps, padded like a
+  sequence.
+
+The writer side schedules sequence windows with :meth:`Sequence.due_on_append`
+and :meth:`Sequence.due_at_end`: windows start every ``period`` steps of an
+episode, never cross its boundary, and the short tail windows of an episode
+are created at its end (padded by the gather, masked in the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gearflow.replay.spec import TableSpec
+
+TORCH_DTYPES = {
+    np.dtype(k): v
+    for k, v in {
+        "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+        "uint16": torch.uint16, "int32": torch.int32, "uint32": torch.uint32,
+        "int64": torch.int64, "uint64": torch.uint64, "float16": torch.float16,
+        "float32": torch.float32, "float64": torch.float64,
+    }.items()
+}  # fmt: skip
+
+# torch only has "shell" support for uint16/32/64 (no index_select on 1-D, masked_fill,
+# index_copy): gather those columns through a signed view of the same width, bit for bit.
+_SIGNED_VIEW = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def gatherable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a same-width signed view of it where torch cannot index the dtype itself."""
+    signed = _SIGNED_VIEW.get(t.dtype)
+    return t if signed is None else t.view(signed)
+
+
+class ItemKind:
+    """Base: the batch layout and the gather of a kind."""
+
+    name = "item"
+
+    def layout(self, spec: TableSpec, batch_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        raise NotImplementedError
+
+    def rows(self, parts: np.ndarray, starts: np.ndarray, lengths: np.ndarray, S: int) -> dict[str, np.ndarray]:
+        """Storage rows to gather, keyed by which buffer group they fill."""
+        raise NotImplementedError
+
+    def gather(self, tensors: dict[str, torch.Tensor], out: dict[str, torch.Tensor], rows: dict[str, np.ndarray], lengths: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Transition(ItemKind):
+    """n-step transitions; ``next_columns`` are also gathered at the item's last step."""
+
+    next_columns: tuple[str, ...] = ("obs",)
+    name = "transition"
+
+    def layout(self, spec, batch_size):
+        shapes = {c.name: ((batch_size, *c.shape), TORCH_DTYPES[c.dtype]) for c in spec}
+        for name in self.next_columns:
+            if name not in spec:
+                raise ValueError(f"next column {name!r} is not in the table spec {spec.names}")
+            shapes["next_" + name] = shapes[name]
+        return shapes
+
+    def rows(self, parts, starts, lengths, S):
+        base = parts * S
+        return {"first": base + starts % S, "last": base + (starts + lengths - 1) % S}
+
+    def gather(self, tensors, out, rows, lengths):
+        first = torch.from_numpy(rows["first"])
+        last = torch.from_numpy(rows["last"])
+        for name, src in tensors.items():
+            torch.index_select(gatherable(src), 0, first, out=gatherable(out[name]))  # (B, *shape)
+        for name in self.next_columns:
+            dst = gatherable(out["next_" + name])
+            torch.index_select(gatherable(tensors[name]), 0, last, out=dst)
+
+    def to_dict(self):
+        return {"kind": self.name, "next_columns": list(self.next_columns)}
+
+
+@dataclass(frozen=True)
+class Sequence(ItemKind):
+    """Fixed-length windows of ``length`` steps, one starting every ``period`` steps."""
+
+    length: int = 80
+    period: int = 40
+    burn_in: int = 0
+    name = "sequence"
+
+    def __post_init__(self):
+        if self.length < 1 or self.period < 1:
+            raise ValueError(f"sequence length and period must be ≥ 1, got {self.length}, {self.period}")
+        if not 0 <= self.burn_in < self.length:
+            raise ValueError(f"burn_in must be in [0, length), got {self.burn_in}")
+
+    @property
+    def max_length(self) -> int:
+        return self.length
+
+    def layout(self, spec, batch_size):
+        T = self.max_length
+        shapes = {c.name: ((batch_size, T, *c.shape), TORCH_DTYPES[c.dtype]) for c in spec}
+        shapes["mask"] = ((batch_size, T), torch.bool)
+        shapes["length"] = ((batch_size,), torch.int64)
+        return shapes
+
+    def rows(self, parts, starts, lengths, S):
+        T = self.max_length
+        offs = np.minimum(np.arange(T), (lengths - 1)[:, None])  # (B, T): padding repeats the last step
+        return {"window": (parts * S)[:, None] + (starts[:, None] + offs) % S}
+
+    def gather(self, tensors, out, rows, lengths):
+        idx = torch.from_numpy(rows["window"].reshape(-1))  # (B*T,)
+        B, T = rows["window"].shape
+        lens = torch.from_numpy(lengths.astype(np.int64))
+        torch.lt(torch.arange(T), lens[:, None], out=out["mask"])  # (B, T)
+        out["length"].copy_(lens)
+        padded = bool((lengths < T).any())
+        for name, src in tensors.items():
+            src, dst = gatherable(src), gatherable(out[name])
+            torch.index_select(src, 0, idx, out=dst.view(B * T, *src.shape[1:]))
+            if padded:
+                dst.masked_fill_(~out["mask"].view(B, T, *([1] * (src.dim() - 1))), 0)
+
+    # writer-side schedule ------------------------------------------------
+    def due_on_append(self, episode_length: int) -> list[int]:
+        """Windows (as ``num_steps`` over the last steps) complete after this append."""
+        L = episode_length
+        return [self.length] if L >= self.length and (L - self.length) % self.period == 0 else []
+
+    def due_at_end(self, episode_length: int) -> list[int]:
+        """Tail windows created when the episode ends: each starts at a multiple of
+        ``period``, runs to the episode's end and is shorter than ``length``. A tail
+        window made only of burn-in is skipped, except the first window of an episode
+        shorter than ``length`` (it has no earlier context to lose)."""
+        L = episode_length
+        out = []
+        for start in range(0, L, self.period):
+            n = L - start
+            if n >= self.length:
+                continue  # a full window, created on append
+            if n > self.burn_in or start == 0:
+                out.append(n)
+        return out
+
+    def to_dict(self):
+        return {"kind": self.name, "length": self.length, "period": self.period, "burn_in": self.burn_in}
+
+
+@dataclass(frozen=True)
+class Episode(Sequence):
+    """Whole episodes (items of up to ``max_episode_length`` steps), padded like sequences."""
+
+    max_episode_length: int = 1000
+    length: int = 0
+    period: int = 1
+    name = "episode"
+
+    def __post_init__(self):
+        if self.max_episode_length < 1:
+            raise ValueError(f"max_episode_length must be ≥ 1, got {self.max_episode_length}")
+
+    @property
+    def max_length(self) -> int:
+        return self.max_episode_length
+
+    def due_on_append(self, episode_length):
+        """An episode longer than ``max_episode_length`` is cut into chunks of that length."""
+        T = self.max_episode_length
+        return [T] if episode_length > 0 and episode_length % T == 0 else []
+
+    def due_at_end(self, episode_length):
+        rest = episode_length % self.max_episode_length
+        return [rest] if rest else []
+
+    def to_dict(self):
+        return {"kind": self.name, "max_episode_length": self.max_episode_length}
+
+
+def kind_from_dict(d: dict[str, Any]) -> ItemKind:
+    d = dict(d)
+    kind = d.pop("kind")
+    if kind == "transition":
+        return Transition(next_columns=tuple(d.get("next_columns", ("obs",))))
+    if kind == "sequence":
+        return Sequence(**d)
+    if kind == "episode":
+        return Episode(**d)
+    raise ValueError(f"unknown item kind {kind!r}; expected transition, sequence or episode")

@@ -1,0 +1,82 @@
+"""Rate limiting with Reverb's semantics (``MinSize``, ``SampleToInsertRatio``).
+
+Let ``diff = inserts * samples_per_insert - samples``. With an error buffer
+``e`` and ``min_size_to_sample = m``::
+
+    min_diff = m * spi - e        max_diff = m * spi + e
+    an insert of k items may go  iff  diff + k * spi <= max_diff
+    a sample of b items may go   iff  size >= m  and  diff - b >= min_diff
+
+``samples_per_insert = 0`` keeps only the minimum size (Reverb's ``MinSize``).
+The limiter itself is pure arithmetic; the table applies it to samples and
+publishes ``insert_limit(samples)`` in shared memory, where writer processes
+read it before they publish items (no lock, no round trip).
+
+    limiter = RateLimiter(min_size_to_sample=1000, samples_per_insert=8, error_buffer=800)
+    limiter.can_sample(size=1000, inserts=1000, samples=0, n=256)   # True
+    limiter.insert_limit(samples=0)                                  # 1100 items may be inserted
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gearflow.errors import GearflowError
+
+NO_LIMIT = 2**63 - 1
+
+
+class RateLimiterTimeout(GearflowError, TimeoutError):
+    """An insert or a sample stayed blocked by the rate limiter for longer than its timeout."""
+
+
+@dataclass(frozen=True)
+class RateLimiter:
+    min_size_to_sample: int = 1
+    samples_per_insert: float = 0.0
+    error_buffer: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_size_to_sample < 1:
+            raise ValueError(f"min_size_to_sample must be ≥ 1, got {self.min_size_to_sample}")
+        if self.samples_per_insert < 0 or not math.isfinite(self.samples_per_insert):
+            raise ValueError(f"samples_per_insert must be ≥ 0, got {self.samples_per_insert}")
+        if self.samples_per_insert > 0 and self.error_buffer < max(1.0, self.samples_per_insert):
+            raise ValueError(
+                f"error_buffer ({self.error_buffer}) must be ≥ max(1, samples_per_insert="
+                f"{self.samples_per_insert}), or inserts and samples can block each other forever"
+            )
+
+    @property
+    def min_diff(self) -> float:
+        return self.min_size_to_sample * self.samples_per_insert - self.error_buffer
+
+    @property
+    def max_diff(self) -> float:
+        return self.min_size_to_sample * self.samples_per_insert + self.error_buffer
+
+    def can_sample(self, size: int, inserts: int, samples: int, n: int) -> bool:
+        if size < self.min_size_to_sample:
+            return False
+        if self.samples_per_insert == 0:
+            return True
+        return inserts * self.samples_per_insert - samples - n >= self.min_diff
+
+    def can_insert(self, inserts: int, samples: int, n: int) -> bool:
+        return inserts + n <= self.insert_limit(samples)
+
+    def insert_limit(self, samples: int) -> int:
+        """Total items that may have been inserted once ``samples`` items were sampled."""
+        if self.samples_per_insert == 0:
+            return NO_LIMIT
+        return int(math.floor((self.max_diff + samples) / self.samples_per_insert))
+
+    def why_blocked(self, size: int, inserts: int, samples: int, n: int) -> str:
+        if size < self.min_size_to_sample:
+            return f"the table holds {size} items, min_size_to_sample={self.min_size_to_sample}"
+        return (
+            f"samples_per_insert={self.samples_per_insert}: {samples} items sampled after "
+            f"{inserts} inserted; sampling {n} more would exceed the error buffer "
+            f"{self.error_buffer} (are the actors running?)"
+        )

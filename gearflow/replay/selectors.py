@@ -1,0 +1,639 @@
+"""Item selectors: which slots of a replay table the next sample returns.
+
+Roles
+-----
+A replay *table* owns ``capacity`` item slots, numbered ``0 .. capacity-1``, and
+stores the items themselves. A *selector* owns only the per-slot state needed to
+choose among them (liveness, priority, insertion order) and answers a single
+question: which slots go into the next batch? The table reports every change
+(``insert``, ``remove``, ``update``) and asks for batches with ``sample``.
+
+Every method takes a whole batch as numpy arrays and does its work in a fixed
+number of vectorised numpy calls: there is no Python loop over items. Arguments
+are validated before any state changes, so a rejected call leaves the selector
+exactly as it was.
+
+Kinds (see :func:`make_selector`):
+
+* ``uniform``: every live slot equally likely, with replacement.
+* ``prioritized``: proportional prioritized replay over a wide-fanout sum tree.
+* ``fifo`` / ``lifo``: the oldest / newest live items.
+* ``max_heap`` / ``min_heap``: the highest / lowest priority live items.
+* ``top_k``: uniform with replacement among the ``k`` highest priority items.
+
+Example
+-------
+>>> import numpy as np
+>>> sel = make_selector("prioritized", capacity=8, seed=0, alpha=1.0, beta=1.0)
+>>> sel.insert(np.array([0, 1, 2]), np.array([1.0, 3.0, 0.0]), order=np.arange(3))
+>>> len(sel)
+3
+>>> batch = sel.sample(4)
+>>> sorted(set(batch.slots.tolist()))  # slot 2 has zero priority: never picked
+[0, 1]
+>>> {int(s): float(p) for s, p in zip(batch.slots, batch.probabilities)}
+{0: 0.25, 1: 0.75}
+>>> sel.update(np.array([2]), np.array([4.0]))  # now slot 2 holds half the mass
+>>> sel.beta = 0.5  # learners anneal beta between calls
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "SELECTORS",
+    "FifoSelector",
+    "LifoSelector",
+    "MaxHeapSelector",
+    "MinHeapSelector",
+    "PrioritizedSelector",
+    "Selection",
+    "Selector",
+    "SumTree",
+    "TopKSelector",
+    "UniformSelector",
+    "make_selector",
+]
+
+StateDict = dict[str, Any]
+
+
+@dataclass
+class Selection:
+    """One sampled batch.
+
+    ``probabilities[i]`` is the probability that draw ``i`` picks ``slots[i]``;
+    ``weights`` are importance-sampling weights (all 1.0 unless prioritized).
+    """
+
+    slots: np.ndarray  # (B,) int64
+    probabilities: np.ndarray  # (B,) float64
+    weights: np.ndarray  # (B,) float32
+
+
+def _unique_sorted(values: np.ndarray) -> np.ndarray:
+    """Drop repeats from an already sorted 1-D array in O(n) (no sort)."""
+    if len(values) < 2:
+        return values
+    return values[np.concatenate(([True], values[1:] != values[:-1]))]
+
+
+def _last_wins(slots: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sorted unique ``slots`` with, for each repeated slot, its last value in ``columns``."""
+    # np.unique sorts stably when asked for indices, so the first hit in the
+    # reversed array is the last occurrence in the original one.
+    unique, first_reversed = np.unique(slots[::-1], return_index=True)
+    last = len(slots) - 1 - first_reversed
+    return (unique, *(column[last] for column in columns))
+
+
+def _encode_rng(rng: np.random.Generator) -> np.ndarray:
+    """Bit-generator state as a uint8 array of JSON (big integers survive as text)."""
+    text = json.dumps(rng.bit_generator.state)
+    return np.frombuffer(text.encode(), dtype=np.uint8).copy()
+
+
+def _decode_rng(encoded: np.ndarray) -> dict[str, Any]:
+    return json.loads(np.asarray(encoded, dtype=np.uint8).tobytes().decode())
+
+
+def _check_positive_int(name: str, value: int) -> int:
+    value = operator.index(value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _check_non_negative(name: str, value: float) -> float:
+    value = float(value)
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+class Selector:
+    """Base class: liveness bookkeeping, validation, sampling entry point and state.
+
+    The live slots are kept densely packed in ``_live_slots[:len(self)]`` with
+    ``_position`` mapping each slot to its index there (-1 when dead), so that
+    insert/remove cost O(batch) and a uniform draw over live slots is one gather.
+    Subclasses implement ``_sample`` and may override the storage hooks
+    ``_set_priorities``, ``_set_order`` and ``_forget``.
+    """
+
+    name: str = ""
+
+    def __init__(self, capacity: int, *, seed: int | None = None) -> None:
+        self.capacity = _check_positive_int("capacity", capacity)
+        self._rng = np.random.default_rng(seed)
+        self._position = np.full(self.capacity, -1, dtype=np.int64)  # (capacity,)
+        self._live_slots = np.zeros(self.capacity, dtype=np.int64)  # (capacity,)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(capacity={self.capacity}, live={self._count})"
+
+    # -- public API ---------------------------------------------------------
+
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, order: np.ndarray) -> None:
+        """Make ``slots`` live with raw ``priorities`` and insertion sequence numbers ``order``.
+
+        A slot that is already live is replaced; a slot repeated in the call
+        takes its last values.
+        """
+        slots = self._check_slots(slots)
+        priorities = self._check_priorities(priorities, len(slots))
+        order = np.asarray(order)
+        if order.shape != slots.shape or (order.size and order.dtype.kind not in "iu"):
+            raise ValueError(
+                f"order must be integers of the same shape as slots {slots.shape}, "
+                f"got shape {order.shape} and dtype {order.dtype}"
+            )
+        slots, priorities, order = _last_wins(slots, priorities, order.astype(np.int64))
+        self._make_live(slots)
+        self._set_priorities(slots, priorities)
+        self._set_order(slots, order)
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Make ``slots`` dead (evicted). Removing a dead slot is a no-op."""
+        slots = np.unique(self._check_slots(slots))
+        slots = slots[self._position[slots] >= 0]
+        self._make_dead(slots)
+        self._forget(slots)
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """Set new raw priorities for live slots; for a repeated slot the last one wins."""
+        slots = self._check_slots(slots)
+        priorities = self._check_priorities(priorities, len(slots))
+        dead = self._position[slots] < 0
+        if dead.any():
+            raise ValueError(f"cannot update slot {slots[dead][0]}: it is not live")
+        slots, priorities = _last_wins(slots, priorities)
+        self._set_priorities(slots, priorities)
+
+    def sample(self, batch_size: int) -> Selection:
+        """Pick ``batch_size`` live slots."""
+        batch_size = operator.index(batch_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self._count == 0:
+            raise ValueError(f"cannot sample from {type(self).__name__}: it is empty")
+        return self._sample(batch_size)
+
+    def state_dict(self) -> StateDict:
+        """Copy of everything that determines future samples, RNG state included.
+
+        Per-slot arrays are listed in the order of ``state["slots"]`` (the live
+        slots only), so their size follows ``len(self)``, not ``capacity``.
+        Values are numpy arrays, ints and floats (the RNG state is JSON bytes).
+        """
+        return {
+            "capacity": self.capacity,
+            "slots": self._live_slots[: self._count].copy(),
+            "rng_state": _encode_rng(self._rng),
+        }
+
+    def load_state_dict(self, state: StateDict) -> None:
+        """Restore a ``state_dict`` taken from a selector of the same kind and capacity."""
+        if int(state["capacity"]) != self.capacity:
+            raise ValueError(
+                f"state is for capacity {state['capacity']}, this selector has {self.capacity}"
+            )
+        slots = self._check_slots(state["slots"])
+        if len(np.unique(slots)) != len(slots):
+            raise ValueError("state['slots'] repeats a slot")
+        rng_state = _decode_rng(state["rng_state"])
+        self._rng.bit_generator.state = rng_state
+        self._position[self._live_slots[: self._count]] = -1
+        self._count = 0
+        self._make_live(slots)
+
+    # -- storage hooks ------------------------------------------------------
+
+    def _sample(self, batch_size: int) -> Selection:
+        raise NotImplementedError
+
+    def _set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """Store raw priorities for sorted, unique, live ``slots``."""
+
+    def _set_order(self, slots: np.ndarray, order: np.ndarray) -> None:
+        """Store insertion sequence numbers for sorted, unique, live ``slots``."""
+
+    def _forget(self, slots: np.ndarray) -> None:
+        """Drop state of sorted, unique ``slots`` that have just died."""
+
+    # -- helpers ------------------------------------------------------------
+
+    def _check_slots(self, slots: np.ndarray) -> np.ndarray:
+        slots = np.asarray(slots)
+        if slots.ndim != 1:
+            raise ValueError(f"slots must be a 1-D array, got shape {slots.shape}")
+        if slots.size == 0:
+            return slots.astype(np.int64)
+        if not np.issubdtype(slots.dtype, np.integer):
+            raise ValueError(f"slots must be integers, got dtype {slots.dtype}")
+        low, high = slots.min(), slots.max()
+        if low < 0 or high >= self.capacity:
+            bad = low if low < 0 else high
+            raise ValueError(f"slot {bad} out of range [0, {self.capacity})")
+        return slots.astype(np.int64, copy=False)
+
+    @staticmethod
+    def _check_priorities(priorities: np.ndarray, count: int) -> np.ndarray:
+        priorities = np.asarray(priorities, dtype=np.float64)
+        if priorities.shape != (count,):
+            raise ValueError(
+                f"priorities has shape {priorities.shape} but slots has shape ({count},)"
+            )
+        valid = np.isfinite(priorities) & (priorities >= 0)
+        if not valid.all():
+            index = int(np.argmin(valid))
+            raise ValueError(
+                f"invalid priority {float(priorities[index])} at index {index}: "
+                "a priority must be finite and >= 0"
+            )
+        return priorities
+
+    def _make_live(self, slots: np.ndarray) -> None:
+        """Append the dead ones among unique ``slots`` to the packed live list."""
+        new = slots[self._position[slots] < 0]
+        end = self._count + len(new)
+        self._live_slots[self._count : end] = new
+        self._position[new] = np.arange(self._count, end)
+        self._count = end
+
+    def _make_dead(self, slots: np.ndarray) -> None:
+        """Remove unique live ``slots`` from the packed list, refilling holes from its tail."""
+        end = self._count - len(slots)
+        holes = self._position[slots]
+        self._position[slots] = -1
+        holes = holes[holes < end]  # vacated positions that stay inside the live prefix
+        tail = self._live_slots[end : self._count]
+        movers = tail[self._position[tail] >= 0]  # survivors past the new end; len(holes) of them
+        self._live_slots[holes] = movers
+        self._position[movers] = holes
+        self._count = end
+
+
+class UniformSelector(Selector):
+    """Every live slot equally likely, drawn with replacement: P(i) = 1 / N."""
+
+    name = "uniform"
+
+    def _sample(self, batch_size: int) -> Selection:
+        picks = self._rng.integers(self._count, size=batch_size)  # (B,)
+        return Selection(
+            slots=self._live_slots[picks],
+            probabilities=np.full(batch_size, 1.0 / self._count),
+            weights=np.ones(batch_size, dtype=np.float32),
+        )
+
+
+class SumTree:
+    """Sum tree with a wide fanout ``F``, stored level by level in flat float64 arrays.
+
+    ``levels[0]`` is the root (one node) and ``levels[-1]`` the leaves. Node ``j``
+    of level ``d`` has children ``j*F .. j*F+F-1`` on level ``d+1``, so every
+    non-root level has a length that is a multiple of ``F`` and can be viewed as
+    ``(n_parents, F)``. Padding leaves stay 0. Depth is ``ceil(log_F(size))``:
+    6 levels below the root for 10^7 leaves at the default ``F = 16``, which
+    measured fastest for batches of a few hundred (32 and 8 are close).
+
+    Parents are always *recomputed* as the sum of their children (never updated
+    by adding deltas), so float error does not accumulate over updates.
+    """
+
+    def __init__(self, size: int, fanout: int = 16) -> None:
+        size = _check_positive_int("size", size)
+        fanout = operator.index(fanout)
+        if fanout < 2:
+            raise ValueError(f"fanout must be >= 2, got {fanout}")
+        self.size = size
+        self.fanout = fanout
+        child_level_sizes = []
+        nodes = size
+        while nodes > 1 or not child_level_sizes:
+            parents = -(-nodes // fanout)
+            child_level_sizes.append(parents * fanout)
+            nodes = parents
+        self.levels = [np.zeros(1)] + [np.zeros(n) for n in reversed(child_level_sizes)]
+        self._ones = np.ones(fanout)  # (F,)
+        self._strictly_upper = np.triu(np.ones((fanout, fanout)), k=1)  # (F, F)
+
+    @property
+    def leaves(self) -> np.ndarray:
+        """The leaf level (a view; padded past ``size`` with zeros)."""
+        return self.levels[-1]
+
+    @property
+    def total(self) -> float:
+        """Sum of all leaves (the root)."""
+        return float(self.levels[0][0])
+
+    def set(self, indices: np.ndarray, values: np.ndarray) -> None:
+        """Set leaves at sorted, unique ``indices`` and recompute their ancestors."""
+        fanout = self.fanout
+        self.levels[-1][indices] = values
+        for depth in range(len(self.levels) - 2, -1, -1):
+            indices = _unique_sorted(indices // fanout)  # sorted stays sorted
+            children = self.levels[depth + 1].reshape(-1, fanout)[indices]  # (n, F)
+            self.levels[depth][indices] = children @ self._ones  # row sums; 4x np.sum's speed
+
+    def find(self, targets: np.ndarray) -> np.ndarray:
+        """Leaf index holding each cumulative-mass target in ``[0, total]``, shape (B,).
+
+        Descends one level per step with a (B, F) gather, a prefix sum and a
+        compare. At each node it takes the *last child with nonzero mass whose
+        exclusive prefix sum is <= the remaining target*: exactly the child
+        whose mass interval contains the target, and, for a target at or past
+        the mass actually under the node (``targets == total``, rounding), the
+        node's last nonzero child. So zero-mass leaves are never returned while
+        ``total > 0``, and the remaining target never goes negative.
+        """
+        fanout = self.fanout
+        rows = np.arange(len(targets))
+        node = np.zeros(len(targets), dtype=np.int64)  # (B,)
+        rest = np.array(targets, dtype=np.float64)  # (B,) mass still to skip below `node`
+        for level in self.levels[1:]:
+            children = level.reshape(-1, fanout)[node]  # (B, F)
+            # Exclusive prefix sums as one small matmul: about twice as fast as
+            # np.cumsum on short rows; correctness does not depend on its rounding.
+            before = children @ self._strictly_upper  # (B, F)
+            eligible = (before <= rest[:, None]) & (children > 0)  # (B, F)
+            choice = (fanout - 1) - eligible[:, ::-1].argmax(axis=1)  # (B,) last eligible
+            rest -= before[rows, choice]
+            node = node * fanout + choice
+        return node
+
+
+class PrioritizedSelector(Selector):
+    """Proportional prioritized replay (Schaul et al. 2016; Ape-X).
+
+    Each slot stores mass ``m_i = p_i ** alpha`` (0 for ``p_i == 0``, even when
+    ``alpha == 0``) in a :class:`SumTree`, and
+
+        P(i) = m_i / sum_j m_j
+        w_i  = (N * P(i)) ** -beta / max_batch (N * P(k)) ** -beta
+
+    where ``N`` is the number of live slots (zero-priority ones included). The
+    batch is stratified: the total mass is cut into ``B`` equal segments and one
+    uniform target is drawn in each; ``probabilities`` reports P(i), the chance
+    of a draw at a uniformly random point of the mass, as the weights assume.
+    Sampling costs ``O(B * F * log_F(capacity))``, an update
+    ``O(B log B + B * F * log_F(capacity))``.
+
+    ``beta`` may be reassigned at any time (learners anneal it); ``alpha``
+    applies to priorities stored from then on.
+    """
+
+    name = "prioritized"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        seed: int | None = None,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        fanout: int = 16,
+    ) -> None:
+        super().__init__(capacity, seed=seed)
+        self.alpha = _check_non_negative("alpha", alpha)
+        self.beta = beta
+        self.tree = SumTree(self.capacity, fanout)
+
+    @property
+    def beta(self) -> float:
+        """Importance-sampling exponent; assignable (validated) between samples."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = _check_non_negative("beta", value)
+
+    def _set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        masses = np.where(priorities > 0, priorities**self.alpha, 0.0)
+        self.tree.set(slots, masses)
+
+    def _forget(self, slots: np.ndarray) -> None:
+        self.tree.set(slots, 0.0)
+
+    def _sample(self, batch_size: int) -> Selection:
+        total = self.tree.total
+        if total <= 0:
+            raise ValueError(f"cannot sample: all {self._count} live items have zero priority")
+        strata = np.arange(batch_size) + self._rng.random(batch_size)  # (B,)
+        slots = self.tree.find(strata * (total / batch_size))
+        probabilities = self.tree.leaves[slots] / total  # (B,)
+        weights = (self._count * probabilities) ** -self.beta
+        weights /= weights.max()
+        return Selection(slots, probabilities, weights.astype(np.float32))
+
+    def state_dict(self) -> StateDict:
+        state = super().state_dict()
+        state.update(
+            alpha=self.alpha,
+            beta=self.beta,
+            fanout=self.tree.fanout,
+            tree=np.concatenate(self.tree.levels),  # bit-exact copy, all levels root first
+        )
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        alpha = _check_non_negative("alpha", state["alpha"])
+        beta = _check_non_negative("beta", state["beta"])
+        tree = SumTree(self.capacity, state["fanout"])
+        flat = np.array(state["tree"], dtype=np.float64)  # a copy: the levels will view it
+        sizes = [len(level) for level in tree.levels]
+        if flat.shape != (sum(sizes),):
+            raise ValueError(f"state['tree'] has shape {flat.shape}, expected ({sum(sizes)},)")
+        super().load_state_dict(state)
+        tree.levels = np.split(flat, np.cumsum(sizes[:-1]))
+        self.tree = tree
+        self.alpha, self.beta = alpha, beta
+
+
+class _RankedSelector(Selector):
+    """Selectors that rank live slots by a key (smaller first), ties by older ``order``.
+
+    ``sample(B)`` returns the ``B`` best live slots, best first, each with
+    probability 1.0; with fewer than ``B`` live slots the ranking repeats
+    cyclically. Ranking is O(N) in the number N of live slots (argpartition,
+    then a sort of only the ``B`` chosen), so it suits small tables or rare calls.
+    """
+
+    def __init__(self, capacity: int, *, seed: int | None = None) -> None:
+        super().__init__(capacity, seed=seed)
+        self._order = np.zeros(self.capacity, dtype=np.int64)  # (capacity,)
+
+    def _keys(self, live: np.ndarray) -> np.ndarray:
+        """Ranking key of each slot in ``live``; smaller ranks first."""
+        raise NotImplementedError
+
+    def _set_order(self, slots: np.ndarray, order: np.ndarray) -> None:
+        self._order[slots] = order
+
+    def _best(self, count: int) -> np.ndarray:
+        """The ``count`` (<= N) best live slots, best first."""
+        live = self._live_slots[: self._count]  # (N,)
+        keys = self._keys(live)  # (N,)
+        order = self._order[live]  # (N,)
+        if count < len(live):
+            cutoff = np.partition(keys, count - 1)[count - 1]
+            ahead = np.flatnonzero(keys < cutoff)  # fewer than `count`
+            tied = np.flatnonzero(keys == cutoff)
+            needed = count - len(ahead)  # >= 1, since the cutoff itself is tied
+            if needed < len(tied):
+                tied = tied[np.argpartition(order[tied], needed - 1)[:needed]]
+            chosen = np.concatenate((ahead, tied))  # (count,)
+        else:
+            chosen = np.arange(len(live))
+        ranked = chosen[np.lexsort((order[chosen], keys[chosen]))]
+        return live[ranked]
+
+    def _sample(self, batch_size: int) -> Selection:
+        ranked = self._best(min(batch_size, self._count))
+        return Selection(
+            slots=np.resize(ranked, batch_size),
+            probabilities=np.ones(batch_size),
+            weights=np.ones(batch_size, dtype=np.float32),
+        )
+
+    def state_dict(self) -> StateDict:
+        state = super().state_dict()
+        state["order"] = self._order[state["slots"]]
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        order = np.asarray(state["order"], dtype=np.int64)
+        if order.shape != np.shape(state["slots"]):
+            raise ValueError("state['order'] does not match state['slots']")
+        super().load_state_dict(state)
+        self._order[self._live_slots[: self._count]] = order
+
+
+class FifoSelector(_RankedSelector):
+    """The ``B`` oldest live items (smallest ``order``), oldest first."""
+
+    name = "fifo"
+
+    def _keys(self, live: np.ndarray) -> np.ndarray:
+        return self._order[live]
+
+
+class LifoSelector(_RankedSelector):
+    """The ``B`` newest live items (largest ``order``), newest first."""
+
+    name = "lifo"
+
+    def _keys(self, live: np.ndarray) -> np.ndarray:
+        return -self._order[live]
+
+
+class _PriorityRankedSelector(_RankedSelector):
+    """A ranked selector that keeps the raw priority of every slot."""
+
+    def __init__(self, capacity: int, *, seed: int | None = None) -> None:
+        super().__init__(capacity, seed=seed)
+        self._priority = np.zeros(self.capacity)  # (capacity,) raw priorities
+
+    def _set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self._priority[slots] = priorities
+
+    def _keys(self, live: np.ndarray) -> np.ndarray:
+        return -self._priority[live]  # highest priority first
+
+    def state_dict(self) -> StateDict:
+        state = super().state_dict()
+        state["priorities"] = self._priority[state["slots"]]
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        priorities = self._check_priorities(state["priorities"], len(state["slots"]))
+        super().load_state_dict(state)
+        self._priority[self._live_slots[: self._count]] = priorities
+
+
+class MaxHeapSelector(_PriorityRankedSelector):
+    """The ``B`` highest priority live items, highest first (ties: older first). O(N)."""
+
+    name = "max_heap"
+
+
+class MinHeapSelector(_PriorityRankedSelector):
+    """The ``B`` lowest priority live items, lowest first (ties: older first). O(N)."""
+
+    name = "min_heap"
+
+    def _keys(self, live: np.ndarray) -> np.ndarray:
+        return self._priority[live]
+
+
+class TopKSelector(_PriorityRankedSelector):
+    """Uniform with replacement among the ``k`` highest priority live items.
+
+    P(i) = 1 / min(k, N) for each of the top ``min(k, N)`` items (ties at the
+    cutoff: older first), 0 otherwise. ``k`` defaults to 1000, a small elite
+    set next to typical capacities of 10^5..10^7. O(N) per sample.
+    """
+
+    name = "top_k"
+
+    def __init__(self, capacity: int, *, seed: int | None = None, k: int = 1000) -> None:
+        super().__init__(capacity, seed=seed)
+        self.k = _check_positive_int("k", k)
+
+    def _sample(self, batch_size: int) -> Selection:
+        top = self._best(min(self.k, self._count))  # (K,)
+        picks = self._rng.integers(len(top), size=batch_size)  # (B,)
+        return Selection(
+            slots=top[picks],
+            probabilities=np.full(batch_size, 1.0 / len(top)),
+            weights=np.ones(batch_size, dtype=np.float32),
+        )
+
+    def state_dict(self) -> StateDict:
+        state = super().state_dict()
+        state["k"] = self.k
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        k = _check_positive_int("k", state["k"])
+        super().load_state_dict(state)
+        self.k = k
+
+
+SELECTORS: dict[str, type[Selector]] = {
+    cls.name: cls
+    for cls in (
+        UniformSelector,
+        PrioritizedSelector,
+        FifoSelector,
+        LifoSelector,
+        MaxHeapSelector,
+        MinHeapSelector,
+        TopKSelector,
+    )
+}
+
+
+def make_selector(name: str, capacity: int, *, seed: int | None = None, **kwargs: Any) -> Selector:
+    """Build the selector called ``name``; ``kwargs`` go to its constructor.
+
+    Raises ValueError for an unknown name, listing the valid ones.
+    """
+    try:
+        cls = SELECTORS[name]
+    except KeyError:
+        valid = ", ".join(sorted(SELECTORS))
+        raise ValueError(f"unknown selector {name!r}; valid names: {valid}") from None
+    return cls(capacity, seed=seed, **kwargs)

@@ -1,0 +1,213 @@
+"""Table spec: the named, typed columns of one step.
+
+    spec = TableSpec.parse({"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32",
+                            "done": "bool"})
+    spec["obs"].nbytes       # 28224 bytes per step
+    spec.check_batch({"obs": obs, ...}, n=64)   # ValueError naming the column on a mismatch
+
+Storage is columnar (one array per column, one row per step), so the spec is
+also the storage layout: column ``c`` is an array ``[rows, *c.shape]`` of
+``c.dtype``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+# dims: "[]" (a scalar) or comma-separated integers, e.g. "[4,84,84]" (a trailing comma is fine);
+# "[4,,84]" or "[4 84]" are errors, not silently different shapes
+_TYPE_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*((?:[0-9]+\s*,\s*)*(?:[0-9]+\s*,?)?)\s*\])?\s*$")
+SUPPORTED_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+        "float16", "float32", "float64",
+    )
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: ``name``, per-step ``shape`` and ``dtype``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per step."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _typed(value: Any, column: "Column") -> np.ndarray:
+    """Arrays and tensors as they are (their dtype is checked later); Python values and
+    lists converted to the column's dtype when that loses nothing of their kind
+    (1 → 1.0 is fine, 1.7 → int is not, 300 → uint8 is not)."""
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        return _as_array(value)
+    try:
+        natural = np.asarray(value)
+    except ValueError as exc:  # ragged lists
+        raise ValueError(f"column {column.name!r}: cannot make an array of {value!r}: {exc}") from None
+    both_int = natural.dtype.kind in "iu" and column.dtype.kind in "iu"  # range checked below
+    flag = column.dtype == np.bool_ and natural.dtype.kind in "iu" and bool(np.isin(natural, (0, 1)).all())
+    lossless = both_int or flag or np.can_cast(natural.dtype, column.dtype, "same_kind")
+    if natural.dtype == object or not lossless:
+        raise ValueError(
+            f"column {column.name!r}: expected dtype {column.dtype.name}, got {natural.dtype.name} value(s)"
+        )
+    try:
+        return np.asarray(value, dtype=column.dtype)
+    except OverflowError:
+        raise ValueError(f"column {column.name!r}: value out of range for {column.dtype.name}") from None
+
+
+class TableSpec:
+    """An ordered set of columns, validated on creation."""
+
+    def __init__(self, columns: Iterable[Column]):
+        cols = tuple(columns)
+        if not cols:
+            raise ValueError("a table spec needs at least one column")
+        seen: set[str] = set()
+        for c in cols:
+            if not c.name.isidentifier():
+                raise ValueError(f"column name {c.name!r} is not an identifier")
+            if c.name in seen:
+                raise ValueError(f"column {c.name!r} appears twice")
+            if c.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"column {c.name!r}: unsupported dtype {c.dtype}")
+            if any((not isinstance(d, int)) or d < 1 for d in c.shape):
+                raise ValueError(f"column {c.name!r}: shape {c.shape} must be positive ints")
+            seen.add(c.name)
+        self.columns = cols
+        self._by_name = {c.name: c for c in cols}
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def parse(cls, columns: Mapping[str, Any]) -> "TableSpec":
+        """From ``{"obs": "uint8[4,84,84]", "action": "int64"}`` or ``{name: (shape, dtype)}``."""
+        out = []
+        for name, desc in columns.items():
+            if isinstance(desc, str):
+                m = _TYPE_RE.match(desc)
+                if not m:
+                    raise ValueError(f"column {name!r}: cannot parse type {desc!r} (e.g. 'uint8[4,84,84]')")
+                dtype_name, dims = m.groups()
+                shape = tuple(int(d) for d in dims.split(",") if d.strip()) if dims else ()
+            else:
+                shape, dtype_name = desc
+                shape = tuple(int(d) for d in shape)
+            try:
+                dtype = np.dtype(dtype_name)
+            except TypeError as exc:
+                raise ValueError(f"column {name!r}: unknown dtype {dtype_name!r}") from exc
+            out.append(Column(str(name), shape, dtype))
+        return cls(out)
+
+    def to_dict(self) -> dict[str, str]:
+        return {c.name: c.describe() for c in self.columns}
+
+    # ------------------------------------------------------------------ access
+    def __getitem__(self, name: str) -> Column:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self):
+        return iter(self.columns)
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TableSpec) and self.columns == other.columns
+
+    def __repr__(self) -> str:
+        return f"TableSpec({self.to_dict()})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def step_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.columns)
+
+    # ------------------------------------------------------------------ validation
+    def check_batch(self, steps: Mapping[str, Any], n: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+        """Validate ``n`` steps given as ``{column: array [n, *shape]}``.
+
+        Arrays must have the column's exact dtype; Python numbers and lists are
+        converted. Returns the arrays and ``n``. Raises ``ValueError`` naming the
+        column with the expected and actual shape or dtype; nothing is written
+        by callers until every column has passed.
+        """
+        if n is not None and len(steps) == len(self.columns):
+            # fast path (the hot insert path): exact numpy arrays, nothing to convert
+            try:
+                if all(
+                    type(a := steps[c.name]) is np.ndarray and a.dtype == c.dtype and a.shape == (n, *c.shape)
+                    for c in self.columns
+                ):
+                    return dict(steps), n
+            except KeyError:
+                pass
+        missing = [c for c in self.names if c not in steps]
+        extra = [k for k in steps if k not in self._by_name]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing column(s) {missing}")
+            if extra:
+                parts.append(f"unknown column(s) {extra}")
+            raise ValueError(f"step does not match the table spec: {'; '.join(parts)}; spec is {self.to_dict()}")
+        out: dict[str, np.ndarray] = {}
+        for c in self.columns:
+            value = steps[c.name]
+            arr = _typed(value, c)
+            if arr.dtype != c.dtype:
+                raise ValueError(
+                    f"column {c.name!r}: expected dtype {c.dtype.name}, got {arr.dtype.name}"
+                )
+            if n is None:
+                n = arr.shape[0] if arr.ndim > len(c.shape) else -1
+            if n < 0 or arr.shape != (n, *c.shape):
+                expected = f"[{n if n is not None and n >= 0 else 'n'}, {', '.join(map(str, c.shape))}]"
+                raise ValueError(
+                    f"column {c.name!r}: expected shape {expected.replace(', ]', ']')}, "
+                    f"got {list(arr.shape)}"
+                )
+            out[c.name] = arr
+        assert n is not None
+        return out, n
+
+    def check_step(self, step: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Validate one unbatched step; returns arrays shaped ``[1, *shape]``."""
+        batched = {}
+        for k, v in step.items():
+            c = self._by_name.get(k)
+            arr = _typed(v, c) if c is not None else _as_array(v)
+            if c is not None and arr.shape != c.shape:
+                raise ValueError(
+                    f"column {k!r}: expected shape {list(c.shape)}, got {list(arr.shape)}"
+                )
+            batched[k] = arr[None]
+        return self.check_batch(batched, n=1)[0]

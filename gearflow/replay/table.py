@@ -1,0 +1,327 @@
+"""The replay table: the learner side, embedded in the learner's process.
+
+The table scans the partitions' published counters, ingests new item records
+into its selector, evicts items whose steps the ring overwrote (FIFO eviction
+falls out of the ring), samples, and takes priority updates by item key.
+
+    storage = SharedStorage.create(spec, num_partitions=8, steps_per_partition=10_000)
+    table = Table(storage, Transition(next_columns=("obs",)),
+                  make_selector("prioritized", storage.num_partitions * storage.items_per_partition),
+                  RateLimiter(min_size_to_sample=1000))
+    # ... actor processes write with Writer(SharedStorage.attach(storage.name), partitions)
+    batch = table.sample(256)          # batch.data["obs"]: (256, *obs_shape), batch.weights: (256,)
+    table.update_priorities(batch.keys, new_priorities)
+    table.close()                      # unlinks the segment
+
+Keys: item ``seq`` of partition ``p`` has key ``seq * P + p`` and lives in slot
+``p * R + seq % R``; a key whose slot has moved on (evicted, overwritten) is
+ignored by :meth:`update_priorities`.
+
+Torn reads: after a gather the table re-reads each partition's RESERVE
+counter; an item whose first step is older than ``RESERVE - S`` may have been
+overwritten during the copy, so it is evicted and replaced by a fresh draw
+(a seqlock). A torn batch is never returned.
+
+Batches are written into ``num_buffers`` preallocated buffer sets used in
+turn (pinned where CUDA exists): a batch stays valid until ``num_buffers - 1``
+further samples have been drawn. Nothing is allocated per sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gearflow.replay.items import ItemKind, gatherable
+from gearflow.replay.rate_limiter import RateLimiter, RateLimiterTimeout
+from gearflow.replay.selectors import Selector
+from gearflow.replay.storage import (
+    COMMIT,
+    H_INSERT_LIMIT,
+    H_SAMPLES,
+    PUBLISHED,
+    RESERVE,
+    SHM_DIR,
+    SharedStorage,
+)
+from gearflow.replay.writer import _check_priorities
+
+log = logging.getLogger(__name__)
+
+MAX_RESAMPLE_ROUNDS = 100
+EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
+
+
+@dataclass
+class Sample:
+    """One batch. ``data`` views a reusable buffer (see the module docstring)."""
+
+    data: dict[str, torch.Tensor]  # (B, ...) or (B, T, ...) + mask (B, T)
+    keys: torch.Tensor  # int64 (B,)
+    weights: torch.Tensor  # float32 (B,) importance weights, max 1
+    probabilities: torch.Tensor  # float64 (B,)
+
+
+class Table:
+    """Samples items out of a :class:`SharedStorage` written by :class:`Writer` s."""
+
+    def __init__(
+        self,
+        storage: SharedStorage,
+        kind: ItemKind,
+        selector: Selector,
+        rate_limiter: RateLimiter | None = None,
+        *,
+        num_buffers: int = 3,
+        sample_timeout_s: float = 60.0,
+        pin_memory: bool | None = None,
+    ):
+        P, R = storage.num_partitions, storage.items_per_partition
+        self.storage, self.kind, self.selector = storage, kind, selector
+        self.rate_limiter = rate_limiter or RateLimiter()
+        self.sample_timeout_s = sample_timeout_s
+        self.num_buffers = num_buffers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._P, self._R, self._S = P, R, storage.steps_per_partition
+        kind.layout(storage.spec, 1)  # validates the kind against the spec
+        self._max_item_steps = getattr(kind, "max_length", storage.steps_per_partition)
+        # per slot (P*R): the record as ingested, so later ring overwrites cannot change it
+        self._slot_seq = np.full(P * R, -1, dtype=np.int64)
+        self._slot_start = np.zeros(P * R, dtype=np.int64)
+        self._slot_length = np.zeros(P * R, dtype=np.int32)
+        self._slot_live = np.zeros(P * R, dtype=bool)
+        # per partition
+        self._ingested = np.zeros(P, dtype=np.int64)  # next seq to ingest
+        self._live_lo = np.zeros(P, dtype=np.int64)  # oldest seq that may be live
+        self._seen_reserve = np.full(P, -1, dtype=np.int64)
+        self._order = 0  # insertion sequence over all partitions (FIFO/LIFO order)
+        self.samples = 0  # items sampled
+        self.inserts = 0  # items ingested
+        self.evictions = 0
+        self.torn = 0  # items replaced because their steps were overwritten mid-gather
+        self._buffers: list[dict[str, torch.Tensor]] = []
+        self._buffer_batch = -1
+        self._next_buffer = 0
+        storage.header[H_SAMPLES] = 0
+        self._publish_insert_limit()
+
+    # ------------------------------------------------------------------ ingest
+    def scan(self) -> int:
+        """Ingest newly published items and evict overwritten ones; returns items ingested."""
+        c = self.storage.counters
+        published = c[:, PUBLISHED].copy()
+        reserve = c[:, RESERVE].copy()
+        changed = np.flatnonzero((published != self._ingested) | (reserve != self._seen_reserve))
+        new = 0
+        for p in changed.tolist():
+            if published[p] > self._ingested[p]:
+                new += self._ingest(p, int(published[p]))
+            self._evict_overwritten(p, int(reserve[p]))
+        self._seen_reserve = reserve
+        return new
+
+    def _ingest(self, p: int, published: int) -> int:
+        R, st = self._R, self.storage
+        lo = max(int(self._ingested[p]), published - R)  # a lapped reader keeps the newest R
+        seqs = np.arange(lo, published, dtype=np.int64)
+        ring = seqs % R
+        starts = st.item_start[p, ring].copy()
+        # an item longer than the kind's window is cut to it (its first steps are kept)
+        lengths = np.minimum(st.item_length[p, ring], self._max_item_steps)
+        prios = st.item_priority[p, ring].copy()
+        # records older than PUBLISHED - R may have been rewritten while we copied them
+        ok = seqs >= int(st.counters[p, PUBLISHED]) - R
+        if not ok.all():
+            seqs, ring, starts, lengths, prios = (a[ok] for a in (seqs, ring, starts, lengths, prios))
+        slots = p * R + ring
+        replaced = slots[self._slot_live[slots]]
+        self.evictions += replaced.size
+        order = np.arange(self._order, self._order + seqs.size, dtype=np.int64)
+        self._order += seqs.size
+        self.selector.insert(slots, prios, order)
+        self._slot_seq[slots], self._slot_start[slots], self._slot_length[slots] = seqs, starts, lengths
+        self._slot_live[slots] = True
+        self._ingested[p] = published
+        self._live_lo[p] = max(int(self._live_lo[p]), published - R)
+        self.inserts += seqs.size
+        return int(seqs.size)
+
+    def _evict_overwritten(self, p: int, reserve: int) -> None:
+        """Evict the oldest items of ``p`` whose first step is older than ``reserve - S``."""
+        limit, R = reserve - self._S, self._R
+        lo, hi = int(self._live_lo[p]), int(self._ingested[p])
+        while lo < hi:
+            seqs = np.arange(lo, min(hi, lo + EVICT_PROBE), dtype=np.int64)
+            slots = p * R + seqs % R
+            gone = self._slot_start[slots] < limit  # starts ascend with seq in a partition
+            k = int(np.searchsorted(~gone, True)) if not gone.all() else seqs.size
+            self._remove(slots[:k][self._slot_live[slots[:k]]])
+            lo += k
+            if k < seqs.size:
+                break
+        self._live_lo[p] = lo
+
+    def _remove(self, slots: np.ndarray) -> None:
+        if slots.size:
+            self.selector.remove(slots)
+            self._slot_live[slots] = False
+            self.evictions += slots.size
+
+    # ------------------------------------------------------------------ sample
+    @property
+    def size(self) -> int:
+        """Live items."""
+        return len(self.selector)
+
+    def _publish_insert_limit(self) -> None:
+        self.storage.header[H_INSERT_LIMIT] = self.rate_limiter.insert_limit(self.samples)
+        self.storage.header[H_SAMPLES] = self.samples
+
+    def _buffers_for(self, batch_size: int) -> dict[str, torch.Tensor]:
+        if batch_size != self._buffer_batch:
+            layout = self.kind.layout(self.storage.spec, batch_size)
+            self._buffers = [
+                {
+                    name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+                    for name, (shape, dtype) in layout.items()
+                }
+                for _ in range(self.num_buffers)
+            ]
+            self._buffer_batch = batch_size
+        buf = self._buffers[self._next_buffer]
+        self._next_buffer = (self._next_buffer + 1) % self.num_buffers
+        return buf
+
+    def wait_until_ready(self, batch_size: int, timeout_s: float | None = None) -> None:
+        """Block (scanning) until the rate limiter allows sampling ``batch_size`` items."""
+        lim = self.rate_limiter
+        total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
+        if lim.can_sample(self.size, total(), self.samples, batch_size):
+            return
+        timeout_s = self.sample_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-4
+        while True:
+            self.scan()
+            if lim.can_sample(self.size, total(), self.samples, batch_size):
+                return
+            if time.monotonic() > deadline:
+                raise RateLimiterTimeout(
+                    f"sample of {batch_size} blocked for {timeout_s:.1f} s: "
+                    + lim.why_blocked(self.size, total(), self.samples, batch_size)
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
+        """Draw a batch with the selector; blocks while the rate limiter says so."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        self.scan()
+        self.wait_until_ready(batch_size, timeout_s)
+        sel = self.selector.sample(batch_size)
+        slots, probs, weights = sel.slots, sel.probabilities, sel.weights
+        out = self._buffers_for(batch_size)
+        self._gather(slots, out)
+        bad = self._torn(slots)
+        rounds = 0
+        while bad.size:
+            # steps overwritten while we copied: evict those items, draw replacements
+            rounds += 1
+            if rounds > MAX_RESAMPLE_ROUNDS:
+                raise RuntimeError("replay: writers overwrite items faster than they can be gathered")
+            self.torn += bad.size
+            self._remove(np.unique(slots[bad]))
+            self.wait_until_ready(bad.size, timeout_s)
+            fresh = self.selector.sample(bad.size)
+            slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
+            slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
+            weights = (weights / weights.max()).astype(np.float32)
+            self._gather(slots, out, only=bad)
+            bad = bad[self._torn(slots[bad])]
+        self.samples += batch_size
+        self._publish_insert_limit()
+        keys = self._slot_seq[slots] * self._P + slots // self._R
+        return Sample(
+            data=out,
+            keys=torch.from_numpy(keys),
+            weights=torch.from_numpy(np.asarray(weights, dtype=np.float32)),
+            probabilities=torch.from_numpy(np.asarray(probs, dtype=np.float64)),
+        )
+
+    def _gather(self, slots: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
+        parts = slots // self._R
+        starts, lengths = self._slot_start[slots], self._slot_length[slots]
+        if only is None:
+            self.kind.gather(self.storage.tensors, out, self.kind.rows(parts, starts, lengths, self._S), lengths)
+            return
+        # replacements: gather the few redrawn items, then place them (rare path)
+        sub = {k: torch.empty((only.size, *v.shape[1:]), dtype=v.dtype) for k, v in out.items()}
+        p, s, n = parts[only], starts[only], lengths[only]
+        self.kind.gather(self.storage.tensors, sub, self.kind.rows(p, s, n, self._S), n)
+        idx = torch.from_numpy(only)
+        for k, v in out.items():
+            gatherable(v).index_copy_(0, idx, gatherable(sub[k]))
+
+    def _torn(self, slots: np.ndarray) -> np.ndarray:
+        """Positions whose first step may have been overwritten (seqlock check)."""
+        parts = slots // self._R
+        reserve = self.storage.counters[parts, RESERVE]  # read after the copy
+        return np.flatnonzero(self._slot_start[slots] < reserve - self._S)
+
+    # ------------------------------------------------------------------ priorities
+    def update_priorities(self, keys, priorities) -> int:
+        """New priorities by key; keys of evicted items are ignored. Returns how many applied."""
+        keys = np.asarray(keys.cpu() if isinstance(keys, torch.Tensor) else keys, dtype=np.int64).reshape(-1)
+        prios = priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities
+        prios = np.asarray(prios, dtype=np.float64).reshape(-1)
+        if keys.shape != prios.shape:
+            raise ValueError(f"{keys.size} keys but {prios.size} priorities")
+        _check_priorities(prios)
+        p = keys % self._P
+        seq = keys // self._P
+        slots = p * self._R + seq % self._R
+        ok = (keys >= 0) & self._slot_live[slots] & (self._slot_seq[slots] == seq)
+        if not ok.all():
+            slots, prios = slots[ok], prios[ok]
+        self.selector.update(slots, prios)
+        return int(slots.size)
+
+    # ------------------------------------------------------------------ stats / close
+    def stats(self) -> dict[str, float]:
+        c = self.storage.counters
+        fill = self.partition_fill()
+        return {
+            "replay/size": self.size,
+            "replay/inserts": self.inserts,
+            "replay/samples": self.samples,
+            "replay/evictions": self.evictions,
+            "replay/torn_resampled": self.torn,
+            "replay/steps": int(c[:, COMMIT].sum()),
+            "replay/fill": float(fill.mean()),
+            "replay/fill_min": float(fill.min()),
+            "replay/bytes": self.storage.nbytes,
+        }
+
+    def partition_fill(self) -> np.ndarray:
+        """Fraction of each partition's ring written so far."""
+        return np.minimum(self.storage.counters[:, COMMIT], self._S) / self._S
+
+    def close(self) -> None:
+        """Free the buffers; the owner unlinks the shared-memory segment."""
+        self._buffers = []
+        owner = self.storage.owner
+        name = self.storage.name
+        self.storage.close()
+        if owner:
+            (SHM_DIR / name).unlink(missing_ok=True)
+
+    def __enter__(self) -> "Table":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

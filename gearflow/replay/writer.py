@@ -1,0 +1,286 @@
+"""Writers: the actor side of the table, in Reverb's words.
+
+A :class:`Writer` owns a set of partitions (one per environment stream) and
+writes to them with one vectorised call per batch of streams, which is what an
+EnvPool actor needs (``recv`` returns a batch of envs, each its own stream).
+:class:`TrajectoryWriter` is the one-stream form with Reverb's method names.
+
+    writer = TrajectoryWriter(storage, partition=0)
+    for t in range(4):
+        writer.append({"obs": obs[t], "action": a[t], "reward": r[t], "done": d[t]})
+    writer.create_item(priority=1.5, num_steps=4)   # an item over the last 4 steps
+    writer.end_episode()
+
+Write protocol per partition (a seqlock; one writer, no lock): bump RESERVE to
+the end of the steps about to be written, copy the rows, bump COMMIT. An item
+record is written, then PUBLISHED is bumped. Readers only trust rows of steps
+``>= RESERVE - S`` read *after* their copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.storage import (
+    COMMIT,
+    EPISODES,
+    H_INSERT_LIMIT,
+    H_SAMPLES,
+    HEARTBEAT_NS,
+    PUBLISHED,
+    RESERVE,
+    WRITER_PID,
+    SharedStorage,
+)
+
+
+def _check_priorities(priorities: np.ndarray) -> None:
+    bad = ~np.isfinite(priorities) | (priorities < 0)
+    if bad.any():
+        raise ValueError(
+            f"priority must be finite and ≥ 0, got {priorities[bad][0]!r} "
+            f"({int(bad.sum())} bad of {priorities.size})"
+        )
+
+
+class Writer:
+    """Writes steps and items into ``partitions`` (stream ``i`` → ``partitions[i]``).
+
+    Steps of stream ``i`` are numbered by an absolute, per-partition counter that
+    continues across episodes (and across a restarted writer).
+    """
+
+    def __init__(self, storage: SharedStorage, partitions, *, insert_timeout_s: float = 60.0):
+        parts = np.asarray(partitions, dtype=np.int64).reshape(-1)
+        if parts.size == 0:
+            raise ValueError("a writer needs at least one partition")
+        if np.unique(parts).size != parts.size:
+            raise ValueError(f"partitions must be distinct, got {parts.tolist()}")
+        if parts.min() < 0 or parts.max() >= storage.num_partitions:
+            raise ValueError(
+                f"partitions {parts.tolist()} out of range [0, {storage.num_partitions})"
+            )
+        self.storage = storage
+        self.partitions = parts
+        self.insert_timeout_s = insert_timeout_s
+        self._S = storage.steps_per_partition
+        self._R = storage.items_per_partition
+        c = storage.counters
+        # A writer that died mid-write left RESERVE ahead of COMMIT: those rows may be
+        # torn, so a new writer continues after them (RESERVE never moves back).
+        self._pos = np.maximum(c[parts, RESERVE], c[parts, COMMIT])  # next step per stream
+        c[parts, COMMIT] = self._pos
+        c[parts, RESERVE] = self._pos
+        c[parts, WRITER_PID] = os.getpid()
+        self._episode_start = self._pos.copy()
+        self._last_item_start = self._pos.copy()
+        self._all = np.arange(parts.size)
+
+    @property
+    def num_streams(self) -> int:
+        return self.partitions.size
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Absolute index of the next step of each stream."""
+        return self._pos.copy()
+
+    def episode_starts(self, streams=None) -> np.ndarray:
+        """Absolute index of the first step of each stream's current episode."""
+        return self._episode_start[self._streams(streams)].copy()
+
+    def episode_lengths(self, streams=None) -> np.ndarray:
+        s = self._streams(streams)
+        return self._pos[s] - self._episode_start[s]
+
+    def _streams(self, streams) -> np.ndarray:
+        if streams is None:
+            return self._all
+        s = np.asarray(streams, dtype=np.int64).reshape(-1)
+        if s.size and (s.min() < 0 or s.max() >= self.num_streams):
+            raise ValueError(f"streams {s.tolist()} out of range [0, {self.num_streams})")
+        return s
+
+    # ------------------------------------------------------------------ steps
+    def append(self, steps: Mapping[str, Any], streams=None) -> np.ndarray:
+        """One step for each of ``streams`` (default: all), columns shaped ``[k, *shape]``.
+
+        Returns the absolute step index given to each stream's step.
+        """
+        s = self._streams(streams)
+        if np.unique(s).size != s.size:
+            raise ValueError("append writes one step per stream: streams must be distinct")
+        arrays, _ = self.storage.spec.check_batch(steps, n=s.size)
+        parts, pos = self.partitions[s], self._pos[s]
+        rows = parts * self._S + pos % self._S
+        c = self.storage.counters
+        c[parts, RESERVE] = pos + 1
+        for name, arr in arrays.items():
+            self.storage.columns[name][rows] = arr
+        c[parts, COMMIT] = pos + 1
+        self._pos[s] = pos + 1
+        return pos
+
+    def extend(self, steps: Mapping[str, Any], stream: int = 0) -> int:
+        """``n`` consecutive steps of one stream, columns shaped ``[n, *shape]`` (slice copies).
+
+        Returns the absolute index of the first of them.
+        """
+        first_col = steps.get(self.storage.spec.columns[0].name)
+        arrays, n = self.storage.spec.check_batch(steps, n=len(first_col) if hasattr(first_col, "__len__") else None)
+        if n > self._S:
+            raise ValueError(f"extend of {n} steps exceeds the partition's {self._S} steps")
+        s = int(self._streams(stream)[0])
+        p, pos = int(self.partitions[s]), int(self._pos[s])
+        c = self.storage.counters
+        r0 = pos % self._S
+        first = min(n, self._S - r0)  # rows before the ring wraps
+        base = p * self._S
+        c[p, RESERVE] = pos + n
+        for name, arr in arrays.items():
+            col = self.storage.columns[name]
+            col[base + r0 : base + r0 + first] = arr[:first]
+            if first < n:
+                col[base : base + n - first] = arr[first:]
+        c[p, COMMIT] = pos + n
+        self._pos[s] = pos + n
+        return pos
+
+    # ------------------------------------------------------------------ items
+    def create_items(self, priorities, num_steps, streams=None, ends=None) -> None:
+        """Publish items: item ``j`` covers steps ``[ends[j] - num_steps[j], ends[j])`` of
+        ``streams[j]`` (``ends`` defaults to each stream's next step, i.e. the last
+        ``num_steps`` steps). ``streams`` may be one int for many items of one stream.
+        Items never cross an episode boundary, and a stream's items are published in
+        order of their first step.
+
+        Blocks while the table's rate limiter forbids the insert, up to
+        ``insert_timeout_s``, then raises :class:`RateLimiterTimeout`.
+        """
+        prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        m = prio.size
+        if m == 0:
+            return
+        if streams is None and m != self.num_streams:
+            raise ValueError(f"{m} priorities for {self.num_streams} streams (pass streams=)")
+        one = streams is not None and np.ndim(streams) == 0
+        s = self._streams(streams) if not one else self._streams(int(streams)).repeat(m)
+        if s.size != m:
+            raise ValueError(f"{m} priorities for {s.size} streams")
+        lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
+        end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
+        start = end - lengths
+        _check_priorities(prio)
+        if (lengths < 1).any() or (lengths > self._S).any():
+            bad = lengths[(lengths < 1) | (lengths > self._S)][0]
+            raise ValueError(f"num_steps must be in [1, {self._S}], got {bad}")
+        if (end > self._pos[s]).any():
+            raise ValueError("an item ends after the last appended step")
+        crosses = start < self._episode_start[s]
+        if crosses.any():
+            j = int(np.argmax(crosses))
+            raise ValueError(
+                f"item of {lengths[j]} steps crosses an episode boundary: stream {s[j]} has "
+                f"{int(end[j] - self._episode_start[s[j]])} steps in its current episode"
+            )
+        c, st = self.storage.counters, self.storage
+        if one:  # the extend path: many items of one stream, already in order
+            if m > self._R:
+                raise ValueError(f"more than {self._R} items for one stream in one call")
+            if start[0] < self._last_item_start[s[0]] or (m > 1 and (np.diff(start) < 0).any()):
+                raise ValueError("items of a stream must be created in order of their first step")
+            p = int(self.partitions[s[0]])
+            self._wait_for_insert(m)
+            seq0 = int(c[p, PUBLISHED])
+            slot = np.arange(seq0, seq0 + m) % self._R
+            st.item_start[p, slot] = start
+            st.item_length[p, slot] = lengths
+            st.item_priority[p, slot] = prio
+            c[p, PUBLISHED] = seq0 + m  # publish after the records are written
+            self._last_item_start[s[0]] = start[-1]
+            return
+        order = np.lexsort((start, s))  # group by stream, starts ascending within a stream
+        s, start, lengths, prio = s[order], start[order], lengths[order], prio[order]
+        first_of_stream = np.r_[True, s[1:] != s[:-1]]
+        if (start[first_of_stream] < self._last_item_start[s[first_of_stream]]).any():
+            raise ValueError("items of a stream must be created in order of their first step")
+        parts = self.partitions[s]
+        # rank of each item among this call's items of the same stream
+        group_start = np.flatnonzero(first_of_stream)
+        rank = np.arange(m) - np.repeat(group_start, np.diff(np.r_[group_start, m]))
+        if rank.max() >= self._R:
+            raise ValueError(f"more than {self._R} items for one stream in one call")
+        self._wait_for_insert(m)
+        seq = c[parts, PUBLISHED] + rank
+        slot = seq % self._R
+        st.item_start[parts, slot] = start
+        st.item_length[parts, slot] = lengths
+        st.item_priority[parts, slot] = prio
+        last = np.r_[group_start[1:] - 1, m - 1]
+        c[parts[last], PUBLISHED] = seq[last] + 1  # publish after the records are written
+        self._last_item_start[s[last]] = start[last]
+
+    def _wait_for_insert(self, m: int) -> None:
+        header, counters = self.storage.header, self.storage.counters
+        if counters[:, PUBLISHED].sum() + m <= header[H_INSERT_LIMIT]:
+            return
+        deadline = time.monotonic() + self.insert_timeout_s
+        delay = 1e-4
+        while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
+            if time.monotonic() > deadline:
+                raise RateLimiterTimeout(
+                    f"insert of {m} item(s) blocked for {self.insert_timeout_s:.1f} s by the rate "
+                    f"limiter: {int(counters[:, PUBLISHED].sum())} inserted, "
+                    f"{int(header[H_SAMPLES])} sampled, limit {int(header[H_INSERT_LIMIT])} "
+                    f"(is the learner sampling?)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def end_episode(self, streams=None) -> None:
+        """Close the current episode of ``streams``: later items cannot reach back into it."""
+        s = self._streams(streams)
+        self._episode_start[s] = self._pos[s]
+        self.storage.counters[self.partitions[s], EPISODES] += 1
+
+    def flush(self) -> None:
+        """Make the writer's state visible: steps and items are published as they are
+        written, so this only stamps the partitions' heartbeat (used by supervisors)."""
+        self.storage.counters[self.partitions, HEARTBEAT_NS] = time.monotonic_ns()
+
+
+class TrajectoryWriter:
+    """One stream, Reverb's names: ``append`` / ``extend`` / ``create_item`` / ``end_episode`` / ``flush``."""
+
+    def __init__(self, storage: SharedStorage, partition: int, *, insert_timeout_s: float = 60.0):
+        self._w = Writer(storage, [partition], insert_timeout_s=insert_timeout_s)
+        self.partition = partition
+
+    @property
+    def episode_length(self) -> int:
+        return int(self._w.episode_lengths()[0])
+
+    @property
+    def position(self) -> int:
+        return int(self._w.positions[0])
+
+    def append(self, step: Mapping[str, Any]) -> int:
+        """One unbatched step; returns its absolute index."""
+        return int(self._w.append(self._w.storage.spec.check_step(step))[0])
+
+    def extend(self, steps: Mapping[str, Any]) -> int:
+        return self._w.extend(steps)
+
+    def create_item(self, priority: float, num_steps: int) -> None:
+        self._w.create_items([priority], num_steps)
+
+    def end_episode(self) -> None:
+        self._w.end_episode()
+
+    def flush(self) -> None:
+        self._w.flush()
