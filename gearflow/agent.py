@@ -1,0 +1,122 @@
+"""The agent protocol: what actors and the learner need from an agent, and nothing more.
+
+An agent is a module with a ``Config`` dataclass (the ``agent`` config group)
+and an ``Agent`` class. YAML names the module by import path, so a user's own
+agent is one file anywhere on ``sys.path``::
+
+    agent_cls = load_agent_class("agents.apex_dqn")
+    agent = agent_cls(cfg.agent, env.env_spec, cfg, torch.device("cpu"))
+    spec = TableSpec.parse(agent.replay_columns())   # {"obs": "float32[4]", "action": "int64", ...}
+    kind = agent.item_kind()                          # Transition(next_columns=("obs",))
+
+    # actor side
+    policy = agent.make_network()
+    out = agent.act(policy, obs, epsilon)             # out.actions (k,), out.values (k, A)
+
+    # learner side
+    agent.setup_learner()
+    metrics, priorities = agent.learn(table.sample(256))   # {"learner/loss": ...}, (256,)
+    store.publish(agent.learner_network())
+
+Acting and learning are separate: actors only call ``make_network`` and
+``act`` (with weights loaded from the parameter store), so the same agent
+serves a serial run, actor processes and a distributed launch unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from gearflow.envs import EnvSpec
+from gearflow.errors import ConfigError
+from gearflow.replay.items import ItemKind
+from gearflow.replay.table import Sample
+
+__all__ = ["ActOutput", "Agent", "EnvSpec", "load_agent_class", "make_agent", "resolve_device"]
+
+
+@dataclass
+class ActOutput:
+    """What ``act`` returns for ``k`` observations."""
+
+    actions: np.ndarray  # int64 (k,): the actions to send, exploration included
+    values: Optional[np.ndarray] = None  # float32 (k, A): Q-values the actor's priorities use
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """The smallest interface that serves every agent (DQN, R2D2, Decision Transformer)."""
+
+    def __init__(self, cfg: Any, spec: EnvSpec, full_cfg: Any, device: torch.device) -> None:
+        """``cfg``: the agent's config group; ``full_cfg``: the whole run config (n-step, γ...)."""
+
+    # ---- replay
+    def replay_columns(self) -> dict[str, str]:
+        """Table spec of one step, e.g. ``{"obs": "float32[4]", "action": "int64", ...}``."""
+
+    def item_kind(self) -> ItemKind:
+        """What is sampled, e.g. ``Transition(next_columns=("obs",))``."""
+
+    # ---- actor side
+    def make_network(self) -> torch.nn.Module:
+        """A fresh network on the agent's device (actor policy; weights from the store)."""
+
+    def act(
+        self,
+        network: torch.nn.Module,
+        obs: np.ndarray,
+        epsilon: np.ndarray,
+        rng: Optional[np.random.Generator] = None,
+    ) -> ActOutput:
+        """Actions for a batch ``obs`` (k, *obs_shape), exploring with per-row ``epsilon`` (k,).
+
+        Called under ``torch.no_grad()``. ``rng`` is the actor's generator (one per actor
+        process, so exploration is not correlated across actors).
+        """
+
+    # ---- learner side
+    def setup_learner(self) -> None:
+        """Build what learning needs: online and target networks, optimizer."""
+
+    def learner_network(self) -> torch.nn.Module:
+        """The network whose weights are published to the actors."""
+
+    def learn(self, batch: Sample) -> tuple[dict[str, float], torch.Tensor]:
+        """One update: metrics namespaced ``learner/...`` and new priorities (B,) ≥ 0."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def load_agent_class(name: str) -> type:
+    """The ``Agent`` class of the agent module ``name`` (an import path: ``agents.apex_dqn``)."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError(f"agent.name={name!r}: cannot import agent module: {exc}") from None
+    cls = getattr(module, "Agent", None)
+    if cls is None or not isinstance(cls, type):
+        raise ConfigError(
+            f"agent.name={name!r}: module '{module.__name__}' has no Agent class "
+            "(an agent module defines a Config dataclass and an Agent class)"
+        )
+    return cls
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → ``cuda`` when available, else ``cpu``; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_agent(full_cfg: Any, spec: EnvSpec, device: torch.device | str) -> Agent:
+    """Instantiate ``full_cfg.agent.name``'s Agent for the env ``spec``."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    return load_agent_class(full_cfg.agent.name)(full_cfg.agent, spec, full_cfg, device)

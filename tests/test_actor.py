@@ -1,0 +1,427 @@
+"""The Ape-X actor: ε ladder, n-step rows and items, initial priorities, weight sync, process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gearflow.actor import Actor, epsilon_ladder, run_actor_process
+from gearflow.agent import make_agent
+from gearflow.config import load_config, to_yaml
+from gearflow.envs import make_vec_env
+from gearflow.params import ParameterStore
+from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
+
+TESTS = str(Path(__file__).parent)
+N_STEP, GAMMA = 3, 0.9
+
+
+@pytest.fixture(autouse=True)
+def helpers_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+
+
+# --------------------------------------------------------------------------- ε ladder
+
+
+def test_epsilon_ladder_matches_the_formula():
+    np.testing.assert_allclose(epsilon_ladder(1, 0.4, 7.0), [0.4])
+    np.testing.assert_allclose(epsilon_ladder(2, 0.4, 7.0), [0.4, 0.4**8])
+    lad = epsilon_ladder(16, 0.4, 7.0)
+    np.testing.assert_allclose(lad, [0.4 ** (1 + 7.0 * i / 15) for i in range(16)])
+    assert lad[0] == pytest.approx(0.4) and lad[-1] == pytest.approx(0.4**8)
+    assert (np.diff(lad) < 0).all()
+    np.testing.assert_allclose(epsilon_ladder(5, 1.0, 7.0), np.ones(5))  # ε = 1: all random
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def config(num_envs=4, batch_size=0, n_step=N_STEP, gamma=GAMMA, epsilon=0.5, extra=()):
+    return load_config(None, [
+        "env.factory=helpers_envs:make", f"env.num_envs={num_envs}", f"env.batch_size={batch_size}",
+        "actor.num_actors=2", f"actor.n_step={n_step}", f"actor.gamma={gamma}",
+        f"actor.epsilon={epsilon}", "actor.epsilon_alpha=1.0", "actor.weight_sync_period=8",
+        "agent.hidden_sizes=[]", "agent.dueling=false", "replay.capacity=4096", *extra,
+    ])  # fmt: skip
+
+
+def counting_agent(cfg):
+    from gearflow.envs import EnvSpec
+
+    agent = make_agent(cfg, EnvSpec((3,), np.dtype(np.float32), 2), torch.device("cpu"))
+    net = agent.make_network()
+    with torch.no_grad():  # Q(s, 0) = t, Q(s, 1) = 0.5 t + 1 for obs s = [t, episode, env]
+        net.q.weight.copy_(torch.tensor([[1.0, 0, 0], [0.5, 0, 0]]))
+        net.q.bias.copy_(torch.tensor([0.0, 1.0]))
+    return agent, net
+
+
+def q_of(obs: np.ndarray) -> np.ndarray:
+    t = obs[..., 0].astype(np.float64)
+    return np.stack([t, 0.5 * t + 1.0], axis=-1)
+
+
+def read_items(storage, parts):
+    """Every published item of ``parts`` as (partition, start, length, priority), gathered rows."""
+    out = []
+    for p in parts:
+        m = int(storage.counters[p, PUBLISHED])
+        assert m <= storage.items_per_partition  # the test keeps every record
+        for j in range(m):
+            out.append(
+                (
+                    p,
+                    int(storage.item_start[p, j]),
+                    int(storage.item_length[p, j]),
+                    float(storage.item_priority[p, j]),
+                )
+            )
+    return out
+
+
+def expected_item(obs_first, n, gamma):
+    """What the item of the step with observation [t, episode, env] must hold."""
+    from helpers_envs import expected_episode
+
+    t, ep, i = (int(x) for x in obs_first)
+    L, how = expected_episode(i, ep)
+    last = min(t + n, L)
+    ret = sum(gamma**k * (t + k + 1) for k in range(last - t))
+    disc = 0.0 if (last == L and how == "term") else gamma ** (last - t)
+    return ret, disc, np.array([last, ep, i], dtype=np.float32), last - t + 1
+
+
+def run_actor(make_table, cfg, env, steps, actor_index=1, param_source=None, on_episode=None):
+    agent, net = counting_agent(cfg)
+    E = cfg.env.num_envs
+    table = make_table(spec=agent.replay_columns(), P=E, S=1024, kind=agent.item_kind())
+    actor = Actor(
+        cfg,
+        actor_index,
+        table.storage,
+        np.arange(E),
+        param_source,
+        agent,
+        network=net,
+        env=env,
+        on_episode=on_episode,
+    )
+    done = actor.run(max_steps=steps)
+    return actor, table, done
+
+
+def check_every_item(storage, E, n, gamma):
+    """Rows are the episodes in order; each step of a finished episode has one correct item."""
+    from helpers_envs import expected_episode
+
+    cols = storage.columns
+    S = storage.steps_per_partition
+    checked = 0
+    for p in range(E):
+        rows = int(storage.counters[p, COMMIT])
+        assert rows < S  # no ring wrap in this test
+        obs = cols["obs"][p * S : p * S + rows]
+        # rows: episode 0 steps 0..L0 (final obs included), episode 1 steps 0..L1, ...
+        expect, ep = [], 0
+        while len(expect) < rows:
+            L, _ = expected_episode(p, ep)
+            expect += [(t, ep, p) for t in range(L + 1)]
+            ep += 1
+        np.testing.assert_array_equal(obs, np.array(expect[:rows], dtype=np.float32))
+        finished = {e for (t, e, _) in expect[:rows] if t == expected_episode(p, e)[0]}
+        seen = set()
+        for part, start, length, prio in read_items(storage, [p]):
+            r0, r1 = p * S + start, p * S + start + length - 1
+            first = cols["obs"][r0]
+            ret, disc, next_obs, exp_len = expected_item(first, n, gamma)
+            assert length == exp_len, (first, length)
+            np.testing.assert_array_equal(cols["obs"][r1], next_obs)  # next_obs row
+            assert cols["ret"][r0] == pytest.approx(ret, rel=1e-6), first
+            assert cols["disc"][r0] == pytest.approx(disc, rel=1e-6), first
+            # Ape-X initial priority from the actor's own Q-values
+            a = int(cols["action"][r0])
+            expected_prio = abs(ret + disc * q_of(next_obs).max() - q_of(first)[a])
+            assert prio == pytest.approx(expected_prio, rel=1e-5), first
+            key = (int(first[1]), int(first[0]))
+            assert key not in seen
+            seen.add(key)
+            checked += 1
+        for ep in finished:  # every step of a finished episode has its item
+            L, _ = expected_episode(p, ep)
+            assert {(ep, t) for t in range(L)} <= seen, (p, ep)
+        assert storage.counters[p, EPISODES] == len(finished)  # the writer closed each episode
+        # final rows: action 0, ret 0, disc 0, and never the first row of an item
+        final = np.flatnonzero([t == expected_episode(p, e)[0] for (t, e, _) in expect[:rows]])
+        assert (cols["action"][p * S + final] == 0).all()
+        assert (cols["ret"][p * S + final] == 0).all() and (cols["disc"][p * S + final] == 0).all()
+    return checked
+
+
+# --------------------------------------------------------------------------- n-step items
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_n_step_items_with_the_gymnasium_adapter(make_table, n):
+    cfg = config(n_step=n)
+    env = make_vec_env(cfg.env, seed=0)
+    episodes = []
+    actor, table, done = run_actor(
+        make_table, cfg, env, steps=4 * 60, on_episode=lambda *a: episodes.append(a)
+    )
+    actor.close()
+    assert done == actor.env_steps == 240
+    checked = check_every_item(table.storage, 4, n, GAMMA)
+    assert checked == actor.items > 100
+    # episode callback: global env index (actor 1 of 2 × 4 envs), return 1 + 2 + ... + L
+    from helpers_envs import expected_episode
+
+    assert actor.episodes == len(episodes) > 20
+    ladder = epsilon_ladder(8, 0.5, 1.0)
+    counts = {}
+    for env_index, ret, length, eps in episodes:
+        e = env_index - 4
+        k = counts.get(e, 0)
+        counts[e] = k + 1
+        assert length == expected_episode(e, k)[0]
+        assert ret == length * (length + 1) / 2
+        assert eps == pytest.approx(ladder[env_index])
+
+
+def test_n_step_items_with_async_batches(make_table):
+    """batch_size < num_envs: envs arrive in random subsets and orders (EnvPool's interleaving)."""
+    from helpers_envs import AsyncCountingVecEnv
+
+    cfg = config(num_envs=6, batch_size=3, extra=["replay.capacity=8192"])
+    env = AsyncCountingVecEnv(6, batch_size=3, seed=2)
+    actor, table, _ = run_actor(make_table, cfg, env, steps=3 * 150)
+    actor.close()
+    assert env.closed
+    assert check_every_item(table.storage, 6, N_STEP, GAMMA) == actor.items > 100
+    # the action column holds the actions the envs were stepped with, in order
+    S, cols = table.storage.steps_per_partition, table.storage.columns
+    for p, sub in enumerate(env.envs):
+        rows = int(table.storage.counters[p, COMMIT])
+        obs = cols["obs"][p * S : p * S + rows]
+        acted = cols["action"][p * S : p * S + rows]
+        from helpers_envs import expected_episode
+
+        not_final = [int(t) != expected_episode(p, int(e))[0] for t, e, _ in obs]
+        assert acted[not_final].tolist() == sub.actions[: int(np.sum(not_final))]
+
+
+def test_greedy_actions_follow_the_q_values(make_table):
+    cfg = config(epsilon=0.0)
+    env = make_vec_env(cfg.env, seed=0)
+    actor, table, _ = run_actor(make_table, cfg, env, steps=80)
+    actor.close()
+    assert (actor.epsilon == 0).all()
+    S, cols = table.storage.steps_per_partition, table.storage.columns
+    for part, start, length, _ in read_items(table.storage, range(4)):
+        t = cols["obs"][part * S + start][0]
+        assert cols["action"][part * S + start] == (1 if t < 2 else 0)  # argmax of [t, t/2 + 1]
+
+
+def test_table_samples_match_the_items(make_table):
+    cfg = config()
+    env = make_vec_env(cfg.env, seed=0)
+    actor, table, _ = run_actor(make_table, cfg, env, steps=200)
+    actor.close()
+    batch = table.sample(64)
+    d = batch.data
+    for j in range(64):
+        ret, disc, next_obs, _ = expected_item(d["obs"][j].numpy(), N_STEP, GAMMA)
+        np.testing.assert_array_equal(d["next_obs"][j].numpy(), next_obs)
+        assert float(d["ret"][j]) == pytest.approx(ret, rel=1e-6)
+        assert float(d["disc"][j]) == pytest.approx(disc, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def test_weight_sync_records_the_version_acted_with(make_table):
+    cfg = config(extra=["actor.weight_sync_period=8"])
+    agent, net = counting_agent(cfg)
+    table = make_table(spec=agent.replay_columns(), P=4, S=1024, kind=agent.item_kind())
+    store = ParameterStore.create(net)
+    try:
+        env = make_vec_env(cfg.env, seed=0)
+        actor = Actor(cfg, 0, table.storage, np.arange(4), store, agent, network=net, env=env)
+        actor.run(max_steps=40)
+        assert actor.version == 0  # nothing published: load_into returned None, never blocked
+        newer = agent.make_network()
+        newer.load_state_dict(net.state_dict())
+        with torch.no_grad():
+            newer.q.bias.add_(10.0)
+        assert store.publish(newer) == 1
+        steps_at_publish = actor.env_steps
+        actor.run(max_steps=40)
+        actor.close()
+        assert actor.version == 1
+        torch.testing.assert_close(net.q.bias, newer.q.bias)
+        S, cols = table.storage.steps_per_partition, table.storage.columns
+        for p in range(4):
+            rows = int(table.storage.counters[p, COMMIT])
+            versions = cols["version"][p * S : p * S + rows]
+            assert versions[0] == 0 and versions[-1] == 1
+            assert (np.diff(versions) >= 0).all()  # rows in order of acting
+        assert steps_at_publish < actor.env_steps
+    finally:
+        store.close()
+
+
+# --------------------------------------------------------------------------- EnvPool
+
+
+def test_envpool_cartpole_actor_writes_consistent_items(make_table):
+    cfg = load_config(
+        None,
+        [
+            "env.id=CartPole-v1",
+            "env.num_envs=8",
+            "env.batch_size=4",
+            "actor.num_actors=1",
+            "actor.epsilon=1.0",
+            "replay.capacity=4096",
+        ],
+    )
+    env = make_vec_env(cfg.env, seed=0)
+    agent = make_agent(cfg, env.env_spec, torch.device("cpu"))
+    table = make_table(spec=agent.replay_columns(), P=8, S=512, kind=agent.item_kind())
+    episodes = []
+    actor = Actor(
+        cfg,
+        0,
+        table.storage,
+        np.arange(8),
+        None,
+        agent,
+        env=env,
+        on_episode=lambda *a: episodes.append(a),
+    )
+    actor.run(max_steps=2000)
+    actor.close()
+    assert actor.env_steps == 2000 and len(episodes) == actor.episodes > 20
+    assert all(1 <= length <= 500 and ret == length for _, ret, length, _ in episodes)
+    st, S = table.storage, 512
+    items = read_items(st, range(8))
+    assert len(items) == actor.items
+    cols = st.columns
+    for p, start, length, prio in items:
+        r0 = p * S + start
+        assert 2 <= length <= N_STEP + 1 and prio >= 0
+        k = length - 1
+        assert cols["ret"][r0] == pytest.approx(sum(0.99**j for j in range(k)), rel=1e-5)
+        assert cols["disc"][r0] in (0.0, pytest.approx(0.99**k, rel=1e-5))
+        if (
+            k == N_STEP and cols["disc"][r0] > 0
+        ):  # a full window inside one episode: Euler x' = x + 0.02 ẋ
+            x = cols["obs"][[p * S + start + j for j in range(length)]]
+            np.testing.assert_allclose(x[1:, 0], x[:-1, 0] + 0.02 * x[:-1, 1], atol=1e-5)
+
+
+# --------------------------------------------------------------------------- process
+
+
+def test_run_actor_process_under_spawn(make_table):
+    cfg = load_config(
+        None,
+        [
+            "env.id=CartPole-v1",
+            "env.num_envs=4",
+            "env.batch_size=2",
+            "actor.num_actors=2",
+            "actor.weight_sync_period=16",
+            "replay.capacity=8192",
+            "run.log_every_s=0.2",
+        ],
+    )
+    env = make_vec_env(cfg.env, seed=0)
+    agent = make_agent(cfg, env.env_spec, torch.device("cpu"))
+    env.close()
+    table = make_table(spec=agent.replay_columns(), P=8, S=1024, kind=agent.item_kind())
+    net = agent.make_network()
+    store = ParameterStore.create(net)
+    store.publish(net)
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(
+        target=run_actor_process,
+        args=(to_yaml(cfg), 1, table.storage.name, np.arange(4, 8), store.name, q, stop),
+    )
+    msgs = []
+    try:
+        proc.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                msgs.append(q.get(timeout=0.2))
+            except queue.Empty:
+                pass
+            if any(m["type"] == "episode" for m in msgs) and any(
+                m["type"] == "counters" for m in msgs
+            ):
+                break
+        stop.set()
+        proc.join(20)
+        while True:
+            try:
+                msgs.append(q.get(timeout=0.2))
+            except queue.Empty:
+                break
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        store.close()
+    assert proc.exitcode == 0, [m for m in msgs if m["type"] == "error"]
+    episodes = [m for m in msgs if m["type"] == "episode"]
+    counters = [m for m in msgs if m["type"] == "counters"]
+    assert episodes and counters
+    assert all(4 <= m["env"] < 8 and m["actor"] == 1 for m in episodes)
+    last = counters[-1]
+    assert last["actor/weight_version"] == 1 and last["actor/env_steps"] > 0
+    st = table.storage
+    assert (
+        st.counters[:4, PUBLISHED].sum() == 0
+        and st.counters[4:, PUBLISHED].sum() == last["actor/items"]
+    )
+    batch = table.sample(16)
+    assert (batch.data["version"] == 1).all()
+
+
+def test_actor_rejects_a_table_that_does_not_fit(make_table):
+    cfg = config()
+    agent, net = counting_agent(cfg)
+    table = make_table(spec=agent.replay_columns(), P=4, S=64, kind=agent.item_kind())
+    env = make_vec_env(cfg.env, seed=0)
+    try:
+        with pytest.raises(ValueError, match="3 partitions for 4 envs"):
+            Actor(cfg, 0, table.storage, np.arange(3), None, agent, env=env)
+        other = make_table(spec={**agent.replay_columns(), "obs": "float32[5]"}, P=4, S=64)
+        with pytest.raises(ValueError, match=r"env observations are float32\[3\].*float32\[5\]"):
+            Actor(cfg, 0, other.storage, np.arange(4), None, agent, env=env)
+        small = make_table(spec=agent.replay_columns(), P=4, S=7)
+        with pytest.raises(ValueError, match="too small for n_step=3; need at least 8"):
+            Actor(cfg, 0, small.storage, np.arange(4), None, agent, env=env)
+    finally:
+        env.close()
+
+
+def test_run_actor_process_reports_errors_through_the_queue():
+    cfg = config()
+    q, stop = queue.Queue(), mp.get_context("spawn").Event()
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(FileNotFoundError, match="no shared-memory table named 'gearflow_nope'"):
+            run_actor_process(to_yaml(cfg), 0, "gearflow_nope", np.arange(4), None, q, stop)
+    finally:
+        torch.set_num_threads(threads)
+    msg = q.get_nowait()
+    assert msg["type"] == "error" and msg["actor"] == 0 and "FileNotFoundError" in msg["error"]
