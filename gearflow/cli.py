@@ -14,6 +14,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Callable, Sequence
@@ -46,12 +47,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from gearflow.config import load_config
+    from gearflow.runner import train
 
-    load_config(args.config, args.overrides)
-    raise GearflowError(
-        "gearflow train is not yet available: the actor/learner runner has not landed; "
-        "`gearflow config` validates this config meanwhile"
-    )
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg)
+    print(json.dumps(summary))
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

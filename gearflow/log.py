@@ -6,6 +6,7 @@ that every line reads ``time level process name: message``.
 
 import logging
 import os
+import warnings
 
 FORMAT = "%(asctime)s %(levelname)-7s %(processName)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
@@ -20,6 +21,8 @@ def level_for(verbosity: int) -> int:
 
 def setup_logging(verbosity: int = 0) -> None:
     """Configure the root logger once per process (idempotent)."""
+    # gymnasium warns on every CartPole/Atari space it builds; it is noise in our logs
+    warnings.filterwarnings("ignore", message=".*Box .* precision lowered.*")
     level = level_for(verbosity)
     os.environ["GEARFLOW_VERBOSITY"] = str(verbosity)
     root = logging.getLogger()

@@ -16,6 +16,7 @@ from typing import Any
 
 SUITES = {
     "replay": "gearflow.bench.replay",
+    "actors": "gearflow.bench.actors",
 }
 
 
@@ -33,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="replay device")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--config", default="", help="actors: the run config to measure (default configs/cartpole_apex.yaml)"
+    )
+    parser.add_argument(
+        "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors)"
+    )
 
 
 def emit(record: dict[str, Any], as_json: bool) -> None:
