@@ -400,11 +400,11 @@ class OverwritingTable(Table):
 
     during_gather = None
 
-    def _gather(self, slots, out, only=None):
+    def _gather(self, slots, rec, out, only=None):
         if self.during_gather is not None:
             fn, self.during_gather = self.during_gather, None
             fn()
-        return super()._gather(slots, out, only)
+        return super()._gather(slots, rec, out, only)
 
 
 def _torn_setup(make_table, selector, kind):

@@ -290,9 +290,32 @@ def test_prioritized_all_zero_priorities_cannot_sample():
         selector.sample(4)
 
 
+@pytest.fixture(params=["c", "numpy"])
+def tree_impl(request, monkeypatch):
+    """Run a sum-tree test on the C descent/update and on the numpy reference."""
+    import gearflow.replay.selectors as selectors
+
+    if request.param == "numpy":
+        monkeypatch.setattr(selectors, "_c_sumtree", None)
+    elif selectors._c_sumtree is None:
+        pytest.skip("the C sum tree was not built (no compiler at install time)")
+    return request.param
+
+
+def test_c_sum_tree_is_built_where_a_compiler_exists():
+    import shutil
+
+    import gearflow.replay.selectors as selectors
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the numpy path is used")
+    assert selectors._c_sumtree is not None, "pip install did not build gearflow.replay._sumtree"
+    assert SumTree(10, 4).native
+
+
 @pytest.mark.parametrize("capacity", [1, 7, 1000, 100_003])
 @pytest.mark.parametrize("fanout", [2, 16])
-def test_sum_tree_invariants_after_random_operations(capacity, fanout):
+def test_sum_tree_invariants_after_random_operations(capacity, fanout, tree_impl):
     rng = np.random.default_rng(capacity + fanout)
     alpha = 0.7
     selector = make_selector("prioritized", capacity, seed=0, alpha=alpha, fanout=fanout)
@@ -331,7 +354,7 @@ def test_sum_tree_invariants_after_random_operations(capacity, fanout):
 
 @pytest.mark.parametrize("size", [1, 7, 1000, 100_003])
 @pytest.mark.parametrize("fanout", [2, 3, 16, 32])
-def test_sum_tree_find_matches_searchsorted(size, fanout):
+def test_sum_tree_find_matches_searchsorted(size, fanout, tree_impl):
     rng = np.random.default_rng(size * fanout)
     tree = SumTree(size, fanout)
     values = rng.random(size) * (rng.random(size) > 0.3)
@@ -345,7 +368,7 @@ def test_sum_tree_find_matches_searchsorted(size, fanout):
 
 
 @pytest.mark.parametrize("fanout", [2, 4, 16])
-def test_sum_tree_find_clamps_targets_at_or_past_total(fanout):
+def test_sum_tree_find_clamps_targets_at_or_past_total(fanout, tree_impl):
     tree = SumTree(7, fanout)
     tree.set(np.arange(7), np.array([0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0]))
     total = tree.total

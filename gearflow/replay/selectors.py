@@ -46,6 +46,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # the C descent/update (setup.py builds it); the numpy code below is the reference
+    from gearflow.replay import _sumtree as _c_sumtree
+except ImportError:  # pragma: no cover - depends on the build
+    _c_sumtree = None
+
 __all__ = [
     "SELECTORS",
     "FifoSelector",
@@ -327,6 +332,7 @@ class SumTree:
             nodes = parents
         self.levels = [np.zeros(1)] + [np.zeros(n) for n in reversed(child_level_sizes)]
         self._ones = np.ones(fanout)  # (F,)
+        self.native = _c_sumtree is not None  # False: the numpy reference path
         self._strictly_upper = np.triu(np.ones((fanout, fanout)), k=1)  # (F, F)
 
     @property
@@ -341,6 +347,11 @@ class SumTree:
 
     def set(self, indices: np.ndarray, values: np.ndarray) -> None:
         """Set leaves at sorted, unique ``indices`` and recompute their ancestors."""
+        if self.native:
+            idx = np.ascontiguousarray(indices, dtype=np.int64)
+            vals = np.ascontiguousarray(np.broadcast_to(values, idx.shape), dtype=np.float64)
+            _c_sumtree.set(self.levels, self.fanout, idx, vals)
+            return
         fanout = self.fanout
         self.levels[-1][indices] = values
         for depth in range(len(self.levels) - 2, -1, -1):
@@ -359,6 +370,10 @@ class SumTree:
         node's last nonzero child. So zero-mass leaves are never returned while
         ``total > 0``, and the remaining target never goes negative.
         """
+        if self.native:
+            out = np.empty(len(targets), dtype=np.int64)
+            _c_sumtree.find(self.levels, self.fanout, np.ascontiguousarray(targets, dtype=np.float64), out)
+            return out
         fanout = self.fanout
         rows = np.arange(len(targets))
         node = np.zeros(len(targets), dtype=np.int64)  # (B,)

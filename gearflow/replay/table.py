@@ -53,6 +53,7 @@ from gearflow.replay.writer import _check_priorities
 log = logging.getLogger(__name__)
 
 MAX_RESAMPLE_ROUNDS = 100
+_NONE = np.zeros(0, dtype=np.int64)
 EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
 
 
@@ -84,15 +85,19 @@ class Table:
         self.storage, self.kind, self.selector = storage, kind, selector
         self.rate_limiter = rate_limiter or RateLimiter()
         self.sample_timeout_s = sample_timeout_s
-        self.num_buffers = num_buffers
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be ≥ 1, got {num_buffers}")
+        self._num_buffers = num_buffers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._P, self._R, self._S = P, R, storage.steps_per_partition
         kind.layout(storage.spec, 1)  # validates the kind against the spec
         self._max_item_steps = getattr(kind, "max_length", storage.steps_per_partition)
         # per slot (P*R): the record as ingested, so later ring overwrites cannot change it
-        self._slot_seq = np.full(P * R, -1, dtype=np.int64)
-        self._slot_start = np.zeros(P * R, dtype=np.int64)
-        self._slot_length = np.zeros(P * R, dtype=np.int32)
+        # One 24-byte record per slot (start, seq, length), so a sampled item costs one
+        # cache miss, not three, in tables of 10^7 items; the names below are column views.
+        self._slot_rec = np.zeros((P * R, 3), dtype=np.int64)
+        self._slot_start, self._slot_seq, self._slot_length = (self._slot_rec[:, i] for i in range(3))
+        self._slot_seq[:] = -1
         self._slot_live = np.zeros(P * R, dtype=bool)
         # per partition
         self._ingested = np.zeros(P, dtype=np.int64)  # next seq to ingest
@@ -181,6 +186,17 @@ class Table:
         self.storage.header[H_INSERT_LIMIT] = self.rate_limiter.insert_limit(self.samples)
         self.storage.header[H_SAMPLES] = self.samples
 
+    @property
+    def num_buffers(self) -> int:
+        """Output buffer sets used in turn: a batch stays valid for ``num_buffers - 1`` more samples."""
+        return self._num_buffers
+
+    @num_buffers.setter
+    def num_buffers(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"num_buffers must be ≥ 1, got {n}")
+        self._num_buffers, self._buffer_batch, self._buffers, self._next_buffer = n, -1, [], 0
+
     def _buffers_for(self, batch_size: int) -> dict[str, torch.Tensor]:
         if batch_size != self._buffer_batch:
             layout = self.kind.layout(self.storage.spec, batch_size)
@@ -226,8 +242,9 @@ class Table:
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self._buffers_for(batch_size)
-        self._gather(slots, out)
-        bad = self._torn(slots)
+        rec = self._slot_rec[slots]  # (B, 3): start, seq, length
+        self._gather(slots, rec, out)
+        bad = self._torn(slots, rec)
         rounds = 0
         while bad.size:
             # steps overwritten while we copied: evict those items, draw replacements
@@ -241,11 +258,12 @@ class Table:
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
             slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
             weights = (weights / weights.max()).astype(np.float32)
-            self._gather(slots, out, only=bad)
-            bad = bad[self._torn(slots[bad])]
+            rec = self._slot_rec[slots]
+            self._gather(slots, rec, out, only=bad)
+            bad = bad[self._torn(slots[bad], rec[bad])]
         self.samples += batch_size
         self._publish_insert_limit()
-        keys = self._slot_seq[slots] * self._P + slots // self._R
+        keys = rec[:, 1] * self._P + slots // self._R
         return Sample(
             data=out,
             keys=torch.from_numpy(keys),
@@ -253,9 +271,9 @@ class Table:
             probabilities=torch.from_numpy(np.asarray(probs, dtype=np.float64)),
         )
 
-    def _gather(self, slots: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
+    def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
         parts = slots // self._R
-        starts, lengths = self._slot_start[slots], self._slot_length[slots]
+        starts, lengths = rec[:, 0], rec[:, 2]
         if only is None:
             self.kind.gather(self.storage.tensors, out, self.kind.rows(parts, starts, lengths, self._S), lengths)
             return
@@ -267,11 +285,13 @@ class Table:
         for k, v in out.items():
             gatherable(v).index_copy_(0, idx, gatherable(sub[k]))
 
-    def _torn(self, slots: np.ndarray) -> np.ndarray:
+    def _torn(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Positions whose first step may have been overwritten (seqlock check)."""
-        parts = slots // self._R
-        reserve = self.storage.counters[parts, RESERVE]  # read after the copy
-        return np.flatnonzero(self._slot_start[slots] < reserve - self._S)
+        reserve = self.storage.counters[:, RESERVE]  # read after the copy
+        starts = rec[:, 0]
+        if starts.min() >= reserve.max() - self._S:  # nothing can be torn (the usual case)
+            return _NONE
+        return np.flatnonzero(starts < reserve[slots // self._R] - self._S)
 
     # ------------------------------------------------------------------ priorities
     def update_priorities(self, keys, priorities) -> int:

@@ -1,0 +1,180 @@
+/* Sum-tree descent and update for gearflow.replay.selectors.SumTree, in C.
+ *
+ * The tree is the same object the numpy path uses: a tuple of C-contiguous
+ * float64 arrays, levels[0] the root (1 node), levels[-1] the leaves; node j of
+ * level d has children j*F .. j*F+F-1 on level d+1. These loops replace a
+ * handful of numpy calls per level (about 20 us per level for a batch of 256)
+ * with a pointer walk (well under 1 us per item), which is what the Python
+ * per-call overhead cannot reach. The numpy path stays as the reference and
+ * the fallback when this module was not built.
+ *
+ *   find(levels, fanout, targets: float64[B], out: int64[B])
+ *       leaf holding each cumulative-mass target: at each node the last child
+ *       with nonzero mass whose exclusive prefix sum is <= the remaining target
+ *       (so a target at/after the total lands on the last nonzero leaf).
+ *   set(levels, fanout, indices: int64[n] sorted unique, values: float64[n])
+ *       set leaves, then recompute every ancestor as the sum of its children.
+ *
+ * No allocation, no GIL release (calls are tens of microseconds).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define MAX_LEVELS 64
+
+typedef struct {
+    Py_buffer bufs[MAX_LEVELS];
+    double *data[MAX_LEVELS];
+    Py_ssize_t len[MAX_LEVELS];
+    int n;
+} Levels;
+
+static void release_levels(Levels *lv) {
+    for (int i = 0; i < lv->n; i++) PyBuffer_Release(&lv->bufs[i]);
+    lv->n = 0;
+}
+
+static int get_levels(PyObject *tuple, Levels *lv) {
+    lv->n = 0;
+    if (!PyTuple_Check(tuple) && !PyList_Check(tuple)) {
+        PyErr_SetString(PyExc_TypeError, "levels must be a tuple or list of float64 arrays");
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Size(tuple);
+    if (n < 2 || n > MAX_LEVELS) {
+        PyErr_SetString(PyExc_ValueError, "levels: need 2..64 levels");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(tuple, i);
+        if (item == NULL) { release_levels(lv); return -1; }
+        int rc = PyObject_GetBuffer(item, &lv->bufs[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT);
+        Py_DECREF(item);
+        if (rc < 0) { release_levels(lv); return -1; }
+        lv->n = (int)i + 1;
+        if (lv->bufs[i].itemsize != 8 || lv->bufs[i].format == NULL || lv->bufs[i].format[0] != 'd') {
+            PyErr_SetString(PyExc_TypeError, "levels must be float64 arrays");
+            release_levels(lv);
+            return -1;
+        }
+        lv->data[i] = (double *)lv->bufs[i].buf;
+        lv->len[i] = lv->bufs[i].len / 8;
+    }
+    return 0;
+}
+
+static PyObject *sumtree_find(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout;
+    Py_buffer tb, ob;
+    if (!PyArg_ParseTuple(args, "Ony*w*", &levels_obj, &fanout, &tb, &ob)) return NULL;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    Py_ssize_t B = tb.len / 8;
+    if (ob.len / 8 != B || tb.itemsize != 8 || ob.itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "targets (float64) and out (int64) must have the same length");
+        goto done;
+    }
+    const double *targets = (const double *)tb.buf;  /* (B,) */
+    int64_t *node = (int64_t *)ob.buf;               /* (B,) current node, finally the leaf */
+    double *rest = (double *)PyMem_Malloc(B * sizeof(double) + 1);  /* (B,) mass still to skip */
+    if (rest == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t b = 0; b < B; b++) { rest[b] = targets[b]; node[b] = 0; }
+    /* Breadth first: the whole batch descends one level at a time, and every child
+     * block of a level is prefetched before any is read, so the cache misses of
+     * the large lower levels overlap instead of queueing one item after another. */
+    for (int d = 1; d < lv.n; d++) {
+        const double *level = lv.data[d];
+        for (Py_ssize_t b = 0; b < B; b++) {
+            const double *blk = level + node[b] * fanout;
+            for (Py_ssize_t off = 0; off < fanout; off += 8) __builtin_prefetch(blk + off);
+        }
+        for (Py_ssize_t b = 0; b < B; b++) {
+            const double *children = level + node[b] * fanout;  /* (F,) */
+            double before = 0.0, choice_before = 0.0;
+            Py_ssize_t choice = -1;
+            for (Py_ssize_t c = 0; c < fanout; c++) {
+                double m = children[c];
+                if (m > 0.0) {
+                    if (before <= rest[b]) { choice = c; choice_before = before; }
+                    else break;
+                }
+                before += m;
+            }
+            if (choice < 0) choice = 0;  /* only for an all-zero node: the caller guards total > 0 */
+            rest[b] -= choice_before;
+            node[b] = node[b] * fanout + choice;
+        }
+    }
+    PyMem_Free(rest);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+static PyObject *sumtree_set(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout;
+    Py_buffer ib, vb;
+    if (!PyArg_ParseTuple(args, "Ony*y*", &levels_obj, &fanout, &ib, &vb)) return NULL;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    Py_ssize_t n = ib.len / 8;
+    if (vb.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "indices (int64) and values (float64) must have the same length");
+        goto done;
+    }
+    const int64_t *idx = (const int64_t *)ib.buf;
+    const double *val = (const double *)vb.buf;
+    double *leaves = lv.data[lv.n - 1];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (idx[i] < 0 || idx[i] >= lv.len[lv.n - 1]) {
+            PyErr_SetString(PyExc_IndexError, "leaf index out of range");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) leaves[idx[i]] = val[i];
+    /* Recompute ancestors level by level; indices are sorted, so the parents of
+     * consecutive leaves repeat consecutively and each parent is summed once. */
+    for (int d = lv.n - 2; d >= 0; d--) {
+        const double *child = lv.data[d + 1];
+        double *parent = lv.data[d];
+        Py_ssize_t last = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t p = (Py_ssize_t)idx[i];
+            for (int k = lv.n - 1; k > d; k--) p /= fanout;
+            if (p == last) continue;
+            last = p;
+            double s = 0.0;
+            const double *c = child + p * fanout;
+            for (Py_ssize_t j = 0; j < fanout; j++) s += c[j];
+            parent[p] = s;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&vb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
+    {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sumtree", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__sumtree(void) { return PyModule_Create(&module); }

@@ -1,0 +1,18 @@
+"""Build the optional C helpers; all metadata lives in pyproject.toml.
+
+``optional=True``: without a C compiler the install still succeeds and gearflow
+uses its numpy reference paths (``gearflow info`` says which one is active).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "gearflow.replay._sumtree",
+            ["gearflow/replay/_sumtree.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)
