@@ -46,6 +46,7 @@ max_a Q(s_last, ·) comes from the forward pass of the batch holding s_last).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -511,6 +512,7 @@ def run_actor_process(
     setup_logging(inherited_verbosity())
     torch.set_num_threads(1)  # many actor processes share the cores
     cfg = OmegaConf.create(cfg_yaml)
+    os.nice(int(cfg.actor.get("nice", 0)))  # the learner wins a contended core
     storage = params = env = actor = None
     try:
         storage = SharedStorage.attach(storage_name)

@@ -81,6 +81,8 @@ class ActorConfig:
     """Times the supervisor restarts a dead actor before the run fails."""
     device: str = "cpu"
     """Device the actors' policy runs on."""
+    nice: int = 5
+    """Niceness added to actor processes, so that a contended CPU goes to the learner first."""
 
 
 @dataclass
@@ -153,6 +155,8 @@ class RunConfig:
     """Stop after this many seconds of wall-clock time (0: no limit)."""
     max_updates: int = 0
     """Stop after this many learner updates (0: no limit)."""
+    stop_at_return: float = 0.0
+    """Stop once the greediest actor's mean return over its last 100 episodes reaches this (0: never)."""
     log_every_s: float = 5.0
     """Seconds between progress lines and metric rows."""
     checkpoint_every: int = 0
@@ -436,6 +440,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(0 <= a.gamma <= 1, "actor.gamma", "must be in [0, 1]")
     check(a.weight_sync_period >= 1, "actor.weight_sync_period", "must be ≥ 1")
     check(a.max_restarts >= 0, "actor.max_restarts", "must be ≥ 0")
+    check(0 <= a.nice <= 19, "actor.nice", "must be in [0, 19]")
     steps_per_partition = r.capacity // max(1, a.num_actors * e.num_envs)
     check(
         run.mode == "offline" or steps_per_partition >= 2 * (a.n_step + 1),

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ class Progress:
     returns: dict[int, collections.deque] = field(default_factory=dict)  # per actor
     all_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
     restarts: int = 0
-    lag: float = 0.0
+    data_age: float = 0.0
     actor_counters: dict[int, dict] = field(default_factory=dict)  # latest "counters" message per actor
 
     def add_episode(self, actor: int, ret: float) -> None:
@@ -265,6 +266,10 @@ class Runner:
             return f"reached run.max_updates={r.max_updates}"
         if r.max_seconds and time.monotonic() - self.progress.start >= r.max_seconds:
             return f"reached run.max_seconds={r.max_seconds}"
+        greedy = self.progress.returns.get(max(self.progress.returns, default=-1))
+        if r.stop_at_return and greedy is not None and len(greedy) == greedy.maxlen:
+            if float(np.mean(greedy)) >= r.stop_at_return:
+                return f"reached run.stop_at_return={r.stop_at_return}"
         return ""
 
     def _drain_metrics(self) -> None:
@@ -290,8 +295,8 @@ class Runner:
             self.table.update_priorities(batch.keys, priorities)
         self.progress.learn_s += time.perf_counter() - t0
         self.progress.updates += 1
-        if "version" in batch.data:
-            self.progress.lag = float(self.params.latest_version() - batch.data["version"].double().mean())
+        if "version" in batch.data:  # how many publications old the sampled data is
+            self.progress.data_age = float(self.params.latest_version() - batch.data["version"].double().mean())
         if self.progress.updates % self.cfg.learner.publish_every == 0:
             self.params.publish(self.agent.learner_network())
         sel = self.table.selector
@@ -313,9 +318,11 @@ class Runner:
             "actor/restarts": p.restarts,
             "learner/updates": p.updates,
             "learner/wait_fraction": p.wait_s / busy if busy else 0.0,
-            "learner/policy_lag": p.lag,
             "learner/weights_version": self.params.latest_version(),
             "actor/weights_version_min": self._actor_weights_version(),
+            # versions the slowest actor is behind the learner, and the age of sampled data
+            "actor/policy_lag": self.params.latest_version() - max(0, self._actor_weights_version()),
+            "replay/sample_age_versions": p.data_age,
             **self.table.stats(),
             **metrics,
         }
@@ -378,7 +385,7 @@ class Runner:
                         "steps %d (%.0f/s) updates %d (%.1f/s) replay %d return100 %.1f greediest %.1f "
                         "lag %.1f wait %.0f%%", steps, row["actor/env_steps_per_s"], updates,
                         row["learner/updates_per_s"], row["replay/size"], row["actor/return_last100"],
-                        row["actor/return_last100_greediest"], row["learner/policy_lag"],
+                        row["actor/return_last100_greediest"], row["actor/policy_lag"],
                         100 * row["learner/wait_fraction"],
                     )  # fmt: skip
                     last_log, last_steps, last_updates = now, steps, updates
@@ -411,6 +418,9 @@ class Runner:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run ``cfg`` to completion; returns the final summary."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
+    # The prefetch thread needs the GIL between the learner's many small torch calls;
+    # at the default 5 ms switch interval it gets it too rarely to stay ahead.
+    sys.setswitchinterval(0.0005)
     runner = Runner(cfg)
     log.info("run directory %s", runner.run_dir)
     summary = runner.run()

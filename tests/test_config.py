@@ -175,6 +175,8 @@ VALIDATION_CASES = [
     (["actor.gamma=1.01"], "actor.gamma", "must be in [0, 1]"),
     (["actor.weight_sync_period=0"], "actor.weight_sync_period", "must be ≥ 1"),
     (["actor.max_restarts=-1"], "actor.max_restarts", "must be ≥ 0"),
+    (["actor.nice=20"], "actor.nice", "must be in [0, 19]"),
+    (["actor.nice=-1"], "actor.nice", "must be in [0, 19]"),
     (
         ["replay.capacity=100", "learner.batch_size=1"],
         "replay.capacity",

@@ -53,6 +53,7 @@ from gearflow.replay.writer import _check_priorities
 log = logging.getLogger(__name__)
 
 MAX_RESAMPLE_ROUNDS = 100
+MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 _NONE = np.zeros(0, dtype=np.int64)
 EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
 
@@ -231,7 +232,7 @@ class Table:
                     + lim.why_blocked(self.size, total(), self.samples, batch_size)
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, MAX_BACKOFF_S)
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """Draw a batch with the selector; blocks while the rate limiter says so."""
