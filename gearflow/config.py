@@ -40,7 +40,6 @@ ITEM_KINDS = ("transition", "sequence", "episode")
 SELECTORS = ("uniform", "prioritized", "fifo", "lifo", "max_heap", "min_heap", "top_k")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
 DEVICES = ("auto", "cpu", "cuda")
-RUN_MODES = ("online", "offline")
 
 
 @dataclass
@@ -115,8 +114,6 @@ class ReplayConfig:
     """Slack, in sampled items, around the samples-per-insert ratio before either side blocks."""
     timeout_s: float = 60.0
     """Seconds a blocked insert or sample waits before raising instead of hanging."""
-    device: str = "auto"
-    """Where selection and gathers run: ``cpu``, ``cuda`` (CuPy kernels) or ``auto``."""
 
 
 @dataclass
@@ -129,10 +126,6 @@ class LearnerConfig:
     """Batches sampled ahead in the background (≥ 1)."""
     publish_every: int = 10
     """Learner updates between weight publications to the actors."""
-    compile: bool = False
-    """Wrap the network in ``torch.compile``."""
-    bf16: bool = False
-    """bf16 autocast for the forward and backward pass (CUDA only)."""
 
 
 @dataclass
@@ -143,10 +136,6 @@ class RunConfig:
     """Run directory; empty means ``runs/<name>-<timestamp>``."""
     seed: int = 0
     """Seed of the learner, the replay selector and the actors."""
-    mode: str = "online"
-    """``online`` (actors feed the replay) or ``offline`` (train from ``run.dataset``)."""
-    dataset: str = ""
-    """HDF5 dataset of trajectories for ``mode=offline``."""
     serial: bool = False
     """Run one actor and the learner in one process with the same classes (debugging)."""
     max_env_steps: int = 100_000
@@ -159,12 +148,6 @@ class RunConfig:
     """Stop once the greediest actor's mean return over its last 100 episodes reaches this (0: never)."""
     log_every_s: float = 5.0
     """Seconds between progress lines and metric rows."""
-    checkpoint_every: int = 0
-    """Learner updates between checkpoints (0: only at the end)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk; older ones are deleted."""
-    dry_run: bool = False
-    """Build the model on the meta device, print memory estimates and exit."""
 
 
 @dataclass
@@ -420,7 +403,6 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(r.samples_per_insert >= 0, "replay.samples_per_insert", "must be ≥ 0 (0 disables)")
     check(r.error_buffer >= 0, "replay.error_buffer", "must be ≥ 0")
     check(r.timeout_s > 0, "replay.timeout_s", "must be > 0 seconds")
-    check(r.device in DEVICES, "replay.device", f"must be one of {', '.join(DEVICES)}")
     check(le.batch_size >= 1, "learner.batch_size", "must be ≥ 1")
     check(
         le.batch_size <= r.capacity,
@@ -433,7 +415,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(e.num_envs >= 1, "env.num_envs", "must be ≥ 1")
     check(0 <= e.batch_size <= e.num_envs, "env.batch_size", "must be in [0, env.num_envs]")
     check(e.backend in ENV_BACKENDS, "env.backend", f"must be one of {', '.join(ENV_BACKENDS)}")
-    check(a.num_actors >= 1 or run.mode == "offline", "actor.num_actors", "must be ≥ 1")
+    check(a.num_actors >= 1, "actor.num_actors", "must be ≥ 1")
     check(0 <= a.epsilon <= 1, "actor.epsilon", "must be in [0, 1]")
     check(a.epsilon_alpha >= 0, "actor.epsilon_alpha", "must be ≥ 0")
     check(a.n_step >= 1, "actor.n_step", "must be ≥ 1")
@@ -443,20 +425,16 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(0 <= a.nice <= 19, "actor.nice", "must be in [0, 19]")
     steps_per_partition = r.capacity // max(1, a.num_actors * e.num_envs)
     check(
-        run.mode == "offline" or steps_per_partition >= 2 * (a.n_step + 1),
+        steps_per_partition >= 2 * (a.n_step + 1),
         "replay.capacity",
         f"gives {steps_per_partition} steps per partition "
         f"({a.num_actors} actors × {e.num_envs} envs); need at least {2 * (a.n_step + 1)}",
     )
-    check(run.mode in RUN_MODES, "run.mode", f"must be one of {', '.join(RUN_MODES)}")
-    check(run.mode != "offline" or bool(run.dataset), "run.dataset", "is required when run.mode=offline")
     check(run.max_env_steps >= 0, "run.max_env_steps", "must be ≥ 0")
     check(run.max_seconds >= 0, "run.max_seconds", "must be ≥ 0")
     check(run.max_updates >= 0, "run.max_updates", "must be ≥ 0")
     check(run.log_every_s > 0, "run.log_every_s", "must be > 0")
-    check(run.checkpoint_every >= 0, "run.checkpoint_every", "must be ≥ 0")
-    check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
-    if e.factory is None and run.mode == "online":
+    if e.factory is None:
         known, why = env_id_known(e.id, e.backend)
         check(known, "env.id", why)
 

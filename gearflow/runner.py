@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from gearflow.agent import make_agent, resolve_device
 from gearflow.config import save_config, to_yaml
 from gearflow.envs import make_vec_env
-from gearflow.errors import GearflowError
+from gearflow.errors import ConfigError, GearflowError
 from gearflow.params import ParameterStore
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.storage import COMMIT
@@ -227,8 +227,11 @@ class Runner:
         P = num_actors * cfg.env.num_envs
         S = cfg.replay.capacity // P
         kind = self.agent.item_kind()
-        period = getattr(kind, "period", 1) or 1
-        R = S if cfg.replay.item == "transition" else S // period + 2
+        if kind.name != cfg.replay.item:
+            raise ConfigError(
+                f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items"
+            )
+        R = S if kind.name == "transition" else S // max(1, getattr(kind, "period", 1)) + 2
         storage = SharedStorage.create(TableSpec.parse(self.agent.replay_columns()), P, S, R)
         selector = make_selector(cfg.replay.selector, P * R, seed=cfg.run.seed, **selector_kwargs(cfg))
         limiter = RateLimiter(
@@ -337,15 +340,16 @@ class Runner:
 
     def run(self) -> dict[str, float]:
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
             signal.signal(s, lambda *_: self._stop.set())
-        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        metrics_file = None
         prefetch = None
         try:
-            self.connect_components()
+            self.connect_components()  # config errors surface here, before a run directory exists
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            metrics_file = open(self.run_dir / "metrics.jsonl", "a")
             if self.supervisor is not None:
                 self.supervisor.start()
                 prefetch = Prefetcher(self.table, self.lock, cfg.learner.batch_size, cfg.learner.prefetch, self._stop)
@@ -410,7 +414,8 @@ class Runner:
                 self.table.close()
             if self.params is not None:
                 self.params.close()
-            metrics_file.close()
+            if metrics_file is not None:
+                metrics_file.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 

@@ -126,3 +126,12 @@ def test_sigkilled_actor_is_restarted_and_sigterm_stops_cleanly(tmp_path):
     time.sleep(0.5)
     assert not [c for c in children if _alive(c)], "child processes outlived the run"
     assert not [n for n, owner, _ in list_segments() if owner == proc.pid], "shared memory left behind"
+
+
+def test_item_kind_mismatch_is_a_config_error_before_anything_starts(tmp_path):
+    cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, "replay.item=sequence", f"run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "replay.item='sequence': agent agents.apex_dqn learns from transition items" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

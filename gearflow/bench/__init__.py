@@ -32,7 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiply the sizes and durations of the workloads (e.g. 0.1 for a smoke run)",
     )
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="replay device")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--config", default="", help="actors: the run config to measure (default configs/cartpole_apex.yaml)"

@@ -369,10 +369,6 @@ WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4}
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:
-    if args.device == "cuda":
-        from gearflow.native import require_cupy
-
-        require_cupy("gearflow bench replay --device cuda")
     unknown = [w for w in wanted if w not in WORKLOADS]
     if unknown:
         raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
