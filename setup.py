@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "gearflow.replay._sumtree",
-            ["gearflow/replay/_sumtree.c"],
+            "gearflow.replay._hotpath",
+            ["gearflow/replay/_hotpath.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )

@@ -296,8 +296,8 @@ def tree_impl(request, monkeypatch):
     import gearflow.replay.selectors as selectors
 
     if request.param == "numpy":
-        monkeypatch.setattr(selectors, "_c_sumtree", None)
-    elif selectors._c_sumtree is None:
+        monkeypatch.setattr(selectors, "_hotpath", None)
+    elif selectors._hotpath is None:
         pytest.skip("the C sum tree was not built (no compiler at install time)")
     return request.param
 
@@ -309,7 +309,7 @@ def test_c_sum_tree_is_built_where_a_compiler_exists():
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: the numpy path is used")
-    assert selectors._c_sumtree is not None, "pip install did not build gearflow.replay._sumtree"
+    assert selectors._hotpath is not None, "pip install did not build gearflow.replay._hotpath"
     assert SumTree(10, 4).native
 
 
@@ -577,3 +577,23 @@ def test_sampling_an_empty_selector_says_it_is_empty(name):
     with pytest.raises(ValueError, match="empty"):
         selector.sample(8)
     assert_states_equal(selector.state_dict(), before)
+
+
+def test_c_and_numpy_prioritized_draws_are_identical(monkeypatch):
+    import gearflow.replay.selectors as selectors
+
+    if selectors._hotpath is None:
+        pytest.skip("the C hot path was not built (no compiler at install time)")
+    rng = np.random.default_rng(3)
+    prios = rng.exponential(size=5000) * (rng.random(5000) > 0.2)
+    draws = {}
+    for impl in ("c", "numpy"):
+        if impl == "numpy":
+            monkeypatch.setattr(selectors, "_hotpath", None)
+        sel = make_selector("prioritized", 5000, seed=11, alpha=0.7, beta=0.5)
+        sel.insert(np.arange(5000), prios, np.arange(5000))
+        draws[impl] = [sel.sample(256) for _ in range(3)]
+    for a, b in zip(draws["c"], draws["numpy"], strict=True):
+        np.testing.assert_array_equal(a.slots, b.slots)
+        np.testing.assert_allclose(a.probabilities, b.probabilities, rtol=1e-12)
+        np.testing.assert_allclose(a.weights, b.weights, rtol=1e-6)

@@ -29,6 +29,11 @@ import torch
 
 from gearflow.replay.spec import TableSpec
 
+try:  # C row indices for sequence windows (setup.py builds it); numpy below is the reference
+    from gearflow.replay import _hotpath
+except ImportError:  # pragma: no cover - depends on the build
+    _hotpath = None
+
 TORCH_DTYPES = {
     np.dtype(k): v
     for k, v in {
@@ -129,6 +134,13 @@ class Sequence(ItemKind):
 
     def rows(self, parts, starts, lengths, S):
         T = self.max_length
+        if _hotpath is not None:
+            rows = np.empty((len(parts), T), dtype=np.int64)
+            _hotpath.window_rows(
+                np.ascontiguousarray(parts, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
+                np.ascontiguousarray(lengths, dtype=np.int64), S, T, rows,
+            )  # fmt: skip
+            return {"window": rows}
         first = starts % S  # (B,)
         if (lengths == T).all() and (first <= S - T).all():  # common case: full windows, no ring wrap
             return {"window": (parts * S + first)[:, None] + self._arange(T)}
@@ -145,10 +157,14 @@ class Sequence(ItemKind):
     def gather(self, tensors, out, rows, lengths):
         idx = torch.from_numpy(rows["window"].reshape(-1))  # (B*T,)
         B, T = rows["window"].shape
-        lens = torch.from_numpy(lengths.astype(np.int64))
-        torch.lt(torch.arange(T), lens[:, None], out=out["mask"])  # (B, T)
-        out["length"].copy_(lens)
-        padded = bool((lengths < T).any())
+        padded = bool(lengths.min() < T)
+        if padded:
+            lens = torch.from_numpy(lengths.astype(np.int64))
+            torch.lt(torch.arange(T), lens[:, None], out=out["mask"])  # (B, T)
+            out["length"].copy_(lens)
+        else:  # full windows: no per-element work
+            out["mask"].fill_(True)
+            out["length"].fill_(T)
         for name, src in tensors.items():
             src, dst = gatherable(src), gatherable(out[name])
             torch.index_select(src, 0, idx, out=dst.view(B * T, *src.shape[1:]))

@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 try:  # the C descent/update (setup.py builds it); the numpy code below is the reference
-    from gearflow.replay import _sumtree as _c_sumtree
+    from gearflow.replay import _hotpath
 except ImportError:  # pragma: no cover - depends on the build
-    _c_sumtree = None
+    _hotpath = None
 
 __all__ = [
     "SELECTORS",
@@ -332,7 +332,7 @@ class SumTree:
             nodes = parents
         self.levels = [np.zeros(1)] + [np.zeros(n) for n in reversed(child_level_sizes)]
         self._ones = np.ones(fanout)  # (F,)
-        self.native = _c_sumtree is not None  # False: the numpy reference path
+        self.native = _hotpath is not None  # False: the numpy reference path
         self._strictly_upper = np.triu(np.ones((fanout, fanout)), k=1)  # (F, F)
 
     @property
@@ -350,7 +350,7 @@ class SumTree:
         if self.native:
             idx = np.ascontiguousarray(indices, dtype=np.int64)
             vals = np.ascontiguousarray(np.broadcast_to(values, idx.shape), dtype=np.float64)
-            _c_sumtree.set(self.levels, self.fanout, idx, vals)
+            _hotpath.set(self.levels, self.fanout, idx, vals)
             return
         fanout = self.fanout
         self.levels[-1][indices] = values
@@ -372,7 +372,7 @@ class SumTree:
         """
         if self.native:
             out = np.empty(len(targets), dtype=np.int64)
-            _c_sumtree.find(self.levels, self.fanout, np.ascontiguousarray(targets, dtype=np.float64), out)
+            _hotpath.find(self.levels, self.fanout, np.ascontiguousarray(targets, dtype=np.float64), out)
             return out
         fanout = self.fanout
         rows = np.arange(len(targets))
@@ -446,7 +446,17 @@ class PrioritizedSelector(Selector):
         total = self.tree.total
         if total <= 0:
             raise ValueError(f"cannot sample: all {self._count} live items have zero priority")
-        strata = np.arange(batch_size) + self._rng.random(batch_size)  # (B,)
+        uniforms = self._rng.random(batch_size)  # (B,)
+        if self.tree.native:  # the same arithmetic in one C pass
+            slots = np.empty(batch_size, dtype=np.int64)
+            probabilities = np.empty(batch_size, dtype=np.float64)
+            weights32 = np.empty(batch_size, dtype=np.float32)
+            _hotpath.sample_proportional(
+                self.tree.levels, self.tree.fanout, uniforms, self._count, self.beta,
+                slots, probabilities, weights32,
+            )  # fmt: skip
+            return Selection(slots, probabilities, weights32)
+        strata = np.arange(batch_size) + uniforms  # (B,)
         slots = self.tree.find(strata * (total / batch_size))
         probabilities = self.tree.leaves[slots] / total  # (B,)
         weights = (self._count * probabilities) ** -self.beta

@@ -1,4 +1,5 @@
-/* Sum-tree descent and update for gearflow.replay.selectors.SumTree, in C.
+/* The replay hot path in C: sum-tree descent/update, proportional sampling,
+ * and the row indices of sequence windows.
  *
  * The tree is the same object the numpy path uses: a tuple of C-contiguous
  * float64 arrays, levels[0] the root (1 node), levels[-1] the leaves; node j of
@@ -15,10 +16,21 @@
  *   set(levels, fanout, indices: int64[n] sorted unique, values: float64[n])
  *       set leaves, then recompute every ancestor as the sum of its children.
  *
- * No allocation, no GIL release (calls are tens of microseconds).
+ *   sample_proportional(levels, fanout, uniforms: float64[B], count, beta,
+ *                       slots: int64[B], probs: float64[B], weights: float32[B])
+ *       stratified proportional draw (target b = (b + u_b) * total / B), its
+ *       probabilities m/total and IS weights (count * P)^-beta / max.
+ *   window_rows(parts, starts: int64[B], lengths: int64[B], S, T, rows: int64[B, T]) -> padded
+ *       rows p*S + (start + min(j, length-1)) % S of each window; returns whether
+ *       any window is shorter than T.
+ *
+ * Everything is one pass over the batch with no allocation beyond a (B,)
+ * scratch, no GIL release (calls take microseconds); the numpy versions in
+ * selectors.py and items.py stay as the reference and the fallback.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MAX_LEVELS 64
@@ -64,29 +76,15 @@ static int get_levels(PyObject *tuple, Levels *lv) {
     return 0;
 }
 
-static PyObject *sumtree_find(PyObject *self, PyObject *args) {
-    PyObject *levels_obj;
-    Py_ssize_t fanout;
-    Py_buffer tb, ob;
-    if (!PyArg_ParseTuple(args, "Ony*w*", &levels_obj, &fanout, &tb, &ob)) return NULL;
-    Levels lv;
-    PyObject *result = NULL;
-    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
-    Py_ssize_t B = tb.len / 8;
-    if (ob.len / 8 != B || tb.itemsize != 8 || ob.itemsize != 8) {
-        PyErr_SetString(PyExc_ValueError, "targets (float64) and out (int64) must have the same length");
-        goto done;
-    }
-    const double *targets = (const double *)tb.buf;  /* (B,) */
-    int64_t *node = (int64_t *)ob.buf;               /* (B,) current node, finally the leaf */
+/* Breadth-first descent of the whole batch: node[b] ends as the leaf of targets[b].
+ * Every child block of a level is prefetched before any is read, so the cache
+ * misses of the large lower levels overlap instead of queueing. */
+static int descend(const Levels *lv, Py_ssize_t fanout, const double *targets, int64_t *node, Py_ssize_t B) {
     double *rest = (double *)PyMem_Malloc(B * sizeof(double) + 1);  /* (B,) mass still to skip */
-    if (rest == NULL) { PyErr_NoMemory(); goto done; }
+    if (rest == NULL) { PyErr_NoMemory(); return -1; }
     for (Py_ssize_t b = 0; b < B; b++) { rest[b] = targets[b]; node[b] = 0; }
-    /* Breadth first: the whole batch descends one level at a time, and every child
-     * block of a level is prefetched before any is read, so the cache misses of
-     * the large lower levels overlap instead of queueing one item after another. */
-    for (int d = 1; d < lv.n; d++) {
-        const double *level = lv.data[d];
+    for (int d = 1; d < lv->n; d++) {
+        const double *level = lv->data[d];
         for (Py_ssize_t b = 0; b < B; b++) {
             const double *blk = level + node[b] * fanout;
             for (Py_ssize_t off = 0; off < fanout; off += 8) __builtin_prefetch(blk + off);
@@ -103,12 +101,29 @@ static PyObject *sumtree_find(PyObject *self, PyObject *args) {
                 }
                 before += m;
             }
-            if (choice < 0) choice = 0;  /* only for an all-zero node: the caller guards total > 0 */
+            if (choice < 0) choice = 0;  /* only for an all-zero node: callers guard total > 0 */
             rest[b] -= choice_before;
             node[b] = node[b] * fanout + choice;
         }
     }
     PyMem_Free(rest);
+    return 0;
+}
+
+static PyObject *sumtree_find(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout;
+    Py_buffer tb, ob;
+    if (!PyArg_ParseTuple(args, "Ony*w*", &levels_obj, &fanout, &tb, &ob)) return NULL;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    Py_ssize_t B = tb.len / 8;
+    if (ob.len / 8 != B || tb.itemsize != 8 || ob.itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "targets (float64) and out (int64) must have the same length");
+        goto done;
+    }
+    if (descend(&lv, fanout, (const double *)tb.buf, (int64_t *)ob.buf, B) < 0) goto done;
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -116,6 +131,83 @@ done:
 done_bufs:
     PyBuffer_Release(&tb);
     PyBuffer_Release(&ob);
+    return result;
+}
+
+static PyObject *sample_proportional(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout, count;
+    double beta;
+    Py_buffer ub, sb, pb, wb;
+    if (!PyArg_ParseTuple(args, "Ony*ndw*w*w*", &levels_obj, &fanout, &ub, &count, &beta, &sb, &pb, &wb))
+        return NULL;
+    Levels lv;
+    PyObject *result = NULL;
+    double *targets = NULL;
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    Py_ssize_t B = ub.len / 8;
+    if (B < 1 || sb.len / 8 != B || pb.len / 8 != B || wb.len / 4 != B) {
+        PyErr_SetString(PyExc_ValueError, "uniforms, slots, probs (8-byte) and weights (float32) need one length");
+        goto done;
+    }
+    const double total = lv.data[0][0];
+    const double *u = (const double *)ub.buf;
+    int64_t *slots = (int64_t *)sb.buf;
+    double *probs = (double *)pb.buf;
+    float *weights = (float *)wb.buf;
+    targets = (double *)PyMem_Malloc(B * sizeof(double));
+    if (targets == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t b = 0; b < B; b++) targets[b] = ((double)b + u[b]) * (total / (double)B);  /* stratified */
+    if (descend(&lv, fanout, targets, slots, B) < 0) goto done;
+    const double *leaves = lv.data[lv.n - 1];
+    double wmax = 0.0;
+    for (Py_ssize_t b = 0; b < B; b++) {
+        probs[b] = leaves[slots[b]] / total;
+        targets[b] = pow((double)count * probs[b], -beta);  /* reuse as unnormalised weights */
+        if (targets[b] > wmax) wmax = targets[b];
+    }
+    for (Py_ssize_t b = 0; b < B; b++) weights[b] = (float)(targets[b] / wmax);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (targets) PyMem_Free(targets);
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&ub);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&wb);
+    return result;
+}
+
+static PyObject *window_rows(PyObject *self, PyObject *args) {
+    Py_buffer pb, stb, lb, rb;
+    Py_ssize_t S, T;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnw*", &pb, &stb, &lb, &S, &T, &rb)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t B = pb.len / 8;
+    if (stb.len / 8 != B || lb.len / 8 != B || rb.len / 8 != B * T || S < 1 || T < 1) {
+        PyErr_SetString(PyExc_ValueError, "parts, starts, lengths (int64 [B]) and rows (int64 [B, T]) disagree");
+        goto done;
+    }
+    const int64_t *parts = (const int64_t *)pb.buf, *starts = (const int64_t *)stb.buf;
+    const int64_t *lengths = (const int64_t *)lb.buf;
+    int64_t *rows = (int64_t *)rb.buf;  /* (B, T) */
+    int padded = 0;
+    for (Py_ssize_t b = 0; b < B; b++) {
+        int64_t base = parts[b] * S, len = lengths[b];
+        if (len < T) padded = 1;
+        for (Py_ssize_t j = 0; j < T; j++) {
+            int64_t k = j < len ? j : len - 1;  /* padding repeats the last step (masked later) */
+            rows[b * T + j] = base + (starts[b] + k) % S;
+        }
+    }
+    result = PyBool_FromLong(padded);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&rb);
     return result;
 }
 
@@ -172,9 +264,12 @@ done_bufs:
 static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
+    {"sample_proportional", sample_proportional, METH_VARARGS,
+     "sample_proportional(levels, fanout, uniforms, count, beta, slots, probs, weights)"},
+    {"window_rows", window_rows, METH_VARARGS, "window_rows(parts, starts, lengths, S, T, rows) -> padded"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sumtree", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hotpath", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__sumtree(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hotpath(void) { return PyModule_Create(&module); }
