@@ -51,7 +51,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gearflow.replay.storage import ALIGN, HEADER_FIELDS, MAGIC, PREFIX, SHM_DIR
+from gearflow.replay.storage import ALIGN, HEADER_FIELDS, MAGIC, PREFIX, SHM_DIR, map_segment
 
 LAYOUT_VERSION = 0x5041_0001  # "PA" v1: not the replay table's version, so it refuses us
 (H_MAGIC, H_VERSION, H_LATEST_SLOT, H_LATEST_VERSION,
@@ -130,16 +130,7 @@ class ParameterStore:
     @classmethod
     def attach(cls, name: str) -> ParameterStore:
         """Map an existing store by name."""
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no parameter store named {name!r} in {SHM_DIR}") from None
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return cls(name, mm, owner=False)
+        return cls(name, map_segment(name, "parameter store"), owner=False)
 
     def close(self) -> None:
         """Drop this process's mapping; the owner also unlinks the segment."""

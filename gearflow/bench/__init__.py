@@ -41,6 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def record(bench: str, workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
+    """One measurement; ``ratio`` = value / floor when a floor was measured."""
+    return {
+        "bench": bench,
+        "workload": workload,
+        "metric": metric,
+        "value": float(value),
+        "unit": unit,
+        "floor": None if floor is None else float(floor),
+        "ratio": None if not floor else float(value) / float(floor),
+    }
+
+
 def emit(record: dict[str, Any], as_json: bool) -> None:
     """Print one measurement: a JSON line, or a readable row."""
     if as_json:

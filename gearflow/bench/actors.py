@@ -22,6 +22,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from gearflow.actor import Actor
+from gearflow.bench import record
 from gearflow.agent import ActOutput, make_agent
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
@@ -32,15 +33,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cartpole_ape
 
 
 def _record(workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
-    return {
-        "bench": "actors",
-        "workload": workload,
-        "metric": metric,
-        "value": float(value),
-        "unit": unit,
-        "floor": None if floor is None else float(floor),
-        "ratio": None if not floor else float(value) / float(floor),
-    }
+    return record("actors", workload, metric, value, unit, floor)
 
 
 class RandomPolicy:

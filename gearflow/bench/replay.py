@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from gearflow.bench import record
 from gearflow.errors import GearflowError
 from gearflow.replay import (
     RateLimiter,
@@ -46,15 +47,7 @@ W3_SPEC = {**W1_SPEC, "stamp": "int64"}
 
 
 def _record(workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
-    return {
-        "bench": "replay",
-        "workload": workload,
-        "metric": metric,
-        "value": float(value),
-        "unit": unit,
-        "floor": None if floor is None else float(floor),
-        "ratio": None if not floor else float(value) / float(floor),
-    }
+    return record("replay", workload, metric, value, unit, floor)
 
 
 def _timed(fn: Callable[[], object], min_seconds: float, min_calls: int = 5) -> float:

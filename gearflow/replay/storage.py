@@ -180,17 +180,7 @@ class SharedStorage:
     @classmethod
     def attach(cls, name: str) -> "SharedStorage":
         """Map an existing segment by name (zero-copy)."""
-        path = SHM_DIR / name
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no shared-memory table named {name!r} in {SHM_DIR}") from None
-        try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return cls(name, mm, owner=False)
+        return cls(name, map_segment(name, "shared-memory table"), owner=False)
 
     def close(self) -> None:
         """Drop this process's mapping (views handed out keep it alive until freed)."""
@@ -242,6 +232,18 @@ class SharedStorage:
     @property
     def capacity(self) -> int:
         return self.num_partitions * self.steps_per_partition
+
+
+def map_segment(name: str, what: str = "shared-memory segment") -> mmap.mmap:
+    """Map the whole of an existing ``/dev/shm/<name>`` read-write (shared)."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {what} named {name!r} in {SHM_DIR}") from None
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -254,6 +254,7 @@ class Table:
                 raise RuntimeError("replay: writers overwrite items faster than they can be gathered")
             self.torn += bad.size
             self._remove(np.unique(slots[bad]))
+            self.scan()  # evict everything overwritten since the draw, not only what we hit
             self.wait_until_ready(bad.size, timeout_s)
             fresh = self.selector.sample(bad.size)
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()

@@ -1,0 +1,52 @@
+"""The benchmark suites run end to end (tiny sizes) and print well-formed JSON lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"bench", "workload", "metric", "value", "unit", "floor", "ratio"}
+
+pytestmark = pytest.mark.slow
+
+
+def bench(*args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "gearflow", "bench", *args, "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    for row in rows:
+        assert set(row) == FIELDS, row
+        if row["floor"] is not None:
+            assert row["ratio"] == pytest.approx(row["value"] / row["floor"])
+    return rows
+
+
+def test_bench_replay_all_workloads_smoke():
+    rows = bench("replay", "--scale", "0.01")
+    by = {(r["workload"], r["metric"]): r for r in rows}
+    assert {w for w, _ in by} == {"W1", "W2", "W3", "W4"}
+    assert by[("W1", "sample_GB_per_s")]["value"] > 0
+    assert by[("W1", "priority_updates_per_s")]["value"] > 0
+    # the concurrency workload verifies every sampled row: none may be torn
+    assert by[("W3", "torn_or_corrupt_rows_returned")]["value"] == 0
+    assert any(m.startswith("sample_cost_ratio") for w, m in by if w == "W4")
+
+
+def test_bench_unknown_workload_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "gearflow", "bench", "replay", "--workloads", "W9"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown workload(s) ['W9']" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_actors_random_policy_against_bare_envpool():
+    rows = bench("actors", "--workloads", "random", "--scale", "0.2")
+    (row,) = rows
+    assert row["workload"] == "random" and row["metric"].startswith("env_steps_per_s[CartPole-v1")
+    assert row["value"] > 0 and row["floor"] > 0
