@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import platform
 from dataclasses import dataclass
 
@@ -23,15 +24,31 @@ def _package(name: str) -> Row:
         module = importlib.import_module(name)
     except Exception as exc:  # a broken install can raise more than ImportError
         return Row(name, False, f"not importable: {type(exc).__name__}: {exc}")
-    return Row(name, True, str(getattr(module, "__version__", "installed")))
+    version = getattr(module, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "installed"
+    return Row(name, True, str(version))
 
 
 def collect() -> list[Row]:
     rows = [Row("python", True, f"{platform.python_version()} ({platform.machine()})")]
     rows += [_package(name) for name in PACKAGES]
+    rows.append(_hotpath())
     probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), probe_pyverbs()]
     rows += [Row(p.name, p.ok, p.detail) for p in probes]
     return rows
+
+
+def _hotpath() -> Row:
+    """The C replay hot path (sum tree, window rows), built at install when a compiler exists."""
+    try:
+        importlib.import_module("gearflow.replay._hotpath")
+    except ImportError as exc:
+        return Row("replay C hot path", False, f"not built ({exc}); using the numpy reference (slower)")
+    return Row("replay C hot path", True, "built")
 
 
 def render(rows: list[Row]) -> str:
