@@ -59,7 +59,7 @@ from gearflow.agent import resolve_device
 from gearflow.replay.items import Transition
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import SharedStorage
-from gearflow.replay.writer import Writer
+from gearflow.replay.writer import InsertAborted, Writer
 
 log = logging.getLogger(__name__)
 
@@ -437,16 +437,21 @@ class Actor:
         recvs = 0
         stopped = False
         next_tick = time.monotonic() + tick_s
-        while max_steps is None or done < max_steps:
-            if recvs % STOP_CHECK_EVERY == 0:
-                if stop_event is not None and stop_event.is_set():
-                    stopped = True
-                    break
-                if on_tick is not None and time.monotonic() >= next_tick:
-                    on_tick(self)
-                    next_tick = time.monotonic() + tick_s
-            done += self.step()
-            recvs += 1
+        # an insert held by the rate limiter gives up when we are told to stop
+        self.writer.abort = stop_event.is_set if stop_event is not None else None
+        try:
+            while max_steps is None or done < max_steps:
+                if recvs % STOP_CHECK_EVERY == 0:
+                    if stop_event is not None and stop_event.is_set():
+                        stopped = True
+                        break
+                    if on_tick is not None and time.monotonic() >= next_tick:
+                        on_tick(self)
+                        next_tick = time.monotonic() + tick_s
+                done += self.step()
+                recvs += 1
+        except InsertAborted:
+            stopped = True
         self.flush_items(block=not stopped)
         return done
 
@@ -481,6 +486,17 @@ class Actor:
 # ---------------------------------------------------------------------- process entry
 
 
+class _OrphanGuard:
+    """``stop_event``, also set once the learner that spawned us is gone (even by SIGKILL,
+    which runs no cleanup): an orphaned actor stops instead of stepping forever."""
+
+    def __init__(self, stop_event, parent_pid: int):
+        self._event, self._parent = stop_event, parent_pid
+
+    def is_set(self) -> bool:
+        return self._event.is_set() or os.getppid() != self._parent
+
+
 def run_actor_process(
     cfg_yaml: str,
     actor_index: int,
@@ -489,11 +505,13 @@ def run_actor_process(
     params_name: Optional[str],
     metrics_queue,
     stop_event,
+    parent_pid: Optional[int] = None,
 ) -> None:
     """Spawn target of one actor process (picklable: only names and plain values cross).
 
     Attaches the replay storage and the parameter store by name, builds the env,
-    the agent and the actor, and runs until ``stop_event``. Sends through
+    the agent and the actor, and runs until ``stop_event`` is set or the process
+    ``parent_pid`` (the learner) is gone, even if it was SIGKILLed. Sends through
     ``metrics_queue`` dicts with a ``type``:
 
     * ``episode``: ``actor``, ``env`` (global index), ``actor/episode_return``,
@@ -556,7 +574,7 @@ def run_actor_process(
             env.backend,
             np.asarray(partitions).tolist(),
         )
-        actor.run(stop_event, on_tick=on_tick)
+        actor.run(_OrphanGuard(stop_event, parent_pid or os.getppid()), on_tick=on_tick)
         on_tick(actor)
     except BaseException:
         try:

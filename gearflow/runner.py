@@ -111,7 +111,7 @@ class ActorSupervisor:
             target=self._target,
             name=f"actor-{i}",
             args=(self.cfg_yaml, i, self.storage_name, self.partitions[i].tolist(),
-                  self.params_name, self.metrics, self.stop_event),
+                  self.params_name, self.metrics, self.stop_event, os.getpid()),
             daemon=True,
         )  # fmt: skip
         proc.start()

@@ -135,3 +135,34 @@ def test_item_kind_mismatch_is_a_config_error_before_anything_starts(tmp_path):
     assert "replay.item='sequence': agent agents.apex_dqn learns from transition items" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_actors_stop_when_the_learner_is_sigkilled(tmp_path):
+    cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={tmp_path / 'run'}",
+           "run.max_env_steps=0", "run.max_seconds=120"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        actors: list[int] = []
+        while time.monotonic() < deadline and len(actors) < 2:
+            actors = [c for c in _children(proc.pid) if "resource_tracker" not in _cmdline(c)]
+            time.sleep(0.2)
+        assert len(actors) == 2, "the run did not start two actors"
+        time.sleep(2.0)
+        proc.kill()  # SIGKILL: the learner runs no cleanup at all
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(a) for a in actors):
+            time.sleep(0.2)
+        left = [a for a in actors if _alive(a)]
+        assert not left, f"orphaned actors kept running: {[(a, _cmdline(a)[:80], Path(f'/proc/{a}/status').read_text()[:200]) for a in left]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for a in actors:
+            if _alive(a):
+                os.kill(a, signal.SIGKILL)
+        # the dead learner's segments are what `gearflow replay gc` is for
+        from gearflow.replay.storage import gc_segments
+
+        gc_segments()

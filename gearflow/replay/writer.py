@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import (
     COMMIT,
@@ -41,6 +42,10 @@ from gearflow.replay.storage import (
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
 MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
+
+
+class InsertAborted(GearflowError):
+    """A blocked insert gave up because ``Writer.abort()`` said the writer should stop."""
 
 
 def _check_priorities(priorities: np.ndarray) -> None:
@@ -81,6 +86,7 @@ class Writer:
         c[parts, COMMIT] = self._pos
         c[parts, RESERVE] = self._pos
         c[parts, WRITER_PID] = os.getpid()
+        self.abort: Callable[[], bool] | None = None  # polled while an insert waits on the rate limiter
         if prefault:
             storage.prefault(parts)  # no page faults in the env loop's first lap
         self._episode_start = self._pos.copy()
@@ -276,6 +282,8 @@ class Writer:
         deadline = time.monotonic() + self.insert_timeout_s
         delay = 1e-4
         while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
+            if self.abort is not None and self.abort():
+                raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
             if time.monotonic() > deadline:
                 raise RateLimiterTimeout(
                     f"insert of {m} item(s) blocked for {self.insert_timeout_s:.1f} s by the rate "
