@@ -17,7 +17,6 @@ from types import ModuleType
 
 from gearflow.errors import MissingDependencyError
 
-KERNEL_DIR = Path(__file__).resolve().parent
 
 CUPY_HINT = "pip install 'gearflow[gpu]' (CUDA 12) or 'gearflow[gpu-cu13]' (CUDA 13)"
 PYVERBS_HINT = (

@@ -1,0 +1,234 @@
+"""CUDA micro-benchmarks of the GPU-centric replay path: ``python -m gearflow.native.bench_cuda``.
+
+Prints one JSON object per measurement:
+
+* ``gather/zero_copy``   — the gather kernels reading rows straight out of
+  registered, mapped host memory into device memory (transitions: B rows;
+  sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths.
+* ``gather/pinned_memcpy`` — ``cudaMemcpyAsync`` of the same number of bytes,
+  contiguous, from the same pinned host memory: what the link moves at best.
+* ``gather/cpu_then_h2d`` — the CPU path: ``np.take`` of the same rows into a
+  pinned staging buffer, then ``cudaMemcpyAsync`` to the device.
+* ``select/*`` — proportional selection over a device priority vector of N
+  slots (10^6 and 10^7): a sample of 256 (uniforms, chunk scan, search, IS
+  weights), an update of 256 priorities (scatter + chunk refresh), a full
+  chunk-sum pass; and, for scale, the CPU ``PrioritizedSelector.sample(256)``.
+
+GB/s are bytes gathered per second of GPU time between CUDA events (median of
+the repeats); selection times are host wall time per call including Python
+launch overhead, after the stream drained. Needs CuPy and a GPU; nothing is
+installed. Every gather is checked against numpy once before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from gearflow.native import require_cupy
+from gearflow.native.gather import CudaGather
+from gearflow.native.hostmem import register_host
+from gearflow.native.select import CudaSelect, num_chunks
+
+OBS_ROW = 4 * 84 * 84  # an Atari frame stack, uint8: 28224 bytes = 1764 * 16
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def gpu_ms(cupy: Any, stream: Any, fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median GPU milliseconds of ``fn`` (queued on ``stream``), between events."""
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def wall_us(stream: Any, fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
+    """Host microseconds per call of ``fn`` over ``repeats`` calls, the stream drained at the end."""
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    stream.synchronize()
+    return (time.perf_counter() - t0) / repeats * 1e6
+
+
+def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str]) -> None:
+    runtime = cupy.cuda.runtime
+    h2d = getattr(runtime, "memcpyHostToDevice", 1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    nbytes = args.host_mib * 2**20
+    mm = mmap.mmap(-1, nbytes)  # anonymous, page-aligned: stands in for a replay segment
+    host = np.frombuffer(mm, dtype=np.uint8)
+    host.view(np.uint64)[:] = np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    t0 = time.perf_counter()
+    reg = register_host(cupy, int(host.ctypes.data), nbytes)
+    emit({"bench": "hostmem/register", "MiB": args.host_mib, "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+    gather = CudaGather(cupy)
+    rng = np.random.default_rng(0)
+    try:
+        with stream:
+            for row_bytes in (OBS_ROW, OBS_ROW + 4, OBS_ROW + 1):
+                num_rows = nbytes // row_bytes
+                column = host[: num_rows * row_bytes].reshape(num_rows, row_bytes)
+                # transitions: B rows
+                rows = rng.integers(0, num_rows, size=args.batch).astype(np.int64)
+                rows_d = cupy.asarray(rows)
+                out = cupy.empty((args.batch, row_bytes), dtype=cupy.uint8)
+                plan = gather.gather_rows(reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
+                stream.synchronize()
+                if not np.array_equal(out.get(), column[rows]):
+                    failures.append(f"gather_rows row_bytes={row_bytes}: kernel != numpy")
+                run = partial(gather.gather_rows, reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
+                ms = gpu_ms(cupy, stream, run, args.repeats)
+                moved = args.batch * row_bytes
+                emit({"bench": "gather/zero_copy", "kind": "rows", "row_bytes": row_bytes, "batch": args.batch,
+                      "kernel": plan.kernel, "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
+                # sequences: B windows of T steps, P partitions of S steps, random starts (some wrap)
+                S = num_rows // args.partitions
+                B, T = args.seq_batch, args.seq_len
+                parts = rng.integers(0, args.partitions, size=B).astype(np.int64)
+                starts = rng.integers(0, 10 * S, size=B).astype(np.int64)
+                lengths = np.full(B, T, dtype=np.int32)
+                lengths[::4] = T // 2  # some padded items
+                pd, sd, ld = (cupy.asarray(a) for a in (parts, starts, lengths))
+                win = cupy.empty((B, T, row_bytes), dtype=cupy.uint8)
+                mask = cupy.empty((B, T), dtype=cupy.bool_)
+                plan = gather.gather_windows(reg.device_ptr, row_bytes, S, pd, sd, ld, T, win, mask,
+                                             num_rows=args.partitions * S)
+                stream.synchronize()
+                steps = np.arange(T)
+                ref_rows = parts[:, None] * S + (starts[:, None] + steps) % S
+                ref = np.where((steps < lengths[:, None])[..., None], column[ref_rows], 0)
+                if not np.array_equal(win.get(), ref):
+                    failures.append(f"gather_windows row_bytes={row_bytes}: kernel != numpy")
+                run = partial(gather.gather_windows, reg.device_ptr, row_bytes, S, pd, sd, ld, T, win, mask,
+                              num_rows=args.partitions * S)
+                ms = gpu_ms(cupy, stream, run, args.repeats)
+                moved = int(lengths.sum()) * row_bytes  # padding is written, not read
+                emit({"bench": "gather/zero_copy", "kind": "windows", "row_bytes": row_bytes, "batch": B,
+                      "T": T, "kernel": plan.kernel, "MB": round(moved / 1e6, 2),
+                      "GB/s": round(moved / ms / 1e6, 2)})
+
+            # floors for the transition batch of the Atari row width
+            moved = args.batch * OBS_ROW
+            dev = cupy.empty(moved, dtype=cupy.uint8)
+            run = partial(runtime.memcpyAsync, dev.data.ptr, reg.host_ptr, moved, h2d, stream.ptr)
+            ms = gpu_ms(cupy, stream, run, args.repeats)
+            emit({"bench": "gather/pinned_memcpy", "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
+            num_rows = nbytes // OBS_ROW
+            column = host[: num_rows * OBS_ROW].reshape(num_rows, OBS_ROW)
+            rows = rng.integers(0, num_rows, size=args.batch).astype(np.int64)
+            pinned = cupy.cuda.alloc_pinned_memory(moved)
+            staging = np.frombuffer(pinned, dtype=np.uint8, count=moved).reshape(args.batch, OBS_ROW)
+
+            def cpu_then_h2d() -> None:
+                np.take(column, rows, axis=0, out=staging)
+                runtime.memcpyAsync(dev.data.ptr, staging.ctypes.data, moved, h2d, stream.ptr)
+
+            us = wall_us(stream, cpu_then_h2d, args.repeats)
+            emit({"bench": "gather/cpu_then_h2d", "MB": round(moved / 1e6, 2),
+                  "GB/s": round(moved / us / 1e3, 2), "us": round(us, 1)})
+            stream.synchronize()
+    finally:
+        stream.synchronize()
+        reg.close()  # before the mapping can go away
+        del host
+        try:
+            mm.close()
+        except BufferError:  # a numpy view of it is still referenced: freed with it
+            pass
+
+
+def _sample(sel: CudaSelect, cupy: Any, masses: Any, sums: Any, n: int, batch: int) -> None:
+    _, probs = sel.sample_proportional(masses, cupy.random.random(batch), chunk_sums=sums)
+    sel.importance_weights(probs, n, 0.4)
+
+
+def bench_select(cupy: Any, args: argparse.Namespace, failures: list[str]) -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    sel = CudaSelect(cupy)
+    B = 256
+    for n in args.sizes:
+        with stream:
+            masses = cupy.random.random(n, dtype=cupy.float64)
+            masses[::7] = 0.0
+            sums = sel.sum_chunks(masses)
+            slots, _ = sel.sample_proportional(masses, cupy.random.random(B), chunk_sums=sums)
+            stream.synchronize()
+            if bool((slots < 0).any()) or bool((masses[slots] == 0).any()):
+                failures.append(f"sample_proportional N={n}: a zero-mass or missing slot was drawn")
+            us = wall_us(stream, partial(_sample, sel, cupy, masses, sums, n, B), args.repeats * 5)
+            emit({"bench": "select/sample_proportional", "N": n, "batch": B, "us": round(us, 1),
+                  "note": "uniforms + chunk scan + search + IS weights, chunk sums cached"})
+            upd_slots = cupy.random.randint(0, n, size=B, dtype=cupy.int64)
+            upd_prios = cupy.random.random(B, dtype=cupy.float64)
+            run = partial(sel.update_priorities, masses, upd_slots, upd_prios, 0.6, chunk_sums=sums)
+            emit({"bench": "select/update_priorities", "N": n, "batch": B,
+                  "us": round(wall_us(stream, run, args.repeats * 5), 1)})
+            ms = gpu_ms(cupy, stream, partial(sel.sum_chunks, masses, sums), args.repeats)
+            emit({"bench": "select/sum_chunks", "N": n, "chunks": num_chunks(n), "us_gpu": round(ms * 1e3, 1)})
+        if args.cpu_baseline:
+            from gearflow.replay.selectors import make_selector
+
+            cpu = make_selector("prioritized", n, seed=0, alpha=0.6, beta=0.4)
+            cpu.insert(np.arange(n), np.random.default_rng(0).random(n), np.arange(n))
+            reps = args.repeats * 5
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                cpu.sample(B)
+            emit({"bench": "select/cpu_prioritized_selector", "N": n, "batch": B,
+                  "us": round((time.perf_counter() - t0) / reps * 1e6, 1)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gearflow.native.bench_cuda", description=__doc__.split("\n")[0])
+    parser.add_argument("--host-mib", type=int, default=512, help="registered host memory (MiB)")
+    parser.add_argument("--batch", type=int, default=256, help="transition batch (rows)")
+    parser.add_argument("--seq-batch", type=int, default=32, help="sequence batch (windows)")
+    parser.add_argument("--seq-len", type=int, default=80, help="window length T")
+    parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sizes", type=lambda s: [int(float(x)) for x in s.split(",")], default=[10**6, 10**7],
+                        help="priority vector sizes, comma-separated (default 1e6,1e7)")
+    parser.add_argument("--no-cpu-baseline", dest="cpu_baseline", action="store_false")
+    args = parser.parse_args(argv)
+    cupy = require_cupy("gearflow.native.bench_cuda")
+    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    name = dev["name"].decode() if isinstance(dev["name"], bytes) else str(dev["name"])
+    emit({"bench": "device", "name": name, "cupy": cupy.__version__,
+          "runtime": cupy.cuda.runtime.runtimeGetVersion(), "driver": cupy.cuda.runtime.driverGetVersion()})
+    failures: list[str] = []
+    for part in (bench_gather, bench_select):
+        try:
+            part(cupy, args, failures)
+        except Exception as exc:  # noqa: BLE001 - report and go on: the other half still says something
+            failures.append(f"{part.__name__}: {type(exc).__name__}: {exc}")
+    for f in failures:
+        emit({"bench": "FAILED", "detail": f})
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

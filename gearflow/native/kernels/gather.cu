@@ -1,0 +1,166 @@
+// Zero-copy gathers of replay rows straight out of mapped host memory.
+//
+// Source: one column of a gearflow table (gearflow/replay/storage.py), i.e. a
+// C-contiguous byte array [P * S, row_bytes] in the table's shared-memory
+// segment, registered with cudaHostRegister(cudaHostRegisterMapped |
+// cudaHostRegisterPortable) (gearflow/native/hostmem.py). `src` is the *device*
+// pointer of row 0 of that column; every load below crosses the host link
+// (PCIe / NVLink-C2C), so the kernels keep several 16-byte loads in flight per
+// thread. Step t of partition p is row p * S + t % S: a window of T steps that
+// starts at absolute step `start` reads rows p * S + (start + j) % S, j < T,
+// wrapping around the partition's ring.
+//
+// Dtypes: byte pointers for rows (a row is row_bytes bytes of any column
+// dtype), int64 ("long long") partitions / starts / rows / sizes, int32
+// lengths, bool mask (1 byte). Strides: dst is C-contiguous [B, T, row_bytes]
+// (windows) or [N, row_bytes] (rows), so output row r starts at r * row_bytes.
+//
+// Alignment and load width: every kernel exists in four variants, named by the
+// bytes each load/store moves: _v16 (uint4), _v8 (uint2), _v4 (unsigned int)
+// and _v1 (unsigned char). The wrapper (gearflow/native/gather.py,
+// plan_gather) picks the widest W such that the src base pointer, the dst
+// pointer and row_bytes are all multiples of W; then every row of src and dst
+// starts W-aligned, and a row is exactly row_bytes / W units. Rows that are not
+// a multiple of 4 bytes (e.g. 33) take the byte path: still coalesced, fewer
+// bytes per request.
+//
+// Launch geometry (all kernels here): block = (TX, TY, 1) with TX * TY == 256,
+// TX = threads per row = the power of two >= row_bytes / W, capped at 256, and
+// TY = rows per block; grid = (ceil(rows / TY) capped at 65535, 1, 1). Each
+// block walks rows blockIdx.x * TY + threadIdx.y, then + gridDim.x * TY, ...
+// (grid-stride), and the TX threads of a row copy its units lane, lane + TX,
+// ... No shared memory, no __syncthreads, no atomics: any grid is correct.
+//
+// Streams: the kernels are launched on the caller's CuPy stream (the current
+// stream, or the `stream=` the wrapper is given); nothing here synchronizes.
+// Read the partitions' RESERVE counters only after that stream has finished
+// the gather (seqlock check, gearflow/native/gather.py:torn_items).
+//
+// Robustness: an item whose partition is outside [0, num_parts) or whose start
+// is negative is written as padding (zeros, mask false) and a row index
+// outside [0, num_rows) as zeros: a bad index never reads outside the column.
+// Host-side index arrays are validated by the wrapper before the launch.
+//
+// Compiled by CuPy with NVRTC (no #include needed) and, in the tests, by
+// `nvcc --ptx` for sm_80 and sm_90.
+
+typedef long long i64;
+
+#define GF_GATHER_THREADS 256
+
+// Copy n units of type V from src to dst, lanes `lane`, `lane + lanes`, ...;
+// four loads in flight per thread before their stores (host-link latency).
+template <typename V>
+__device__ __forceinline__ void gf_copy_units(const V* __restrict__ src, V* __restrict__ dst,
+                                              i64 n, int lane, int lanes)
+{
+    i64 i = lane;
+    const i64 step = lanes;
+    for (; i + 3 * step < n; i += 4 * step) {
+        const V a = src[i];
+        const V b = src[i + step];
+        const V c = src[i + 2 * step];
+        const V d = src[i + 3 * step];
+        dst[i] = a;
+        dst[i + step] = b;
+        dst[i + 2 * step] = c;
+        dst[i + 3 * step] = d;
+    }
+    for (; i < n; i += step) dst[i] = src[i];
+}
+
+template <typename V>
+__device__ __forceinline__ void gf_zero_units(V* __restrict__ dst, i64 n, int lane, int lanes)
+{
+    V zero;
+    unsigned char* z = reinterpret_cast<unsigned char*>(&zero);
+    for (int k = 0; k < (int)sizeof(V); ++k) z[k] = 0;
+    for (i64 i = lane; i < n; i += lanes) dst[i] = zero;
+}
+
+// dst[b, j, :] = src row parts[b] * S + (starts[b] + j) % S  for j < min(lengths[b], T)
+// dst[b, j, :] = 0                                           otherwise (padding)
+// mask[b, j]   = j < min(lengths[b], T)
+//   src     device pointer of the column's row 0 (mapped host memory), row_bytes per row
+//   parts   int64[B], partition of each item, in [0, num_parts)
+//   starts  int64[B], absolute first step of each item, >= 0
+//   lengths int32[B], steps in each item (clamped to [0, T])
+//   dst     [B, T, row_bytes] bytes, C-contiguous;  mask bool[B, T]
+template <typename V>
+__device__ __forceinline__ void gf_gather_windows(
+    const unsigned char* __restrict__ src, i64 row_bytes, i64 S, i64 num_parts,
+    const i64* __restrict__ parts, const i64* __restrict__ starts,
+    const int* __restrict__ lengths, i64 B, int T,
+    unsigned char* __restrict__ dst, bool* __restrict__ mask)
+{
+    const i64 units = row_bytes / (i64)sizeof(V);  // exact: the wrapper checked row_bytes % W == 0
+    const int lane = threadIdx.x;
+    const int lanes = blockDim.x;
+    const i64 rows = B * (i64)T;
+    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows;
+         r += (i64)gridDim.x * blockDim.y) {
+        const i64 b = r / T;
+        const int j = (int)(r - b * T);
+        const i64 p = parts[b];
+        const i64 start = starts[b];
+        int n = lengths[b];
+        n = n < 0 ? 0 : (n > T ? T : n);
+        const bool valid = j < n && p >= 0 && p < num_parts && start >= 0;
+        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
+        if (valid) {
+            const i64 row = p * S + (start + j) % S;
+            gf_copy_units(reinterpret_cast<const V*>(src + row * row_bytes), out, units, lane, lanes);
+        } else {
+            gf_zero_units(out, units, lane, lanes);
+        }
+        if (lane == 0) mask[r] = valid;
+    }
+}
+
+// dst[i, :] = src row rows[i]  (zeros for a row outside [0, num_rows))
+//   rows int64[N]; dst [N, row_bytes] bytes, C-contiguous.
+// Transitions are this with rows = p * S + start % S (first step) and
+// p * S + (start + length - 1) % S (last step, the n-step bootstrap row).
+template <typename V>
+__device__ __forceinline__ void gf_gather_rows(
+    const unsigned char* __restrict__ src, i64 row_bytes, i64 num_rows,
+    const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst)
+{
+    const i64 units = row_bytes / (i64)sizeof(V);
+    const int lane = threadIdx.x;
+    const int lanes = blockDim.x;
+    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < N;
+         r += (i64)gridDim.x * blockDim.y) {
+        const i64 row = rows[r];
+        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
+        if (row >= 0 && row < num_rows) {
+            gf_copy_units(reinterpret_cast<const V*>(src + row * row_bytes), out, units, lane, lanes);
+        } else {
+            gf_zero_units(out, units, lane, lanes);
+        }
+    }
+}
+
+// extern "C" entry points, one per load width (see the header comment).
+#define GF_DEFINE_GATHER(SUFFIX, V)                                                          \
+    extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
+    gather_windows_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 S,     \
+                            i64 num_parts, const i64* __restrict__ parts,                    \
+                            const i64* __restrict__ starts, const int* __restrict__ lengths, \
+                            i64 B, int T, unsigned char* __restrict__ dst,                   \
+                            bool* __restrict__ mask)                                         \
+    {                                                                                        \
+        gf_gather_windows<V>(src, row_bytes, S, num_parts, parts, starts, lengths, B, T,     \
+                             dst, mask);                                                     \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
+    gather_rows_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 num_rows, \
+                         const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst) \
+    {                                                                                        \
+        gf_gather_rows<V>(src, row_bytes, num_rows, rows, N, dst);                           \
+    }
+
+GF_DEFINE_GATHER(v16, uint4)
+GF_DEFINE_GATHER(v8, uint2)
+GF_DEFINE_GATHER(v4, unsigned int)
+GF_DEFINE_GATHER(v1, unsigned char)
