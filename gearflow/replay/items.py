@@ -165,11 +165,26 @@ class Sequence(ItemKind):
         else:  # full windows: no per-element work
             out["mask"].fill_(True)
             out["length"].fill_(T)
-        for name, src in tensors.items():
-            src, dst = gatherable(src), gatherable(out[name])
-            torch.index_select(src, 0, idx, out=dst.view(B * T, *src.shape[1:]))
+        for src, flat, dst in self._plan(tensors, out, B, T):
+            torch.index_select(src, 0, idx, out=flat)  # (B*T, *shape) view of dst
             if padded:
                 dst.masked_fill_(~out["mask"].view(B, T, *([1] * (src.dim() - 1))), 0)
+
+    def _plan(self, tensors, out, B, T):
+        """Per output buffer, once: (gatherable source, flat destination view, destination)."""
+        plans = self.__dict__.get("_plans")
+        if plans is None:
+            plans = {}
+            object.__setattr__(self, "_plans", plans)  # frozen dataclass: a private cache
+        key = (id(tensors), id(out))
+        plan = plans.get(key)
+        if plan is None or plan[0] is not tensors or plan[1] is not out:
+            steps = []
+            for name, src in tensors.items():
+                src, dst = gatherable(src), gatherable(out[name])
+                steps.append((src, dst.view(B * T, *src.shape[1:]), dst))
+            plan = plans[key] = (tensors, out, steps)
+        return plan[2]
 
     # writer-side schedule ------------------------------------------------
     def due_on_append(self, episode_length: int) -> list[int]:

@@ -52,6 +52,11 @@ from gearflow.replay.writer import _check_priorities
 
 log = logging.getLogger(__name__)
 
+try:  # C helpers (setup.py builds them); numpy is the reference and the fallback
+    from gearflow.replay import _hotpath
+except ImportError:  # pragma: no cover - depends on the build
+    _hotpath = None
+
 MAX_RESAMPLE_ROUNDS = 100
 MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 _NONE = np.zeros(0, dtype=np.int64)
@@ -104,6 +109,7 @@ class Table:
         self._ingested = np.zeros(P, dtype=np.int64)  # next seq to ingest
         self._live_lo = np.zeros(P, dtype=np.int64)  # oldest seq that may be live
         self._seen_reserve = np.full(P, -1, dtype=np.int64)
+        self._seen_total = -1  # sum of all partitions' RESERVE, COMMIT, PUBLISHED at the last scan
         self._order = 0  # insertion sequence over all partitions (FIFO/LIFO order)
         self.samples = 0  # items sampled
         self.inserts = 0  # items ingested
@@ -119,6 +125,12 @@ class Table:
     def scan(self) -> int:
         """Ingest newly published items and evict overwritten ones; returns items ingested."""
         c = self.storage.counters
+        # RESERVE, COMMIT and PUBLISHED only grow: an unchanged sum means nothing was
+        # written since the last scan (the common case between two samples): one numpy call
+        total = int(c[:, :3].sum())
+        if total == self._seen_total:
+            return 0
+        self._seen_total = total
         published = c[:, PUBLISHED].copy()
         reserve = c[:, RESERVE].copy()
         changed = np.flatnonzero((published != self._ingested) | (reserve != self._seen_reserve))
@@ -216,6 +228,8 @@ class Table:
     def wait_until_ready(self, batch_size: int, timeout_s: float | None = None) -> None:
         """Block (scanning) until the rate limiter allows sampling ``batch_size`` items."""
         lim = self.rate_limiter
+        if lim.samples_per_insert == 0 and self.size >= lim.min_size_to_sample:
+            return  # the usual case, without reading the insert counters
         total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
         if lim.can_sample(self.size, total(), self.samples, batch_size):
             return
@@ -243,7 +257,7 @@ class Table:
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self._buffers_for(batch_size)
-        rec = self._slot_rec[slots]  # (B, 3): start, seq, length
+        rec = self._records(slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out)
         bad = self._torn(slots, rec)
         rounds = 0
@@ -260,12 +274,12 @@ class Table:
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
             slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
             weights = (weights / weights.max()).astype(np.float32)
-            rec = self._slot_rec[slots]
+            rec = self._records(slots)
             self._gather(slots, rec, out, only=bad)
-            bad = bad[self._torn(slots[bad], rec[bad])]
+            bad = bad[self._torn(slots[bad], rec[:, bad])]
         self.samples += batch_size
         self._publish_insert_limit()
-        keys = rec[:, 1] * self._P + slots // self._R
+        keys = rec[1] * self._P + slots // self._R
         return Sample(
             data=out,
             keys=torch.from_numpy(keys),
@@ -273,9 +287,18 @@ class Table:
             probabilities=torch.from_numpy(np.asarray(probs, dtype=np.float64)),
         )
 
+    def _records(self, slots: np.ndarray) -> np.ndarray:
+        """``_slot_rec[slots].T`` (3, B): rows start, seq, length; gathered in C with
+        prefetching where built (in big tables every record is a cache miss)."""
+        if _hotpath is None:
+            return self._slot_rec[slots].T
+        rec = np.empty((3, slots.size), dtype=np.int64)
+        _hotpath.take_rows(self._slot_rec, 3, slots, rec)
+        return rec
+
     def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
         parts = slots // self._R
-        starts, lengths = rec[:, 0], rec[:, 2]
+        starts, lengths = rec[0], rec[2]
         if only is None:
             self.kind.gather(self.storage.tensors, out, self.kind.rows(parts, starts, lengths, self._S), lengths)
             return
@@ -289,8 +312,11 @@ class Table:
 
     def _torn(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Positions whose first step may have been overwritten (seqlock check)."""
-        reserve = self.storage.counters[:, RESERVE]  # read after the copy
-        starts = rec[:, 0]
+        c = self.storage.counters  # read after the copy
+        if int(c[:, :3].sum()) == self._seen_total:
+            return _NONE  # no writer has moved since this sample's scan evicted the overwritten
+        reserve = c[:, RESERVE]
+        starts = rec[0]
         if starts.min() >= reserve.max() - self._S:  # nothing can be torn (the usual case)
             return _NONE
         return np.flatnonzero(starts < reserve[slots // self._R] - self._S)

@@ -29,6 +29,7 @@ from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import (
     COMMIT,
+    NO_LIMIT,
     EPISODES,
     H_INSERT_LIMIT,
     H_SAMPLES,
@@ -154,18 +155,23 @@ class Writer:
         arrays, n = self.storage.spec.check_batch(steps, n=len(first_col) if hasattr(first_col, "__len__") else None)
         if n > self._S:
             raise ValueError(f"extend of {n} steps exceeds the partition's {self._S} steps")
-        s = int(self._streams(stream)[0])
+        if not 0 <= stream < self.num_streams:
+            raise ValueError(f"streams [{stream}] out of range [0, {self.num_streams})")
+        s = int(stream)
         p, pos = int(self.partitions[s]), int(self._pos[s])
-        c = self.storage.counters
+        c, columns = self.storage.counters, self.storage.columns
         r0 = pos % self._S
         first = min(n, self._S - r0)  # rows before the ring wraps
-        base = p * self._S
+        lo = p * self._S + r0
         c[p, RESERVE] = pos + n
-        for name, arr in arrays.items():
-            col = self.storage.columns[name]
-            col[base + r0 : base + r0 + first] = arr[:first]
-            if first < n:
-                col[base : base + n - first] = arr[first:]
+        if first == n:
+            for name, arr in arrays.items():
+                columns[name][lo : lo + n] = arr
+        else:
+            base = p * self._S
+            for name, arr in arrays.items():
+                columns[name][lo : lo + first] = arr[:first]
+                columns[name][base : base + n - first] = arr[first:]
         c[p, COMMIT] = pos + n
         self._pos[s] = pos + n
         return pos
@@ -249,7 +255,7 @@ class Writer:
         if end.size != m:
             raise ValueError(f"{m} priorities but {end.size} ends")
         start = end - lengths
-        if not ((prio >= 0) & (prio < np.inf)).all():  # NaN fails both comparisons
+        if not (prio.min() >= 0 and prio.max() < np.inf):  # a NaN fails both comparisons
             _check_priorities(prio)
         if end.max() > pos:
             raise ValueError("an item ends after the last appended step")
@@ -262,7 +268,7 @@ class Writer:
             )
         if m > R:
             raise ValueError(f"more than {R} items for one stream in one call")
-        if start[0] < self._last_item_start[stream] or (m > 1 and (start[1:] < start[:-1]).any()):
+        if start[0] < self._last_item_start[stream] or (m > 1 and np.diff(start).min() < 0):
             raise ValueError("items of a stream must be created in order of their first step")
         p, c, st = int(self.partitions[stream]), self.storage.counters, self.storage
         self._wait_for_insert(m)
@@ -277,7 +283,8 @@ class Writer:
 
     def _wait_for_insert(self, m: int) -> None:
         header, counters = self.storage.header, self.storage.counters
-        if counters[:, PUBLISHED].sum() + m <= header[H_INSERT_LIMIT]:
+        limit = int(header[H_INSERT_LIMIT])
+        if limit == NO_LIMIT or counters[:, PUBLISHED].sum() + m <= limit:
             return
         deadline = time.monotonic() + self.insert_timeout_s
         delay = 1e-4
@@ -296,7 +303,12 @@ class Writer:
 
     def end_episode(self, streams=None) -> None:
         """Close the current episode of ``streams``: later items cannot reach back into it."""
-        s = self._streams(streams)
+        if streams is not None and np.ndim(streams) == 0:  # one stream: plain int indexing
+            s = int(self._streams(int(streams))[0])
+            self._episode_start[s] = self._pos[s]
+            self.storage.counters[int(self.partitions[s]), EPISODES] += 1
+            return
+        s = np.unique(self._streams(streams))  # a stream listed twice ends one episode
         self._episode_start[s] = self._pos[s]
         self.storage.counters[self.partitions[s], EPISODES] += 1
 
