@@ -57,7 +57,6 @@ try:  # C helpers (setup.py builds them); numpy is the reference and the fallbac
 except ImportError:  # pragma: no cover - depends on the build
     _hotpath = None
 
-MAX_RESAMPLE_ROUNDS = 100
 MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 _NONE = np.zeros(0, dtype=np.int64)
 EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
@@ -260,12 +259,19 @@ class Table:
         rec = self._records(slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out)
         bad = self._torn(slots, rec)
-        rounds = 0
+        deadline = None
         while bad.size:
-            # steps overwritten while we copied: evict those items, draw replacements
-            rounds += 1
-            if rounds > MAX_RESAMPLE_ROUNDS:
-                raise RuntimeError("replay: writers overwrite items faster than they can be gathered")
+            # steps overwritten while we copied: evict those items, draw replacements. A
+            # sampler descheduled for a whole lap of a small ring can lose many rounds in a
+            # row, so give up only after the sample timeout, not after a number of rounds.
+            if deadline is None:
+                deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
+            elif time.monotonic() > deadline:
+                raise RateLimiterTimeout(
+                    f"replay: writers kept overwriting the drawn items faster than they could be "
+                    f"gathered ({self.torn} redrawn so far); the ring ({self._S} steps per "
+                    f"partition) is too small for the write rate"
+                )
             self.torn += bad.size
             self._remove(np.unique(slots[bad]))
             self.scan()  # evict everything overwritten since the draw, not only what we hit
