@@ -440,7 +440,8 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
 
 
 @lru_cache(maxsize=None)
-def _envpool_ids() -> frozenset[str]:
+def envpool_ids() -> frozenset[str]:
+    """Task ids this EnvPool install can make (empty without EnvPool); cached."""
     try:
         import envpool
     except ImportError:
@@ -450,19 +451,19 @@ def _envpool_ids() -> frozenset[str]:
 
 def env_id_known(env_id: str, backend: str) -> tuple[bool, str]:
     """Whether the chosen backend can make ``env_id``; otherwise a reason with suggestions."""
-    envpool_ids = _envpool_ids() if backend in ("auto", "envpool") else frozenset()
-    if env_id in envpool_ids:
+    available = envpool_ids() if backend in ("auto", "envpool") else frozenset()
+    if env_id in available:
         return True, ""
     if backend == "envpool":
-        if not envpool_ids:
+        if not available:
             return False, "env.backend=envpool but envpool is not installed (pip install envpool)"
-        close = difflib.get_close_matches(env_id, sorted(envpool_ids), n=3)
+        close = difflib.get_close_matches(env_id, sorted(available), n=3)
         return False, f"unknown EnvPool task id; close matches: {', '.join(close) or 'none'}"
     import gymnasium
 
     if env_id in gymnasium.registry:
         return True, ""
-    candidates = sorted(set(gymnasium.registry) | envpool_ids)
+    candidates = sorted(set(gymnasium.registry) | available)
     close = difflib.get_close_matches(env_id, candidates, n=3)
     return False, (
         f"unknown environment id (not in EnvPool nor gymnasium); close matches: "

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from functools import lru_cache
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from gearflow.config import envpool_ids
 from gearflow.errors import ConfigError
 
 BACKENDS = ("envpool", "gymnasium")
@@ -284,15 +284,6 @@ def _kwargs(env_cfg) -> dict:
     return dict(kw)
 
 
-@lru_cache(maxsize=None)
-def _envpool_ids() -> frozenset[str]:
-    try:
-        import envpool
-    except ImportError:
-        return frozenset()
-    return frozenset(envpool.list_all_envs())
-
-
 def make_vec_env(env_cfg, seed: int) -> VecEnv:
     """One asynchronous vectorised env for ``env_cfg`` (an :class:`~gearflow.config.EnvConfig`).
 
@@ -328,7 +319,7 @@ def make_vec_env(env_cfg, seed: int) -> VecEnv:
             )
         return _adapt(GymnasiumVecEnv, env, env_id=str(factory), seed=seed, transform=transform)
 
-    if backend in ("auto", "envpool") and env_id in _envpool_ids():
+    if backend in ("auto", "envpool") and env_id in envpool_ids():
         import envpool
 
         env = envpool.make(

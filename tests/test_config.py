@@ -253,7 +253,7 @@ def test_every_validate_check_has_a_case():
 
 
 def test_env_backend_envpool_without_envpool(monkeypatch):
-    monkeypatch.setattr(config_mod, "_envpool_ids", lambda: frozenset())
+    monkeypatch.setattr(config_mod, "envpool_ids", lambda: frozenset())
     msg = _error(None, ["env.backend=envpool"])
     assert msg.startswith("defaults: env.id='CartPole-v1':"), msg
     assert "envpool is not installed" in msg

@@ -25,17 +25,7 @@ from gearflow.replay.items import TORCH_DTYPES
 from gearflow.replay.selectors import SELECTORS
 from gearflow.replay.storage import H_INSERT_LIMIT, H_SAMPLES, PUBLISHED, RESERVE, SHM_DIR
 
-SPEC = TableSpec.parse(
-    {"obs": "float32[3]", "frame": "uint8[2,4]", "action": "int64", "done": "bool"}
-)
-
-
-def step_values(p, t):
-    """Columns of step ``t`` of partition ``p``: every value identifies (p, t)."""
-    p, t = np.broadcast_arrays(np.asarray(p, np.int64), np.asarray(t, np.int64))
-    obs = np.stack([p, t, (p * 7919 + t * 31) % 65521], axis=-1).astype(np.float32)
-    frame = ((p * 16 + t)[..., None] + np.arange(8)).astype(np.uint8).reshape(*p.shape, 2, 4)
-    return {"obs": obs, "frame": frame, "action": t * 10 + p, "done": t % 5 == 0}
+from helpers_replay import SPEC, step_values  # noqa: E402
 
 
 class Recorder:
