@@ -12,7 +12,6 @@ import importlib
 import shutil
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 from gearflow.errors import MissingDependencyError

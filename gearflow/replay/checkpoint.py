@@ -75,22 +75,19 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
         np.save(tmp / "columns" / f"{name}.npy", column)
     reserve_after = st.counters[:, RESERVE].copy()
 
-    live = table._slot_live.copy()
+    state = table.state()
+    live = state["slot_live"]
     slots = np.flatnonzero(live)
-    overwritten = table._slot_start[slots] < reserve_after[slots // R] - S
+    overwritten = state["slot_start"][slots] < reserve_after[slots // R] - S
     dropped = slots[overwritten]
     live[dropped] = False
     selector_state = table.selector.state_dict()
 
     np.savez(
         tmp / "table.npz",
-        slot_seq=table._slot_seq,
-        slot_start=table._slot_start,
-        slot_length=table._slot_length,
+        **{k: state[k] for k in ("slot_seq", "slot_start", "slot_length", "ingested", "live_lo")},
         slot_live=live,
         dropped=dropped,
-        ingested=table._ingested,
-        live_lo=table._live_lo,
     )
     np.savez(tmp / "selector.npz", **{k: np.asarray(v) for k, v in selector_state.items()})
     meta = {
@@ -103,14 +100,11 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
         "selector": table.selector.name,
         "rate_limiter": asdict(table.rate_limiter),
         # a restored writer continues after every step written before the copy
-        "commit": np.maximum(commit, table._seen_reserve).tolist(),
-        "published": table._ingested.tolist(),
+        "commit": np.maximum(commit, state["seen_reserve"]).tolist(),
+        "published": state["ingested"].tolist(),
         "episodes": st.counters[:, EPISODES].tolist(),
-        "samples": table.samples,
-        "inserts": table.inserts,
-        "evictions": table.evictions + int(dropped.size),
-        "torn": table.torn,
-        "order": table._order,
+        **{k: state[k] for k in Table.COUNTER_STATE},
+        "evictions": state["evictions"] + int(dropped.size),
         "sample_timeout_s": table.sample_timeout_s,
         "num_buffers": table.num_buffers,
     }
@@ -187,16 +181,7 @@ def restore_checkpoint(path: str | Path, name: str | None = None, pin_memory: bo
             sample_timeout_s=meta["sample_timeout_s"],
             pin_memory=pin_memory,
         )
-        table._slot_seq[:] = arrays["slot_seq"]
-        table._slot_start[:] = arrays["slot_start"]
-        table._slot_length[:] = arrays["slot_length"]
-        table._slot_live[:] = arrays["slot_live"]
-        table._ingested[:] = arrays["ingested"]
-        table._live_lo[:] = arrays["live_lo"]
-        table._seen_reserve[:] = commit
-        table.samples, table.inserts = meta["samples"], meta["inserts"]
-        table.evictions, table.torn, table._order = meta["evictions"], meta["torn"], meta["order"]
-        table._publish_insert_limit()
+        table.load_state({**arrays, **{k: meta[k] for k in Table.COUNTER_STATE}, "seen_reserve": commit})
     except Exception:
         storage.close()
         storage.unlink()

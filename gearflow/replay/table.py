@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,12 +122,15 @@ class Table:
         self._publish_insert_limit()
 
     # ------------------------------------------------------------------ ingest
+    def _counter_total(self) -> int:
+        """Sum of every partition's RESERVE, COMMIT and PUBLISHED: they only grow, so an
+        unchanged sum means no writer moved (one numpy call on the sample path)."""
+        return int(self.storage.counters[:, :3].sum())
+
     def scan(self) -> int:
         """Ingest newly published items and evict overwritten ones; returns items ingested."""
         c = self.storage.counters
-        # RESERVE, COMMIT and PUBLISHED only grow: an unchanged sum means nothing was
-        # written since the last scan (the common case between two samples): one numpy call
-        total = int(c[:, :3].sum())
+        total = self._counter_total()  # unchanged: nothing written since the last scan
         if total == self._seen_total:
             return 0
         self._seen_total = total
@@ -318,10 +322,9 @@ class Table:
 
     def _torn(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Positions whose first step may have been overwritten (seqlock check)."""
-        c = self.storage.counters  # read after the copy
-        if int(c[:, :3].sum()) == self._seen_total:
+        if self._counter_total() == self._seen_total:  # read after the copy
             return _NONE  # no writer has moved since this sample's scan evicted the overwritten
-        reserve = c[:, RESERVE]
+        reserve = self.storage.counters[:, RESERVE]
         starts = rec[0]
         if starts.min() >= reserve.max() - self._S:  # nothing can be torn (the usual case)
             return _NONE
@@ -344,6 +347,28 @@ class Table:
             slots, prios = slots[ok], prios[ok]
         self.selector.update(slots, prios)
         return int(slots.size)
+
+    # ------------------------------------------------------------------ state (checkpoints)
+    ARRAY_STATE = ("slot_seq", "slot_start", "slot_length", "slot_live", "ingested", "live_lo", "seen_reserve")
+    COUNTER_STATE = ("samples", "inserts", "evictions", "torn", "order")
+
+    def state(self) -> dict[str, Any]:
+        """The table's own state (copies): per-slot records and liveness, per-partition
+        ingest/evict positions, counters. With the storage and the selector's
+        ``state_dict`` it is everything a restored table needs."""
+        arrays = {name: getattr(self, "_" + name).copy() for name in self.ARRAY_STATE}
+        counters = {"samples": self.samples, "inserts": self.inserts, "evictions": self.evictions,
+                    "torn": self.torn, "order": self._order}  # fmt: skip
+        return {**arrays, **counters}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state` (the storage and selector are restored separately)."""
+        for name in self.ARRAY_STATE:
+            getattr(self, "_" + name)[:] = state[name]
+        self.samples, self.inserts = int(state["samples"]), int(state["inserts"])
+        self.evictions, self.torn, self._order = int(state["evictions"]), int(state["torn"]), int(state["order"])
+        self._seen_total = -1  # the next scan looks at every partition
+        self._publish_insert_limit()
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> dict[str, float]:
