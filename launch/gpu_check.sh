@@ -6,14 +6,17 @@
 #
 # For a machine with an NVIDIA GPU where gearflow is already installed with its
 # `gpu` (CUDA 12) or `gpu-cu13` (CUDA 13) extra and the dev extra (pytest); this
-# script installs nothing. Steps, each under its own time limit (about 5 minutes
+# script installs nothing. Steps, each under its own time limit (under 5 minutes
 # in all):
 #   1. environment: `gearflow info`, nvidia-smi, and a probe that CuPy can run a
 #      kernel (the check stops here if it cannot: the CUDA tests would only skip)
-#   2. python -m pytest -m cuda tests/test_native.py -q   (kernels vs CPU references,
-#      selection distribution, cudaHostRegister round trip)
-#   3. python -m gearflow.native.bench_cuda   (zero-copy gather GB/s vs pinned
-#      cudaMemcpy vs CPU gather + H2D; selection time for batch 256 at 10^6, 10^7)
+#   2. python -m pytest -m cuda tests/test_native.py tests/test_device_replay.py -q
+#      (kernels vs CPU references, selection distribution, cudaHostRegister round
+#      trip; Table(device="cuda") batches vs what was written, chi-square of the
+#      device draws, torn items redrawn)
+#   3. gearflow bench replay --device cuda --json   (zero-copy gather GB/s vs pinned
+#      cudaMemcpy vs CPU gather + H2D; device sampling time for batch 256 at 10^6
+#      and 10^7; Table(device="cuda") end to end, every sampled row verified)
 # Exit status: 0 when every step passed. Set PYTHON to choose the interpreter.
 set -euo pipefail
 
@@ -54,6 +57,7 @@ sys.exit(0 if p.ok else 1)'; then
   echo "gpu_check: CuPy cannot run a kernel here (see the log); the CUDA tests would only be skipped" >&2
   exit 1
 fi
-step "cuda tests" 130 "$PY" -m pytest -m cuda tests/test_native.py -q -rs -p no:cacheprovider || true
-step "cuda micro-benchmark" 100 "$PY" -m gearflow.native.bench_cuda || true
+step "cuda tests" 110 "$PY" -m pytest -m cuda tests/test_native.py tests/test_device_replay.py -q -rs \
+  -p no:cacheprovider || true
+step "cuda benchmark" 110 "$PY" -m gearflow bench replay --device cuda --json || true
 [ "$failed" = 0 ]

@@ -13,6 +13,8 @@ import importlib
 import json
 from typing import Any
 
+from gearflow.errors import GearflowError
+
 SUITES = {
     "replay": "gearflow.bench.replay",
     "actors": "gearflow.bench.actors",
@@ -32,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply the sizes and durations of the workloads (e.g. 0.1 for a smoke run)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="replay: cpu (the replay core against the CPU floors) or cuda (zero-copy gather vs pinned "
+        "memcpy and staging, device sampling at 1e6/1e7 items, Table(device='cuda') end to end)",
+    )
     parser.add_argument(
         "--config", default="", help="actors: the run config to measure (default configs/cartpole_apex.yaml)"
     )
@@ -71,6 +80,8 @@ def emit(record: dict[str, Any], as_json: bool) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.device != "cpu" and args.suite != "replay":
+        raise GearflowError(f"--device {args.device}: only the replay suite has a CUDA benchmark")
     module = importlib.import_module(SUITES[args.suite])
     wanted = [w for w in args.workloads.split(",") if w]
     return int(module.run(args, wanted, lambda rec: emit(rec, args.json)) or 0)

@@ -12,6 +12,8 @@ Workloads (sizes at ``--scale 1``):
   sampled row is verified (stamp column + obs byte pattern): zero torn rows.
 * ``W4`` scale — cost of a batch-256 prioritized sample at 10^5, 10^6, 10^7 items.
 
+``--device cuda`` runs the GPU workloads instead (``gearflow/bench/replay_cuda.py``).
+
 Floors are measured in the same run on the same machine: a plain slice copy of
 the same bytes into a preallocated array (inserts) and ``torch.index_select``
 of the same number of rows from a preallocated array into a preallocated
@@ -366,6 +368,10 @@ WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4}
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:
+    if getattr(args, "device", "cpu") == "cuda":  # the GPU path: its own workloads (gearflow/bench/replay_cuda.py)
+        from gearflow.bench import replay_cuda
+
+        return replay_cuda.run(args, wanted, emit)
     unknown = [w for w in wanted if w not in WORKLOADS]
     if unknown:
         raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")

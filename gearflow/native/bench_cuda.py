@@ -74,7 +74,7 @@ def wall_us(stream: Any, fn: Callable[[], Any], repeats: int, warmup: int = 3) -
     return (time.perf_counter() - t0) / repeats * 1e6
 
 
-def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str]) -> None:
+def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit: Callable[[dict], None] = emit) -> None:
     runtime = cupy.cuda.runtime
     h2d = getattr(runtime, "memcpyHostToDevice", 1)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -166,7 +166,7 @@ def _sample(sel: CudaSelect, cupy: Any, masses: Any, sums: Any, n: int, batch: i
     sel.importance_weights(probs, n, 0.4)
 
 
-def bench_select(cupy: Any, args: argparse.Namespace, failures: list[str]) -> None:
+def bench_select(cupy: Any, args: argparse.Namespace, failures: list[str], emit: Callable[[dict], None] = emit) -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     sel = CudaSelect(cupy)
     B = 256

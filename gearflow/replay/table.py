@@ -25,6 +25,12 @@ overwritten during the copy, so it is evicted and replaced by a fresh draw
 Batches are written into ``num_buffers`` preallocated buffer sets used in
 turn (pinned where CUDA exists): a batch stays valid until ``num_buffers - 1``
 further samples have been drawn. Nothing is allocated per sample.
+
+``Table(..., device="cuda")`` draws and gathers on the GPU instead
+(:mod:`gearflow.native.device_replay`: a device priority vector mirrored from
+this table's ingest, zero-copy gather out of the registered segment, the same
+seqlock check); the batch is then CUDA tensors. The default ``"cpu"`` path is
+unchanged by it.
 """
 
 from __future__ import annotations
@@ -63,6 +69,22 @@ _NONE = np.zeros(0, dtype=np.int64)
 EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
 
 
+def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector: Selector) -> Any:
+    """None for ``"cpu"``; a ``DeviceReplay`` for ``"cuda"`` (CuPy imported only then), or the
+    one passed in (built by the caller, e.g. with its own CuPy handle)."""
+    if isinstance(device, str):
+        if device == "cpu":
+            return None
+        if device != "cuda":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        from gearflow.native.device_replay import DeviceReplay
+
+        return DeviceReplay(storage, kind, selector)
+    if getattr(device, "storage", None) is not storage or getattr(device, "selector", None) is not selector:
+        raise ValueError("device must be 'cpu', 'cuda' or a DeviceReplay over this table's storage and selector")
+    return device
+
+
 @dataclass
 class Sample:
     """One batch. ``data`` views a reusable buffer (see the module docstring)."""
@@ -86,6 +108,7 @@ class Table:
         num_buffers: int = 3,
         sample_timeout_s: float = 60.0,
         pin_memory: bool | None = None,
+        device: Any = "cpu",
     ):
         P, R = storage.num_partitions, storage.items_per_partition
         self.storage, self.kind, self.selector = storage, kind, selector
@@ -97,6 +120,9 @@ class Table:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._P, self._R, self._S = P, R, storage.steps_per_partition
         kind.layout(storage.spec, 1)  # validates the kind against the spec
+        # "cuda": selection and gather on the GPU (gearflow.native.device_replay), set up before the
+        # table touches the storage, so a missing CuPy leaves the caller's storage as it was
+        self._device = _device_replay(device, storage, kind, selector)
         self._max_item_steps = getattr(kind, "max_length", storage.steps_per_partition)
         # per slot (P*R): the record as ingested, so later ring overwrites cannot change it
         # One 24-byte record per slot (start, seq, length), so a sampled item costs one
@@ -164,6 +190,8 @@ class Table:
         order = np.arange(self._order, self._order + seqs.size, dtype=np.int64)
         self._order += seqs.size
         self.selector.insert(slots, prios, order)
+        if self._device is not None:
+            self._device.insert(slots, prios, starts, seqs, lengths)
         self._slot_seq[slots], self._slot_start[slots], self._slot_length[slots] = seqs, starts, lengths
         self._slot_live[slots] = True
         self._ingested[p] = published
@@ -190,6 +218,8 @@ class Table:
         if slots.size:
             self.selector.remove(slots)
             self._slot_live[slots] = False
+            if self._device is not None:
+                self._device.remove(slots)
             self.evictions += slots.size
 
     # ------------------------------------------------------------------ sample
@@ -257,6 +287,8 @@ class Table:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self.scan()
         self.wait_until_ready(batch_size, timeout_s)
+        if self._device is not None:
+            return self._sample_on_device(batch_size, timeout_s)
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self._buffers_for(batch_size)
@@ -330,6 +362,42 @@ class Table:
             return _NONE
         return np.flatnonzero(starts < reserve[slots // self._R] - self._S)
 
+    def _sample_on_device(self, batch_size: int, timeout_s: float | None) -> Sample:
+        """:meth:`sample` with selection and gather on the GPU (``device="cuda"``): the same
+        seqlock rule and torn-item replacement, a batch of CUDA tensors."""
+        dev = self._device
+        draw = dev.draw(batch_size, self.size)
+        out = dev.buffers(batch_size, self.num_buffers)
+        dev.gather(draw, out)  # returns once the copy is done: the counters below postdate it
+        deadline = None
+        while self._counter_total() != self._seen_total:  # a writer moved since this sample's scan
+            bad = dev.torn(draw, self.storage.counters[:, RESERVE])
+            if not bad.size:
+                break
+            if deadline is None:
+                deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
+            elif time.monotonic() > deadline:
+                raise RateLimiterTimeout(
+                    f"replay: writers kept overwriting the drawn items faster than the GPU could gather "
+                    f"them ({self.torn} redrawn so far); the ring ({self._S} steps per partition) is "
+                    f"too small for the write rate"
+                )
+            self.torn += bad.size
+            self._remove(np.unique(dev.slots_at(draw, bad)))
+            self.scan()  # evict everything overwritten since the draw, not only what we hit
+            self.wait_until_ready(bad.size, timeout_s)
+            draw = dev.redraw(draw, bad, self.size)
+            dev.gather(draw, out)  # the whole batch again (rare path): every item is re-checked
+        self.samples += batch_size
+        self._publish_insert_limit()
+        data, keys, weights, probs = dev.batch(draw, out)
+        return Sample(data=data, keys=keys, weights=weights, probabilities=probs)
+
+    @property
+    def device(self) -> str:
+        """Where selection and the batch gather run: ``"cpu"`` or ``"cuda"``."""
+        return "cpu" if self._device is None else "cuda"
+
     # ------------------------------------------------------------------ priorities
     def update_priorities(self, keys, priorities) -> int:
         """New priorities by key; keys of evicted items are ignored. Returns how many applied."""
@@ -346,6 +414,8 @@ class Table:
         if not ok.all():
             slots, prios = slots[ok], prios[ok]
         self.selector.update(slots, prios)
+        if self._device is not None:
+            self._device.update(slots, prios)
         return int(slots.size)
 
     # ------------------------------------------------------------------ state (checkpoints)
@@ -369,6 +439,8 @@ class Table:
         self.evictions, self.torn, self._order = int(state["evictions"]), int(state["torn"]), int(state["order"])
         self._seen_total = -1  # the next scan looks at every partition
         self._publish_insert_limit()
+        if self._device is not None:
+            self._device.load(self._slot_live, self._slot_start, self._slot_seq, self._slot_length)
 
     # ------------------------------------------------------------------ stats / close
     def stats(self) -> dict[str, float]:
@@ -393,6 +465,8 @@ class Table:
     def close(self) -> None:
         """Free the buffers; the owner unlinks the shared-memory segment."""
         self._buffers = []
+        if self._device is not None:
+            self._device.close()  # unregisters the segment: before it is unmapped
         owner = self.storage.owner
         name = self.storage.name
         self.storage.close()

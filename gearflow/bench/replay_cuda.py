@@ -1,0 +1,191 @@
+"""``gearflow bench replay --device cuda``: the GPU-centric replay path, on a machine with CuPy and a GPU.
+
+Workloads (sizes at ``--scale 1``; smaller scales shrink them for a smoke run):
+
+* ``gather`` — the gather kernels reading straight out of registered, mapped
+  host memory (zero-copy) against (a) a pinned ``cudaMemcpyAsync`` of the same
+  bytes (the link's limit: ``ratio`` = fraction of it, target ≥ 0.8) and
+  (b) the staging path, CPU ``np.take`` into pinned memory + H2D copy
+  (target ≥ 2×). Transition rows and sequence windows, 16/4/1-byte aligned
+  rows (:func:`gearflow.native.bench_cuda.bench_gather`).
+* ``select`` — device proportional sampling of a batch of 256 over 10^6 and
+  10^7 priorities (uniforms, chunk scan, search, IS weights; target < 200 µs
+  at 10^7), a 256-priority update, a full chunk-sum pass; and the CPU
+  ``PrioritizedSelector`` for scale (:func:`~gearflow.native.bench_cuda.bench_select`).
+* ``table`` — ``Table(device="cuda")`` end to end: Atari-sized transitions
+  (obs uint8[4,84,84] + next obs), batch 256, every sampled row verified
+  (stamp column + obs byte pattern); then the batch-256 sample time at 10^6
+  and 10^7 items, table ingest included in the setup, not the timing.
+
+Every line is a ``gearflow bench`` record; a failed check is reported on
+stderr and makes the exit status 1. Without CuPy or a GPU the command exits 2
+with the one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+
+import numpy as np
+
+from gearflow.bench import record
+from gearflow.bench.replay import Emit, _chunk, _floor_gather, _stamp_obs, _timed, _verify
+from gearflow.errors import GearflowError
+from gearflow.native import require_cupy
+from gearflow.native.device_replay import resolve_replay_device
+
+
+def _record(workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
+    return record("replay", workload, metric, value, unit, floor)
+
+
+def _native_args(scale: float) -> argparse.Namespace:
+    """Arguments of gearflow.native.bench_cuda's functions at ``scale``."""
+    big = scale >= 1
+    return argparse.Namespace(
+        host_mib=512 if big else 64, batch=256, seq_batch=32, seq_len=80, partitions=8,
+        repeats=20 if big else 5, sizes=[10**6, 10**7] if big else [10**5, 10**6], cpu_baseline=True,
+    )  # fmt: skip
+
+
+def gather(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
+    from gearflow.native.bench_cuda import OBS_ROW, bench_gather
+
+    raw: list[dict] = []
+    bench_gather(cupy, _native_args(scale), failures, emit=raw.append)
+    by = {r["bench"]: r for r in raw}
+    pinned = by.get("gather/pinned_memcpy", {}).get("GB/s")
+    staging = by.get("gather/cpu_then_h2d", {}).get("GB/s")
+    for r in raw:
+        if r["bench"] == "hostmem/register":
+            emit(_record("cuda_gather", f"register_{r['MiB']}MiB_ms", r["ms"], "ms"))
+        elif r["bench"] == "gather/zero_copy":
+            name = f"zero_copy_{r['kind']}_{r['row_bytes']}B_GB_per_s"
+            emit(_record("cuda_gather", name, r["GB/s"], "GB/s", pinned))  # ratio: fraction of the link
+            if r["kind"] == "rows" and r["row_bytes"] == OBS_ROW and staging:
+                emit(_record("cuda_gather", f"zero_copy_rows_{OBS_ROW}B_vs_staging_GB_per_s", r["GB/s"], "GB/s", staging))
+    if pinned is not None:
+        emit(_record("cuda_gather", "pinned_memcpy_GB_per_s", pinned, "GB/s"))
+    if staging is not None:
+        emit(_record("cuda_gather", "staging_cpu_gather_h2d_GB_per_s", staging, "GB/s"))
+
+
+def select(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
+    from gearflow.native.bench_cuda import bench_select
+
+    raw: list[dict] = []
+    bench_select(cupy, _native_args(scale), failures, emit=raw.append)
+    names = {
+        "select/sample_proportional": "sample_us_at_{N}_items",
+        "select/update_priorities": "update_us_at_{N}_items",
+        "select/sum_chunks": "sum_chunks_gpu_us_at_{N}_items",
+        "select/cpu_prioritized_selector": "cpu_selector_sample_us_at_{N}_items",
+    }
+    for r in raw:
+        value = r.get("us", r.get("us_gpu"))
+        emit(_record("cuda_select", names[r["bench"]].format(N=r["N"]), value, "us"))
+
+
+def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
+    import torch
+
+    from gearflow.replay import (
+        RateLimiter,
+        SharedStorage,
+        Table,
+        TableSpec,
+        Transition,
+        Writer,
+        make_selector,
+    )
+
+    def make(spec: dict, steps: int) -> Table:
+        storage = SharedStorage.create(TableSpec.parse(spec), 1, steps)
+        try:
+            sel = make_selector("prioritized", storage.items_per_partition, seed=0, alpha=0.6, beta=0.4)
+            return Table(storage, Transition(next_columns=("obs",) if "obs" in spec else ()), sel,
+                         RateLimiter(min_size_to_sample=1), num_buffers=1, device="cuda")  # fmt: skip
+        except BaseException:
+            storage.close()
+            storage.unlink()
+            raise
+
+    # Atari transitions, every row checked (the W3 stamp pattern: obs bytes = stamp % 251 + 1)
+    steps = max(4096, int(20_000 * scale)) // 64 * 64
+    spec = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool", "stamp": "int64"}
+    t = make(spec, steps)
+    try:
+        writer = Writer(t.storage, [0])
+        rng = np.random.default_rng(0)
+        chunk = _chunk(t.storage.spec, 64, rng)
+        for _ in range(steps // 64):
+            idx = np.arange(int(writer.positions[0]), int(writer.positions[0]) + 64)
+            _stamp_obs(chunk["obs"], idx)
+            chunk["stamp"][:] = idx
+            first = writer.extend(chunk)
+            ends = first + np.arange(1, 65)
+            ends = ends[ends - 4 >= writer.episode_starts()[0]]
+            writer.create_items(rng.random(ends.size) + 0.01, 4, streams=0, ends=ends)
+        t.scan()
+        B = 256
+        bad = sum(_verify(t.sample(B)) for _ in range(20))
+        emit(_record("cuda_table", "torn_or_corrupt_rows_returned", bad, "rows"))
+        if bad:
+            failures.append(f"Table(device='cuda'): {bad} sampled rows differ from what was written")
+        min_s = max(0.5, 2.0 * scale)
+        t_sample = _timed(lambda: t.sample(B), min_s)
+        rows = {"obs": B, "obs#next": B, "action": B, "reward": B, "done": B, "stamp": B}
+        t_floor = _floor_gather(t.storage.tensors, rows, steps, min_s, 0)
+        batch_gb = B * (t.storage.spec.step_nbytes + t.storage.spec["obs"].nbytes) / 1e9
+        # floor: the CPU index_select of the same rows into host memory (the CPU table's floor)
+        emit(_record("cuda_table", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_floor))
+        emit(_record("cuda_table", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_floor))
+        s = t.sample(B)
+        keys, prios = s.keys.clone(), torch.rand(B, dtype=torch.float64)
+        t_update = _timed(lambda: t.update_priorities(keys, prios), min_s)
+        emit(_record("cuda_table", "priority_updates_per_s", B / t_update, "priorities/s"))
+    finally:
+        t.close()
+
+    # sample cost at scale, through the table
+    for n in [10**6, 10**7] if scale >= 1 else [10**4, 10**5]:
+        chunk_n = min(n, 65536)
+        steps = -(-n // chunk_n) * chunk_n
+        t = make({"action": "int64", "reward": "float32"}, steps + 1)
+        try:
+            writer = Writer(t.storage, [0])
+            rng = np.random.default_rng(0)
+            chunk = _chunk(t.storage.spec, chunk_n, rng)
+            start = time.perf_counter()
+            for _ in range(steps // chunk_n):
+                first = writer.extend(chunk)
+                writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
+            t.scan()
+            emit(_record("cuda_table", f"fill_and_ingest_s_at_{n}_items", time.perf_counter() - start, "s"))
+            cost = min(_timed(partial(t.sample, 256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
+            emit(_record("cuda_table", f"sample_us_at_{n}_items", cost * 1e6, "us"))
+        finally:
+            t.close()
+
+
+WORKLOADS = {"gather": gather, "select": select, "table": table}
+
+
+def run(args, wanted: list[str], emit: Emit) -> int:
+    unknown = [w for w in wanted if w not in WORKLOADS]
+    if unknown:
+        raise GearflowError(f"unknown workload(s) {unknown} for --device cuda; choose from {', '.join(WORKLOADS)}")
+    resolve_replay_device("cuda")  # CuPy + GPU + torch CUDA, or the one-line reason (exit 2)
+    cupy = require_cupy("gearflow bench replay --device cuda")
+    failures: list[str] = []
+    for name in wanted or list(WORKLOADS):
+        try:
+            WORKLOADS[name](emit, cupy, args.scale, failures)
+        except Exception as exc:  # noqa: BLE001 - report and go on: the other workloads still say something
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    for f in failures:
+        print(f"gearflow bench replay --device cuda: FAILED: {f}", file=sys.stderr, flush=True)
+    return 1 if failures else 0

@@ -1,0 +1,423 @@
+"""gearflow.native.device_replay: ``replay.device`` resolution and ``Table(device="cuda")``.
+
+Tiers (as in test_native.py):
+
+* CPU: backend resolution and its errors here (no CuPy), the table's refusal
+  of ``device="cuda"`` without CuPy (the caller's storage left intact), and
+  argument checks.
+* Emulated (g++ on x86-64 Linux): ``DeviceReplay`` driven through a real
+  ``Table`` with a small host-memory stand-in for CuPy and the ``.cu`` kernel
+  sources compiled for the CPU (test_native's emulation). It checks the Python
+  control logic — ingest mirroring, records, keys, the torn-item loop, buffer
+  rotation — and the kernels' indexing on the table's own segment. It is not a
+  GPU test and says nothing about CUDA memory, streams or DLPack on a device.
+* CUDA (``-m cuda``; skipped with the reason unless CuPy can run a kernel and
+  torch has CUDA): the same batches from ``Table(device="cuda")`` against what
+  was written, the draw distribution by chi-square, torn-item replacement.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from helpers_replay import SPEC
+from test_native import EmulatedModule, FakeCupy, compile_emulated, dev, needs_emulation
+from test_replay_table import KINDS, Recorder, check_batch
+
+from gearflow.errors import ConfigError, MissingDependencyError
+from gearflow.native import probe_cuda, probe_cupy
+from gearflow.native.cuda_backend import KERNEL_DIR
+from gearflow.native.device_replay import DeviceReplay, resolve_replay_device
+from gearflow.native.gather import CudaGather
+from gearflow.native.select import CudaSelect
+from gearflow.replay import RateLimiter, SharedStorage, Table, Transition, make_selector
+from gearflow.replay.storage import SHM_DIR
+
+CUPY, TORCH_CUDA = probe_cupy(), probe_cuda()
+GPU = CUPY.ok and TORCH_CUDA.ok
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason=f"needs CuPy and a CUDA GPU ({CUPY.detail}) and torch with CUDA ({TORCH_CUDA.detail})"
+)
+no_cupy_here = pytest.mark.skipif(CUPY.ok, reason="checks the errors of a machine without CuPy")
+
+
+# ============================================================================ CPU
+@no_cupy_here
+def test_resolution_here_cpu_auto_and_cuda(caplog):
+    assert resolve_replay_device("cpu") == "cpu"
+    with caplog.at_level(logging.INFO, logger="gearflow.native.device_replay"):
+        assert resolve_replay_device("auto") == "cpu"
+    assert "replay.device=auto: cpu (GPU replay needs CuPy and a CUDA GPU" in caplog.text
+    with pytest.raises(MissingDependencyError) as info:
+        resolve_replay_device("cuda")
+    msg = str(info.value)
+    assert msg.startswith("replay.device=cuda needs CuPy and a CUDA GPU: ") and "\n" not in msg
+    assert "pip install 'gearflow[gpu]'" in msg
+
+
+def test_resolution_rejects_unknown_names_and_cpu_only_selectors(caplog):
+    with pytest.raises(ConfigError, match=r"replay.device='tpu': must be one of auto, cpu, cuda"):
+        resolve_replay_device("tpu")
+    with pytest.raises(ConfigError, match=r"replay.device=cuda: replay.selector='fifo' samples on the CPU only"):
+        resolve_replay_device("cuda", "fifo")
+    with caplog.at_level(logging.INFO, logger="gearflow.native.device_replay"):
+        assert resolve_replay_device("auto", "top_k") == "cpu"
+    assert "replay.selector='top_k' samples on the CPU only" in caplog.text
+
+
+@no_cupy_here
+def test_cli_bench_replay_device_cuda_here_is_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "gearflow", "bench", "replay", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("gearflow bench: error: replay.device=cuda needs CuPy and a CUDA GPU")
+    assert "pip install 'gearflow[gpu]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+@no_cupy_here
+def test_table_on_cuda_without_cupy_fails_cleanly_and_leaves_the_storage_to_its_owner():
+    storage = SharedStorage.create(SPEC, num_partitions=2, steps_per_partition=16)
+    try:
+        selector = make_selector("prioritized", 2 * storage.items_per_partition, seed=0)
+        with pytest.raises(MissingDependencyError, match=r"^replay.device=cuda needs CuPy .*gearflow\[gpu\]"):
+            Table(storage, Transition(), selector, device="cuda")
+        # nothing was half set up: a CPU table takes the same storage and closes it
+        table = Table(storage, Transition(), selector, RateLimiter(min_size_to_sample=1))
+        assert table.device == "cpu" and (SHM_DIR / storage.name).exists()
+    except BaseException:
+        storage.close()
+        storage.unlink()
+        raise
+    table.close()
+    assert not (SHM_DIR / storage.name).exists()  # and the leak fixture checks /dev/shm
+
+
+def test_table_device_argument_is_checked(make_table):
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'gpu'"):
+        make_table(SPEC, device="gpu")
+    with pytest.raises(ValueError, match="a DeviceReplay over this table's storage"):
+        make_table(SPEC, device=object())
+    assert make_table(SPEC).device == "cpu"
+
+
+def test_device_replay_refuses_cpu_only_selectors_before_touching_cuda(storage_factory):
+    st = storage_factory(SPEC, P=2, S=16)
+    for name in ("fifo", "top_k", "max_heap"):
+        with pytest.raises(ValueError, match=f"prioritized and uniform selectors, not '{name}'"):
+            DeviceReplay(st, Transition(), make_selector(name, 2 * st.items_per_partition))
+
+
+def test_import_device_replay_does_not_import_cupy():
+    code = "import sys, gearflow.native.device_replay, gearflow.bench.replay; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ============================================================================ emulated kernels (CPU)
+def _wrap(x):
+    return dev(x) if isinstance(x, np.ndarray) else x
+
+
+class HostCupy(FakeCupy):
+    """CuPy's calls used by DeviceReplay, on host memory. "Device pointers" are host addresses,
+    so the emulated kernels read the table's shared-memory segment in place."""
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            self.synchronized = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def synchronize(self):  # the emulated kernels ran synchronously
+            self.synchronized += 1
+
+    class Runtime:
+        def __init__(self):
+            self.registered = {}
+
+        def getDevice(self):
+            return 0
+
+        def deviceGetAttribute(self, attr, device):
+            return 1  # can map host memory
+
+        def hostRegister(self, ptr, size, flags):
+            assert ptr not in self.registered
+            self.registered[ptr] = size
+
+        def hostUnregister(self, ptr):
+            del self.registered[ptr]
+
+        def hostGetDevicePointer(self, ptr, flags):
+            return ptr  # unified addressing: the host address
+
+    def __init__(self):
+        super().__init__()
+        self.cuda = SimpleNamespace(Stream=HostCupy.Stream, runtime=HostCupy.Runtime())
+        self.random = SimpleNamespace(RandomState=HostCupy.RandomState)
+
+    class RandomState:
+        def __init__(self, seed):
+            self._rng = np.random.RandomState(seed)
+
+        def random_sample(self, n):
+            return dev(self._rng.random_sample(n))
+
+    def asnumpy(self, a):
+        return np.array(a)
+
+    def __getattr__(self, name):  # full, ones, flatnonzero, ...: numpy's, results as "device" arrays
+        fn = getattr(np, name)
+        return (lambda *a, **k: _wrap(fn(*a, **k))) if callable(fn) else fn
+
+
+@pytest.fixture(scope="module")
+def emulated_kernels(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emu_device_replay")
+    return (EmulatedModule(compile_emulated(KERNEL_DIR / "gather.cu", out)),
+            EmulatedModule(compile_emulated(KERNEL_DIR / "select.cu", out)))  # fmt: skip
+
+
+class OverwritingDeviceReplay(DeviceReplay):
+    """Runs ``during_gather`` once, inside the first gather (a writer racing the copy)."""
+
+    during_gather = None
+
+    def gather(self, draw, out):
+        if self.during_gather is not None:
+            fn, self.during_gather = self.during_gather, None
+            fn()
+        return super().gather(draw, out)
+
+
+@pytest.fixture
+def emulated_table(make_table, emulated_kernels):
+    """``emulated_table(selector, kind, P, S) -> (Table, its DeviceReplay)`` on the emulation."""
+    gather_module, select_module = emulated_kernels
+
+    def make(selector, kind, P=2, S=32, **kw):
+        cp = HostCupy()
+
+        def device_for(storage, kind_, sel):
+            return OverwritingDeviceReplay(storage, kind_, sel, cupy=cp, gather=CudaGather(cp, gather_module),
+                                           select=CudaSelect(cp, select_module))  # fmt: skip
+
+        made = []
+        table = make_table(SPEC, P=P, S=S, kind=kind, selector=selector, table_cls=_factory(device_for, made), **kw)
+        return table, made[0]
+
+    return make
+
+
+def _factory(device_for, made):
+    """A ``table_cls`` for ``make_table`` that builds the table over ``device_for(...)``, kept in ``made``."""
+
+    def table_cls(storage, kind, selector, limiter, **kw):
+        made.append(device_for(storage, kind, selector))
+        return Table(storage, kind, selector, limiter, device=made[-1], **kw)
+
+    return table_cls
+
+
+def _fill(table, kind):
+    rec = Recorder(table.storage, [0, 1])
+    for length in (7, 12, 1, 5):
+        rec.episode(0, length, kind)
+    for length in (10, 9, 3):
+        rec.episode(1, length, kind)
+    table.scan()
+    return rec
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_emulated_device_table_returns_what_was_written(emulated_table, selector, kind_name):
+    kind = KINDS[kind_name]
+    table, _ = emulated_table(selector, kind, num_buffers=2)
+    rec = _fill(table, kind)
+    assert table.device == "cuda" and table.size == len(rec.items)
+    prios = {rec.key(p, s): v[2] for (p, s), v in rec.items.items()}
+    masses = {k: v**0.6 for k, v in prios.items()}
+    first = None
+    for i in range(4):
+        s = table.sample(7)
+        keys = check_batch(s, rec, kind, 2, 7)
+        probs = s.probabilities.numpy()
+        if selector == "uniform":
+            np.testing.assert_allclose(probs, 1 / len(prios))
+            assert (s.weights == 1).all()
+        else:
+            want = np.array([masses[k] for k in keys.tolist()]) / sum(masses.values())
+            np.testing.assert_allclose(probs, want, rtol=1e-9)
+            w = (len(prios) * want) ** -0.4
+            np.testing.assert_allclose(s.weights.numpy(), w / w.max(), rtol=1e-5)
+        if i == 0:
+            first = s.data
+        elif i == 2:  # two buffer sets used in turn, preallocated once
+            assert all(first[k].data_ptr() == s.data[k].data_ptr() for k in first)
+    assert table.stats()["replay/samples"] == 28
+
+
+@needs_emulation
+def test_emulated_device_table_follows_updates_and_evictions(emulated_table):
+    kind = KINDS["transition"]
+    table, _ = emulated_table("prioritized", kind, S=16)
+    rec = _fill(table, kind)  # partition 0 laps its 16-step ring: its oldest items are evicted
+    live = {rec.key(p, s) for (p, s), (start, _, _) in rec.items.items()
+            if start >= rec.w.positions[p] - 16}  # fmt: skip
+    assert table.size == len(live) and table.evictions > 0
+    keys = sorted(live)
+    hot = keys[3]
+    table.update_priorities(torch.tensor(keys), torch.tensor([1e-6 if k != hot else 1e6 for k in keys]))
+    s = table.sample(16)
+    check_batch(s, rec, kind, 2, 16)
+    assert (s.keys == hot).sum() >= 15  # the update reached the device priority vector
+    for _ in range(3):
+        assert set(check_batch(table.sample(9), rec, kind, 2, 9).tolist()) <= live  # evicted: never drawn
+    state = table.state()  # a restore rebuilds the mirrors from the table's state and the selector
+    table.load_state(state)
+    assert (table.sample(8).keys == hot).sum() >= 7
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_emulated_torn_items_are_redrawn_never_returned(emulated_table, kind_name):
+    kind = KINDS[kind_name]
+    S = 16
+    table, device = emulated_table("uniform", kind, P=1, S=S)
+    rec = Recorder(table.storage, [0])
+    for _ in range(S):
+        rec.append(0)
+        rec.item(0, min(rec.w.positions[0], 3))  # starts 0, 0, 0, 1, 2, ..., 13
+    table.scan()
+
+    def overwrite():  # steps 16..21 overwrite steps 0..5 during the first gather; the table has not scanned
+        for _ in range(6):
+            rec.append(0)
+
+    device.during_gather = overwrite
+    s = table.sample(32)
+    keys = check_batch(s, rec, kind, 1, 32)
+    assert all(rec.items[(0, k)][0] >= 6 for k in keys.tolist())
+    assert table.torn > 0 and table.stats()["replay/torn_resampled"] == table.torn
+    for _ in range(3):  # the torn items are gone from the table and the device vector
+        assert all(rec.items[(0, k)][0] >= 6 for k in check_batch(table.sample(16), rec, kind, 1, 16).tolist())
+
+
+@needs_emulation
+def test_emulated_ingest_reaches_the_device_in_one_batch_per_draw(emulated_table, emulated_kernels):
+    kind = KINDS["transition"]
+    table, _ = emulated_table("prioritized", kind, S=16)
+    _fill(table, kind)  # 2 partitions, ingest + ring evictions
+    select_module = emulated_kernels[1]
+    before = len(select_module.launches)
+    table.sample(4)
+    scatters = [k for k in select_module.launches[before:] if k.startswith("set_priorities")]
+    assert scatters == ["set_priorities_f64"]  # every queued ingest/evict: one scatter before the draw
+    before = len(select_module.launches)
+    table.sample(4)  # nothing new: no scatter
+    assert not [k for k in select_module.launches[before:] if k.startswith("set_priorities")]
+
+
+@needs_emulation
+def test_emulated_close_unregisters_before_the_segment_goes(emulated_table):
+    table, device = emulated_table("uniform", KINDS["transition"])
+    runtime = device.cupy.cuda.runtime
+    assert list(runtime.registered.values()) == [table.storage.nbytes]
+    table.close()
+    assert runtime.registered == {}
+
+
+# ============================================================================ CUDA
+def _cpu(sample):
+    assert sample.keys.is_cuda and sample.weights.is_cuda and sample.probabilities.is_cuda
+    assert all(v.is_cuda for v in sample.data.values())
+    return SimpleNamespace(data={k: v.cpu() for k, v in sample.data.items()}, keys=sample.keys.cpu(),
+                           weights=sample.weights.cpu(), probabilities=sample.probabilities.cpu())  # fmt: skip
+
+
+def _cuda_table(make_table, selector, kind, **kw):
+    return make_table(SPEC, P=2, S=32, kind=kind, selector=selector, device="cuda", **kw)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_cuda_table_returns_what_was_written(make_table, selector, kind_name):
+    kind = KINDS[kind_name]
+    table = _cuda_table(make_table, selector, kind)
+    rec = _fill(table, kind)
+    prios = {rec.key(p, s): v[2] for (p, s), v in rec.items.items()}
+    masses = {k: v**0.6 for k, v in prios.items()}
+    for _ in range(5):
+        s = _cpu(table.sample(33))
+        keys = check_batch(s, rec, kind, 2, 33)
+        if selector == "prioritized":
+            want = np.array([masses[k] for k in keys.tolist()]) / sum(masses.values())
+            np.testing.assert_allclose(s.probabilities.numpy(), want, rtol=1e-9)
+        else:
+            np.testing.assert_allclose(s.probabilities.numpy(), 1 / len(prios))
+    # priority updates by CUDA keys (as a learner hands them back)
+    batch = table.sample(8)
+    assert table.update_priorities(batch.keys, torch.ones(8, device=batch.keys.device)) == 8
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_cuda_draw_distribution_matches_the_cpu_selector(make_table, selector):
+    kind = KINDS["transition"]
+    table = make_table(SPEC, P=2, S=512, kind=kind, selector=selector, device="cuda",
+                       selector_kwargs={"alpha": 1.0} if selector == "prioritized" else None)  # fmt: skip
+    rec = Recorder(table.storage, [0, 1])
+    for stream in (0, 1):
+        rec.episode(stream, 400, kind)
+    table.scan()
+    keys = sorted(rec.key(p, s) for p, s in rec.items)
+    index = {k: i for i, k in enumerate(keys)}
+    p = np.array([rec.items[(k % 2, k // 2)][2] for k in keys]) if selector == "prioritized" else np.ones(len(keys))
+    counts = np.zeros(len(keys))
+    for _ in range(200):
+        got = table.sample(1000).keys.cpu().numpy()
+        np.add.at(counts, [index[k] for k in got.tolist()], 1)
+    expected = counts.sum() * p / p.sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = len(keys) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_cuda_torn_items_are_redrawn_never_returned(make_table, kind_name):
+    kind = KINDS[kind_name]
+    S = 16
+    made = []
+    table = make_table(SPEC, P=1, S=S, kind=kind, selector="uniform",
+                       table_cls=_factory(OverwritingDeviceReplay, made))  # fmt: skip
+    rec = Recorder(table.storage, [0])
+    for _ in range(S):
+        rec.append(0)
+        rec.item(0, min(rec.w.positions[0], 3))
+    table.scan()
+
+    def overwrite():
+        for _ in range(6):
+            rec.append(0)
+
+    made[0].during_gather = overwrite
+    keys = check_batch(_cpu(table.sample(32)), rec, kind, 1, 32)
+    assert all(rec.items[(0, k)][0] >= 6 for k in keys.tolist())
+    assert table.torn > 0
