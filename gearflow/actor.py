@@ -88,6 +88,18 @@ def env_seed(cfg, actor_index: int) -> int:
     )
 
 
+def actor_class_for(agent) -> type:
+    """The actor class that writes ``agent``'s item kind: :class:`Actor` for n-step
+    transitions, :class:`~gearflow.sequence_actor.SequenceActor` for sequence windows."""
+    from gearflow.replay.items import Sequence
+
+    if isinstance(agent.item_kind(), Sequence):
+        from gearflow.sequence_actor import SequenceActor
+
+        return SequenceActor
+    return Actor
+
+
 class Actor:
     """Steps one vectorised env with an agent's policy and writes n-step transitions.
 
@@ -548,7 +560,7 @@ def run_actor_process(
                 "actor/epsilon": epsilon,
             })  # fmt: skip
 
-        actor = Actor(
+        actor = actor_class_for(agent)(
             cfg, actor_index, storage, partitions, params, agent, env=env, on_episode=on_episode
         )
         last = {"t": time.monotonic(), "steps": 0}

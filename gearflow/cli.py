@@ -1,6 +1,9 @@
 """The ``gearflow`` command line.
 
     gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
+    gearflow train --resume RUN_DIR [KEY=VALUE ...]   continue a run from its latest checkpoint
+    gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest checkpoint
+    gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
     gearflow bench {replay,actors} [--json]    benchmarks that print JSON lines
     gearflow replay gc                         remove shared memory left by crashed runs
@@ -46,12 +49,47 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from gearflow.config import load_config
     from gearflow.runner import train
 
-    cfg = load_config(args.config, args.overrides)
-    summary = train(cfg)
+    if args.resume is None:
+        if args.config is None:
+            raise GearflowError("give a CONFIG file, or --resume RUN_DIR")
+        cfg = load_config(args.config, args.overrides)
+    else:
+        overrides = list(args.overrides)
+        if args.config is not None:
+            if "=" not in args.config:
+                raise GearflowError(
+                    f"give either a CONFIG file ({args.config}) or --resume RUN_DIR, not both; "
+                    "a resumed run uses RUN_DIR/config.yaml (KEY=VALUE overrides still apply)"
+                )
+            overrides.insert(0, args.config)
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise GearflowError(f"--resume {run_dir}: no config.yaml there (not a gearflow run directory)")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        cfg.run.dir = str(run_dir)
+    summary = train(cfg, resume=args.resume is not None)
     print(json.dumps(summary))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from gearflow.evaluate import evaluate
+
+    result = evaluate(args.run_dir, episodes=args.episodes, video=args.video, seed=args.seed)
+    print(json.dumps(result))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from gearflow.plot import plot_runs
+
+    out = plot_runs(args.run_dirs, out=args.out)
+    print(out)
     return 0
 
 
@@ -94,8 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("train", _cmd_train, "train from a YAML config on this machine")
-    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("config", nargs="?", help="YAML config file (see configs/); omitted with --resume")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its latest valid checkpoint (its config.yaml)")  # fmt: skip
+
+    p = add("eval", _cmd_eval, "greedy evaluation of a run's latest checkpoint; prints mean/std return")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<name>-<time>)")
+    p.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
+    p.add_argument("--seed", type=int, default=12345, help="environment seed (default 12345)")
+    p.add_argument("--video", metavar="OUT.mp4", help="also record one episode (envs that render)")
+
+    p = add("plot", _cmd_plot, "learning curves of one or more runs as a PNG")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
+    p.add_argument("-o", "--out", help="output PNG (default: RUN_DIR/curves.png of the first run)")
 
     p = add("config", _cmd_config, "print the resolved config (defaults ← file ← overrides)")
     p.add_argument("config", help="YAML config file (see configs/)")

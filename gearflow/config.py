@@ -40,6 +40,22 @@ ITEM_KINDS = ("transition", "sequence", "episode")
 SELECTORS = ("uniform", "prioritized", "fifo", "lifo", "max_heap", "min_heap", "top_k")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
 DEVICES = ("auto", "cpu", "cuda")
+PROGRESS_MODES = ("auto", "live", "log")
+_PERIOD = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
+
+
+def parse_period(text: Any) -> tuple[str, float] | None:
+    """``"500"`` → ``("updates", 500)``, ``"90s"``/``"10m"``/``"2h"`` → ``("seconds", ...)``,
+    ``"0"`` → ``("off", 0)``; None when ``text`` is none of these."""
+    m = _PERIOD.match(str(text))
+    if m is None:
+        return None
+    value, unit = float(m.group(1)), m.group(2)
+    if value == 0:
+        return ("off", 0.0)
+    if not unit:
+        return ("updates", value) if value.is_integer() else None
+    return ("seconds", value * {"s": 1, "m": 60, "h": 3600}[unit])
 
 
 @dataclass
@@ -114,6 +130,9 @@ class ReplayConfig:
     """Slack, in sampled items, around the samples-per-insert ratio before either side blocks."""
     timeout_s: float = 60.0
     """Seconds a blocked insert or sample waits before raising instead of hanging."""
+    device: str = "cpu"
+    """Where selection and the batch gather run: ``cpu``; ``cuda`` (device priority vector, zero-copy gather
+    from the shared memory; CuPy + a GPU, prioritized/uniform selectors); ``auto`` (cuda when usable)."""
 
 
 @dataclass
@@ -148,6 +167,16 @@ class RunConfig:
     """Stop once the greediest actor's mean return over its last 100 episodes reaches this (0: never)."""
     log_every_s: float = 5.0
     """Seconds between progress lines and metric rows."""
+    checkpoint_every: str = "10m"
+    """Checkpoint period: ``500`` (learner updates), ``90s``/``10m``/``2h`` (wall time), or ``0`` (off)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in ``<run dir>/checkpoints``; older ones are deleted."""
+    checkpoint_replay: bool = True
+    """Include the replay table in checkpoints (resume keeps every committed item; costs its bytes on disk)."""
+    progress: str = "auto"
+    """Terminal progress: ``auto`` (a live panel on a TTY, log lines otherwise), ``live`` or ``log``."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory (next to metrics.jsonl/.csv)."""
 
 
 @dataclass
@@ -403,6 +432,9 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(r.samples_per_insert >= 0, "replay.samples_per_insert", "must be ≥ 0 (0 disables)")
     check(r.error_buffer >= 0, "replay.error_buffer", "must be ≥ 0")
     check(r.timeout_s > 0, "replay.timeout_s", "must be > 0 seconds")
+    check(r.device in DEVICES, "replay.device", f"must be one of {', '.join(DEVICES)}")
+    check(r.device != "cuda" or r.selector in ("prioritized", "uniform"), "replay.device",
+          f"samples on the GPU with the prioritized or uniform selector only, not replay.selector={r.selector!r}")  # fmt: skip
     check(le.batch_size >= 1, "learner.batch_size", "must be ≥ 1")
     check(
         le.batch_size <= r.capacity,
@@ -434,6 +466,10 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(run.max_seconds >= 0, "run.max_seconds", "must be ≥ 0")
     check(run.max_updates >= 0, "run.max_updates", "must be ≥ 0")
     check(run.log_every_s > 0, "run.log_every_s", "must be > 0")
+    check(parse_period(run.checkpoint_every) is not None, "run.checkpoint_every",
+          "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)")  # fmt: skip
+    check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
+    check(run.progress in PROGRESS_MODES, "run.progress", f"must be one of {', '.join(PROGRESS_MODES)}")
     if e.factory is None:
         known, why = env_id_known(e.id, e.backend)
         check(known, "env.id", why)

@@ -255,6 +255,17 @@ class GymnasiumVecEnv(_Adapter):
             self._ids.copy(),
         )
 
+    def render(self) -> Optional[np.ndarray]:
+        """Frame of env 0 (``render_mode="rgb_array"`` in ``env.kwargs``), None without one."""
+        frames = self._env.render()
+        if frames is None or len(frames) == 0:
+            return None
+        return np.asarray(frames[0])
+
+    @property
+    def render_fps(self) -> int:
+        return int(self._env.metadata.get("render_fps", 0) or 0)
+
     def send(self, actions: np.ndarray, env_ids: np.ndarray) -> None:
         actions = np.asarray(actions)
         env_ids = np.asarray(env_ids)

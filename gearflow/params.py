@@ -167,13 +167,19 @@ class ParameterStore:
                 raise ValueError(f"parameter {k!r} is {t.dtype}{list(t.shape)}, "
                                  f"the store holds {dtype}{list(shape)}")
 
-    def publish(self, params: StateLike) -> int:
-        """Copy ``params`` into the slot not marked latest and make it latest (single writer)."""
+    def publish(self, params: StateLike, version: int | None = None) -> int:
+        """Copy ``params`` into the slot not marked latest and make it latest (single writer).
+
+        The new version is the latest + 1, or ``version`` when given (a resumed run
+        continues its numbering); it must be newer than the latest."""
         state = _state(params)
         self._check(state)  # before touching anything
         h = self.header
+        latest = int(h[H_LATEST_VERSION])
+        if version is not None and int(version) <= latest:
+            raise ValueError(f"version {version} is not newer than the latest published version {latest}")
         s = 1 - int(h[H_LATEST_SLOT])
-        version = int(h[H_LATEST_VERSION]) + 1
+        version = latest + 1 if version is None else int(version)
         seq = H_SEQ[s]
         h[seq] = int(h[seq]) | 1  # odd: slot s is being written (stays odd after a failed copy)
         with torch.no_grad():

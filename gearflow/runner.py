@@ -36,12 +36,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gearflow.agent import make_agent, resolve_device
-from gearflow.config import save_config, to_yaml
+from gearflow.checkpoint import Checkpoint, RunCheckpoints, rng_states, set_rng_states
+from gearflow.config import parse_period, save_config, to_yaml
 from gearflow.envs import make_vec_env
 from gearflow.errors import ConfigError, GearflowError
+from gearflow.log import FORMAT, DATEFMT
+from gearflow.metrics import MetricsLog
+from gearflow.native.device_replay import resolve_replay_device
 from gearflow.params import ParameterStore
+from gearflow.progress import make_display
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
-from gearflow.replay.storage import COMMIT
+from gearflow.replay.checkpoint import restore_checkpoint
+from gearflow.replay.storage import COMMIT, gc_segments
 
 log = logging.getLogger("gearflow.runner")
 
@@ -81,6 +87,23 @@ class Progress:
         self.returns.setdefault(actor, collections.deque(maxlen=100)).append(ret)
         self.all_returns.append(ret)
         self.episodes += 1
+
+    def state(self, now: float) -> dict[str, Any]:
+        """JSON-able counters for a checkpoint (``now``: ``time.monotonic()``)."""
+        return {
+            "elapsed_s": now - self.start, "updates": self.updates, "episodes": self.episodes,
+            "wait_s": self.wait_s, "learn_s": self.learn_s, "restarts": self.restarts,
+            "returns": {str(a): list(r) for a, r in self.returns.items()},
+            "all_returns": list(self.all_returns),
+        }  # fmt: skip
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.start = time.monotonic() - float(state["elapsed_s"])
+        self.updates, self.episodes = int(state["updates"]), int(state["episodes"])
+        self.wait_s, self.learn_s = float(state["wait_s"]), float(state["learn_s"])
+        self.restarts = int(state["restarts"])
+        self.returns = {int(a): collections.deque(r, maxlen=100) for a, r in state["returns"].items()}
+        self.all_returns = collections.deque(state["all_returns"], maxlen=100)
 
     def greediest_return(self) -> float:
         """Mean of the last 100 episodes of the greediest actor (the highest index)."""
@@ -200,21 +223,30 @@ class Prefetcher:
 class Runner:
     """Builds and runs one training run on this machine."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, resume: bool = False):
         self.cfg = cfg
         self.run_dir = make_run_dir(cfg)
+        self.resume = resume  # continue from the run directory's latest valid checkpoint
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+        self.checkpoint: Checkpoint | None = None  # the one resumed from
         self.progress = Progress()
         self._stop = threading.Event()
         self.table: Table | None = None
         self.params: ParameterStore | None = None
         self.supervisor: ActorSupervisor | None = None
         self.serial_actor = None
+        self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
 
     # ------------------------------------------------------------------ wiring
     def connect_components(self) -> None:
         """Env spec → agent → replay table → parameter store → actors."""
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)
+        if self.resume:
+            self.checkpoint = self.checkpoints.latest()
+            log.info("resuming from %s", self.checkpoint.path)
+            for name, size in gc_segments(prefix="gearflow"):  # left by the stopped run, if it was killed
+                log.info("removed /dev/shm/%s (%.1f MiB) of a dead process", name, size / 2**20)
         probe_cfg = OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1})
         probe = make_vec_env(probe_cfg, seed=cfg.env.seed)
         env_spec = probe.env_spec
@@ -222,6 +254,9 @@ class Runner:
         self.device = resolve_device(cfg.learner.device)
         self.agent = make_agent(cfg, env_spec, self.device)
         self.agent.setup_learner()
+        if self.checkpoint is not None:
+            self.agent.load_state_dict(self.checkpoint.learner["agent"])
+            set_rng_states(self.checkpoint.learner["rng"])
 
         num_actors = 1 if cfg.run.serial else cfg.actor.num_actors
         P = num_actors * cfg.env.num_envs
@@ -232,32 +267,103 @@ class Runner:
                 f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items"
             )
         R = S if kind.name == "transition" else S // max(1, getattr(kind, "period", 1)) + 2
-        storage = SharedStorage.create(TableSpec.parse(self.agent.replay_columns()), P, S, R)
-        selector = make_selector(cfg.replay.selector, P * R, seed=cfg.run.seed, **selector_kwargs(cfg))
-        limiter = RateLimiter(
-            min_size_to_sample=cfg.replay.min_size_to_sample,
-            samples_per_insert=cfg.replay.samples_per_insert,
-            error_buffer=cfg.replay.error_buffer,
-        )
-        self.table = Table(storage, kind, selector, limiter, num_buffers=cfg.learner.prefetch + 2,
-                           sample_timeout_s=cfg.replay.timeout_s)  # fmt: skip
+        spec = TableSpec.parse(self.agent.replay_columns())
+        replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
+        if replay_device == "cuda" and self.device.type != "cuda":
+            raise ConfigError(
+                f"replay.device={cfg.replay.device!r} assembles batches on the GPU, but the learner runs on "
+                f"{self.device} (learner.device={cfg.learner.device!r}); use learner.device=cuda or replay.device=cpu"
+            )
+        if self.checkpoint is not None and self.checkpoint.replay_dir is not None:
+            self.table = self._restore_table(self.checkpoint.replay_dir, spec, (P, S, R))
+        else:
+            storage = SharedStorage.create(spec, P, S, R)
+            selector = make_selector(cfg.replay.selector, P * R, seed=cfg.run.seed, **selector_kwargs(cfg))
+            limiter = RateLimiter(
+                min_size_to_sample=cfg.replay.min_size_to_sample,
+                samples_per_insert=cfg.replay.samples_per_insert,
+                error_buffer=cfg.replay.error_buffer,
+            )
+            try:
+                self.table = Table(storage, kind, selector, limiter, num_buffers=cfg.learner.prefetch + 2,
+                                   sample_timeout_s=cfg.replay.timeout_s, device=replay_device)  # fmt: skip
+            except BaseException:
+                storage.close()
+                storage.unlink()
+                raise
+        storage = self.table.storage
         self.lock = threading.Lock()
         self.params = ParameterStore.create(self.agent.learner_network())
-        self.params.publish(self.agent.learner_network())
+        if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
+            r = self.checkpoint.runner
+            self.progress.load_state(r["progress"])
+            self._env_steps_offset = int(r["env_steps"]) - self.env_steps()
+            self.params.publish(self.agent.learner_network(), version=max(1, int(r["weights_version"])))
+        else:
+            self.params.publish(self.agent.learner_network())
         partitions = [np.arange(a * cfg.env.num_envs, (a + 1) * cfg.env.num_envs) for a in range(num_actors)]
         if cfg.run.serial:
-            from gearflow.actor import Actor
+            from gearflow.actor import actor_class_for
 
-            self.serial_actor = Actor(cfg, 0, storage, partitions[0], self.params, self.agent,
+            self.serial_actor = actor_class_for(self.agent)(cfg, 0, storage, partitions[0], self.params, self.agent,
                                       on_episode=lambda env, ret, length, eps: self.progress.add_episode(0, ret))
         else:
             self.supervisor = ActorSupervisor(cfg, storage.name, self.params.name, partitions)
         log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", P, S,
                  storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
 
+    def _restore_table(self, path: Path, spec: TableSpec, geometry: tuple[int, int, int]) -> Table:
+        """The replay table of a checkpoint, refused if the config no longer matches its layout."""
+        table = restore_checkpoint(path)
+        st = table.storage
+        have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
+        if have != geometry or st.spec.to_dict() != spec.to_dict():
+            table.close()
+            raise ConfigError(
+                f"cannot resume: the checkpoint's replay has (partitions, steps, items) = {have} and "
+                f"columns {list(st.spec.names)}, the config asks for {geometry} and {list(spec.names)} "
+                "(replay.capacity, actor.num_actors, env.num_envs and the agent must stay as they were)"
+            )
+        table.sample_timeout_s = self.cfg.replay.timeout_s
+        log.info("replay restored: %d items, %d env steps", table.size, self.env_steps_in(table))
+        return table
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Learner, counters and (``run.checkpoint_replay``) the replay, atomically."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        runner_state = {
+            "env_steps": self.env_steps(),
+            "weights_version": self.params.latest_version(),
+            "progress": self.progress.state(now),
+            "metric_offsets": self.metrics.offsets(),
+            "config": to_yaml(self.cfg),
+        }
+        learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
+        with self.lock:  # the prefetcher samples under the same lock
+            table = self.table if self.cfg.run.checkpoint_replay else None
+            path = self.checkpoints.save(self.progress.updates, learner_state, runner_state, table)
+        self._last_checkpoint = (time.monotonic(), self.progress.updates)
+        log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+        return path
+
+    def _checkpoint_due(self) -> bool:
+        kind, every = self._checkpoint_period
+        when, updates = self._last_checkpoint
+        if kind == "updates":
+            return self.progress.updates - updates >= every
+        if kind == "seconds":
+            return time.monotonic() - when >= every
+        return False
+
     # ------------------------------------------------------------------ loop
+    @staticmethod
+    def env_steps_in(table: Table) -> int:
+        return int(table.storage.counters[:, COMMIT].sum())
+
     def env_steps(self) -> int:
-        return int(self.table.storage.counters[:, COMMIT].sum())
+        return self._env_steps_offset + self.env_steps_in(self.table)
 
     def _done(self) -> str:
         r = self.cfg.run
@@ -343,17 +449,27 @@ class Runner:
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
             signal.signal(s, lambda *_: self._stop.set())
-        metrics_file = None
+        self.metrics = None
+        display = file_log = None
         prefetch = None
         try:
             self.connect_components()  # config errors surface here, before a run directory exists
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            file_log = logging.FileHandler(self.run_dir / "train.log")
+            file_log.setFormatter(logging.Formatter(FORMAT, DATEFMT))
+            logging.getLogger().addHandler(file_log)
             save_config(cfg, self.run_dir / "config.yaml")
-            metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+            resume_from = None
+            if self.checkpoint is not None:
+                resume_from = (self.checkpoint.runner["metric_offsets"], self.checkpoint.runner["env_steps"])
+            self.metrics = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resume_from=resume_from)
+            self._checkpoint_period = parse_period(cfg.run.checkpoint_every)
+            self._last_checkpoint = (time.monotonic(), self.progress.updates)
+            display = make_display(cfg.run.progress, cfg.run.max_env_steps, title=f"gearflow train {self.run_dir}")
             if self.supervisor is not None:
                 self.supervisor.start()
                 prefetch = Prefetcher(self.table, self.lock, cfg.learner.batch_size, cfg.learner.prefetch, self._stop)
-            last_log, last_steps, last_updates, metrics = time.monotonic(), 0, 0, {}
+            last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), self.progress.updates, {}
             reason = ""
             while not (reason := self._done()):
                 if self.serial_actor is not None:
@@ -383,22 +499,19 @@ class Runner:
                     steps, updates = row["actor/env_steps"], row["learner/updates"]
                     row["actor/env_steps_per_s"] = (steps - last_steps) / (now - last_log)
                     row["learner/updates_per_s"] = (updates - last_updates) / (now - last_log)
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                    log.info(
-                        "steps %d (%.0f/s) updates %d (%.1f/s) replay %d return100 %.1f greediest %.1f "
-                        "lag %.1f wait %.0f%%", steps, row["actor/env_steps_per_s"], updates,
-                        row["learner/updates_per_s"], row["replay/size"], row["actor/return_last100"],
-                        row["actor/return_last100_greediest"], row["actor/policy_lag"],
-                        100 * row["learner/wait_fraction"],
-                    )  # fmt: skip
+                    self.metrics.write(row)
+                    display.update(row)
                     last_log, last_steps, last_updates = now, steps, updates
+                if self._checkpoint_due():
+                    self.save_checkpoint()
             if self.supervisor is not None:  # final actor counters arrive as they exit
                 self._stop.set()
                 self.supervisor.stop(drain=self._drain_metrics)
             summary = self.snapshot(metrics)
             summary["stop_reason"] = reason
-            metrics_file.write(json.dumps(summary) + "\n")
+            self.metrics.write(summary)
+            if self._checkpoint_period[0] != "off":  # SIGTERM/SIGINT included: resume continues here
+                summary["checkpoint"] = str(self.save_checkpoint())
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             return summary
         finally:
@@ -414,19 +527,25 @@ class Runner:
                 self.table.close()
             if self.params is not None:
                 self.params.close()
-            if metrics_file is not None:
-                metrics_file.close()
+            if display is not None:
+                display.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            if file_log is not None:
+                logging.getLogger().removeHandler(file_log)
+                file_log.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Run ``cfg`` to completion; returns the final summary."""
+def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
+    """Run ``cfg`` to completion (``resume``: from its run directory's latest checkpoint);
+    returns the final summary."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.
     sys.setswitchinterval(0.0005)
-    runner = Runner(cfg)
+    runner = Runner(cfg, resume=resume)
     log.info("run directory %s", runner.run_dir)
     summary = runner.run()
     log.info(

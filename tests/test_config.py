@@ -158,6 +158,9 @@ VALIDATION_CASES = [
     (["replay.samples_per_insert=-1"], "replay.samples_per_insert", "must be ≥ 0 (0 disables)"),
     (["replay.error_buffer=-1"], "replay.error_buffer", "must be ≥ 0"),
     (["replay.timeout_s=0"], "replay.timeout_s", "must be > 0 seconds"),
+    (["replay.device=tpu"], "replay.device", "must be one of auto, cpu, cuda"),
+    (["replay.device=cuda", "replay.selector=fifo"], "replay.device",
+     "samples on the GPU with the prioritized or uniform selector only, not replay.selector='fifo'"),
     (["learner.batch_size=0"], "learner.batch_size", "must be ≥ 1"),
     (["learner.batch_size=200000"], "learner.batch_size", "is larger than replay.capacity (100000)"),
     (["learner.device=tpu"], "learner.device", "must be one of auto, cpu, cuda"),
@@ -185,6 +188,10 @@ VALIDATION_CASES = [
     (["run.max_seconds=-1"], "run.max_seconds", "must be ≥ 0"),
     (["run.max_updates=-1"], "run.max_updates", "must be ≥ 0"),
     (["run.log_every_s=0"], "run.log_every_s", "must be > 0"),
+    (["run.checkpoint_every=10x"], "run.checkpoint_every", "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)"),
+    (["run.checkpoint_every=2.5"], "run.checkpoint_every", "must be a number of updates"),
+    (["run.keep_checkpoints=0"], "run.keep_checkpoints", "must be ≥ 1"),
+    (["run.progress=fancy"], "run.progress", "must be one of"),
     (["env.id=CartPol-v1"], "env.id", "unknown environment id (not in EnvPool nor gymnasium)"),
     (
         ["env.id=CartPol-v1", "env.backend=envpool"],
@@ -539,3 +546,13 @@ def test_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.run.name
     assert explain(cfg)
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [("500", ("updates", 500.0)), ("90s", ("seconds", 90.0)), ("10m", ("seconds", 600.0)),
+     ("2h", ("seconds", 7200.0)), ("0", ("off", 0.0)), ("0s", ("off", 0.0)), (" 1.5m ", ("seconds", 90.0)),
+     ("1.5", None), ("m", None), ("-5", None), ("5d", None)],
+)
+def test_parse_period(text, want):
+    assert config_mod.parse_period(text) == want

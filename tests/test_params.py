@@ -62,6 +62,18 @@ def test_round_trip_and_versions(store):
     assert all(torch.equal(copy[k], src[k]) for k in src), "read() must return a private copy"
 
 
+def test_publish_with_explicit_version_continues_numbering(store):
+    src = make_params(2.0)
+    assert store.publish(src, version=41) == 41  # a resumed run continues at its checkpoint's version
+    assert store.latest_version() == 41
+    dst = make_params()
+    assert store.load_into(dst, min_version=40) == 41 and all(torch.equal(dst[k], src[k]) for k in src)
+    assert store.publish(make_params(3.0)) == 42
+    with pytest.raises(ValueError, match="version 42 is not newer than the latest published version 42"):
+        store.publish(make_params(4.0), version=42)
+    assert store.read()[0] == 42 and torch.equal(store.read()[1]["w"], make_params(3.0)["w"])
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [

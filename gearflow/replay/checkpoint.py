@@ -56,6 +56,39 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def write_manifest(directory: Path, subdirs: bool = True) -> None:
+    """``MANIFEST.json``: size and CRC-32 of every file under ``directory`` (written last).
+
+    ``subdirs=False`` covers only the files directly in ``directory`` (a sub-directory
+    with its own manifest is checked on its own)."""
+    files = sorted(p for p in (directory.rglob("*") if subdirs else directory.iterdir()) if p.is_file())
+    manifest = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        for p in files
+        if p.name != "MANIFEST.json"
+    }
+    (directory / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+
+
+def check_manifest(directory: Path, what: str) -> None:
+    """Raise :class:`CheckpointError` unless every file in the manifest has its size and CRC."""
+    manifest_path = directory / "MANIFEST.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{directory}: not a complete {what} (no MANIFEST.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{directory}: MANIFEST.json is corrupt: {exc}") from None
+    for rel, want in manifest.items():
+        f = directory / rel
+        if not f.is_file():
+            raise CheckpointError(f"{directory}: {rel} is missing")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"{directory}: {rel} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
+        if _crc32(f) != want["crc32"]:
+            raise CheckpointError(f"{directory}: {rel} is corrupt (CRC-32 mismatch)")
+
+
 def _scalarize(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v) for k, v in state.items()}
 
@@ -109,9 +142,7 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
         "num_buffers": table.num_buffers,
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in files}
-    (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    write_manifest(tmp)
 
     old = path.with_name(f"{path.name}.old-{os.getpid()}")
     if path.exists():
@@ -124,21 +155,7 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the manifest against the files; returns ``meta.json`` or raises CheckpointError."""
     path = Path(path)
-    manifest_path = path / "MANIFEST.json"
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path}: not a complete replay checkpoint (no MANIFEST.json)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: MANIFEST.json is corrupt: {exc}") from None
-    for rel, want in manifest.items():
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"{path}: {rel} is missing")
-        if f.stat().st_size != want["bytes"]:
-            raise CheckpointError(f"{path}: {rel} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
-        if _crc32(f) != want["crc32"]:
-            raise CheckpointError(f"{path}: {rel} is corrupt (CRC-32 mismatch)")
+    check_manifest(path, "replay checkpoint")
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} (this gearflow reads {FORMAT})")
