@@ -145,6 +145,10 @@ class LearnerConfig:
     """Batches sampled ahead in the background (≥ 1)."""
     publish_every: int = 10
     """Learner updates between weight publications to the actors."""
+    bf16: bool = False
+    """Run ``agent.learn`` under bfloat16 autocast (CUDA; also accepted on CPU)."""
+    compile: bool = False
+    """``torch.compile`` the learner network in place before training."""
 
 
 @dataclass
@@ -157,6 +161,9 @@ class RunConfig:
     """Seed of the learner, the replay selector and the actors."""
     serial: bool = False
     """Run one actor and the learner in one process with the same classes (debugging)."""
+    dry_run: bool = False
+    """Build the learner on the meta device, print its memory plan (parameters, optimizer, activations,
+    replay bytes) as a table and JSON, and exit: no actors, no shared memory, no run directory."""
     max_env_steps: int = 100_000
     """Stop after this many environment steps in total (0: no limit)."""
     max_seconds: float = 0.0

@@ -80,6 +80,8 @@ class Progress:
     returns: dict[int, collections.deque] = field(default_factory=dict)  # per actor
     all_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
     restarts: int = 0
+    samples: int = 0  # items learned from
+    tokens: int = 0  # steps learned from (items × their valid steps)
     data_age: float = 0.0
     actor_counters: dict[int, dict] = field(default_factory=dict)  # latest "counters" message per actor
 
@@ -92,6 +94,7 @@ class Progress:
         """JSON-able counters for a checkpoint (``now``: ``time.monotonic()``)."""
         return {
             "elapsed_s": now - self.start, "updates": self.updates, "episodes": self.episodes,
+            "samples": self.samples, "tokens": self.tokens,
             "wait_s": self.wait_s, "learn_s": self.learn_s, "restarts": self.restarts,
             "returns": {str(a): list(r) for a, r in self.returns.items()},
             "all_returns": list(self.all_returns),
@@ -102,6 +105,7 @@ class Progress:
         self.updates, self.episodes = int(state["updates"]), int(state["episodes"])
         self.wait_s, self.learn_s = float(state["wait_s"]), float(state["learn_s"])
         self.restarts = int(state["restarts"])
+        self.samples, self.tokens = int(state.get("samples", 0)), int(state.get("tokens", 0))
         self.returns = {int(a): collections.deque(r, maxlen=100) for a, r in state["returns"].items()}
         self.all_returns = collections.deque(state["all_returns"], maxlen=100)
 
@@ -257,6 +261,8 @@ class Runner:
         if self.checkpoint is not None:
             self.agent.load_state_dict(self.checkpoint.learner["agent"])
             set_rng_states(self.checkpoint.learner["rng"])
+        if cfg.learner.compile:
+            self.agent.learner_network().compile()  # in place: parameter names stay the same
 
         num_actors = 1 if cfg.run.serial else cfg.actor.num_actors
         P = num_actors * cfg.env.num_envs
@@ -399,11 +405,17 @@ class Runner:
 
     def _learn_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics, priorities = self.agent.learn(batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.learner.bf16):
+            metrics, priorities = self.agent.learn(batch)
+        if isinstance(priorities, torch.Tensor):
+            priorities = priorities.detach().float()
         with self.lock:
             self.table.update_priorities(batch.keys, priorities)
         self.progress.learn_s += time.perf_counter() - t0
         self.progress.updates += 1
+        self.progress.samples += len(batch.keys)
+        mask = batch.data.get("mask")  # sequence/episode items: valid steps; transitions: one each
+        self.progress.tokens += int(mask.sum()) if mask is not None else len(batch.keys)
         if "version" in batch.data:  # how many publications old the sampled data is
             self.progress.data_age = float(self.params.latest_version() - batch.data["version"].double().mean())
         if self.progress.updates % self.cfg.learner.publish_every == 0:
@@ -426,6 +438,8 @@ class Runner:
             "actor/return_last100_greediest": p.greediest_return(),
             "actor/restarts": p.restarts,
             "learner/updates": p.updates,
+            "learner/samples": p.samples,
+            "learner/tokens": p.tokens,
             "learner/wait_fraction": p.wait_s / busy if busy else 0.0,
             "learner/weights_version": self.params.latest_version(),
             "actor/weights_version_min": self._actor_weights_version(),
@@ -470,6 +484,7 @@ class Runner:
                 self.supervisor.start()
                 prefetch = Prefetcher(self.table, self.lock, cfg.learner.batch_size, cfg.learner.prefetch, self._stop)
             last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), self.progress.updates, {}
+            last_samples, last_tokens = self.progress.samples, self.progress.tokens
             reason = ""
             while not (reason := self._done()):
                 if self.serial_actor is not None:
@@ -499,6 +514,9 @@ class Runner:
                     steps, updates = row["actor/env_steps"], row["learner/updates"]
                     row["actor/env_steps_per_s"] = (steps - last_steps) / (now - last_log)
                     row["learner/updates_per_s"] = (updates - last_updates) / (now - last_log)
+                    row["learner/samples_per_s"] = (self.progress.samples - last_samples) / (now - last_log)
+                    row["learner/tokens_per_s"] = (self.progress.tokens - last_tokens) / (now - last_log)
+                    last_samples, last_tokens = self.progress.samples, self.progress.tokens
                     self.metrics.write(row)
                     display.update(row)
                     last_log, last_steps, last_updates = now, steps, updates
@@ -541,6 +559,10 @@ class Runner:
 def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
     """Run ``cfg`` to completion (``resume``: from its run directory's latest checkpoint);
     returns the final summary."""
+    if cfg.run.dry_run:  # memory plan only: no actors, no shared memory, no run directory
+        from gearflow.dryrun import dry_run
+
+        return dry_run(cfg)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.
