@@ -21,6 +21,13 @@ agent is one file anywhere on ``sys.path``::
 Acting and learning are separate: actors only call ``make_network`` and
 ``act`` (with weights loaded from the parameter store), so the same agent
 serves a serial run, actor processes and a distributed launch unchanged.
+
+``run.dry_run=true`` (:mod:`gearflow.dryrun`) builds the agent and calls
+``setup_learner`` on the meta device, so both must work on meta tensors (plain
+``nn.Module`` and ``torch.optim`` code does). It measures activations by running
+``learner_network()`` on a meta batch of ``obs``; an agent whose learner input is
+something else may offer the optional hook
+``memory_estimate(batch_size) -> {"activation_bytes": int, "activation_method": str}``.
 """
 
 from __future__ import annotations

@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Agents, env factories and obs transforms are named by import path: find a user's module in
+    # the current directory, as `python -m gearflow` does (after installed packages, so it shadows
+    # none). Actor processes are spawned with this sys.path, so they import it too.
+    import os
+
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     verbosity = -1 if args.quiet else (1 if args.verbose else 0)

@@ -1,0 +1,53 @@
+"""A user's own agent, one file outside the package, trained through the real ``gearflow`` command
+from the directory that holds it (the actor processes must import it too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "custom_agent"
+
+
+def gearflow_command() -> list[str]:
+    """The installed console script (its sys.path[0] is its bin dir, not the cwd, unlike
+    ``python -m``): what a user types. Falls back to ``python -m gearflow``."""
+    script = Path(sys.executable).with_name("gearflow")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "gearflow"]
+
+
+@pytest.mark.slow
+def test_custom_agent_outside_the_package_trains_through_gearflow_train(tmp_path):
+    for name in ("my_dqn.py", "my_dqn.yaml"):
+        shutil.copy(EXAMPLE / name, tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # found via the cwd alone
+    cmd = [*gearflow_command(), "train", "my_dqn.yaml", "run.max_env_steps=6000", "run.max_seconds=200",
+           "env.num_envs=4", "learner.batch_size=32", "actor.weight_sync_period=16",
+           "run.log_every_s=0.5", "run.progress=log", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["stop_reason"] == "reached run.max_env_steps=6000"
+    assert summary["actor/restarts"] == 0, "an actor process died (could it import my_dqn?)"
+    assert summary["learner/updates"] >= 200
+    assert summary["learner/weights_version"] > 1
+    assert summary["actor/weights_version_min"] > 1, "an actor never loaded newer weights"
+    assert "Traceback" not in proc.stderr
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "name: my_dqn" in saved
+
+
+def test_the_guide_shows_the_agent_it_tests():
+    guide = (ROOT / "docs" / "custom_agent.md").read_text()
+    agent = (EXAMPLE / "my_dqn.py").read_text()
+    assert agent in guide, "docs/custom_agent.md no longer shows examples/custom_agent/my_dqn.py verbatim"
+    assert (EXAMPLE / "my_dqn.yaml").read_text() in guide
+    assert len(agent.splitlines()) <= 110
