@@ -1,0 +1,350 @@
+"""R2D2 with a causal transformer: Kapturowski et al. 2019, "Recurrent Experience Replay in Distributed Reinforcement Learning", https://openreview.net/forum?id=r1lyTjAqYX
+
+Sequence Q-learning as in R2D2, with a small causal transformer where the
+paper has an LSTM. Reads top to bottom: the config, value rescaling, the
+transformer, the sequence TD errors and priorities (shared by actor and
+learner), then the agent.
+
+Replay layout (one row per step; an episode of L actions is L + 1 rows, the
+last one the final observation with action 0, reward 0, discount 0)::
+
+    row t:  obs_t  action_t  reward_t (r after action_t)  discount_t (0 if t→t+1 terminated)
+            first_t (t is the episode's step 0)  version_t
+
+Items are ``Sequence`` windows of ``replay.sequence_length`` rows starting every
+``replay.sequence_period`` rows of an episode (padded at an episode's end).
+Step ``i`` of a window gets a loss when row ``i + 1`` is in the window (its
+transition exists) and ``i ≥ burn_in``: the burn-in prefix is context without
+loss. A window that starts at an episode's first step has no burn-in: its
+context is exact, the very context the actor had (R2D2 burns in to recover an
+LSTM state; a transformer over a window that starts at the episode start has
+nothing to recover). Targets, with Q in rescaled space::
+
+    y_i = h( Σ_{k<m} γ^k Π_{j<k} d_{i+j} r_{i+k}  +  γ^m Π_{j<m} d_{i+j} · h⁻¹(Q_target(s_{i+m}, argmax_a Q(s_{i+m}, a))) )
+    m = min(n, last row of the window − i)          (n-step, truncated at the window's end)
+    h(x) = sign(x)(√(|x|+1) − 1) + εx
+    priority = η · max_i |δ_i| + (1 − η) · mean_i |δ_i|     over the loss steps, η = 0.9
+
+Actors act with the same network over each env's last ``context`` observations
+(``gearflow.sequence_actor.SequenceActor``) and compute initial priorities with
+:meth:`Agent.initial_priorities` from the Q-values they acted with (the same
+function as the learner, with their one network as online and target).
+
+Positions are encoded with ALiBi (Press et al. 2022: a per-head linear penalty
+on attention distance), not absolute embeddings: a step's output depends only
+on how far back each context step is, so a window that starts mid-episode
+(learner) and a rolling actor context give the same step the same encoding.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gearflow.agent import ActOutput, EnvSpec
+from gearflow.errors import ConfigError
+from gearflow.replay.items import Sequence
+
+
+@dataclass
+class Config:
+    d_model: int = 64
+    """Width of the transformer's residual stream."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads per block (``d_model`` must be divisible by it)."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, in multiples of ``d_model``."""
+    context: int = 0
+    """Observations an actor attends over (its rolling window per env); 0: ``replay.sequence_length``."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    adam_eps: float = 1e-4
+    """Adam epsilon."""
+    target_update_period: int = 500
+    """Learner updates between copies of the online network into the target network (R2D2: 2500)."""
+    max_grad_norm: float = 40.0
+    """Global gradient-norm clip."""
+    eta: float = 0.9
+    """Priority mix η: η · max|δ| + (1 − η) · mean|δ| over a window's loss steps."""
+    rescale_eps: float = 1e-3
+    """ε of the value rescaling h(x) = sign(x)(√(|x|+1) − 1) + εx."""
+
+
+# ----------------------------------------------------------------------------- value rescaling
+
+
+def value_rescale(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """h(x) = sign(x)(√(|x|+1) − 1) + εx (Pohlen et al. 2018)."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + eps * x
+
+
+def inverse_value_rescale(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """h⁻¹(x) = sign(x)(((√(1 + 4ε(|x| + 1 + ε)) − 1) / 2ε)² − 1)."""
+    root = (torch.sqrt(1.0 + 4.0 * eps * (x.abs() + 1.0 + eps)) - 1.0) / (2.0 * eps)
+    return torch.sign(x) * (root * root - 1.0)
+
+
+# ----------------------------------------------------------------------------- network
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes 2^(-8h/H), h = 1..H (the paper's geometric sequence)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm causal self-attention + MLP."""
+
+    def __init__(self, d: int, heads: int, mlp_ratio: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d))
+
+    def forward(self, x, bias):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)  # 3 × (B, T, D)
+        q, k, v = (z.view(B, T, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, nh, T, hs)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln2(x))  # (B, T, D)
+
+
+class TransformerQNetwork(nn.Module):
+    """Observations (B, T, obs_dim) → Q-values (B, T, A); step t attends to steps ≤ t.
+
+    Causal, so padding after a sequence's last step never changes its outputs.
+    """
+
+    def __init__(self, obs_dim: int, num_actions: int, cfg: Config):
+        super().__init__()
+        d = cfg.d_model
+        self.embed = nn.Linear(obs_dim, d)
+        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_ratio) for _ in range(cfg.num_layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, num_actions)
+        self.register_buffer("slopes", alibi_slopes(cfg.num_heads), persistent=False)  # (nh,)
+        self._bias: torch.Tensor | None = None
+
+    def attention_bias(self, T: int, device) -> torch.Tensor:
+        """(nh, T, T): −slope·(i − j) for j ≤ i, −inf above the diagonal (cached per T)."""
+        if self._bias is None or self._bias.shape[-1] != T or self._bias.device != device:
+            pos = torch.arange(T, device=device)
+            dist = (pos[:, None] - pos[None, :]).float()  # (T, T) i − j
+            bias = -self.slopes.to(device)[:, None, None] * dist  # (nh, T, T)
+            self._bias = bias.masked_fill(dist < 0, float("-inf"))
+        return self._bias
+
+    def forward(self, obs):
+        x = self.embed(obs.float().flatten(2))  # (B, T, D)
+        bias = self.attention_bias(x.shape[1], x.device)
+        for block in self.blocks:
+            x = block(x, bias)
+        return self.head(self.ln(x))  # (B, T, A)
+
+
+# ----------------------------------------------------------------------------- TD errors and priorities
+
+
+def loss_mask(mask: torch.Tensor, first: torch.Tensor, burn_in: int) -> torch.Tensor:
+    """(B, T) bool: step i has a transition in the window (row i+1 exists) and is past the
+    burn-in, unless the window starts at an episode's first step (then there is none)."""
+    has_next = torch.zeros_like(mask)
+    has_next[:, :-1] = mask[:, 1:]
+    T = mask.shape[1]
+    past_burn_in = torch.arange(T, device=mask.device)[None, :] >= burn_in  # (1, T)
+    return has_next & (past_burn_in | first[:, :1])  # (B, T)
+
+
+def sequence_td(q, q_next_online, q_next_target, action, reward, discount, lengths, n, gamma, eps):
+    """TD errors δ (B, T) of n-step double-Q targets in rescaled space.
+
+    ``q``: (B, T, A) online Q-values with gradient; ``q_next_online`` / ``q_next_target``:
+    (B, T, A) without gradient (the same tensor for an actor). ``reward``/``discount``
+    (B, T): of the transition leaving each row. Steps without a transition are garbage
+    and must be masked (:func:`loss_mask`)."""
+    B, T, _ = q.shape
+    idx = torch.arange(T, device=q.device)  # (T,)
+    last = (lengths - 1).to(q.device)[:, None]  # (B, 1): the window's last row
+    best = q_next_online.argmax(dim=2, keepdim=True)  # (B, T, 1) double Q: online picks
+    boot = inverse_value_rescale(q_next_target.gather(2, best).squeeze(2), eps)  # (B, T) unscaled
+    ret = torch.zeros(B, T, dtype=torch.float32, device=q.device)
+    scale = torch.ones(B, T, dtype=torch.float32, device=q.device)  # γ^k Π d
+    steps = torch.zeros(B, T, dtype=torch.long, device=q.device)
+    for k in range(n):
+        j = (idx + k).clamp(max=T - 1)  # (T,)
+        active = (idx + k)[None, :] < last  # (B, T): row i+k has a transition in the window
+        ret = torch.where(active, ret + scale * reward[:, j], ret)
+        scale = torch.where(active, scale * gamma * discount[:, j], scale)
+        steps = steps + active.long()
+    boot_idx = (idx[None, :] + steps).clamp(max=T - 1)  # (B, T) row s_{i+m}
+    y = value_rescale(ret + scale * boot.gather(1, boot_idx), eps)  # (B, T)
+    q_sa = q.gather(2, action.long().unsqueeze(2)).squeeze(2)  # (B, T)
+    return y - q_sa  # (B, T)
+
+
+def priority_mix(td_abs: torch.Tensor, valid: torch.Tensor, eta: float) -> torch.Tensor:
+    """η · max|δ| + (1 − η) · mean|δ| over each row's valid steps (B,); 0 without any."""
+    td_abs = torch.where(valid, td_abs, torch.zeros_like(td_abs))  # (B, T)
+    count = valid.sum(dim=1).clamp(min=1)
+    return eta * td_abs.max(dim=1).values + (1.0 - eta) * td_abs.sum(dim=1) / count  # (B,)
+
+
+# ----------------------------------------------------------------------------- agent
+
+
+class Agent:
+    """R2D2 with a causal transformer; see the module docstring."""
+
+    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+        if spec.num_actions is None:
+            raise ConfigError(
+                f"agent.name=agents.r2d2_transformer needs a discrete action space, but env "
+                f"{spec.env_id or '?'!r} has {spec.action_space}"
+            )
+        if len(spec.obs_shape) != 1:
+            raise ConfigError(
+                f"agent.name=agents.r2d2_transformer embeds vector observations; got obs shape "
+                f"{spec.obs_shape} (frames need a CNN torso this agent does not have yet)"
+            )
+        if cfg.d_model % cfg.num_heads:
+            raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
+        r = full_cfg.replay
+        self.kind = Sequence(length=int(r.sequence_length), period=int(r.sequence_period), burn_in=int(r.burn_in))
+        if cfg.context < 0:
+            raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
+        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.num_actions = int(spec.num_actions)
+        self.gamma = float(full_cfg.actor.gamma)
+        self.n_step = int(full_cfg.actor.n_step)
+        self.rng = np.random.default_rng(int(full_cfg.run.seed))
+        self.online: nn.Module | None = None
+
+    # ---- replay: one row per step, windows of rows
+    def replay_columns(self) -> dict[str, str]:
+        return {
+            "obs": f"{np.dtype(self.spec.obs_dtype).name}[{self.spec.obs_shape[0]}]",
+            "action": "int64",
+            "reward": "float32",  # reward after action_t
+            "discount": "float32",  # 0 if the transition t → t+1 terminated the episode
+            "first": "bool",  # row t is the episode's step 0
+            "version": "int64",  # weights version the actor acted with
+        }
+
+    def item_kind(self) -> Sequence:
+        return self.kind
+
+    def context_length(self) -> int:
+        """Observations the actor keeps per env and passes to :meth:`act`."""
+        return int(self.cfg.context) or self.kind.length
+
+    # ---- acting
+    def make_network(self) -> nn.Module:
+        return TransformerQNetwork(self.spec.obs_shape[0], self.num_actions, self.cfg).to(self.device)
+
+    def act(self, network, obs, epsilon, rng=None, lengths=None) -> ActOutput:
+        """ε-greedy at the last step of each context: ``obs`` (k, C, obs_dim) left-aligned,
+        ``lengths`` (k,) steps in each (padding after them is never attended to)."""
+        rng = self.rng if rng is None else rng
+        obs = torch.as_tensor(obs, device=self.device)
+        if obs.dim() == 2:  # one step without context
+            obs = obs[:, None]
+        k, C = obs.shape[:2]
+        last = torch.as_tensor(np.full(k, C) if lengths is None else lengths, device=self.device) - 1
+        q = network(obs)  # (k, C, A)
+        values = q[torch.arange(k, device=self.device), last].float().cpu().numpy()  # (k, A)
+        actions = values.argmax(axis=1)
+        explore = rng.random(k) < epsilon
+        if explore.any():
+            actions = np.where(explore, rng.integers(self.num_actions, size=k), actions)
+        return ActOutput(actions=actions.astype(np.int64, copy=False), values=values)
+
+    def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
+        """Actor-side R2D2 priorities of windows (k,) from the Q-values acted with: ``values``
+        (k, T, A); ``action``/``reward``/``discount``/``first`` (k, T); ``lengths`` (k,)."""
+        q = torch.as_tensor(values, dtype=torch.float32)
+        lengths_t = torch.as_tensor(lengths)
+        td = sequence_td(q, q, q, torch.as_tensor(action), torch.as_tensor(reward, dtype=torch.float32),
+                         torch.as_tensor(discount, dtype=torch.float32), lengths_t, self.n_step, self.gamma,
+                         self.cfg.rescale_eps)  # fmt: skip
+        T = q.shape[1]
+        mask = torch.arange(T)[None, :] < lengths_t[:, None]
+        valid = loss_mask(mask, torch.as_tensor(first), self.kind.burn_in)
+        return priority_mix(td.abs(), valid, self.cfg.eta).numpy().astype(np.float64)
+
+    # ---- learning
+    def setup_learner(self) -> None:
+        self.online = self.make_network()
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+        self.optimizer = torch.optim.Adam(self.online.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps)
+        self.updates = 0
+
+    def learner_network(self) -> nn.Module:
+        if self.online is None:
+            raise RuntimeError("call setup_learner() first")
+        return self.online
+
+    def loss(self, batch):
+        """Weighted masked squared TD loss, TD errors (B, T) and the loss mask (B, T)."""
+        d = {k: batch.data[k].to(self.device, non_blocking=True)
+             for k in ("obs", "action", "reward", "discount", "first", "mask", "length")}  # fmt: skip
+        weights = batch.weights.to(self.device, non_blocking=True)  # (B,) importance weights
+        q = self.online(d["obs"])  # (B, T, A)
+        with torch.no_grad():
+            q_target = self.target(d["obs"])  # (B, T, A)
+        td = sequence_td(q, q.detach(), q_target, d["action"], d["reward"], d["discount"], d["length"],
+                         self.n_step, self.gamma, self.cfg.rescale_eps)  # fmt: skip
+        valid = loss_mask(d["mask"], d["first"], self.kind.burn_in)  # (B, T)
+        sq = torch.where(valid, td * td, torch.zeros_like(td))  # padding / burn-in / no transition: 0
+        per_seq = 0.5 * sq.sum(dim=1) / valid.sum(dim=1).clamp(min=1)  # (B,)
+        return (weights * per_seq).mean(), td, valid, q
+
+    def learn(self, batch):
+        loss, td, valid, q = self.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.updates += 1
+        if self.updates % self.cfg.target_update_period == 0:
+            self.target.load_state_dict(self.online.state_dict())
+
+        td_abs = td.detach().abs()
+        priorities = priority_mix(td_abs, valid, self.cfg.eta)  # (B,)
+        steps = valid.sum().clamp(min=1)
+        stats = torch.stack([loss.detach(), (q.detach().amax(2) * valid).sum() / steps,
+                             (td_abs * valid).sum() / steps, grad_norm.detach()])  # fmt: skip
+        loss_v, q_mean, td_mean, gnorm = stats.float().cpu().tolist()  # one device sync
+        metrics = {
+            "learner/loss": loss_v,
+            "learner/q_max_mean": q_mean,  # rescaled space
+            "learner/td_abs_mean": td_mean,
+            "learner/grad_norm": gnorm,
+            "learner/updates": float(self.updates),
+        }
+        return metrics, priorities
+
+    def state_dict(self) -> dict:
+        return {
+            "online": self.online.state_dict(),
+            "target": self.target.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.online is None:
+            self.setup_learner()
+        self.online.load_state_dict(state["online"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])

@@ -1,0 +1,360 @@
+"""Sequence actors (R2D2): act over each env's recent context, write steps, create windows.
+
+One :class:`SequenceActor` drives ``env.num_envs`` environments; env ``e``
+writes replay partition ``partitions[e]``, like the Ape-X
+:class:`~gearflow.actor.Actor` (same constructor, ``step``/``run``/``counters``/
+``close``, ε ladder, weight sync). What differs is what is written and how the
+agent is asked for actions. Per ``recv`` of a batch of ``b`` envs::
+
+    obs, reward, terminated, truncated, ids = env.recv()
+    context[ids] ← obs            # each env's last C observations, left-aligned, reset at episode start
+    out = agent.act(policy, context[ids], epsilon[ids], rng, lengths=context_len[ids])
+    env.send(out.actions, ids)
+    rows, windows (below)
+
+Replay layout (one row per step; an episode of L actions is L + 1 rows)::
+
+    row t:   obs_t  action_t  reward_t  discount_t  first_t  version_t
+             reward_t = r after action_t, discount_t = 0 if that transition terminated
+    row L:   obs_L (the final observation)  0  0  0  False  version
+
+Row t is complete when the reward of action_t arrives with obs_{t+1}, so each
+env stages one step and appends its row one recv later (at the end of an
+episode, the staged row and the final-observation row together). Windows are
+created with the item kind's schedule (``Sequence.due_on_append`` after every
+appended row, ``due_at_end`` when the episode ends): windows start every
+``period`` rows, never cross an episode, and the tail windows of an episode
+are shorter (padded and masked when sampled).
+
+Initial priorities are R2D2's, computed here from the Q-values the actor acted
+with (``agent.initial_priorities(values, action, reward, discount, first,
+lengths)``, the same TD/priority code the learner uses, with the actor's one
+network as online and target). The Q-values of an env's last ``T + 1`` rows
+are kept in a small ring for that. An agent without ``initial_priorities``
+gets priority 1 for every new window: there is no max-priority convention in
+the table, and a constant puts new windows on an equal footing with each other
+until the learner has seen them.
+
+    actor = SequenceActor(cfg, actor_index=0, storage=storage, partitions=np.arange(8),
+                          param_source=store, agent=agent)
+    actor.run(stop_event, max_steps=10_000)
+    actor.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gearflow.actor import STOP_CHECK_EVERY, env_seed, epsilon_ladder
+from gearflow.replay.items import Sequence
+from gearflow.replay.storage import SharedStorage
+from gearflow.replay.writer import InsertAborted, Writer
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_COLUMNS = ("obs", "action", "reward", "discount", "first", "version")
+
+
+class SequenceActor:
+    """Steps one vectorised env with a sequence agent's policy and writes sequence windows.
+
+    ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
+    (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
+    ``env`` and ``network`` may be injected (tests, serial runs).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        actor_index: int,
+        storage: SharedStorage,
+        partitions,
+        param_source,
+        agent,
+        *,
+        network: torch.nn.Module | None = None,
+        env=None,
+        on_episode: Callable[[int, float, int, float], None] | None = None,
+        seed: int | None = None,
+    ):
+        from gearflow.envs import make_vec_env
+
+        self.cfg, self.actor_index, self.agent = cfg, int(actor_index), agent
+        self.param_source, self.on_episode = param_source, on_episode
+        self.sync_period = int(cfg.actor.weight_sync_period)
+        kind = self.kind = agent.item_kind()
+        if not isinstance(kind, Sequence):
+            raise TypeError(
+                f"the sequence actor writes sequence windows; agent {type(agent).__module__} asks for {kind}"
+            )
+        spec = storage.spec
+        if set(spec.names) != set(SEQUENCE_COLUMNS):
+            raise ValueError(f"the sequence actor writes columns {SEQUENCE_COLUMNS}; the table has {spec.names}")
+        if storage.steps_per_partition < kind.max_length + 1:
+            raise ValueError(
+                f"steps_per_partition={storage.steps_per_partition} is too small for windows of "
+                f"{kind.max_length} steps; need at least {kind.max_length + 1}"
+            )
+        self.env = env if env is not None else make_vec_env(cfg.env, seed=env_seed(cfg, actor_index))
+        try:
+            self._setup(cfg, storage, partitions, network, seed)
+        except BaseException:
+            if env is None:  # ours: do not leak its threads
+                self.env.close()
+            raise
+
+    def _setup(self, cfg, storage, partitions, network, seed) -> None:
+        spec = storage.spec
+        E = self.num_envs = int(self.env.num_envs)
+        self.partitions = np.asarray(partitions, dtype=np.int64).reshape(-1)
+        if self.partitions.size != E:
+            raise ValueError(f"{self.partitions.size} partitions for {E} envs (one per env)")
+        obs_col = spec["obs"]
+        if tuple(self.env.obs_shape) != obs_col.shape or np.dtype(self.env.obs_dtype) != obs_col.dtype:
+            raise ValueError(
+                f"env observations are {np.dtype(self.env.obs_dtype).name}{list(self.env.obs_shape)}, "
+                f"the table's obs column is {obs_col.describe()}"
+            )
+        self.writer = Writer(storage, self.partitions, insert_timeout_s=float(cfg.replay.timeout_s))
+        self.network = network if network is not None else self.agent.make_network()
+        self.network.eval()
+
+        N = int(cfg.actor.num_actors) * E
+        ladder = epsilon_ladder(N, float(cfg.actor.epsilon), float(cfg.actor.epsilon_alpha))
+        self.global_env_index = self.actor_index * E + np.arange(E)
+        self.epsilon = ladder[self.global_env_index]  # (E,)
+        seed = env_seed(cfg, self.actor_index) if seed is None else seed
+        self.rng = np.random.default_rng([int(seed), self.actor_index])
+        self._dt = {c.name: c.dtype for c in spec}
+
+        # Context per env: the last C observations of its episode, left-aligned.
+        C = self.context = int(self.agent.context_length()) if hasattr(self.agent, "context_length") else self.kind.max_length
+        self._ctx = np.zeros((E, C, *obs_col.shape), dtype=obs_col.dtype)  # (E, C, *obs)
+        self._ctx_len = np.zeros(E, dtype=np.int64)
+        self._new_episode = np.ones(E, dtype=bool)  # the next obs of env e starts an episode
+        # The staged step of each env (its row waits for the reward of its action).
+        self._staged = np.zeros(E, dtype=bool)
+        self._s_obs = np.zeros((E, *obs_col.shape), dtype=obs_col.dtype)
+        self._s_action = np.zeros(E, dtype=np.int64)
+        self._s_first = np.zeros(E, dtype=bool)
+        self._s_version = np.zeros(E, dtype=np.int64)
+        self._s_values: np.ndarray | None = None  # (E, A) once the first act reports values
+        # Ring of the last W = T + 1 rows per env (by absolute row % W), for actor priorities.
+        self._W = self.kind.max_length + 1
+        self._r_values: np.ndarray | None = None  # (E, W, A)
+        self._r_action = np.zeros((E, self._W), dtype=np.int64)
+        self._r_reward = np.zeros((E, self._W), dtype=np.float32)
+        self._r_discount = np.zeros((E, self._W), dtype=np.float32)
+        self._r_first = np.zeros((E, self._W), dtype=bool)
+        self._episode_return = np.zeros(E, dtype=np.float64)
+        self._episode_steps = np.zeros(E, dtype=np.int64)
+        self._pending: list[tuple[int, int, int]] = []  # windows (stream, length, end) of this recv
+
+        self.version = 0
+        self.env_steps = 0
+        self.episodes = 0
+        self.items = 0
+        self._since_sync = 0
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> bool:
+        """Load newer weights from the parameter source, if any (never waits for the learner)."""
+        self._since_sync = 0
+        self.writer.flush()  # heartbeat for the supervisor
+        if self.param_source is None:
+            return False
+        v = self.param_source.load_into(self.network, min_version=self.version)
+        if v is None:
+            return False
+        self.version = int(v)
+        return True
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> int:
+        """One recv → context → act → send → rows and windows. Returns the env steps done."""
+        if not self._started:
+            self.env.async_reset()
+            self._started = True
+            self.sync_weights()
+        obs, reward, terminated, truncated, env_ids = self.env.recv()
+        ids = np.asarray(env_ids, dtype=np.int64)
+        first = self._new_episode[ids]  # (b,) obs is an episode's step 0
+        self._push_context(ids, obs, first)
+        with torch.no_grad():
+            out = self.agent.act(self.network, self._ctx[ids], self.epsilon[ids], self.rng,
+                                 lengths=self._ctx_len[ids])  # fmt: skip
+        self.env.send(out.actions, env_ids)  # the envs step while we write replay
+        self._record(ids, obs, np.asarray(reward), np.asarray(terminated), np.asarray(truncated), first,
+                     out.actions, out.values)  # fmt: skip
+        b = ids.size
+        self.env_steps += b
+        self._since_sync += b
+        if self._since_sync >= self.sync_period:
+            self.sync_weights()
+        return b
+
+    def _push_context(self, ids, obs, first) -> None:
+        """Append obs to each env's context (emptied at an episode's first step; the oldest
+        step dropped when full)."""
+        C = self.context
+        self._ctx_len[ids[first]] = 0
+        self._new_episode[ids] = False
+        full = self._ctx_len[ids] >= C
+        if full.any():
+            f = ids[full]
+            self._ctx[f, :-1] = self._ctx[f, 1:]
+            self._ctx_len[f] = C - 1
+        self._ctx[ids, self._ctx_len[ids]] = obs
+        self._ctx_len[ids] += 1
+
+    def _record(self, ids, obs, reward, terminated, truncated, first, actions, values) -> None:
+        if values is not None and self._r_values is None:
+            A = values.shape[1]
+            self._s_values = np.zeros((self.num_envs, A), dtype=np.float32)
+            self._r_values = np.zeros((self.num_envs, self._W, A), dtype=np.float32)
+        done = terminated | truncated
+        self._episode_return[ids] += reward
+        # 1. the staged step of each env is complete: its row (reward of its action, discount)
+        st = self._staged[ids]
+        if st.any():
+            e = ids[st]
+            discount = np.where(terminated[st], 0.0, 1.0).astype(np.float32)
+            self._append(e, {
+                "obs": self._s_obs[e], "action": self._s_action[e], "reward": reward[st].astype(np.float32),
+                "discount": discount, "first": self._s_first[e], "version": self._s_version[e],
+            }, None if self._s_values is None else self._s_values[e])  # fmt: skip
+            self._staged[e] = False
+            self._episode_steps[e] += 1
+        # 2. episodes that ended: the final observation as its own row, then the tail windows
+        if done.any():
+            e = ids[done]
+            D = e.size
+            self._append(e, {
+                "obs": np.ascontiguousarray(obs[done]), "action": np.zeros(D, np.int64),
+                "reward": np.zeros(D, np.float32), "discount": np.zeros(D, np.float32),
+                "first": np.zeros(D, bool), "version": np.full(D, self.version, np.int64),
+            }, None if values is None else values[done])  # fmt: skip
+            ends = self.writer.positions
+            for stream, L in zip(e.tolist(), self.writer.episode_lengths(e).tolist()):
+                self._pending += [(stream, n, int(ends[stream])) for n in self.kind.due_at_end(L)]
+        self._create_windows()
+        if done.any():
+            e = ids[done]
+            self.writer.end_episode(e)
+            self._close_episodes(e)
+        # 3. stage the new steps of envs that continue
+        live = ~done
+        if live.any():
+            e = ids[live]
+            self._s_obs[e] = obs[live]
+            self._s_action[e] = actions[live]
+            self._s_first[e] = first[live]
+            self._s_version[e] = self.version
+            if values is not None:
+                self._s_values[e] = values[live]
+            self._staged[e] = True
+
+    def _append(self, e, row, values) -> None:
+        """Append one row per env ``e`` (streams), keep it in the priority ring, queue the
+        windows now due."""
+        pos = self.writer.append(row, streams=e)  # (k,) absolute row
+        slot = pos % self._W
+        self._r_action[e, slot] = row["action"]
+        self._r_reward[e, slot] = row["reward"]
+        self._r_discount[e, slot] = row["discount"]
+        self._r_first[e, slot] = row["first"]
+        if values is not None and self._r_values is not None:
+            self._r_values[e, slot] = values
+        lengths = self.writer.episode_lengths(e)  # rows in each episode so far
+        for stream, L, p in zip(e.tolist(), lengths.tolist(), pos.tolist()):
+            self._pending += [(stream, n, p + 1) for n in self.kind.due_on_append(L)]
+
+    def _create_windows(self) -> None:
+        """Publish the windows queued in this recv with one ``create_items`` call."""
+        if not self._pending:
+            return
+        win = np.asarray(self._pending, dtype=np.int64)  # (m, 3): stream, length, end
+        self._pending = []
+        streams, lengths, ends = win[:, 0], win[:, 1], win[:, 2]
+        self.writer.create_items(self._priorities(streams, lengths, ends), lengths, streams, ends)
+        self.items += streams.size
+
+    def _priorities(self, streams, lengths, ends) -> np.ndarray:
+        fn = getattr(self.agent, "initial_priorities", None)
+        if fn is None or self._r_values is None:
+            return np.ones(streams.size)
+        T = self.kind.max_length
+        offs = np.arange(T)
+        rows = ends[:, None] - lengths[:, None] + np.minimum(offs, lengths[:, None] - 1)  # (m, T)
+        slot = rows % self._W
+        s = streams[:, None]
+        pad = offs[None, :] >= lengths[:, None]  # (m, T)
+        vals = self._r_values[s, slot]  # (m, T, A)
+        vals[pad] = 0.0
+        prio = fn(vals, np.where(pad, 0, self._r_action[s, slot]), np.where(pad, 0, self._r_reward[s, slot]),
+                  np.where(pad, 0, self._r_discount[s, slot]), self._r_first[s, slot] & ~pad, lengths)  # fmt: skip
+        return np.nan_to_num(np.asarray(prio, dtype=np.float64), nan=1.0, posinf=1.0)
+
+    def _close_episodes(self, e) -> None:
+        self.episodes += e.size
+        if self.on_episode is not None:
+            for d, length, ret in zip(e.tolist(), self._episode_steps[e].tolist(), self._episode_return[e].tolist()):
+                self.on_episode(int(self.global_env_index[d]), ret, length, float(self.epsilon[d]))
+        self._episode_return[e] = 0.0
+        self._episode_steps[e] = 0
+        self._new_episode[e] = True
+        self._staged[e] = False
+
+    # ------------------------------------------------------------------ loop
+    def run(self, stop_event=None, max_steps: int | None = None,
+            on_tick: Callable[[SequenceActor], None] | None = None, tick_s: float = 1.0) -> int:  # fmt: skip
+        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
+        ``on_tick(actor)`` is called about every ``tick_s`` seconds (counters, heartbeats)."""
+        done = recvs = 0
+        next_tick = time.monotonic() + tick_s
+        self.writer.abort = stop_event.is_set if stop_event is not None else None
+        try:
+            while max_steps is None or done < max_steps:
+                if recvs % STOP_CHECK_EVERY == 0:
+                    if stop_event is not None and stop_event.is_set():
+                        break
+                    if on_tick is not None and time.monotonic() >= next_tick:
+                        on_tick(self)
+                        next_tick = time.monotonic() + tick_s
+                done += self.step()
+                recvs += 1
+        except InsertAborted:
+            pass
+        return done
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "actor/env_steps": self.env_steps,
+            "actor/episodes": self.episodes,
+            "actor/items": self.items,
+            "actor/weight_version": self.version,
+        }
+
+    def close(self) -> None:
+        """Close the env (idempotent). Windows are published as they become due, so only the
+        rows of unfinished episodes (whose tail windows never come) are left without items."""
+        if self._closed:
+            return
+        self._closed = True
+        self.env.close()
+
+    def __enter__(self) -> SequenceActor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["SEQUENCE_COLUMNS", "SequenceActor"]
