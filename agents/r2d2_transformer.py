@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agents.apex_dqn import NatureCNN
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.replay.items import Sequence
@@ -63,6 +64,9 @@ class Config:
     """Hidden width of each block's MLP, in multiples of ``d_model``."""
     context: int = 0
     """Observations an actor attends over (its rolling window per env); 0: ``replay.sequence_length``."""
+    torso: str = "auto"
+    """Per-step token embedding: ``linear`` (vector observations), ``cnn`` (Nature CNN over uint8
+    frames, then a linear map to ``d_model``), or ``auto`` (cnn for 3-D observations, else linear)."""
     lr: float = 1e-3
     """Adam learning rate."""
     adam_eps: float = 1e-4
@@ -119,16 +123,49 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))  # (B, T, D)
 
 
+class FrameEmbedding(nn.Module):
+    """uint8 frames (B, T, C, H, W) → tokens (B, T, D): the Nature CNN on every step, then a
+    linear map to the model width (one token per step, as R2D2's torso feeds its LSTM)."""
+
+    def __init__(self, obs_shape: tuple[int, ...], d: int):
+        super().__init__()
+        self.cnn = NatureCNN(obs_shape)
+        self.proj = nn.Linear(self.cnn.out_dim, d)
+
+    def forward(self, obs):
+        B, T = obs.shape[:2]
+        return self.proj(self.cnn(obs.reshape(B * T, *obs.shape[2:]))).view(B, T, -1)  # (B, T, D)
+
+
+class VectorEmbedding(nn.Module):
+    """Vector observations (B, T, *shape) → tokens (B, T, D), one linear map."""
+
+    def __init__(self, obs_shape: tuple[int, ...], d: int):
+        super().__init__()
+        self.linear = nn.Linear(int(np.prod(obs_shape)), d)
+
+    def forward(self, obs):
+        return self.linear(obs.float().flatten(2))  # (B, T, D)
+
+
+def torso_for(obs_shape: tuple[int, ...], torso: str) -> str:
+    """``auto`` → ``cnn`` for (C, H, W) observations, else ``linear``."""
+    if torso == "auto":
+        return "cnn" if len(obs_shape) == 3 else "linear"
+    return torso
+
+
 class TransformerQNetwork(nn.Module):
-    """Observations (B, T, obs_dim) → Q-values (B, T, A); step t attends to steps ≤ t.
+    """Observations (B, T, *obs_shape) → Q-values (B, T, A); step t attends to steps ≤ t.
 
     Causal, so padding after a sequence's last step never changes its outputs.
     """
 
-    def __init__(self, obs_dim: int, num_actions: int, cfg: Config):
+    def __init__(self, obs_shape: tuple[int, ...], num_actions: int, cfg: Config):
         super().__init__()
         d = cfg.d_model
-        self.embed = nn.Linear(obs_dim, d)
+        cnn = torso_for(tuple(obs_shape), cfg.torso) == "cnn"
+        self.embed = FrameEmbedding(tuple(obs_shape), d) if cnn else VectorEmbedding(tuple(obs_shape), d)
         self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_ratio) for _ in range(cfg.num_layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, num_actions)
@@ -145,7 +182,7 @@ class TransformerQNetwork(nn.Module):
         return self._bias
 
     def forward(self, obs):
-        x = self.embed(obs.float().flatten(2))  # (B, T, D)
+        x = self.embed(obs)  # (B, T, D)
         bias = self.attention_bias(x.shape[1], x.device)
         for block in self.blocks:
             x = block(x, bias)
@@ -211,10 +248,12 @@ class Agent:
                 f"agent.name=agents.r2d2_transformer needs a discrete action space, but env "
                 f"{spec.env_id or '?'!r} has {spec.action_space}"
             )
-        if len(spec.obs_shape) != 1:
+        if cfg.torso not in ("auto", "linear", "cnn"):
+            raise ConfigError(f"agent.torso={cfg.torso!r}: must be one of auto, linear, cnn")
+        if torso_for(tuple(spec.obs_shape), cfg.torso) == "cnn" and len(spec.obs_shape) != 3:
             raise ConfigError(
-                f"agent.name=agents.r2d2_transformer embeds vector observations; got obs shape "
-                f"{spec.obs_shape} (frames need a CNN torso this agent does not have yet)"
+                f"agent.torso=cnn needs image observations (C, H, W); env {spec.env_id or '?'!r} has "
+                f"obs shape {tuple(spec.obs_shape)}"
             )
         if cfg.d_model % cfg.num_heads:
             raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
@@ -232,7 +271,7 @@ class Agent:
     # ---- replay: one row per step, windows of rows
     def replay_columns(self) -> dict[str, str]:
         return {
-            "obs": f"{np.dtype(self.spec.obs_dtype).name}[{self.spec.obs_shape[0]}]",
+            "obs": f"{np.dtype(self.spec.obs_dtype).name}[{','.join(map(str, self.spec.obs_shape))}]",
             "action": "int64",
             "reward": "float32",  # reward after action_t
             "discount": "float32",  # 0 if the transition t → t+1 terminated the episode
@@ -249,14 +288,14 @@ class Agent:
 
     # ---- acting
     def make_network(self) -> nn.Module:
-        return TransformerQNetwork(self.spec.obs_shape[0], self.num_actions, self.cfg).to(self.device)
+        return TransformerQNetwork(tuple(self.spec.obs_shape), self.num_actions, self.cfg).to(self.device)
 
     def act(self, network, obs, epsilon, rng=None, lengths=None) -> ActOutput:
         """ε-greedy at the last step of each context: ``obs`` (k, C, obs_dim) left-aligned,
         ``lengths`` (k,) steps in each (padding after them is never attended to)."""
         rng = self.rng if rng is None else rng
         obs = torch.as_tensor(obs, device=self.device)
-        if obs.dim() == 2:  # one step without context
+        if obs.dim() == 1 + len(self.spec.obs_shape):  # one step without context
             obs = obs[:, None]
         k, C = obs.shape[:2]
         last = torch.as_tensor(np.full(k, C) if lengths is None else lengths, device=self.device) - 1

@@ -19,11 +19,3 @@ def mask_velocity(obs: np.ndarray) -> np.ndarray:
     memoryless policy cannot balance the pole for long."""
     return np.ascontiguousarray(obs[:, CARTPOLE_POSITIONS])
 
-
-def flatten_frames(obs: np.ndarray) -> np.ndarray:
-    """Stacked frames as one vector per env, (b, 4, 84, 84) uint8 → (b, 28224) uint8.
-
-    For agents that embed vector observations (``agents.r2d2_transformer``): its first
-    layer then sees the whole frame stack at once, one token per step. A stand-in for
-    a convolutional or patch tokenizer, not one (``configs/paper/`` say so)."""
-    return np.ascontiguousarray(obs.reshape(obs.shape[0], -1))

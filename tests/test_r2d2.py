@@ -22,6 +22,7 @@ from gearflow.actor import Actor, actor_class_for
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec, make_vec_env
+from gearflow.errors import ConfigError
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.replay.table import Sample
 from gearflow.sequence_actor import SequenceActor
@@ -394,3 +395,42 @@ def test_train_masked_cartpole_r2d2_end_to_end(tmp_path, mode):
     assert summary["actor/weights_version_min"] > 1, "an actor never loaded newer weights"
     assert summary["replay/size"] > 0 and summary["actor/episodes"] > 0
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- image observations
+
+
+def test_cnn_torso_for_frames_acts_and_learns():
+    from agents.r2d2_transformer import FrameEmbedding
+
+    cfg = config()
+    spec = EnvSpec((4, 84, 84), np.dtype(np.uint8), 6)
+    agent = make_agent(cfg, spec, torch.device("cpu"))
+    assert agent.replay_columns()["obs"] == "uint8[4,84,84]"
+    agent.setup_learner()
+    assert isinstance(agent.online.embed, FrameEmbedding)  # torso=auto: a CNN for (C, H, W)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, size=(3, CONTEXT, 4, 84, 84), dtype=np.uint8)  # (k, C, 4, 84, 84)
+    with torch.no_grad():  # as the actor calls it
+        out = agent.act(agent.online, frames, np.zeros(3), rng, lengths=np.array([CONTEXT, 2, 1]))
+    assert out.actions.shape == (3,) and out.values.shape == (3, 6)
+    # context beyond a row's length is never attended to: changing it leaves its values unchanged
+    frames2 = frames.copy()
+    frames2[2, 1:] = 0
+    with torch.no_grad():
+        out2 = agent.act(agent.online, frames2, np.zeros(3), rng, lengths=np.array([CONTEXT, 2, 1]))
+    np.testing.assert_allclose(out2.values[2], out.values[2], rtol=1e-5, atol=1e-6)
+    sample = batch(rng)
+    sample.data["obs"] = torch.tensor(rng.integers(0, 255, size=(4, T, 4, 84, 84), dtype=np.uint8))
+    sample.data["action"] = torch.tensor(rng.integers(6, size=(4, T)))
+    before = [p.detach().clone() for p in agent.online.embed.parameters()]
+    metrics, priorities = agent.learn(sample)
+    assert np.isfinite(metrics["learner/loss"]) and priorities.shape == (4,)
+    assert any(not torch.equal(b, p) for b, p in zip(before, agent.online.embed.parameters())), "the CNN did not learn"
+
+
+def test_torso_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="agent.torso='rnn': must be one of auto, linear, cnn"):
+        agent_for(config(["agent.torso=rnn"]))
+    with pytest.raises(ConfigError, match=r"agent.torso=cnn needs image observations \(C, H, W\)"):
+        agent_for(config(["agent.torso=cnn"]))
