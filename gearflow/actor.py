@@ -90,9 +90,14 @@ def env_seed(cfg, actor_index: int) -> int:
 
 def actor_class_for(agent) -> type:
     """The actor class that writes ``agent``'s item kind: :class:`Actor` for n-step
-    transitions, :class:`~gearflow.sequence_actor.SequenceActor` for sequence windows."""
-    from gearflow.replay.items import Sequence
+    transitions, :class:`~gearflow.sequence_actor.SequenceActor` for sequence windows,
+    :class:`~gearflow.episode_actor.EpisodeActor` for whole episodes."""
+    from gearflow.replay.items import Episode, Sequence
 
+    if isinstance(agent.item_kind(), Episode):  # before Sequence: Episode is a subclass
+        from gearflow.episode_actor import EpisodeActor
+
+        return EpisodeActor
     if isinstance(agent.item_kind(), Sequence):
         from gearflow.sequence_actor import SequenceActor
 

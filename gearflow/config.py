@@ -41,6 +41,7 @@ SELECTORS = ("uniform", "prioritized", "fifo", "lifo", "max_heap", "min_heap", "
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS_MODES = ("auto", "live", "log")
+RUN_MODES = ("online", "offline")
 _PERIOD = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
 
 
@@ -161,6 +162,11 @@ class RunConfig:
     """Seed of the learner, the replay selector and the actors."""
     serial: bool = False
     """Run one actor and the learner in one process with the same classes (debugging)."""
+    mode: str = "online"
+    """``online`` (actors fill the replay) or ``offline`` (the replay is filled once from ``run.dataset``;
+    no actors)."""
+    dataset: str = ""
+    """Offline mode: a Minari/D4RL-style HDF5 file (observations, actions, rewards, terminals, timeouts)."""
     dry_run: bool = False
     """Build the learner on the meta device, print its memory plan (parameters, optimizer, activations,
     replay bytes) as a table and JSON, and exit: no actors, no shared memory, no run directory."""
@@ -477,6 +483,16 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)")  # fmt: skip
     check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
     check(run.progress in PROGRESS_MODES, "run.progress", f"must be one of {', '.join(PROGRESS_MODES)}")
+    check(run.mode in RUN_MODES, "run.mode", f"must be one of {', '.join(RUN_MODES)}")
+    offline = run.mode == "offline"
+    check(not offline or bool(run.dataset), "run.dataset", "run.mode=offline needs a dataset file (HDF5)")
+    check(offline or not run.dataset, "run.dataset", "is only read when run.mode=offline")
+    check(not offline or run.max_env_steps == 0, "run.max_env_steps",
+          "run.mode=offline takes no env steps: set run.max_env_steps=0 and stop with run.max_updates or run.max_seconds")  # fmt: skip
+    check(not offline or run.max_updates > 0 or run.max_seconds > 0, "run.max_updates",
+          "run.mode=offline needs run.max_updates or run.max_seconds to stop")  # fmt: skip
+    check(not offline or r.samples_per_insert == 0, "replay.samples_per_insert",
+          "run.mode=offline inserts nothing after loading the dataset: the samples-per-insert limit must be 0")  # fmt: skip
     if e.factory is None:
         known, why = env_id_known(e.id, e.backend)
         check(known, "env.id", why)

@@ -308,7 +308,12 @@ class Runner:
         else:
             self.params.publish(self.agent.learner_network())
         partitions = [np.arange(a * cfg.env.num_envs, (a + 1) * cfg.env.num_envs) for a in range(num_actors)]
-        if cfg.run.serial:
+        if cfg.run.mode == "offline":  # the dataset is the replay (a restored checkpoint already has it); no actors
+            from gearflow.offline import load_dataset
+
+            if self.table.size == 0:
+                load_dataset(cfg.run.dataset, self.table, self.agent, env_spec)
+        elif cfg.run.serial:
             from gearflow.actor import actor_class_for
 
             self.serial_actor = actor_class_for(self.agent)(cfg, 0, storage, partitions[0], self.params, self.agent,
@@ -482,6 +487,7 @@ class Runner:
             display = make_display(cfg.run.progress, cfg.run.max_env_steps, title=f"gearflow train {self.run_dir}")
             if self.supervisor is not None:
                 self.supervisor.start()
+            if self.serial_actor is None:  # actor processes, or offline: batches come from the prefetcher
                 prefetch = Prefetcher(self.table, self.lock, cfg.learner.batch_size, cfg.learner.prefetch, self._stop)
             last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), self.progress.updates, {}
             last_samples, last_tokens = self.progress.samples, self.progress.tokens
@@ -497,7 +503,8 @@ class Runner:
                         metrics = self._learn_step(batch)
                 else:
                     self._drain_metrics()
-                    self.progress.restarts += self.supervisor.check()
+                    if self.supervisor is not None:
+                        self.progress.restarts += self.supervisor.check()
                     t0 = time.perf_counter()
                     try:
                         batch = prefetch.get(timeout=0.5)

@@ -1,0 +1,427 @@
+"""Online Decision Transformer: Zheng, Zhang & Grover 2022, "Online Decision Transformer", https://arxiv.org/abs/2202.05607
+
+A Decision Transformer (Chen et al. 2021) models a trajectory as the token
+sequence (R̂_1, s_1, a_1, R̂_2, s_2, a_2, ...), R̂_t the return-to-go, and is
+trained to predict a_t from the tokens up to s_t. Online (ODT): actors act
+conditioned on a *target* return, whole episodes go into replay, and the
+learner relabels every stored episode with the returns it actually got
+(hindsight), so the model learns which actions lead to which returns. Reads top
+to bottom: the config, returns-to-go and windows (shared by tests and the
+offline loader), the network, the action heads, then the agent.
+
+Replay layout (one row per step; an episode of L actions is L rows, the final
+observation is not stored: a DT never bootstraps)::
+
+    row t:  obs_t  action_t  reward_t (r after action_t)  timestep t (step index in the episode)
+
+Items are ``Episode`` items: the last ``min(L, T)`` rows of a finished episode,
+``T = replay.max_episode_length`` (an item always ends at its episode's end, so
+the returns-to-go of its rows are exact). Priority = the item's return
+(``agent.priority=return``, plus ``agent.return_offset``, clipped at 0) or its
+length (``length``); ``replay.selector=top_k`` / ``max_heap`` then train on the
+best episodes, ``prioritized`` with α = 1 and ``length`` is ODT's
+length-proportional trajectory sampling. Per learner batch::
+
+    item b (rows 0..L_b-1)  →  R̂_t = Σ_{t' ≥ t} r_t'                  (hindsight relabelling)
+    window start s_b ~ U{0 .. L_b-1} (ODT), rows s_b .. s_b+K-1, masked at L_b
+    loss = masked mean over valid steps of  −log π(a_t | R̂_≤t, s_≤t, a_<t)
+           (discrete: cross-entropy; continuous: tanh-Gaussian NLL − λ·entropy, λ learned
+            toward the target entropy −|A|, as in ODT)
+
+Acting (``gearflow.episode_actor.EpisodeActor``): each env keeps its last K
+(R̂, obs, action, timestep); R̂_0 = ``agent.target_return`` and R̂_{t+1} = R̂_t −
+r_{t+1}. Per env, with probability ε (the actor's ε ladder) the action is sampled
+from the policy, otherwise it is the policy's mode; ε = 0 is greedy evaluation.
+
+Windows are left-aligned (valid steps first) and attention is causal, so padding
+after a window's last step never changes a valid step's output: no key mask is
+needed, in the learner or the actor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gearflow.agent import ActOutput, EnvSpec
+from gearflow.errors import ConfigError
+from gearflow.replay.items import Episode
+
+
+@dataclass
+class Config:
+    context: int = 20
+    """K: steps per training window and per actor context (3K tokens)."""
+    d_model: int = 128
+    """Width of the transformer's residual stream."""
+    num_layers: int = 3
+    """Transformer blocks."""
+    num_heads: int = 1
+    """Attention heads per block (``d_model`` must be divisible by it)."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, in multiples of ``d_model``."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention output and MLP (learner only; actors run in eval mode)."""
+    max_timestep: int = 0
+    """Size of the timestep embedding; 0: ``replay.max_episode_length`` (later steps share the last)."""
+    target_return: float = 500.0
+    """R̂_0: the return actors condition on (ODT uses a multiple of the best return seen)."""
+    rtg_scale: float = 100.0
+    """Returns-to-go are divided by this before they are embedded."""
+    priority: str = "return"
+    """Item priority: ``return`` (the episode's return, for top_k / max_heap selection) or ``length``."""
+    return_offset: float = 0.0
+    """Added to returns for priorities (priorities must be ≥ 0: e.g. 2000 for Pendulum's negative returns)."""
+    lr: float = 1e-4
+    """AdamW learning rate (after warm-up)."""
+    weight_decay: float = 5e-4
+    """AdamW weight decay."""
+    warmup_updates: int = 1000
+    """Updates of linear learning-rate warm-up (ODT: 10000)."""
+    max_grad_norm: float = 0.25
+    """Global gradient-norm clip."""
+    init_temperature: float = 0.1
+    """Continuous actions: initial entropy temperature λ."""
+    target_entropy: float | None = None
+    """Continuous actions: entropy target of λ's update; None: −(action dimensions), as in ODT."""
+
+
+# ----------------------------------------------------------------------------- returns-to-go and windows
+
+
+def returns_to_go(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """R̂_t = Σ_{t' ≥ t} r_t' over the valid steps of each row (B, T); 0 on padding.
+
+    >>> returns_to_go(torch.tensor([[1., 0., 2., 0.]]), torch.tensor([[True, True, True, False]]))
+    tensor([[3., 2., 2., 0.]])
+    """
+    r = torch.where(mask, reward.float(), torch.zeros((), dtype=torch.float32, device=reward.device))
+    rtg = r.flip(1).cumsum(1).flip(1)  # (B, T)
+    return torch.where(mask, rtg, torch.zeros_like(rtg))
+
+
+def item_priority(ret: torch.Tensor, length: torch.Tensor, how: str, offset: float) -> torch.Tensor:
+    """Priority of episode items (B,): ``return`` → max(ret + offset, 0), ``length`` → length."""
+    if how == "length":
+        return length.double()
+    return (ret.double() + offset).clamp(min=0.0)
+
+
+def sample_windows(data: dict, K: int, generator: torch.Generator | None = None, starts=None) -> dict:
+    """K-step windows of episode items, hindsight-relabelled.
+
+    ``data``: an ``Episode`` batch (``obs`` (B, T, ...), ``action``, ``reward``, ``timestep``,
+    ``mask`` (B, T), ``length`` (B,)). Window b starts at ``starts[b]`` (default U{0..L_b-1},
+    as ODT samples) and is masked after the item's last row. Returns (B, K, ...) tensors
+    ``obs``, ``action``, ``rtg`` (from the item's own rewards), ``timestep``, ``mask``.
+    """
+    lengths = data["length"].long()  # (B,)
+    B, T = data["mask"].shape
+    if starts is None:
+        u = torch.rand(B, generator=generator)
+        starts = (u * lengths.float()).long().clamp(max=lengths - 1)  # (B,)
+    idx = starts[:, None] + torch.arange(K)[None, :]  # (B, K)
+    mask = idx < lengths[:, None]  # (B, K)
+    idx = idx.clamp(max=T - 1)
+    rtg = returns_to_go(data["reward"], data["mask"])  # (B, T) hindsight: the rewards it got
+
+    def take(x):  # (B, T, ...) → (B, K, ...)
+        i = idx.view(B, K, *([1] * (x.dim() - 2))).expand(B, K, *x.shape[2:])
+        return x.gather(1, i)
+
+    out = {"obs": take(data["obs"]), "action": take(data["action"]), "rtg": take(rtg),
+           "timestep": take(data["timestep"]), "mask": mask}  # fmt: skip
+    for k in ("obs", "action", "rtg", "timestep"):  # padding: zeros, like the table's gather
+        v = out[k]
+        out[k] = v.masked_fill(~mask.view(B, K, *([1] * (v.dim() - 2))), 0)
+    return out
+
+
+# ----------------------------------------------------------------------------- network
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm causal self-attention + MLP, with dropout."""
+
+    def __init__(self, d: int, heads: int, mlp_ratio: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d),
+                                 nn.Dropout(dropout))  # fmt: skip
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, N, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)  # 3 × (B, N, D)
+        q, k, v = (z.view(B, N, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, N, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, N, hs)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, N, D)))
+        return x + self.mlp(self.ln2(x))  # (B, N, D)
+
+
+class DecisionTransformer(nn.Module):
+    """(R̂, s, a, timestep) of K steps → action-head features (B, K, D) read at the s_t tokens.
+
+    Tokens are interleaved R̂_1, s_1, a_1, ..., R̂_K, s_K, a_K (3K); each step's three
+    tokens share its timestep embedding. The output at s_t sees R̂_≤t, s_≤t, a_<t only.
+    """
+
+    def __init__(self, obs_dim: int, act_dim: int, discrete: bool, max_timestep: int, cfg: Config):
+        super().__init__()
+        d = cfg.d_model
+        self.discrete = discrete
+        self.max_timestep = max_timestep
+        self.embed_rtg = nn.Linear(1, d)
+        self.embed_obs = nn.Linear(obs_dim, d)
+        self.embed_action = nn.Embedding(act_dim, d) if discrete else nn.Linear(act_dim, d)
+        self.embed_time = nn.Embedding(max_timestep, d)
+        self.ln_in = nn.LayerNorm(d)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.num_layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, act_dim if discrete else 2 * act_dim)  # logits, or (mean, log_std)
+
+    def forward(self, rtg, obs, action, timestep):
+        """``rtg`` (B, K) already scaled; ``obs`` (B, K, obs_dim); ``action`` (B, K) int or
+        (B, K, act_dim) in [-1, 1]; ``timestep`` (B, K). Returns the head's output (B, K, H)."""
+        B, K = rtg.shape
+        time = self.embed_time(timestep.long().clamp(0, self.max_timestep - 1))  # (B, K, D)
+        a = self.embed_action(action.long()) if self.discrete else self.embed_action(action.float())
+        tokens = torch.stack([self.embed_rtg(rtg.float()[..., None]) + time,
+                              self.embed_obs(obs.float().flatten(2)) + time, a + time], dim=2)  # (B, K, 3, D)
+        x = self.drop(self.ln_in(tokens.reshape(B, 3 * K, -1)))  # (B, 3K, D)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln(x).view(B, K, 3, -1)[:, :, 1]  # (B, K, D): outputs at the s_t tokens
+        return self.head(x)  # (B, K, H)
+
+
+# ----------------------------------------------------------------------------- action heads
+
+
+def tanh_normal(out: torch.Tensor) -> torch.distributions.Distribution:
+    """Squashed diagonal Gaussian over [-1, 1]^A from head outputs (..., 2A) (ODT's policy)."""
+    mean, log_std = out.chunk(2, dim=-1)
+    std = log_std.clamp(-5.0, 2.0).exp()
+    base = torch.distributions.Normal(mean, std)
+    dist = torch.distributions.TransformedDistribution(base, [torch.distributions.TanhTransform(cache_size=1)])
+    return torch.distributions.Independent(dist, 1)
+
+
+def tanh_normal_mode(out: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(out.chunk(2, dim=-1)[0])
+
+
+# ----------------------------------------------------------------------------- agent
+
+
+class Agent:
+    """Online Decision Transformer; see the module docstring."""
+
+    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+        if len(spec.obs_shape) != 1:
+            raise ConfigError(
+                f"agent.name=agents.decision_transformer embeds vector observations; got obs shape {spec.obs_shape}"
+            )
+        if cfg.d_model % cfg.num_heads:
+            raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
+        if cfg.context < 1:
+            raise ConfigError(f"agent.context={cfg.context}: must be ≥ 1")
+        if cfg.priority not in ("return", "length"):
+            raise ConfigError(f"agent.priority={cfg.priority!r}: must be 'return' or 'length'")
+        if cfg.rtg_scale <= 0:
+            raise ConfigError(f"agent.rtg_scale={cfg.rtg_scale}: must be > 0")
+        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.discrete = spec.num_actions is not None
+        if self.discrete:
+            self.act_dim, self.act_shape = int(spec.num_actions), ()
+        else:
+            space = spec.action_space
+            shape = tuple(getattr(space, "shape", None) or ())
+            low, high = np.asarray(getattr(space, "low", np.nan), np.float64), np.asarray(getattr(space, "high", np.nan), np.float64)
+            if len(shape) != 1 or not (np.isfinite(low).all() and np.isfinite(high).all()):
+                raise ConfigError(
+                    f"agent.name=agents.decision_transformer needs a Discrete or a bounded 1-D Box action space; "
+                    f"env {spec.env_id or '?'!r} has {space}"
+                )
+            self.act_dim, self.act_shape = int(shape[0]), shape
+            self.low = torch.as_tensor(low, dtype=torch.float32).expand(shape).clone()
+            self.high = torch.as_tensor(high, dtype=torch.float32).expand(shape).clone()
+        T = int(full_cfg.replay.max_episode_length)
+        self.kind = Episode(max_episode_length=T)
+        self.max_timestep = int(cfg.max_timestep) or T
+        self.target_entropy = -float(self.act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
+        self.rng = np.random.default_rng(int(full_cfg.run.seed))
+        self.generator = torch.Generator().manual_seed(int(full_cfg.run.seed))
+        self.online: nn.Module | None = None
+
+    # ---- replay: one row per step; items are whole episodes (their last T rows)
+    def replay_columns(self) -> dict[str, str]:
+        obs = f"{np.dtype(self.spec.obs_dtype).name}[{self.spec.obs_shape[0]}]"
+        action = "int64" if self.discrete else f"float32[{self.act_dim}]"
+        return {"obs": obs, "action": action, "reward": "float32", "timestep": "int64"}
+
+    def item_kind(self) -> Episode:
+        return self.kind
+
+    def context_length(self) -> int:
+        """K: the steps an actor keeps per env and passes to :meth:`act`."""
+        return int(self.cfg.context)
+
+    def initial_rtg(self) -> float:
+        """R̂_0 of every episode an actor starts."""
+        return float(self.cfg.target_return)
+
+    def episode_priority(self, ret: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Priorities (k,) of items with returns ``ret`` and ``length`` rows (the learner's rule)."""
+        return item_priority(torch.as_tensor(ret), torch.as_tensor(length), self.cfg.priority,
+                             self.cfg.return_offset).numpy()  # fmt: skip
+
+    # ---- actions: env units ↔ the network's [-1, 1]
+    def _to_unit(self, a: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.low.to(a.device), self.high.to(a.device)
+        return (2.0 * (a.float() - lo) / (hi - lo) - 1.0).clamp(-1.0, 1.0)
+
+    def _to_env(self, u: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.low.to(u.device), self.high.to(u.device)
+        return lo + (u + 1.0) * 0.5 * (hi - lo)
+
+    # ---- acting
+    def make_network(self) -> nn.Module:
+        obs_dim = int(self.spec.obs_shape[0])
+        return DecisionTransformer(obs_dim, self.act_dim, self.discrete, self.max_timestep, self.cfg).to(self.device)
+
+    def act(self, network, obs, epsilon, rng=None, lengths=None, rtg=None, actions=None, timesteps=None) -> ActOutput:
+        """Actions at the last step of each context. ``obs`` (k, K, obs_dim), ``rtg`` (k, K)
+        unscaled, ``actions`` (k, K[, A]) in env units (the last step's is a placeholder),
+        ``timesteps`` (k, K), ``lengths`` (k,); contexts are left-aligned. Row i samples from
+        the policy with probability ``epsilon[i]``, else takes its mode."""
+        rng = self.rng if rng is None else rng
+        obs = torch.as_tensor(obs, device=self.device)
+        if obs.dim() == 2:  # one step without context: R̂ = target, timestep 0
+            obs = obs[:, None]
+        k, K = obs.shape[:2]
+        if rtg is None:
+            rtg = np.full((k, K), self.initial_rtg(), np.float32)
+        if timesteps is None:
+            timesteps = np.zeros((k, K), np.int64)
+        if actions is None:
+            actions = np.zeros((k, K, *self.act_shape), np.int64 if self.discrete else np.float32)
+        a = torch.as_tensor(actions, device=self.device)
+        if not self.discrete:
+            a = self._to_unit(a)
+        rtg = torch.as_tensor(rtg, device=self.device, dtype=torch.float32) / self.cfg.rtg_scale
+        out = network(rtg, obs, a, torch.as_tensor(timesteps, device=self.device))  # (k, K, H)
+        last = torch.as_tensor(np.full(k, K) if lengths is None else lengths, device=self.device) - 1
+        out = out[torch.arange(k, device=self.device), last]  # (k, H)
+        explore = torch.as_tensor(rng.random(k) < np.asarray(epsilon), device=self.device)
+        seed = int(rng.integers(2**62))
+        g = torch.Generator(device=self.device).manual_seed(seed)  # exploration follows the actor's rng
+        if self.discrete:
+            probs = torch.softmax(out.float(), dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=g).squeeze(1)
+            chosen = torch.where(explore, sampled, probs.argmax(dim=-1))
+            return ActOutput(actions=chosen.cpu().numpy().astype(np.int64), values=None)
+        mean, log_std = out.float().chunk(2, dim=-1)
+        noise = torch.randn(mean.shape, generator=g, device=self.device)
+        sampled = torch.tanh(mean + log_std.clamp(-5.0, 2.0).exp() * noise)
+        unit = torch.where(explore[:, None], sampled, torch.tanh(mean))
+        return ActOutput(actions=self._to_env(unit).cpu().numpy().astype(np.float32), values=None)
+
+    # ---- learning
+    def setup_learner(self) -> None:
+        cfg = self.cfg
+        self.online = self.make_network()
+        self.optimizer = torch.optim.AdamW(self.online.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warmup = max(1, int(cfg.warmup_updates))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda u: min(1.0, (u + 1) / warmup))
+        self.log_temperature = torch.tensor(math.log(cfg.init_temperature), device=self.device, requires_grad=True)
+        self.temperature_optimizer = torch.optim.Adam([self.log_temperature], lr=1e-4, betas=(0.9, 0.999))
+        self.updates = 0
+
+    def learner_network(self) -> nn.Module:
+        if self.online is None:
+            raise RuntimeError("call setup_learner() first")
+        return self.online
+
+    def loss(self, w: dict):
+        """Masked action loss of windows ``w`` (:func:`sample_windows`): (loss, entropy, metrics).
+
+        Only steps with ``mask`` count; each window's valid steps are averaged over the batch's
+        valid steps (ODT), so padding changes nothing."""
+        mask = w["mask"]  # (B, K)
+        steps = mask.sum().clamp(min=1)
+        a = w["action"] if self.discrete else self._to_unit(w["action"])
+        out = self.online(w["rtg"] / self.cfg.rtg_scale, w["obs"], a, w["timestep"])  # (B, K, H)
+        if self.discrete:
+            ce = F.cross_entropy(out.flatten(0, 1).float(), w["action"].long().flatten(), reduction="none")
+            ce = torch.where(mask.flatten(), ce, torch.zeros_like(ce))
+            loss = ce.sum() / steps
+            hit = (out.argmax(-1) == w["action"]) & mask
+            return loss, None, {"learner/action_ce": loss.detach(), "learner/action_accuracy": hit.sum() / steps}
+        dist = tanh_normal(out.float())
+        log_lik = dist.log_prob(a.clamp(-1.0 + 1e-6, 1.0 - 1e-6))  # (B, K)
+        log_lik = torch.where(mask, log_lik, torch.zeros_like(log_lik)).sum() / steps
+        sample = dist.rsample()
+        neg_logp = -dist.log_prob(sample.clamp(-1.0 + 1e-6, 1.0 - 1e-6))  # (B, K) entropy estimate
+        entropy = torch.where(mask, neg_logp, torch.zeros_like(neg_logp)).sum() / steps
+        temperature = self.log_temperature.exp().detach()
+        loss = -(log_lik + temperature * entropy)
+        return loss, entropy, {"learner/nll": -log_lik.detach(), "learner/entropy": entropy.detach(),
+                               "learner/temperature": temperature}  # fmt: skip
+
+    def learn(self, batch):
+        d = {k: batch.data[k].to(self.device, non_blocking=True)
+             for k in ("obs", "action", "reward", "timestep", "mask", "length")}  # fmt: skip
+        w = sample_windows(d, self.cfg.context, self.generator)
+        self.online.train()
+        loss, entropy, parts = self.loss(w)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        if entropy is not None:  # λ ← λ − lr · ∂/∂λ [λ (H − H_target)]
+            t_loss = self.log_temperature.exp() * (entropy.detach() - self.target_entropy)
+            self.temperature_optimizer.zero_grad(set_to_none=True)
+            t_loss.backward()
+            self.temperature_optimizer.step()
+        self.updates += 1
+
+        ret = (d["reward"] * d["mask"]).sum(dim=1)  # (B,) the item's return
+        priorities = item_priority(ret, d["length"], self.cfg.priority, self.cfg.return_offset)  # unchanged
+        names = ["learner/loss", "learner/grad_norm", "learner/return_mean", *parts]
+        stats = torch.stack([loss.detach(), grad_norm.detach(), ret.mean(), *(v.float() for v in parts.values())])
+        metrics = dict(zip(names, stats.float().cpu().tolist()))  # one device sync
+        metrics["learner/updates"] = float(self.updates)
+        return metrics, priorities
+
+    def state_dict(self) -> dict:
+        return {
+            "online": self.online.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "log_temperature": self.log_temperature.detach().clone(),
+            "temperature_optimizer": self.temperature_optimizer.state_dict(),
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.online is None:
+            self.setup_learner()
+        self.online.load_state_dict(state["online"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        with torch.no_grad():
+            self.log_temperature.copy_(state["log_temperature"])
+        self.temperature_optimizer.load_state_dict(state["temperature_optimizer"])
+        self.updates = int(state["updates"])
