@@ -55,7 +55,7 @@ from gearflow.agent import make_agent
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import GearflowError
 from gearflow.replay import TableSpec
-from gearflow.replay.items import ItemKind
+from gearflow.replay.items import ItemKind, records_per_partition
 from gearflow.replay.storage import _layout
 
 META = torch.device("meta")
@@ -191,7 +191,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
     # the replay geometry Runner.connect_components creates
     P = (1 if cfg.run.serial else int(cfg.actor.num_actors)) * int(cfg.env.num_envs)
     S = int(cfg.replay.capacity) // P
-    R = S if kind.name == "transition" else S // max(1, getattr(kind, "period", 1)) + 2
+    R = records_per_partition(kind, S)
     _, segment = _layout(table_spec, P, S, R, len(json.dumps(table_spec.to_dict()).encode()))
     buffers = int(cfg.learner.prefetch) + 2  # the table's rotating batch buffers
     replay = {

@@ -47,6 +47,7 @@ from gearflow.params import ParameterStore
 from gearflow.progress import make_display
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.checkpoint import restore_checkpoint
+from gearflow.replay.items import records_per_partition
 from gearflow.replay.storage import COMMIT, gc_segments
 
 log = logging.getLogger("gearflow.runner")
@@ -272,7 +273,7 @@ class Runner:
             raise ConfigError(
                 f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items"
             )
-        R = S if kind.name == "transition" else S // max(1, getattr(kind, "period", 1)) + 2
+        R = records_per_partition(kind, S)
         spec = TableSpec.parse(self.agent.replay_columns())
         replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
         if replay_device == "cuda" and self.device.type != "cuda":

@@ -205,3 +205,17 @@ def test_c_window_rows_match_the_numpy_reference(monkeypatch):
     monkeypatch.setattr(items, "_hotpath", None)
     ref = kind.rows(parts, starts, lengths, S)["window"]
     np.testing.assert_array_equal(fast, ref)
+
+
+def test_records_per_partition():
+    from gearflow.replay.items import Episode, Sequence, Transition, records_per_partition
+
+    assert records_per_partition(Transition(next_columns=("obs",)), 1000) == 1000  # one item per step
+    assert records_per_partition(Episode(max_episode_length=500), 1000) == 1002  # at most one per step
+    # windows every 20 steps: an episode of L ≥ 20 steps makes ceil(L/20) ≤ 2·L/20 of them
+    kind = Sequence(length=40, period=20, burn_in=20)
+    R = records_per_partition(kind, 1000)
+    assert R == 102
+    for L in range(20, 200):
+        windows = len(range(0, L, kind.period))
+        assert windows * (1000 // L) <= R, L  # the step ring laps before the record ring

@@ -251,3 +251,17 @@ def kind_from_dict(d: dict[str, Any]) -> ItemKind:
     if kind == "episode":
         return Episode(**d)
     raise ValueError(f"unknown item kind {kind!r}; expected transition, sequence or episode")
+
+
+def records_per_partition(kind: ItemKind, steps_per_partition: int) -> int:
+    """Item records a partition's record ring holds, sized so that the step ring, not the
+    record ring, decides eviction in the common case.
+
+    Transitions: one item per step. Episodes: at most one per step. Sequences: an
+    episode of L steps creates ceil(L / period) windows, at most 2 per ``period`` steps
+    when L ≥ period; episodes shorter than half a period can still lap the record ring
+    first (their oldest windows are then evicted early, never served stale)."""
+    S = int(steps_per_partition)
+    if isinstance(kind, Episode) or not isinstance(kind, Sequence):
+        return S + (0 if kind.name == "transition" else 2)
+    return 2 * (S // max(1, kind.period)) + 2
