@@ -105,14 +105,24 @@ def actor_class_for(agent) -> type:
     return Actor
 
 
-class Actor:
-    """Steps one vectorised env with an agent's policy and writes n-step transitions.
+class ActorBase:
+    """What every actor shares: the env, one writer over its partitions, the policy network,
+    the Ape-X ε ladder, weight syncing, the run loop, counters and closing.
+
+    Subclasses (:class:`Actor`, :class:`~gearflow.sequence_actor.SequenceActor`,
+    :class:`~gearflow.episode_actor.EpisodeActor`) say what they write: ``COLUMNS``,
+    ``_check_kind`` / ``_check_size`` (refuse a table they cannot fill, before an env
+    exists), ``_setup_state`` (their per-env buffers), ``step``, and ``_finish`` (publish
+    what is queued when a run or the actor ends).
 
     ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
     (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
-    ``env`` and ``network`` may be injected (tests, serial runs); by default the
-    actor makes them from the config and the agent.
+    ``env`` and ``network`` may be injected (tests, serial runs, evaluation); by
+    default the actor makes them from the config and the agent.
     """
+
+    NAME = "the actor"
+    COLUMNS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -132,29 +142,15 @@ class Actor:
 
         self.cfg, self.actor_index, self.agent = cfg, int(actor_index), agent
         self.param_source, self.on_episode = param_source, on_episode
-        self.n, self.gamma = int(cfg.actor.n_step), float(cfg.actor.gamma)
         self.sync_period = int(cfg.actor.weight_sync_period)
-        kind = agent.item_kind()
-        if not isinstance(kind, Transition) or "obs" not in kind.next_columns:
-            raise ValueError(
-                f"the Ape-X actor writes n-step transition items with next_obs; "
-                f"agent {type(agent).__module__} asks for {kind}"
-            )
+        self._configure(cfg)
+        kind = self.kind = agent.item_kind()
+        self._check_kind(kind)
         spec = storage.spec
-        if set(spec.names) != set(ACTOR_COLUMNS):
-            raise ValueError(
-                f"the actor writes columns {ACTOR_COLUMNS}; the table has {spec.names}"
-            )
-        if storage.steps_per_partition < 2 * (self.n + 1):
-            raise ValueError(
-                f"steps_per_partition={storage.steps_per_partition} is too small for "
-                f"n_step={self.n}; "
-                f"need at least {2 * (self.n + 1)}"
-            )
-
-        self.env = (
-            env if env is not None else make_vec_env(cfg.env, seed=env_seed(cfg, actor_index))
-        )
+        if set(spec.names) != set(self.COLUMNS):
+            raise ValueError(f"{self.NAME} writes columns {self.COLUMNS}; the table has {spec.names}")
+        self._check_size(storage.steps_per_partition)
+        self.env = env if env is not None else make_vec_env(cfg.env, seed=env_seed(cfg, actor_index))
         try:
             self._setup(cfg, storage, partitions, network, seed)
         except BaseException:
@@ -162,6 +158,26 @@ class Actor:
                 self.env.close()
             raise
 
+    # ------------------------------------------------------------------ subclass hooks
+    def _configure(self, cfg) -> None:
+        """Read subclass settings from ``cfg`` (before the checks)."""
+
+    def _check_kind(self, kind) -> None:
+        raise NotImplementedError
+
+    def _check_size(self, steps_per_partition: int) -> None:
+        raise NotImplementedError
+
+    def _setup_state(self, cfg, spec) -> None:
+        raise NotImplementedError
+
+    def _finish(self, stopped: bool) -> None:
+        """Publish what is queued; ``stopped``: without waiting on the rate limiter."""
+
+    def step(self) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ setup
     def _setup(self, cfg, storage, partitions, network, seed) -> None:
         spec = storage.spec
         E = self.num_envs = int(self.env.num_envs)
@@ -169,13 +185,9 @@ class Actor:
         if self.partitions.size != E:
             raise ValueError(f"{self.partitions.size} partitions for {E} envs (one per env)")
         obs_col = spec["obs"]
-        if (
-            tuple(self.env.obs_shape) != obs_col.shape
-            or np.dtype(self.env.obs_dtype) != obs_col.dtype
-        ):
+        if tuple(self.env.obs_shape) != obs_col.shape or np.dtype(self.env.obs_dtype) != obs_col.dtype:
             raise ValueError(
-                f"env observations are "
-                f"{np.dtype(self.env.obs_dtype).name}{list(self.env.obs_shape)}, "
+                f"env observations are {np.dtype(self.env.obs_dtype).name}{list(self.env.obs_shape)}, "
                 f"the table's obs column is {obs_col.describe()}"
             )
         self.writer = Writer(storage, self.partitions, insert_timeout_s=float(cfg.replay.timeout_s))
@@ -189,6 +201,121 @@ class Actor:
         seed = env_seed(cfg, self.actor_index) if seed is None else seed
         self.rng = np.random.default_rng([int(seed), self.actor_index])
 
+        self.version = 0  # weights version the policy holds
+        self.env_steps = 0
+        self.episodes = 0
+        self.items = 0
+        self._since_sync = 0
+        self._started = False
+        self._closed = False
+        self._setup_state(cfg, spec)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> bool:
+        """Load newer weights from the parameter source, if any (never waits for the learner)."""
+        self._since_sync = 0
+        self.writer.flush()  # heartbeat for the supervisor
+        if self.param_source is None:
+            return False
+        v = self.param_source.load_into(self.network, min_version=self.version)
+        if v is None:
+            return False
+        self.version = int(v)
+        return True
+
+    # ------------------------------------------------------------------ loop
+    def run(
+        self,
+        stop_event=None,
+        max_steps: Optional[int] = None,
+        on_tick: Optional[Callable[["ActorBase"], None]] = None,
+        tick_s: float = 1.0,
+    ) -> int:
+        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
+
+        Queued items are published before returning (without waiting on the rate limiter
+        when stopped by ``stop_event``). ``on_tick(actor)`` is called about every ``tick_s``
+        seconds (counters, heartbeats).
+        """
+        done = recvs = 0
+        stopped = False
+        next_tick = time.monotonic() + tick_s
+        # an insert held by the rate limiter gives up when we are told to stop
+        self.writer.abort = stop_event.is_set if stop_event is not None else None
+        try:
+            while max_steps is None or done < max_steps:
+                if recvs % STOP_CHECK_EVERY == 0:
+                    if stop_event is not None and stop_event.is_set():
+                        stopped = True
+                        break
+                    if on_tick is not None and time.monotonic() >= next_tick:
+                        on_tick(self)
+                        next_tick = time.monotonic() + tick_s
+                done += self.step()
+                recvs += 1
+        except InsertAborted:
+            stopped = True
+        self._finish(stopped)
+        return done
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "actor/env_steps": self.env_steps,
+            "actor/episodes": self.episodes,
+            "actor/items": self.items,
+            "actor/weight_version": self.version,
+        }
+
+    def close(self) -> None:
+        """Publish queued items if the table takes them now, close the env (idempotent).
+        Rows of unfinished episodes (and their items) are left without items."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish(stopped=True)
+        except Exception:  # never let a broken table keep the env open
+            log.exception("actor %d: could not publish the last items", self.actor_index)
+        self.env.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Actor(ActorBase):
+    """Steps one vectorised env with an agent's policy and writes n-step transitions.
+
+    ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
+    (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
+    ``env`` and ``network`` may be injected (tests, serial runs); by default the
+    actor makes them from the config and the agent.
+    """
+
+    NAME = "the actor"
+    COLUMNS = ACTOR_COLUMNS
+
+    def _configure(self, cfg) -> None:
+        self.n, self.gamma = int(cfg.actor.n_step), float(cfg.actor.gamma)
+
+    def _check_kind(self, kind) -> None:
+        if not isinstance(kind, Transition) or "obs" not in kind.next_columns:
+            raise ValueError(
+                f"the Ape-X actor writes n-step transition items with next_obs; "
+                f"agent {type(self.agent).__module__} asks for {kind}"
+            )
+
+    def _check_size(self, steps_per_partition: int) -> None:
+        if steps_per_partition < 2 * (self.n + 1):
+            raise ValueError(
+                f"steps_per_partition={steps_per_partition} is too small for n_step={self.n}; "
+                f"need at least {2 * (self.n + 1)}"
+            )
+
+    def _setup_state(self, cfg, spec) -> None:
+        E, obs_col = self.num_envs, spec["obs"]
         # Staged steps: step t of env e sits in slot t % n until its row is appended.
         n = self.n
         dt = {c.name: c.dtype for c in spec}
@@ -214,27 +341,6 @@ class Actor:
         self._pending_items: list[tuple] = []
         self._end_pending = np.zeros(E, dtype=bool)
         self._recvs_since_flush = 0
-
-        self.version = 0  # weights version the policy holds
-        self.env_steps = 0
-        self.episodes = 0
-        self.items = 0
-        self._since_sync = 0
-        self._started = False
-        self._closed = False
-
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self) -> bool:
-        """Load newer weights from the parameter source, if any (never waits for the learner)."""
-        self._since_sync = 0
-        self.writer.flush()  # heartbeat for the supervisor
-        if self.param_source is None:
-            return False
-        v = self.param_source.load_into(self.network, min_version=self.version)
-        if v is None:
-            return False
-        self.version = int(v)
-        return True
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
@@ -436,68 +542,8 @@ class Actor:
         self._acc[e] = 0.0  # empty slots: the reset step's reward reaches nothing
         self._episode_return[e] = 0.0
 
-    # ------------------------------------------------------------------ loop
-    def run(
-        self,
-        stop_event=None,
-        max_steps: Optional[int] = None,
-        on_tick: Optional[Callable[["Actor"], None]] = None,
-        tick_s: float = 1.0,
-    ) -> int:
-        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
-
-        Queued items are published before returning (without waiting on the rate limiter
-        when stopped by ``stop_event``). ``on_tick(actor)`` is called about every ``tick_s``
-        seconds (counters, heartbeats).
-        """
-        done = 0
-        recvs = 0
-        stopped = False
-        next_tick = time.monotonic() + tick_s
-        # an insert held by the rate limiter gives up when we are told to stop
-        self.writer.abort = stop_event.is_set if stop_event is not None else None
-        try:
-            while max_steps is None or done < max_steps:
-                if recvs % STOP_CHECK_EVERY == 0:
-                    if stop_event is not None and stop_event.is_set():
-                        stopped = True
-                        break
-                    if on_tick is not None and time.monotonic() >= next_tick:
-                        on_tick(self)
-                        next_tick = time.monotonic() + tick_s
-                done += self.step()
-                recvs += 1
-        except InsertAborted:
-            stopped = True
+    def _finish(self, stopped: bool) -> None:
         self.flush_items(block=not stopped)
-        return done
-
-    def counters(self) -> dict[str, float]:
-        return {
-            "actor/env_steps": self.env_steps,
-            "actor/episodes": self.episodes,
-            "actor/items": self.items,
-            "actor/weight_version": self.version,
-        }
-
-    def close(self) -> None:
-        """Publish queued items if the table takes them now, close the env (idempotent).
-
-        Staged steps of unfinished episodes (and their items) are dropped."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.flush_items(block=False)
-        except Exception:  # never let a broken table keep the env open
-            log.exception("actor %d: could not publish the last items", self.actor_index)
-        self.env.close()
-
-    def __enter__(self) -> "Actor":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------- process entry

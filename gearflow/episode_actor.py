@@ -34,23 +34,19 @@ recomputes the same value, so priorities never drift.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from gearflow.actor import STOP_CHECK_EVERY, env_seed, epsilon_ladder
+from gearflow.actor import ActorBase
 from gearflow.replay.items import Episode
-from gearflow.replay.storage import SharedStorage
-from gearflow.replay.writer import InsertAborted, Writer
 
 log = logging.getLogger(__name__)
 
 EPISODE_COLUMNS = ("obs", "action", "reward", "timestep")
 
 
-class EpisodeActor:
+class EpisodeActor(ActorBase):
     """Steps one vectorised env with a return-conditioned agent and writes episode items.
 
     ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
@@ -58,67 +54,25 @@ class EpisodeActor:
     ``env`` and ``network`` may be injected (tests, serial runs, evaluation).
     """
 
-    def __init__(
-        self,
-        cfg,
-        actor_index: int,
-        storage: SharedStorage,
-        partitions,
-        param_source,
-        agent,
-        *,
-        network: torch.nn.Module | None = None,
-        env=None,
-        on_episode: Callable[[int, float, int, float], None] | None = None,
-        seed: int | None = None,
-    ):
-        from gearflow.envs import make_vec_env
+    NAME = "the episode actor"
+    COLUMNS = EPISODE_COLUMNS
 
-        self.cfg, self.actor_index, self.agent = cfg, int(actor_index), agent
-        self.param_source, self.on_episode = param_source, on_episode
-        self.sync_period = int(cfg.actor.weight_sync_period)
-        kind = self.kind = agent.item_kind()
+    def _check_kind(self, kind) -> None:
         if not isinstance(kind, Episode):
-            raise ValueError(f"the episode actor writes episode items; agent {type(agent).__module__} asks for {kind}")
-        spec = storage.spec
-        if set(spec.names) != set(EPISODE_COLUMNS):
-            raise ValueError(f"the episode actor writes columns {EPISODE_COLUMNS}; the table has {spec.names}")
-        if storage.steps_per_partition < kind.max_length:
             raise ValueError(
-                f"steps_per_partition={storage.steps_per_partition} is too small for episode items of "
-                f"{kind.max_length} steps (replay.max_episode_length); need at least {kind.max_length}"
+                f"the episode actor writes episode items; agent {type(self.agent).__module__} asks for {kind}"
             )
-        self.env = env if env is not None else make_vec_env(cfg.env, seed=env_seed(cfg, actor_index))
-        try:
-            self._setup(cfg, storage, partitions, network, seed)
-        except BaseException:
-            if env is None:  # ours: do not leak its threads
-                self.env.close()
-            raise
 
-    def _setup(self, cfg, storage, partitions, network, seed) -> None:
-        spec = storage.spec
-        E = self.num_envs = int(self.env.num_envs)
-        self.partitions = np.asarray(partitions, dtype=np.int64).reshape(-1)
-        if self.partitions.size != E:
-            raise ValueError(f"{self.partitions.size} partitions for {E} envs (one per env)")
-        obs_col, act_col = spec["obs"], spec["action"]
-        if tuple(self.env.obs_shape) != obs_col.shape or np.dtype(self.env.obs_dtype) != obs_col.dtype:
+    def _check_size(self, steps_per_partition: int) -> None:
+        if steps_per_partition < self.kind.max_length:
             raise ValueError(
-                f"env observations are {np.dtype(self.env.obs_dtype).name}{list(self.env.obs_shape)}, "
-                f"the table's obs column is {obs_col.describe()}"
+                f"steps_per_partition={steps_per_partition} is too small for episode items of "
+                f"{self.kind.max_length} steps (replay.max_episode_length); need at least {self.kind.max_length}"
             )
-        self.writer = Writer(storage, self.partitions, insert_timeout_s=float(cfg.replay.timeout_s))
-        self.network = network if network is not None else self.agent.make_network()
-        self.network.eval()
 
-        N = int(cfg.actor.num_actors) * E
-        ladder = epsilon_ladder(N, float(cfg.actor.epsilon), float(cfg.actor.epsilon_alpha))
-        self.global_env_index = self.actor_index * E + np.arange(E)
-        self.epsilon = ladder[self.global_env_index]  # (E,) probability of sampling instead of the mode
-        seed = env_seed(cfg, self.actor_index) if seed is None else seed
-        self.rng = np.random.default_rng([int(seed), self.actor_index])
-
+    def _setup_state(self, cfg, spec) -> None:
+        E, obs_col, act_col = self.num_envs, spec["obs"], spec["action"]
+        # ε here: the probability of sampling from the policy instead of taking its mode
         # Context per env: its last K steps (R̂, obs, action, timestep), left-aligned.
         K = self.context = int(self.agent.context_length())
         self._act_shape, self._act_dtype = act_col.shape, act_col.dtype
@@ -140,27 +94,6 @@ class EpisodeActor:
         self._rewards = np.zeros((E, self._T), dtype=np.float64)
         self._episode_return = np.zeros(E, dtype=np.float64)
         self.long_episodes = 0  # episodes longer than T (only their last T rows are sampled)
-
-        self.version = 0
-        self.env_steps = 0
-        self.episodes = 0
-        self.items = 0
-        self._since_sync = 0
-        self._started = False
-        self._closed = False
-
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self) -> bool:
-        """Load newer weights from the parameter source, if any (never waits for the learner)."""
-        self._since_sync = 0
-        self.writer.flush()  # heartbeat for the supervisor
-        if self.param_source is None:
-            return False
-        v = self.param_source.load_into(self.network, min_version=self.version)
-        if v is None:
-            return False
-        self.version = int(v)
-        return True
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
@@ -266,50 +199,6 @@ class EpisodeActor:
         self._rewards[e] = 0.0
         self._new_episode[e] = True
         self._staged[e] = False
-
-    # ------------------------------------------------------------------ loop
-    def run(self, stop_event=None, max_steps: int | None = None,
-            on_tick: Callable[[EpisodeActor], None] | None = None, tick_s: float = 1.0) -> int:  # fmt: skip
-        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
-        ``on_tick(actor)`` is called about every ``tick_s`` seconds (counters, heartbeats)."""
-        done = recvs = 0
-        next_tick = time.monotonic() + tick_s
-        self.writer.abort = stop_event.is_set if stop_event is not None else None
-        try:
-            while max_steps is None or done < max_steps:
-                if recvs % STOP_CHECK_EVERY == 0:
-                    if stop_event is not None and stop_event.is_set():
-                        break
-                    if on_tick is not None and time.monotonic() >= next_tick:
-                        on_tick(self)
-                        next_tick = time.monotonic() + tick_s
-                done += self.step()
-                recvs += 1
-        except InsertAborted:
-            pass
-        return done
-
-    def counters(self) -> dict[str, float]:
-        return {
-            "actor/env_steps": self.env_steps,
-            "actor/episodes": self.episodes,
-            "actor/items": self.items,
-            "actor/weight_version": self.version,
-        }
-
-    def close(self) -> None:
-        """Close the env (idempotent). Items are published as episodes end, so only the rows
-        of unfinished episodes are left without an item."""
-        if self._closed:
-            return
-        self._closed = True
-        self.env.close()
-
-    def __enter__(self) -> EpisodeActor:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = ["EPISODE_COLUMNS", "EpisodeActor"]

@@ -44,23 +44,19 @@ until the learner has seen them.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from gearflow.actor import STOP_CHECK_EVERY, env_seed, epsilon_ladder
+from gearflow.actor import ActorBase
 from gearflow.replay.items import Sequence
-from gearflow.replay.storage import SharedStorage
-from gearflow.replay.writer import InsertAborted, Writer
 
 log = logging.getLogger(__name__)
 
 SEQUENCE_COLUMNS = ("obs", "action", "reward", "discount", "first", "version")
 
 
-class SequenceActor:
+class SequenceActor(ActorBase):
     """Steps one vectorised env with a sequence agent's policy and writes sequence windows.
 
     ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
@@ -68,68 +64,24 @@ class SequenceActor:
     ``env`` and ``network`` may be injected (tests, serial runs).
     """
 
-    def __init__(
-        self,
-        cfg,
-        actor_index: int,
-        storage: SharedStorage,
-        partitions,
-        param_source,
-        agent,
-        *,
-        network: torch.nn.Module | None = None,
-        env=None,
-        on_episode: Callable[[int, float, int, float], None] | None = None,
-        seed: int | None = None,
-    ):
-        from gearflow.envs import make_vec_env
+    NAME = "the sequence actor"
+    COLUMNS = SEQUENCE_COLUMNS
 
-        self.cfg, self.actor_index, self.agent = cfg, int(actor_index), agent
-        self.param_source, self.on_episode = param_source, on_episode
-        self.sync_period = int(cfg.actor.weight_sync_period)
-        kind = self.kind = agent.item_kind()
+    def _check_kind(self, kind) -> None:
         if not isinstance(kind, Sequence):
             raise TypeError(
-                f"the sequence actor writes sequence windows; agent {type(agent).__module__} asks for {kind}"
+                f"the sequence actor writes sequence windows; agent {type(self.agent).__module__} asks for {kind}"
             )
-        spec = storage.spec
-        if set(spec.names) != set(SEQUENCE_COLUMNS):
-            raise ValueError(f"the sequence actor writes columns {SEQUENCE_COLUMNS}; the table has {spec.names}")
-        if storage.steps_per_partition < kind.max_length + 1:
-            raise ValueError(
-                f"steps_per_partition={storage.steps_per_partition} is too small for windows of "
-                f"{kind.max_length} steps; need at least {kind.max_length + 1}"
-            )
-        self.env = env if env is not None else make_vec_env(cfg.env, seed=env_seed(cfg, actor_index))
-        try:
-            self._setup(cfg, storage, partitions, network, seed)
-        except BaseException:
-            if env is None:  # ours: do not leak its threads
-                self.env.close()
-            raise
 
-    def _setup(self, cfg, storage, partitions, network, seed) -> None:
-        spec = storage.spec
-        E = self.num_envs = int(self.env.num_envs)
-        self.partitions = np.asarray(partitions, dtype=np.int64).reshape(-1)
-        if self.partitions.size != E:
-            raise ValueError(f"{self.partitions.size} partitions for {E} envs (one per env)")
-        obs_col = spec["obs"]
-        if tuple(self.env.obs_shape) != obs_col.shape or np.dtype(self.env.obs_dtype) != obs_col.dtype:
+    def _check_size(self, steps_per_partition: int) -> None:
+        if steps_per_partition < self.kind.max_length + 1:
             raise ValueError(
-                f"env observations are {np.dtype(self.env.obs_dtype).name}{list(self.env.obs_shape)}, "
-                f"the table's obs column is {obs_col.describe()}"
+                f"steps_per_partition={steps_per_partition} is too small for windows of "
+                f"{self.kind.max_length} steps; need at least {self.kind.max_length + 1}"
             )
-        self.writer = Writer(storage, self.partitions, insert_timeout_s=float(cfg.replay.timeout_s))
-        self.network = network if network is not None else self.agent.make_network()
-        self.network.eval()
 
-        N = int(cfg.actor.num_actors) * E
-        ladder = epsilon_ladder(N, float(cfg.actor.epsilon), float(cfg.actor.epsilon_alpha))
-        self.global_env_index = self.actor_index * E + np.arange(E)
-        self.epsilon = ladder[self.global_env_index]  # (E,)
-        seed = env_seed(cfg, self.actor_index) if seed is None else seed
-        self.rng = np.random.default_rng([int(seed), self.actor_index])
+    def _setup_state(self, cfg, spec) -> None:
+        E, obs_col = self.num_envs, spec["obs"]
         self._dt = {c.name: c.dtype for c in spec}
 
         # Context per env: the last C observations of its episode, left-aligned.
@@ -154,27 +106,6 @@ class SequenceActor:
         self._episode_return = np.zeros(E, dtype=np.float64)
         self._episode_steps = np.zeros(E, dtype=np.int64)
         self._pending: list[tuple[int, int, int]] = []  # windows (stream, length, end) of this recv
-
-        self.version = 0
-        self.env_steps = 0
-        self.episodes = 0
-        self.items = 0
-        self._since_sync = 0
-        self._started = False
-        self._closed = False
-
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self) -> bool:
-        """Load newer weights from the parameter source, if any (never waits for the learner)."""
-        self._since_sync = 0
-        self.writer.flush()  # heartbeat for the supervisor
-        if self.param_source is None:
-            return False
-        v = self.param_source.load_into(self.network, min_version=self.version)
-        if v is None:
-            return False
-        self.version = int(v)
-        return True
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
@@ -311,50 +242,6 @@ class SequenceActor:
         self._episode_steps[e] = 0
         self._new_episode[e] = True
         self._staged[e] = False
-
-    # ------------------------------------------------------------------ loop
-    def run(self, stop_event=None, max_steps: int | None = None,
-            on_tick: Callable[[SequenceActor], None] | None = None, tick_s: float = 1.0) -> int:  # fmt: skip
-        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
-        ``on_tick(actor)`` is called about every ``tick_s`` seconds (counters, heartbeats)."""
-        done = recvs = 0
-        next_tick = time.monotonic() + tick_s
-        self.writer.abort = stop_event.is_set if stop_event is not None else None
-        try:
-            while max_steps is None or done < max_steps:
-                if recvs % STOP_CHECK_EVERY == 0:
-                    if stop_event is not None and stop_event.is_set():
-                        break
-                    if on_tick is not None and time.monotonic() >= next_tick:
-                        on_tick(self)
-                        next_tick = time.monotonic() + tick_s
-                done += self.step()
-                recvs += 1
-        except InsertAborted:
-            pass
-        return done
-
-    def counters(self) -> dict[str, float]:
-        return {
-            "actor/env_steps": self.env_steps,
-            "actor/episodes": self.episodes,
-            "actor/items": self.items,
-            "actor/weight_version": self.version,
-        }
-
-    def close(self) -> None:
-        """Close the env (idempotent). Windows are published as they become due, so only the
-        rows of unfinished episodes (whose tail windows never come) are left without items."""
-        if self._closed:
-            return
-        self._closed = True
-        self.env.close()
-
-    def __enter__(self) -> SequenceActor:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = ["SEQUENCE_COLUMNS", "SequenceActor"]
