@@ -22,18 +22,7 @@ from gearflow.progress import LiveDisplay, LogDisplay, log_line, make_display
 from gearflow.replay.checkpoint import CheckpointError
 from gearflow.replay.storage import list_segments
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
-TINY = [
-    "replay.capacity=20000",
-    "replay.min_size_to_sample=200",
-    "learner.batch_size=32",
-    "learner.publish_every=2",
-    "actor.weight_sync_period=16",
-    "env.num_envs=4",
-    "env.batch_size=2",
-    "run.log_every_s=0.5",
-]
+from tests.test_train import CONFIG, ROOT, TINY  # the same tiny CartPole run
 
 
 # ------------------------------------------------------------------ RunCheckpoints
