@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.replay import Episode, Sequence, TableSpec, Transition, Writer
+from gearflow.replay import Episode, Sequence, Transition, Writer
 from gearflow.replay.items import kind_from_dict
 
 from helpers_replay import SPEC, step_values  # noqa: E402

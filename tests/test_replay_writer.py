@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from gearflow.replay import RateLimiter, RateLimiterTimeout, TableSpec, TrajectoryWriter, Writer
+from gearflow.replay import RateLimiter, RateLimiterTimeout, TrajectoryWriter, Writer
 from gearflow.replay.storage import (
     COMMIT,
     EPISODES,
