@@ -282,7 +282,7 @@ class Runner:
                 f"{self.device} (learner.device={cfg.learner.device!r}); use learner.device=cuda or replay.device=cpu"
             )
         if self.checkpoint is not None and self.checkpoint.replay_dir is not None:
-            self.table = self._restore_table(self.checkpoint.replay_dir, spec, (P, S, R))
+            self.table = self._restore_table(self.checkpoint.replay_dir, spec, (P, S, R), replay_device)
         else:
             storage = SharedStorage.create(spec, P, S, R)
             selector = make_selector(cfg.replay.selector, P * R, seed=cfg.run.seed, **selector_kwargs(cfg))
@@ -324,9 +324,9 @@ class Runner:
         log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", P, S,
                  storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
 
-    def _restore_table(self, path: Path, spec: TableSpec, geometry: tuple[int, int, int]) -> Table:
+    def _restore_table(self, path: Path, spec: TableSpec, geometry: tuple[int, int, int], device: str) -> Table:
         """The replay table of a checkpoint, refused if the config no longer matches its layout."""
-        table = restore_checkpoint(path)
+        table = restore_checkpoint(path, device=device)
         st = table.storage
         have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
         if have != geometry or st.spec.to_dict() != spec.to_dict():

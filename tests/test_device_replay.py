@@ -421,3 +421,23 @@ def test_cuda_torn_items_are_redrawn_never_returned(make_table, kind_name):
     keys = check_batch(_cpu(table.sample(32)), rec, kind, 1, 32)
     assert all(rec.items[(0, k)][0] >= 6 for k in keys.tolist())
     assert table.torn > 0
+
+
+@no_cupy_here
+def test_restore_checkpoint_on_cuda_without_cupy_is_a_clear_error_and_leaks_nothing(tmp_path):
+    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+    from gearflow.replay.storage import list_segments
+
+    storage = SharedStorage.create(SPEC, num_partitions=2, steps_per_partition=16)
+    table = Table(storage, Transition(), make_selector("uniform", 2 * storage.items_per_partition, seed=0),
+                  RateLimiter(min_size_to_sample=1))  # fmt: skip
+    try:
+        save_checkpoint(table, tmp_path / "replay")
+    finally:
+        table.close()
+    before = {n for n, _, _ in list_segments()}
+    with pytest.raises(MissingDependencyError, match=r"^replay.device=cuda needs CuPy"):
+        restore_checkpoint(tmp_path / "replay", device="cuda")
+    assert {n for n, _, _ in list_segments()} == before  # the new segment was unlinked
+    restored = restore_checkpoint(tmp_path / "replay")  # the checkpoint is intact for a CPU restore
+    restored.close()

@@ -162,11 +162,14 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def restore_checkpoint(path: str | Path, name: str | None = None, pin_memory: bool | None = None) -> Table:
+def restore_checkpoint(
+    path: str | Path, name: str | None = None, pin_memory: bool | None = None, device: Any = "cpu"
+) -> Table:
     """A new table (in a new shared-memory segment) equal to the one saved at ``path``.
 
     Writers attached to the new segment continue each partition's step and item
-    counters where the checkpoint left them.
+    counters where the checkpoint left them. ``device``: as :class:`Table`'s (``"cuda"``:
+    sampled on the GPU, its device vectors filled from the restored records).
     """
     path = Path(path)
     meta = verify_checkpoint(path)
@@ -197,6 +200,7 @@ def restore_checkpoint(path: str | Path, name: str | None = None, pin_memory: bo
             num_buffers=meta["num_buffers"],
             sample_timeout_s=meta["sample_timeout_s"],
             pin_memory=pin_memory,
+            device=device,
         )
         table.load_state({**arrays, **{k: meta[k] for k in Table.COUNTER_STATE}, "seen_reserve": commit})
     except Exception:
