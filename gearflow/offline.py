@@ -1,7 +1,10 @@
 """Offline datasets: a D4RL-style HDF5 file loaded into the replay table once (``run.mode=offline``).
 
 The file holds flat arrays over all ``N`` steps of all episodes, in order (the
-layout D4RL's ``get_dataset()`` returns and Minari can export)::
+layout D4RL's ``get_dataset()`` returns), or Minari's own layout — one group
+``episode_<i>`` per episode with ``observations`` (L + 1 entries, the final one
+included), ``actions``, ``rewards``, ``terminations``, ``truncations`` — which is
+read into the same flat arrays::
 
     observations       (N, *obs_shape)     obs_t
     actions            (N,) int / (N, A)   action_t
@@ -27,6 +30,7 @@ the shapes: missing file, missing key, shape or dtype that does not match the en
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,13 @@ def read_hdf5(path: str | Path) -> dict[str, np.ndarray]:
     try:
         import h5py
     except ImportError:
-        raise MissingDependencyError("offline datasets need h5py: pip install h5py") from None
+        raise MissingDependencyError("offline datasets need h5py: pip install 'gearflow[offline]'") from None
     try:
         with h5py.File(path, "r") as f:
             have = sorted(f.keys())
+            episodes = sorted((k for k in have if _MINARI_EPISODE.match(k)), key=lambda k: int(k.split("_")[1]))
+            if episodes:
+                return _flatten_minari(f, episodes, path)
             missing = [k for k in REQUIRED_KEYS if k not in f]
             if missing:
                 raise ConfigError(
@@ -63,6 +70,46 @@ def read_hdf5(path: str | Path) -> dict[str, np.ndarray]:
             return {k: np.asarray(f[k]) for k in keys}
     except OSError as exc:
         raise ConfigError(f"run.dataset={str(path)!r}: not a readable HDF5 file: {exc}") from None
+
+
+_MINARI_EPISODE = re.compile(r"^episode_\d+$")
+MINARI_KEYS = ("observations", "actions", "rewards", "terminations", "truncations")
+
+
+def _flatten_minari(f, episodes: list[str], path: Path) -> dict[str, np.ndarray]:
+    """Minari's own layout (``episode_<i>`` groups; ``observations`` has one more entry
+    than the steps: the final observation) as the flat D4RL arrays."""
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in (*REQUIRED_KEYS, "next_observations")}
+    for name in episodes:
+        group = f[name]
+        missing = [k for k in MINARI_KEYS if k not in group]
+        if missing:
+            raise ConfigError(
+                f"dataset {path}: Minari episode group '{name}' lacks {missing}; it has {sorted(group.keys())}"
+            )
+        if not hasattr(group["observations"], "shape"):
+            raise ConfigError(
+                f"dataset {path}: '{name}/observations' is a group (a dict observation space); "
+                "only array observations are supported"
+            )
+        obs = np.asarray(group["observations"])
+        L = len(group["actions"])
+        if obs.shape[0] != L + 1:
+            raise ConfigError(
+                f"dataset {path}: '{name}/observations' has {obs.shape[0]} entries for {L} actions "
+                f"(Minari stores L + 1: the final observation too)"
+            )
+        parts["observations"].append(obs[:-1])
+        parts["next_observations"].append(obs[1:])
+        parts["actions"].append(np.asarray(group["actions"]))
+        parts["rewards"].append(np.asarray(group["rewards"]))
+        terminals = np.asarray(group["terminations"], dtype=bool)
+        timeouts = np.asarray(group["truncations"], dtype=bool).copy()
+        if L and not (terminals[-1] or timeouts[-1]):
+            timeouts[-1] = True  # an episode group ends its episode
+        parts["terminals"].append(terminals)
+        parts["timeouts"].append(timeouts)
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def check_dataset(data: dict[str, np.ndarray], path: Any, columns: dict, num_actions: int | None) -> int:

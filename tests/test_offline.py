@@ -156,3 +156,31 @@ def test_offline_config_errors_name_the_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gearflow", "train", str(path), f"run.dataset={bad}", f"run.dir={run}"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)  # fmt: skip
     assert proc.returncode == 2 and "'observations' has shape [3, 2]" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_minari_episode_groups_read_as_the_flat_layout(tmp_path):
+    import h5py
+    from helpers_offline import play_cartpole, write_hdf5
+
+    from gearflow.offline import read_hdf5, split_episodes
+
+    flat = play_cartpole(5, seed=3)
+    spans = split_episodes(flat["terminals"], flat["timeouts"])
+    path = tmp_path / "main_data.hdf5"
+    with h5py.File(path, "w") as f:  # Minari: one group per episode, L + 1 observations
+        for i, (a, b) in enumerate(spans):
+            g = f.create_group(f"episode_{i}")
+            g["observations"] = np.concatenate([flat["observations"][a:b], flat["next_observations"][b - 1 : b]])
+            g["actions"] = flat["actions"][a:b]
+            g["rewards"] = flat["rewards"][a:b]
+            g["terminations"] = flat["terminals"][a:b]
+            g["truncations"] = flat["timeouts"][a:b]
+    got = read_hdf5(path)
+    for k in ("observations", "actions", "rewards", "terminals", "timeouts", "next_observations"):
+        np.testing.assert_array_equal(got[k], flat[k], err_msg=k)
+    assert read_hdf5(write_hdf5(tmp_path / "flat.hdf5", flat)).keys() == got.keys()
+
+    with h5py.File(path, "a") as f:
+        del f["episode_2/rewards"]
+    with pytest.raises(ConfigError, match=r"Minari episode group 'episode_2' lacks \['rewards'\]"):
+        read_hdf5(path)
