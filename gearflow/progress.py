@@ -17,7 +17,7 @@ import logging
 import sys
 from typing import Any
 
-log = logging.getLogger("gearflow.runner")
+log = logging.getLogger("gearflow.progress")
 
 FIELDS = [  # (label, key, format)
     ("env steps", "actor/env_steps", "{:,.0f}"),
@@ -63,8 +63,19 @@ class LogDisplay:
         pass
 
 
+def _console_handlers() -> list[logging.Handler]:
+    """The root logger's terminal handlers (not files such as the run's train.log)."""
+    return [h for h in logging.getLogger().handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]  # fmt: skip
+
+
+def _not_progress(record: logging.LogRecord) -> bool:
+    return record.name != log.name
+
+
 class LiveDisplay:
-    """A rich panel redrawn in place on stderr."""
+    """A rich panel redrawn in place on stderr. The plain progress lines still go to the
+    log files (the run's train.log), just not to the terminal the panel is on."""
 
     def __init__(self, max_env_steps: int = 0, title: str = "gearflow train"):
         from rich.console import Console
@@ -73,6 +84,9 @@ class LiveDisplay:
         self.max_env_steps, self.title = int(max_env_steps), title
         self.console = Console(stderr=True)
         self.live = Live(console=self.console, refresh_per_second=2, transient=False)
+        self._filtered = _console_handlers()
+        for handler in self._filtered:
+            handler.addFilter(_not_progress)
         self.live.start()
 
     def render(self, row: dict[str, Any]):
@@ -92,9 +106,12 @@ class LiveDisplay:
 
     def update(self, row: dict[str, Any]) -> None:
         self.live.update(self.render(row), refresh=True)
+        log.info("%s", log_line(row))  # files only
 
     def close(self) -> None:
         self.live.stop()
+        for handler in self._filtered:
+            handler.removeFilter(_not_progress)
 
 
 def make_display(mode: str, max_env_steps: int = 0, title: str = "gearflow train", stream=None):

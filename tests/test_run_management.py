@@ -351,3 +351,31 @@ def test_eval_video_of_cartpole(tmp_path):
     reader.close()
     # one greedy episode: as many frames as steps (+ the reset frame), at least CartPole's minimum
     assert frames >= 8 and result["video"] == str(out)
+
+
+def test_live_panel_keeps_progress_lines_out_of_the_terminal_but_in_the_log_file(tmp_path):
+    import logging
+
+    from gearflow.log import setup_logging
+
+    setup_logging(0)
+    terminal = logging.StreamHandler(io.StringIO())
+    file_log = logging.FileHandler(tmp_path / "train.log")
+    root = logging.getLogger()
+    root.addHandler(terminal)
+    root.addHandler(file_log)
+    try:
+        display = LiveDisplay(max_env_steps=100)
+        try:
+            display.update(ROW)
+            logging.getLogger("gearflow.runner").info("checkpoint written")  # other lines still show
+        finally:
+            display.close()
+        LogDisplay().update(ROW)  # after the panel: progress lines reach the terminal again
+    finally:
+        root.removeHandler(terminal)
+        root.removeHandler(file_log)
+        file_log.close()
+    shown = terminal.stream.getvalue()
+    assert shown.count("steps 12345") == 1 and "checkpoint written" in shown
+    assert (tmp_path / "train.log").read_text().count("steps 12345") == 2
