@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -590,6 +591,9 @@ def run_actor_process(
     from gearflow.envs import make_vec_env
     from gearflow.log import inherited_verbosity, setup_logging
 
+    # Ctrl-C in a terminal reaches the whole process group: the learner stops us through
+    # stop_event (after its final checkpoint), so the actor itself ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(inherited_verbosity())
     torch.set_num_threads(1)  # many actor processes share the cores
     cfg = OmegaConf.create(cfg_yaml)

@@ -16,7 +16,9 @@ directory, which is ignored and removed by the next save)::
         replay/         the table (gearflow.replay.checkpoint, with its own manifest)
         MANIFEST.json   size and CRC-32 of learner.pt and runner.json; written last
 
-Only the newest ``keep`` complete checkpoints are kept.
+Only the newest ``keep`` complete checkpoints are kept. A checkpoint that fails
+verification when loading is renamed ``ckpt-<updates>.refused`` (kept for
+inspection, never loaded or counted again).
 """
 
 from __future__ import annotations
@@ -130,7 +132,12 @@ class RunCheckpoints:
             try:
                 return self.load(path)
             except CheckpointError as exc:
-                log.warning("checkpoint refused, trying the previous one: %s", exc)
+                # moved aside (kept for inspection): rotation by update count must never keep it
+                # over the checkpoints the resumed run writes next
+                aside = path.with_name(f"{path.name}.refused")
+                shutil.rmtree(aside, ignore_errors=True)
+                path.rename(aside)
+                log.warning("checkpoint refused (moved to %s), trying the previous one: %s", aside.name, exc)
                 problems.append(str(exc))
         if not problems:
             raise CheckpointError(f"{self.dir}: no checkpoint (was the run started with run.checkpoint_every=0?)")

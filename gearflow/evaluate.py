@@ -52,7 +52,9 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
     from gearflow.actor import actor_class_for
 
     E = env.num_envs
-    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, 4096)
+    kind = agent.item_kind()
+    steps = max(4096, 2 * int(getattr(kind, "max_length", 0)) + 2)  # any actor's minimum partition size
+    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
     returns: dict[int, list[float]] = {e: [] for e in range(E)}
 
     def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
@@ -93,7 +95,11 @@ def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None =
     per_env = -(-episodes // parallel)
     env_cfg = OmegaConf.merge(cfg.env, {"num_envs": parallel, "batch_size": parallel})
     env = make_vec_env(env_cfg, seed=seed)
-    agent, network = _policy(cfg, checkpoint, env.env_spec)
+    try:
+        agent, network = _policy(cfg, checkpoint, env.env_spec)
+    except BaseException:
+        env.close()
+        raise
     eval_cfg = OmegaConf.merge(cfg, {"env": {"num_envs": parallel, "batch_size": parallel}, "actor": {"num_actors": 1}})
     returns = _play(eval_cfg, agent, network, env, per_env)[:episodes]
     result = {

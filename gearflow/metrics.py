@@ -22,6 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gearflow.errors import GearflowError
 
 STEP_KEY = "actor/env_steps"
@@ -39,6 +41,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and one-element tensors (what agents' metrics often are) as Python numbers."""
+    if isinstance(value, np.generic):
+        return value.item()
+    numel = getattr(value, "numel", None)  # a torch tensor
+    if callable(numel) and numel() == 1:
+        return value.item()
+    return value
 
 
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +90,7 @@ class MetricsLog:
             self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge)
 
     def write(self, row: dict[str, Any]) -> None:
+        row = {k: _plain(v) for k, v in row.items()}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         scalars = _scalars(row)

@@ -260,7 +260,14 @@ class Runner:
         self.agent = make_agent(cfg, env_spec, self.device)
         self.agent.setup_learner()
         if self.checkpoint is not None:
-            self.agent.load_state_dict(self.checkpoint.learner["agent"])
+            try:
+                self.agent.load_state_dict(self.checkpoint.learner["agent"])
+            except (RuntimeError, KeyError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise ConfigError(
+                    f"cannot resume: {self.checkpoint.path} holds a {cfg.agent.name} learner that does not fit "
+                    f"the config's agent (were agent.* keys or the env changed?): {first}"
+                ) from None
             set_rng_states(self.checkpoint.learner["rng"])
         if cfg.learner.compile:
             self.agent.learner_network().compile()  # in place: parameter names stay the same
@@ -325,31 +332,54 @@ class Runner:
                  storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
 
     def _restore_table(self, path: Path, spec: TableSpec, geometry: tuple[int, int, int], device: str) -> Table:
-        """The replay table of a checkpoint, refused if the config no longer matches its layout."""
+        """The replay table of a checkpoint, refused if the config no longer matches its layout,
+        item kind or selector; its rate limiter, timeout and buffer count follow the config."""
+        cfg = self.cfg
         table = restore_checkpoint(path, device=device)
         st = table.storage
         have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
+        problem = ""
         if have != geometry or st.spec.to_dict() != spec.to_dict():
-            table.close()
-            raise ConfigError(
-                f"cannot resume: the checkpoint's replay has (partitions, steps, items) = {have} and "
-                f"columns {list(st.spec.names)}, the config asks for {geometry} and {list(spec.names)} "
-                "(replay.capacity, actor.num_actors, env.num_envs and the agent must stay as they were)"
+            problem = (
+                f"the checkpoint's replay has (partitions, steps, items) = {have} and columns "
+                f"{list(st.spec.names)}, the config asks for {geometry} and {list(spec.names)} "
+                "(replay.capacity, actor.num_actors, env.num_envs, run.serial and the agent must stay as they were)"
             )
-        table.sample_timeout_s = self.cfg.replay.timeout_s
+        elif table.kind.to_dict() != self.agent.item_kind().to_dict():
+            problem = (
+                f"the checkpoint's items are {table.kind.to_dict()}, the config asks for "
+                f"{self.agent.item_kind().to_dict()} (replay.item, sequence_length, sequence_period, burn_in "
+                "and max_episode_length must stay as they were)"
+            )
+        elif table.selector.name != cfg.replay.selector:
+            problem = (
+                f"replay.selector={cfg.replay.selector!r}, but the checkpoint's table was filled with the "
+                f"{table.selector.name!r} selector (its priorities and order are part of the checkpoint)"
+            )
+        if problem:
+            table.close()
+            raise ConfigError(f"cannot resume: {problem}")
+        table.set_rate_limiter(RateLimiter(
+            min_size_to_sample=cfg.replay.min_size_to_sample,
+            samples_per_insert=cfg.replay.samples_per_insert,
+            error_buffer=cfg.replay.error_buffer,
+        ))  # fmt: skip
+        table.num_buffers = max(table.num_buffers, cfg.learner.prefetch + 2)
+        table.sample_timeout_s = cfg.replay.timeout_s
         log.info("replay restored: %d items, %d env steps", table.size, self.env_steps_in(table))
         return table
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """Learner, counters and (``run.checkpoint_replay``) the replay, atomically."""
+    def save_checkpoint(self, metric_offsets: dict[str, int] | None = None) -> Path:
+        """Learner, counters and (``run.checkpoint_replay``) the replay, atomically.
+        ``metric_offsets``: where a resumed run continues the metric files (default: their end)."""
         t0 = time.perf_counter()
         now = time.monotonic()
         runner_state = {
             "env_steps": self.env_steps(),
             "weights_version": self.params.latest_version(),
             "progress": self.progress.state(now),
-            "metric_offsets": self.metrics.offsets(),
+            "metric_offsets": metric_offsets if metric_offsets is not None else self.metrics.offsets(),
             "config": to_yaml(self.cfg),
         }
         learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
@@ -473,6 +503,11 @@ class Runner:
         display = file_log = None
         prefetch = None
         try:
+            if not self.resume and ((self.run_dir / "metrics.jsonl").exists() or RunCheckpoints(self.run_dir / "checkpoints").paths()):
+                raise ConfigError(
+                    f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl or checkpoints): continue it "
+                    f"with gearflow train --resume {self.run_dir}, or choose another run.dir"
+                )
             self.connect_components()  # config errors surface here, before a run directory exists
             self.run_dir.mkdir(parents=True, exist_ok=True)
             file_log = logging.FileHandler(self.run_dir / "train.log")
@@ -535,9 +570,10 @@ class Runner:
                 self.supervisor.stop(drain=self._drain_metrics)
             summary = self.snapshot(metrics)
             summary["stop_reason"] = reason
+            before_summary = self.metrics.offsets()  # a resumed run drops the summary row: no repeated step
             self.metrics.write(summary)
             if self._checkpoint_period[0] != "off":  # SIGTERM/SIGINT included: resume continues here
-                summary["checkpoint"] = str(self.save_checkpoint())
+                summary["checkpoint"] = str(self.save_checkpoint(metric_offsets=before_summary))
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             return summary
         finally:

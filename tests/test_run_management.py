@@ -70,8 +70,13 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog, dama
         found = ckpts.latest()
     assert found.path.name == "ckpt-000000001" and found.runner["value"] == 1.0
     assert any(words in r.getMessage() and "trying the previous one" in r.getMessage() for r in caplog.records)
+    refused = newest.with_name("ckpt-000000002.refused")
+    assert refused.is_dir() and not newest.exists()  # kept for inspection, never loaded again
     with pytest.raises(CheckpointError, match=words):
-        RunCheckpoints.load(newest)
+        RunCheckpoints.load(refused)
+    # the resumed run's next checkpoint (fewer updates than the refused one) survives rotation
+    RunCheckpoints(tmp_path, keep=1).save(1, {"agent": {}, "rng": rng_states()}, {"value": 1.5})
+    assert [p.name for p in ckpts.paths()] == ["ckpt-000000001"] and ckpts.latest().runner["value"] == 1.5
 
 
 def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
@@ -121,6 +126,14 @@ def test_metrics_log_writes_jsonl_csv_and_tensorboard(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("replay/size")] == [(100, 50.0), (200, 90.0)]
     assert [(e.step, e.value) for e in acc.Scalars("learner/loss")] == [(200, 0.5)]
+
+
+def test_metrics_log_takes_numpy_and_torch_scalars(tmp_path):
+    sink = MetricsLog(tmp_path, tensorboard=False)
+    sink.write({"actor/env_steps": np.int64(10), "learner/loss": np.float32(0.25), "learner/q": torch.tensor(1.5)})
+    sink.close()
+    assert read_metrics(tmp_path) == [{"actor/env_steps": 10, "learner/loss": 0.25, "learner/q": 1.5}]
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[1] == "10,0.25,1.5"
 
 
 def test_metrics_log_resume_truncates_to_the_checkpoint(tmp_path):
@@ -249,8 +262,12 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path):
     assert second["replay/inserts"] >= first["replay/inserts"]
     assert second["actor/episodes"] > first["actor/episodes"]
     rows = read_metrics(run)
-    assert len(rows) > rows_before
+    assert len(rows) > rows_before - 1
     _assert_continuous(rows)
+    # the first run's final summary row was dropped on resume (no step appears twice); the
+    # resumed run's own summary ends the file
+    assert [r.get("stop_reason") for r in rows if "stop_reason" in r] == [second["stop_reason"]]
+    rows_before -= 1
     after = rows[rows_before]  # the first row of the resumed run continues the counters
     assert after["learner/updates"] >= saved["progress"]["updates"]
     assert after["time/elapsed_s"] >= saved["progress"]["elapsed_s"]
@@ -300,6 +317,17 @@ def test_resume_with_a_corrupt_latest_checkpoint_uses_the_previous_one(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "is truncated" in resumed.stderr and "trying the previous one" in resumed.stderr
     assert f"resuming from {previous}" in resumed.stderr
+
+    # what a resume cannot change is refused with the key named, and nothing is left behind
+    for override, words in [
+        ("replay.selector=uniform", "cannot resume: replay.selector='uniform', but the checkpoint's table was filled with the 'prioritized' selector"),
+        ("agent.hidden_sizes=[32]", "learner that does not fit the config's agent"),
+        ("replay.capacity=40000", "cannot resume: the checkpoint's replay has (partitions, steps, items)"),
+    ]:  # fmt: skip
+        r = _cli("train", "--resume", str(run), override)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (override, r.stderr[-2000:])
+    r = _cli("train", CONFIG, *TINY, f"run.dir={run}", "run.max_env_steps=100")
+    assert r.returncode == 2 and "already holds a run" in r.stderr and f"--resume {run}" in r.stderr
 
     # eval and plot of the same run
     ev = _cli("eval", str(run), "--episodes", "3")

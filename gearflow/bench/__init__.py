@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", default="", help="actors: the run config to measure (default configs/cartpole_apex.yaml)"
     )
     parser.add_argument(
-        "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors)"
+        "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
     )
 
 

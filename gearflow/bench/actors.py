@@ -121,7 +121,7 @@ def run(args, wanted: list[str], emit: Emit) -> int:
         run_cfg = OmegaConf.merge(
             cfg,
             {"run": {"max_seconds": max(10.0, 30.0 * args.scale), "max_env_steps": 0,
-                     "dir": str(Path(args.run_dir) if args.run_dir else Path("runs") / "bench-actors"),
+                     "dir": str(Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime("bench-actors-%Y%m%d-%H%M%S")),
                      "log_every_s": 1e9}},
         )  # fmt: skip
         summary = train(run_cfg)

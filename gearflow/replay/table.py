@@ -228,6 +228,11 @@ class Table:
         """Live items."""
         return len(self.selector)
 
+    def set_rate_limiter(self, limiter: RateLimiter) -> None:
+        """Replace the rate limiter (a resumed run's config) and publish its insert limit."""
+        self.rate_limiter = limiter
+        self._publish_insert_limit()
+
     def _publish_insert_limit(self) -> None:
         self.storage.header[H_INSERT_LIMIT] = self.rate_limiter.insert_limit(self.samples)
         self.storage.header[H_SAMPLES] = self.samples
