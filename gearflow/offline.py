@@ -112,6 +112,17 @@ def _flatten_minari(f, episodes: list[str], path: Path) -> dict[str, np.ndarray]
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
+def _converts_exactly(a: np.ndarray, dtype) -> bool:
+    """Whether ``a``'s values survive a cast to ``dtype`` (to an integer type: integral and in
+    range; to a float type: always, as the env's own observations are cast)."""
+    dtype = np.dtype(dtype)
+    if not np.issubdtype(dtype, np.integer):
+        return True
+    info = np.iinfo(dtype)
+    integral = a.dtype == bool or np.issubdtype(a.dtype, np.integer) or bool((a == np.round(a)).all())
+    return integral and a.min() >= info.min and a.max() <= info.max
+
+
 def check_dataset(data: dict[str, np.ndarray], path: Any, columns: dict, num_actions: int | None) -> int:
     """Shapes and dtypes against the table's columns (the env's spaces); returns N."""
     obs_col, act_col = columns["obs"], columns["action"]
@@ -120,6 +131,11 @@ def check_dataset(data: dict[str, np.ndarray], path: Any, columns: dict, num_act
         raise ConfigError(
             f"dataset {path}: 'observations' has shape {list(obs.shape)}; the env's observations are "
             f"{list(obs_col.shape)}, so expected [N, {', '.join(map(str, obs_col.shape))}]"
+        )
+    if obs.size and not _converts_exactly(obs, obs_col.dtype):
+        raise ConfigError(
+            f"dataset {path}: 'observations' are {obs.dtype.name} in [{obs.min()}, {obs.max()}]; the env's "
+            f"observations are {obs_col.dtype.name} and these values do not convert exactly"
         )
     N = obs.shape[0]
     expected = {

@@ -184,3 +184,22 @@ def test_minari_episode_groups_read_as_the_flat_layout(tmp_path):
         del f["episode_2/rewards"]
     with pytest.raises(ConfigError, match=r"Minari episode group 'episode_2' lacks \['rewards'\]"):
         read_hdf5(path)
+
+
+def test_observations_that_do_not_convert_to_the_env_dtype_are_refused():
+    from gearflow.offline import check_dataset
+    from gearflow.replay import TableSpec
+
+    frames = TableSpec.parse({"obs": "uint8[2]", "action": "int64"})
+
+    def data(obs):
+        n = len(obs)
+        return {"observations": obs, "actions": np.zeros(n, np.int64), "rewards": np.zeros(n, np.float32),
+                "terminals": np.zeros(n, bool), "timeouts": np.zeros(n, bool)}  # fmt: skip
+
+    assert check_dataset(data(np.array([[1, 2], [3, 255]], np.float32)), "d.hdf5", frames, 2) == 2  # exact
+    for bad in (np.array([[1.5, 2]], np.float32), np.array([[300, 2]], np.float32), np.array([[-1, 2]], np.int64)):
+        with pytest.raises(ConfigError, match=r"'observations' are .* the env's observations are uint8"):
+            check_dataset(data(bad), "d.hdf5", frames, 2)
+    vectors = TableSpec.parse({"obs": "float32[2]", "action": "int64"})
+    assert check_dataset(data(np.array([[0.1, 2]], np.float64)), "d.hdf5", vectors, 2) == 1
