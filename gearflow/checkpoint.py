@@ -40,7 +40,7 @@ from gearflow.replay.checkpoint import CheckpointError, check_manifest, save_che
 
 log = logging.getLogger("gearflow.checkpoint")
 
-_NAME = re.compile(r"^ckpt-(\d+)$")
+_NAME = re.compile(r"^ckpt-(\d+)(\.old-\d+)?$")  # .old-<pid>: replaced by a save that did not finish
 
 
 def rng_states() -> dict[str, Any]:
@@ -83,14 +83,21 @@ class RunCheckpoints:
         """Complete-looking checkpoint directories, newest (most updates) first."""
         if not self.dir.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
-        return [p for _, p in sorted(found, reverse=True)]
+        found: dict[int, Path] = {}
+        for p in self.dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (m.group(2) is None or int(m.group(1)) not in found):
+                found[int(m.group(1))] = p  # the finished save wins over an .old- copy
+        return [found[n] for n in sorted(found, reverse=True)]
 
     def save(self, updates: int, learner: dict[str, Any], runner: dict[str, Any], table=None) -> Path:
         """Write one checkpoint (``table=None``: without the replay); returns its path."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob("ckpt-*.tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
+        for old in self.dir.glob("ckpt-*.old-*"):  # superseded, once its replacement is in place
+            if old.with_name(old.name.split(".old-")[0]).exists():
+                shutil.rmtree(old, ignore_errors=True)
         path = self.dir / f"ckpt-{int(updates):09d}"
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         tmp.mkdir()
@@ -100,9 +107,12 @@ class RunCheckpoints:
             if table is not None:
                 save_checkpoint(table, tmp / "replay")
             write_manifest(tmp, subdirs=False)
+            old = path.with_name(f"{path.name}.old-{os.getpid()}")
             if path.exists():  # the same update count saved twice (a final save after a periodic one)
-                shutil.rmtree(path)
+                path.rename(old)  # until the new one is in place, a crash leaves the old one findable
             tmp.rename(path)
+            for superseded in self.dir.glob(f"{path.name}.old-*"):  # ours, or one a killed save left
+                shutil.rmtree(superseded, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -111,11 +121,12 @@ class RunCheckpoints:
         return path
 
     @staticmethod
-    def load(path: str | Path) -> Checkpoint:
-        """Verify and load one checkpoint; :class:`CheckpointError` naming what is wrong."""
+    def load(path: str | Path, replay: bool = True) -> Checkpoint:
+        """Verify and load one checkpoint; :class:`CheckpointError` naming what is wrong.
+        ``replay=False``: the replay is not verified (a reader that does not restore it)."""
         path = Path(path)
         check_manifest(path, "checkpoint")
-        if (path / "replay").is_dir():
+        if replay and (path / "replay").is_dir():
             verify_checkpoint(path / "replay")
         try:
             runner = json.loads((path / "runner.json").read_text())
@@ -124,13 +135,13 @@ class RunCheckpoints:
             raise CheckpointError(f"{path}: cannot be read: {exc}") from None
         return Checkpoint(path, learner, runner)
 
-    def latest(self) -> Checkpoint:
+    def latest(self, replay: bool = True) -> Checkpoint:
         """The newest checkpoint that verifies; a corrupt or truncated one is skipped (with a
-        warning naming why) in favour of the previous one."""
+        warning naming why) in favour of the previous one. ``replay=False``: see :meth:`load`."""
         problems = []
         for path in self.paths():
             try:
-                return self.load(path)
+                return self.load(path, replay=replay)
             except CheckpointError as exc:
                 # moved aside (kept for inspection): rotation by update count must never keep it
                 # over the checkpoints the resumed run writes next

@@ -90,7 +90,7 @@ def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None =
     if not (run_dir / "config.yaml").is_file():
         raise GearflowError(f"{run_dir}: no config.yaml (not a gearflow run directory)")
     cfg = load_config(run_dir / "config.yaml")
-    checkpoint = RunCheckpoints(run_dir / "checkpoints").latest()
+    checkpoint = RunCheckpoints(run_dir / "checkpoints").latest(replay=False)  # eval never reads the replay
     parallel = min(episodes, MAX_PARALLEL)
     per_env = -(-episodes // parallel)
     env_cfg = OmegaConf.merge(cfg.env, {"num_envs": parallel, "batch_size": parallel})

@@ -100,6 +100,27 @@ def test_stale_tmp_directory_of_a_killed_save_is_ignored_and_removed(tmp_path):
     assert not stale.exists()
 
 
+def test_a_save_killed_while_replacing_a_checkpoint_leaves_the_old_one_findable(tmp_path):
+    ckpts = RunCheckpoints(tmp_path, keep=3)
+    _save(ckpts, 5, 1.0)
+    (tmp_path / "ckpt-000000005").rename(tmp_path / "ckpt-000000005.old-4242")  # killed between the renames
+    assert ckpts.latest().runner["value"] == 1.0
+    _save(ckpts, 5, 2.0)  # the next save of that count replaces it and clears the old copy
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000005"]
+    assert ckpts.latest().runner["value"] == 2.0
+
+
+def test_readers_that_skip_the_replay_do_not_verify_it(tmp_path, make_table):
+    table = make_table(P=2, S=64)
+    ckpts = RunCheckpoints(tmp_path)
+    path = ckpts.save(1, {"agent": {}, "rng": rng_states()}, {"value": 1.0}, table=table)
+    column = next((path / "replay" / "columns").iterdir())
+    column.write_bytes(column.read_bytes()[:-8])
+    assert RunCheckpoints.load(path, replay=False).runner["value"] == 1.0  # gearflow eval
+    with pytest.raises(CheckpointError, match="is truncated"):
+        RunCheckpoints.load(path)  # a resume restores the replay: verified
+
+
 def test_rng_states_round_trip():
     state = rng_states()
     a = (torch.rand(3), np.random.rand(3))
