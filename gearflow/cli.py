@@ -2,7 +2,7 @@
 
     gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
     gearflow train --resume RUN_DIR [KEY=VALUE ...]   continue a run from its latest checkpoint
-    gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest checkpoint
+    gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
     gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
     gearflow bench {replay,actors} [--json]    benchmarks that print JSON lines
@@ -80,7 +80,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from gearflow.evaluate import evaluate
 
-    result = evaluate(args.run_dir, episodes=args.episodes, video=args.video, seed=args.seed)
+    result = evaluate(args.run_dir, episodes=args.episodes, video=args.video, seed=args.seed,
+                      checkpoint=args.checkpoint)
     print(json.dumps(result))
     return 0
 
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=10, help="episodes to play (default 10)")
     p.add_argument("--seed", type=int, default=12345, help="environment seed (default 12345)")
     p.add_argument("--video", metavar="OUT.mp4", help="also record one episode (envs that render)")
+    p.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (default: the newest valid one)")
 
     p = add("plot", _cmd_plot, "learning curves of one or more runs as a PNG")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")

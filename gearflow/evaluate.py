@@ -83,14 +83,19 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
     return [r for e in range(E) for r in returns[e]]
 
 
-def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None = None, seed: int = 12345) -> dict[str, Any]:
+def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None = None, seed: int = 12345,
+             checkpoint: str | Path | None = None) -> dict[str, Any]:
+    """Greedy returns of ``run_dir``'s newest valid checkpoint (or the ``checkpoint`` directory given)."""
     run_dir = Path(run_dir)
     if episodes < 1:
         raise GearflowError(f"--episodes {episodes}: must be ≥ 1")
     if not (run_dir / "config.yaml").is_file():
         raise GearflowError(f"{run_dir}: no config.yaml (not a gearflow run directory)")
     cfg = load_config(run_dir / "config.yaml")
-    checkpoint = RunCheckpoints(run_dir / "checkpoints").latest(replay=False)  # eval never reads the replay
+    if checkpoint is not None:  # eval never reads the replay: not verified
+        checkpoint = RunCheckpoints.load(checkpoint, replay=False)
+    else:
+        checkpoint = RunCheckpoints(run_dir / "checkpoints").latest(replay=False)
     parallel = min(episodes, MAX_PARALLEL)
     per_env = -(-episodes // parallel)
     env_cfg = OmegaConf.merge(cfg.env, {"num_envs": parallel, "batch_size": parallel})

@@ -356,6 +356,9 @@ def test_resume_with_a_corrupt_latest_checkpoint_uses_the_previous_one(tmp_path)
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert result["eval/episodes"] == 3 and result["eval/return_min"] >= 8  # CartPole: ≥ 8 steps
     assert result["eval/return_min"] <= result["eval/return_mean"] <= result["eval/return_max"]
+    older = RunCheckpoints(run / "checkpoints").paths()[-1]
+    ev = _cli("eval", str(run), "--episodes", "2", "--checkpoint", str(older))
+    assert ev.returncode == 0 and json.loads(ev.stdout.strip().splitlines()[-1])["checkpoint"] == str(older)
     out = tmp_path / "curves.png"
     pl = _cli("plot", str(run), str(run), "-o", str(out))
     assert pl.returncode == 0, pl.stderr[-3000:]
