@@ -45,6 +45,7 @@ max_a Q(s_last, ·) comes from the forward pass of the batch holding s_last).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -104,6 +105,32 @@ def actor_class_for(agent) -> type:
 
         return SequenceActor
     return Actor
+
+
+@contextlib.contextmanager
+def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
+    """The agent's actor (:func:`actor_class_for`) over ``env``, writing into a private segment
+    of ``steps_per_partition`` steps per env that nobody samples (benchmarks, evaluation).
+    On exit the actor (or, if it could not be made, ``env``) is closed and the segment unlinked::
+
+        with scratch_actor(cfg, agent, env, 4096, network=net) as actor:
+            actor.step()
+    """
+    from gearflow.replay.spec import TableSpec
+
+    E = int(env.num_envs)
+    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, int(steps_per_partition))
+    actor = None
+    try:
+        actor = actor_class_for(agent)(cfg, 0, storage, np.arange(E), None, agent, env=env, **kwargs)
+        yield actor
+    finally:
+        if actor is not None:
+            actor.close()
+        else:
+            env.close()
+        storage.close()
+        storage.unlink()
 
 
 class ActorBase:
@@ -224,6 +251,25 @@ class ActorBase:
         self.version = int(v)
         return True
 
+    # ------------------------------------------------------------------ stepping (shared parts)
+    def _recv(self):
+        """The next batch: ``env.recv()`` plus the env ids as int64 (resets the envs and loads
+        the first weights on the first call)."""
+        if not self._started:
+            self.env.async_reset()
+            self._started = True
+            self.sync_weights()
+        obs, reward, terminated, truncated, env_ids = self.env.recv()
+        return obs, reward, terminated, truncated, env_ids, np.asarray(env_ids, dtype=np.int64)
+
+    def _count_steps(self, b: int) -> int:
+        """Count ``b`` env steps; look for newer weights every ``actor.weight_sync_period``."""
+        self.env_steps += b
+        self._since_sync += b
+        if self._since_sync >= self.sync_period:
+            self.sync_weights()
+        return b
+
     # ------------------------------------------------------------------ loop
     def run(
         self,
@@ -287,13 +333,8 @@ class ActorBase:
 
 
 class Actor(ActorBase):
-    """Steps one vectorised env with an agent's policy and writes n-step transitions.
-
-    ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
-    (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
-    ``env`` and ``network`` may be injected (tests, serial runs); by default the
-    actor makes them from the config and the agent.
-    """
+    """Steps one vectorised env with an agent's policy and writes n-step transitions
+    (constructor arguments: :class:`ActorBase`)."""
 
     NAME = "the actor"
     COLUMNS = ACTOR_COLUMNS
@@ -346,23 +387,13 @@ class Actor(ActorBase):
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
         """One recv → act → send → replay writes. Returns the env steps done (the batch size)."""
-        if not self._started:
-            self.env.async_reset()
-            self._started = True
-            self.sync_weights()
-        obs, reward, terminated, truncated, env_ids = self.env.recv()
-        ids = np.asarray(env_ids, dtype=np.int64)
+        obs, reward, terminated, truncated, env_ids, ids = self._recv()
         with torch.no_grad():
             out = self.agent.act(self.network, obs, self.epsilon[ids], self.rng)
         actions = out.actions
         self.env.send(actions, env_ids)  # the envs step while we write replay
         self._record(ids, obs, reward, terminated, truncated, actions, out.values)
-        b = ids.size
-        self.env_steps += b
-        self._since_sync += b
-        if self._since_sync >= self.sync_period:
-            self.sync_weights()
-        return b
+        return self._count_steps(ids.size)
 
     def _record(self, ids, obs, reward, terminated, truncated, actions, values) -> None:
         """Replay bookkeeping for one recv: a fixed number of numpy calls for the batch, plus

@@ -47,12 +47,8 @@ EPISODE_COLUMNS = ("obs", "action", "reward", "timestep")
 
 
 class EpisodeActor(ActorBase):
-    """Steps one vectorised env with a return-conditioned agent and writes episode items.
-
-    ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
-    (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
-    ``env`` and ``network`` may be injected (tests, serial runs, evaluation).
-    """
+    """Steps one vectorised env with a return-conditioned agent and writes episode items
+    (constructor arguments: :class:`~gearflow.actor.ActorBase`)."""
 
     NAME = "the episode actor"
     COLUMNS = EPISODE_COLUMNS
@@ -98,12 +94,7 @@ class EpisodeActor(ActorBase):
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
         """One recv → R̂ and context → act → send → rows and items. Returns the env steps done."""
-        if not self._started:
-            self.env.async_reset()
-            self._started = True
-            self.sync_weights()
-        obs, reward, terminated, truncated, env_ids = self.env.recv()
-        ids = np.asarray(env_ids, dtype=np.int64)
+        obs, reward, terminated, truncated, env_ids, ids = self._recv()
         reward = np.asarray(reward, dtype=np.float64)
         done = np.asarray(terminated) | np.asarray(truncated)
         staged = self._staged[ids]  # these envs' staged step gets its reward now
@@ -122,12 +113,7 @@ class EpisodeActor(ActorBase):
             actions[live] = out.actions
         self.env.send(actions, env_ids)  # the envs step while we write replay (done envs reset)
         self._record(ids, obs, reward, done, staged, actions)
-        b = ids.size
-        self.env_steps += b
-        self._since_sync += b
-        if self._since_sync >= self.sync_period:
-            self.sync_weights()
-        return b
+        return self._count_steps(ids.size)
 
     def _push_context(self, e, obs) -> None:
         """Append (R̂, obs, placeholder action, t) to each env's context (emptied at an

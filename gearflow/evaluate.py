@@ -29,7 +29,6 @@ from gearflow.checkpoint import RunCheckpoints
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
 from gearflow.errors import GearflowError
-from gearflow.replay import SharedStorage, TableSpec
 
 log = logging.getLogger("gearflow.evaluate")
 
@@ -49,22 +48,18 @@ def _policy(cfg, checkpoint, env_spec):
 
 def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list[float]:
     """Returns of the first ``episodes_per_env`` episodes of every env of ``env``, greedily."""
-    from gearflow.actor import actor_class_for
+    from gearflow.actor import scratch_actor
 
     E = env.num_envs
     kind = agent.item_kind()
-    steps = max(4096, 2 * int(getattr(kind, "max_length", 0)) + 2)  # any actor's minimum partition size
-    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
+    rows = max(4096, 2 * int(getattr(kind, "max_length", 0)) + 2)  # any actor's minimum partition size
     returns: dict[int, list[float]] = {e: [] for e in range(E)}
 
     def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
         if len(returns[env_index]) < episodes_per_env:
             returns[env_index].append(float(ret))
 
-    actor = None
-    try:
-        actor = actor_class_for(agent)(cfg, 0, storage, np.arange(E), None, agent, network=network, env=env,
-                                       on_episode=on_episode)  # fmt: skip
+    with scratch_actor(cfg, agent, env, rows, network=network, on_episode=on_episode) as actor:
         actor.epsilon[:] = 0.0  # greedy
         steps, limit = 0, MAX_STEPS_FACTOR * E * episodes_per_env
         while any(len(r) < episodes_per_env for r in returns.values()):
@@ -73,13 +68,6 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
                 on_step()
             if steps > limit:
                 raise GearflowError(f"evaluation did not finish {episodes_per_env} episode(s) per env in {steps} steps")
-    finally:
-        if actor is not None:
-            actor.close()
-        else:
-            env.close()
-        storage.close()
-        storage.unlink()
     return [r for e in range(E) for r in returns[e]]
 
 

@@ -57,12 +57,8 @@ SEQUENCE_COLUMNS = ("obs", "action", "reward", "discount", "first", "version")
 
 
 class SequenceActor(ActorBase):
-    """Steps one vectorised env with a sequence agent's policy and writes sequence windows.
-
-    ``param_source`` is anything with ``load_into(module, min_version) -> int | None``
-    (a :class:`~gearflow.params.ParameterStore`), or ``None`` for fixed weights.
-    ``env`` and ``network`` may be injected (tests, serial runs).
-    """
+    """Steps one vectorised env with a sequence agent's policy and writes sequence windows
+    (constructor arguments: :class:`~gearflow.actor.ActorBase`)."""
 
     NAME = "the sequence actor"
     COLUMNS = SEQUENCE_COLUMNS
@@ -110,12 +106,7 @@ class SequenceActor(ActorBase):
     # ------------------------------------------------------------------ stepping
     def step(self) -> int:
         """One recv → context → act → send → rows and windows. Returns the env steps done."""
-        if not self._started:
-            self.env.async_reset()
-            self._started = True
-            self.sync_weights()
-        obs, reward, terminated, truncated, env_ids = self.env.recv()
-        ids = np.asarray(env_ids, dtype=np.int64)
+        obs, reward, terminated, truncated, env_ids, ids = self._recv()
         first = self._new_episode[ids]  # (b,) obs is an episode's step 0
         self._push_context(ids, obs, first)
         with torch.no_grad():
@@ -124,12 +115,7 @@ class SequenceActor(ActorBase):
         self.env.send(out.actions, env_ids)  # the envs step while we write replay
         self._record(ids, obs, np.asarray(reward), np.asarray(terminated), np.asarray(truncated), first,
                      out.actions, out.values)  # fmt: skip
-        b = ids.size
-        self.env_steps += b
-        self._since_sync += b
-        if self._since_sync >= self.sync_period:
-            self.sync_weights()
-        return b
+        return self._count_steps(ids.size)
 
     def _push_context(self, ids, obs, first) -> None:
         """Append obs to each env's context (emptied at an episode's first step; the oldest

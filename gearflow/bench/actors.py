@@ -21,12 +21,11 @@ from typing import Callable
 import numpy as np
 from omegaconf import OmegaConf
 
-from gearflow.actor import Actor
+from gearflow.actor import scratch_actor
 from gearflow.bench import record
 from gearflow.agent import ActOutput, make_agent
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
-from gearflow.replay import SharedStorage, TableSpec
 
 Emit = Callable[[dict], None]
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cartpole_apex.yaml"
@@ -77,23 +76,13 @@ def _actor_rate(cfg, seconds: float, random_policy: bool) -> float:
     if random_policy:
         agent = RandomPolicy(agent, env.num_actions)
     E = env.num_envs
-    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, max(4096, cfg.replay.capacity // E))
-    actor = None
-    try:
-        actor = Actor(cfg, 0, storage, np.arange(E), None, agent, env=env)
+    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E)) as actor:
         for _ in range(20):
             actor.step()  # warm up: first episodes, first items
         steps, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             steps += actor.step()
         return steps / (time.perf_counter() - start)
-    finally:
-        if actor is not None:
-            actor.close()
-        else:
-            env.close()
-        storage.close()
-        storage.unlink()
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:

@@ -302,21 +302,8 @@ class Table:
         bad = self._torn(slots, rec)
         deadline = None
         while bad.size:
-            # steps overwritten while we copied: evict those items, draw replacements. A
-            # sampler descheduled for a whole lap of a small ring can lose many rounds in a
-            # row, so give up only after the sample timeout, not after a number of rounds.
-            if deadline is None:
-                deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
-            elif time.monotonic() > deadline:
-                raise RateLimiterTimeout(
-                    f"replay: writers kept overwriting the drawn items faster than they could be "
-                    f"gathered ({self.torn} redrawn so far); the ring ({self._S} steps per "
-                    f"partition) is too small for the write rate"
-                )
-            self.torn += bad.size
-            self._remove(np.unique(slots[bad]))
-            self.scan()  # evict everything overwritten since the draw, not only what we hit
-            self.wait_until_ready(bad.size, timeout_s)
+            # steps overwritten while we copied: evict those items, draw replacements
+            deadline = self._evict_torn(slots[bad], deadline, timeout_s, "they could be gathered")
             fresh = self.selector.sample(bad.size)
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
             slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
@@ -333,6 +320,26 @@ class Table:
             weights=torch.from_numpy(np.asarray(weights, dtype=np.float32)),
             probabilities=torch.from_numpy(np.asarray(probs, dtype=np.float64)),
         )
+
+    def _evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
+        """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
+        scan, everything else overwritten since the draw) and wait until replacements can be
+        drawn. A sampler descheduled for a whole lap of a small ring can lose many rounds in a
+        row, so this gives up only after the sample timeout (``deadline``, set on the first
+        round and returned), not after a number of rounds."""
+        if deadline is None:
+            deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
+        elif time.monotonic() > deadline:
+            raise RateLimiterTimeout(
+                f"replay: writers kept overwriting the drawn items faster than {gatherer} "
+                f"({self.torn} redrawn so far); the ring ({self._S} steps per partition) is too "
+                f"small for the write rate"
+            )
+        self.torn += slots.size
+        self._remove(np.unique(slots))
+        self.scan()
+        self.wait_until_ready(slots.size, timeout_s)
+        return deadline
 
     def _records(self, slots: np.ndarray) -> np.ndarray:
         """``_slot_rec[slots].T`` (3, B): rows start, seq, length; gathered in C with
@@ -379,18 +386,7 @@ class Table:
             bad = dev.torn(draw, self.storage.counters[:, RESERVE])
             if not bad.size:
                 break
-            if deadline is None:
-                deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
-            elif time.monotonic() > deadline:
-                raise RateLimiterTimeout(
-                    f"replay: writers kept overwriting the drawn items faster than the GPU could gather "
-                    f"them ({self.torn} redrawn so far); the ring ({self._S} steps per partition) is "
-                    f"too small for the write rate"
-                )
-            self.torn += bad.size
-            self._remove(np.unique(dev.slots_at(draw, bad)))
-            self.scan()  # evict everything overwritten since the draw, not only what we hit
-            self.wait_until_ready(bad.size, timeout_s)
+            deadline = self._evict_torn(dev.slots_at(draw, bad), deadline, timeout_s, "the GPU could gather them")
             draw = dev.redraw(draw, bad, self.size)
             dev.gather(draw, out)  # the whole batch again (rare path): every item is re-checked
         self.samples += batch_size
