@@ -241,6 +241,8 @@ class Runner:
         self.supervisor: ActorSupervisor | None = None
         self.serial_actor = None
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
+        self._pending_tokens = None  # tensor: valid steps learned from since the last row
+        self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
 
     # ------------------------------------------------------------------ wiring
     def connect_components(self) -> None:
@@ -375,6 +377,7 @@ class Runner:
         ``metric_offsets``: where a resumed run continues the metric files (default: their end)."""
         t0 = time.perf_counter()
         now = time.monotonic()
+        self._read_pending()
         runner_state = {
             "env_steps": self.env_steps(),
             "weights_version": self.params.latest_version(),
@@ -450,10 +453,16 @@ class Runner:
         self.progress.learn_s += time.perf_counter() - t0
         self.progress.updates += 1
         self.progress.samples += len(batch.keys)
+        # Per-batch reductions stay tensors (on the GPU path, reading them would wait for the
+        # device every update); :meth:`_read_pending` turns them into numbers when a row is made.
         mask = batch.data.get("mask")  # sequence/episode items: valid steps; transitions: one each
-        self.progress.tokens += int(mask.sum()) if mask is not None else len(batch.keys)
+        if mask is None:
+            self.progress.tokens += len(batch.keys)
+        else:
+            total = mask.sum()
+            self._pending_tokens = total if self._pending_tokens is None else self._pending_tokens + total
         if "version" in batch.data:  # how many publications old the sampled data is
-            self.progress.data_age = float(self.params.latest_version() - batch.data["version"].double().mean())
+            self._last_batch_version = (self.params.latest_version(), batch.data["version"].double().mean())
         if self.progress.updates % self.cfg.learner.publish_every == 0:
             self.params.publish(self.agent.learner_network())
         sel = self.table.selector
@@ -462,7 +471,18 @@ class Runner:
             sel.beta = self.cfg.replay.beta + (1.0 - self.cfg.replay.beta) * frac
         return metrics
 
+    def _read_pending(self) -> None:
+        """Fold the learner's per-batch tensor reductions into the progress counters."""
+        if self._pending_tokens is not None:
+            self.progress.tokens += int(self._pending_tokens)
+            self._pending_tokens = None
+        if self._last_batch_version is not None:
+            latest, mean = self._last_batch_version
+            self.progress.data_age = float(latest - mean)
+            self._last_batch_version = None
+
     def snapshot(self, metrics: dict[str, float]) -> dict[str, float]:
+        self._read_pending()
         p = self.progress
         elapsed = max(1e-9, time.monotonic() - p.start)
         busy = p.wait_s + p.learn_s
