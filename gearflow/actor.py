@@ -110,7 +110,8 @@ def actor_class_for(agent) -> type:
 @contextlib.contextmanager
 def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
     """The agent's actor (:func:`actor_class_for`) over ``env``, writing into a private segment
-    of ``steps_per_partition`` steps per env that nobody samples (benchmarks, evaluation).
+    of ``steps_per_partition`` steps per env (at least the actor's ``min_steps``) that nobody
+    samples (benchmarks, evaluation).
     On exit the actor (or, if it could not be made, ``env``) is closed and the segment unlinked::
 
         with scratch_actor(cfg, agent, env, 4096, network=net) as actor:
@@ -119,10 +120,12 @@ def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
     from gearflow.replay.spec import TableSpec
 
     E = int(env.num_envs)
-    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, int(steps_per_partition))
+    cls = actor_class_for(agent)
+    steps = max(int(steps_per_partition), cls.min_steps(cfg, agent.item_kind()))
+    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
     actor = None
     try:
-        actor = actor_class_for(agent)(cfg, 0, storage, np.arange(E), None, agent, env=env, **kwargs)
+        actor = cls(cfg, 0, storage, np.arange(E), None, agent, env=env, **kwargs)
         yield actor
     finally:
         if actor is not None:
@@ -191,6 +194,11 @@ class ActorBase:
         """Read subclass settings from ``cfg`` (before the checks)."""
 
     def _check_kind(self, kind) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def min_steps(cls, cfg, kind) -> int:
+        """The fewest steps per partition this actor can write ``kind`` items into."""
         raise NotImplementedError
 
     def _check_size(self, steps_per_partition: int) -> None:
@@ -349,11 +357,15 @@ class Actor(ActorBase):
                 f"agent {type(self.agent).__module__} asks for {kind}"
             )
 
+    @classmethod
+    def min_steps(cls, cfg, kind) -> int:
+        return 2 * (int(cfg.actor.n_step) + 1)  # n staged steps, then the item's n + 1 rows
+
     def _check_size(self, steps_per_partition: int) -> None:
-        if steps_per_partition < 2 * (self.n + 1):
+        if steps_per_partition < self.min_steps(self.cfg, self.kind):
             raise ValueError(
                 f"steps_per_partition={steps_per_partition} is too small for n_step={self.n}; "
-                f"need at least {2 * (self.n + 1)}"
+                f"need at least {self.min_steps(self.cfg, self.kind)}"
             )
 
     def _setup_state(self, cfg, spec) -> None:

@@ -59,8 +59,12 @@ class EpisodeActor(ActorBase):
                 f"the episode actor writes episode items; agent {type(self.agent).__module__} asks for {kind}"
             )
 
+    @classmethod
+    def min_steps(cls, cfg, kind) -> int:
+        return kind.max_length  # the longest episode item
+
     def _check_size(self, steps_per_partition: int) -> None:
-        if steps_per_partition < self.kind.max_length:
+        if steps_per_partition < self.min_steps(self.cfg, self.kind):
             raise ValueError(
                 f"steps_per_partition={steps_per_partition} is too small for episode items of "
                 f"{self.kind.max_length} steps (replay.max_episode_length); need at least {self.kind.max_length}"

@@ -51,15 +51,13 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
     from gearflow.actor import scratch_actor
 
     E = env.num_envs
-    kind = agent.item_kind()
-    rows = max(4096, 2 * int(getattr(kind, "max_length", 0)) + 2)  # any actor's minimum partition size
     returns: dict[int, list[float]] = {e: [] for e in range(E)}
 
     def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
         if len(returns[env_index]) < episodes_per_env:
             returns[env_index].append(float(ret))
 
-    with scratch_actor(cfg, agent, env, rows, network=network, on_episode=on_episode) as actor:
+    with scratch_actor(cfg, agent, env, 4096, network=network, on_episode=on_episode) as actor:
         actor.epsilon[:] = 0.0  # greedy
         steps, limit = 0, MAX_STEPS_FACTOR * E * episodes_per_env
         while any(len(r) < episodes_per_env for r in returns.values()):

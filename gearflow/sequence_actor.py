@@ -69,8 +69,12 @@ class SequenceActor(ActorBase):
                 f"the sequence actor writes sequence windows; agent {type(self.agent).__module__} asks for {kind}"
             )
 
+    @classmethod
+    def min_steps(cls, cfg, kind) -> int:
+        return kind.max_length + 1  # a whole window plus the staged step
+
     def _check_size(self, steps_per_partition: int) -> None:
-        if steps_per_partition < self.kind.max_length + 1:
+        if steps_per_partition < self.min_steps(self.cfg, self.kind):
             raise ValueError(
                 f"steps_per_partition={steps_per_partition} is too small for windows of "
                 f"{self.kind.max_length} steps; need at least {self.kind.max_length + 1}"
