@@ -8,7 +8,8 @@ refuses it because the layout version differs)::
 
     header   int64[16]: magic, layout version, latest slot, latest version,
              layout JSON length, owner pid, slot bytes, total size,
-             seq[0], version[0], seq[1], version[1]
+             seq[0], version[0], seq[1], version[1], then the owner identity
+             (boot id, PID namespace, start time, run tag) as in replay.storage,
              then the layout as JSON: [[name, dtype, shape, byte offset], ...]
     slot 0   every tensor of the state_dict, flat, 64-byte aligned (4096-aligned block)
     slot 1   the same again
@@ -51,7 +52,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gearflow.replay.storage import ALIGN, HEADER_FIELDS, MAGIC, PREFIX, SHM_DIR, map_segment
+from gearflow.replay import storage as _storage
+from gearflow.replay.storage import (
+    ALIGN,
+    HEADER_FIELDS,
+    MAGIC,
+    PREFIX,
+    create_segment,
+    map_segment,
+    write_owner,
+)
 
 LAYOUT_VERSION = 0x5041_0001  # "PA" v1: not the replay table's version, so it refuses us
 (H_MAGIC, H_VERSION, H_LATEST_SLOT, H_LATEST_VERSION,
@@ -97,8 +107,12 @@ class ParameterStore:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def create(cls, template: StateLike, name: str | None = None) -> ParameterStore:
-        """Zero-filled store with the names, shapes and dtypes of ``template``'s state_dict."""
+    def create(cls, template: StateLike, name: str | None = None, run_tag: int = 0) -> ParameterStore:
+        """Zero-filled store with the names, shapes and dtypes of ``template``'s state_dict.
+
+        Every page is reserved now (``posix_fallocate``): a /dev/shm too full for it is a
+        one-line :class:`~gearflow.replay.storage.SharedMemoryError` here, not a SIGBUS when
+        the first publish touches a page that cannot be backed."""
         layout, pos = [], 0
         for k, t in _state(template).items():
             pos = _align(pos, 64)
@@ -108,19 +122,11 @@ class ParameterStore:
         slot_bytes = _align(max(pos, 1))
         size = _align(HEADER_FIELDS * 8 + len(layout_json)) + 2 * slot_bytes
         name = name or f"{PREFIX}_params_{os.getpid()}_{uuid.uuid4().hex[:10]}"
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        mm = create_segment(name, size, "parameter store")
         header = np.frombuffer(mm, dtype=np.int64, count=HEADER_FIELDS)
         header[[H_LAYOUT_LEN, H_OWNER, H_SLOT_BYTES, H_SIZE]] = (
             len(layout_json), os.getpid(), slot_bytes, size)
+        write_owner(header, run_tag)  # fields 12-15, after seq/version of both slots
         mm[HEADER_FIELDS * 8: HEADER_FIELDS * 8 + len(layout_json)] = layout_json
         header[H_VERSION] = LAYOUT_VERSION
         header[H_MAGIC] = MAGIC  # last: a half-made segment is never mistaken for a store
@@ -146,7 +152,7 @@ class ParameterStore:
             self.unlink()
 
     def unlink(self) -> None:
-        (SHM_DIR / self.name).unlink(missing_ok=True)
+        (_storage.SHM_DIR / self.name).unlink(missing_ok=True)
 
     def __enter__(self):
         return self

@@ -5,7 +5,8 @@ whole segment can be registered with ``cudaHostRegister`` or an RDMA memory
 region as it is)::
 
     header     int64[16] (magic, version, P, S, R, owner pid, spec length, size,
-               insert limit, samples, ...) then the spec as JSON
+               insert limit, samples, -, -, owner identity: boot id, PID namespace,
+               process start time, run tag) then the spec as JSON
     counters   int64[P, 8]          one 64-byte cache line per partition:
                RESERVE   steps that may be being written: rows of steps < RESERVE - S
                          are gone or going (seqlock upper bound, bumped *before* a write)
@@ -43,11 +44,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from gearflow.errors import GearflowError
 from gearflow.replay.spec import TableSpec
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
+# Where segments live. GEARFLOW_SHM_DIR overrides it (any tmpfs; actor processes inherit it);
+# tests use it to run a real training run against a deliberately small tmpfs.
+SHM_DIR = Path(os.environ.get("GEARFLOW_SHM_DIR") or "/dev/shm")
 PREFIX = "gearflow"
 MAGIC = 0x776F6C6672616567  # b"gearflow" little-endian
 VERSION = 1
@@ -57,6 +61,10 @@ COUNTER_FIELDS = 8  # 64 bytes: one cache line per partition, no false sharing b
 
 # header fields
 H_MAGIC, H_VERSION, H_P, H_S, H_R, H_OWNER, H_SPEC_LEN, H_SIZE, H_INSERT_LIMIT, H_SAMPLES = range(10)
+# owner identity (the same fields in the parameter store's header): a PID alone cannot say
+# whether a segment's owner is alive when /dev/shm is shared by several PID namespaces
+# (containers) or survived a reboot, so gc needs the whole identity to remove a segment
+H_BOOT_ID, H_PID_NS, H_START_TIME, H_RUN_TAG = range(12, 16)
 # counter fields
 RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS = range(6)
 
@@ -132,13 +140,15 @@ class SharedStorage:
         items_per_partition: int | None = None,
         name: str | None = None,
         reserve: bool = True,
+        run_tag: int = 0,
     ) -> "SharedStorage":
         """Create a zero-filled segment. ``items_per_partition`` defaults to the steps per partition.
 
         ``reserve`` allocates every page of the segment now (``posix_fallocate``,
         ~0.25 s per GiB here): a table too large for /dev/shm fails here with a
         clear error instead of a SIGBUS mid-run, and the first lap of inserts
-        pays only minor page faults.
+        pays only minor page faults. ``run_tag`` (:func:`run_tag`) marks the segment as
+        one run's, so a resumed run removes only its own leftovers.
         """
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be ≥ 1, got {num_partitions}")
@@ -148,27 +158,15 @@ class SharedStorage:
         if R < 1:
             raise ValueError(f"items_per_partition must be ≥ 1, got {R}")
         spec_json = json.dumps(spec.to_dict()).encode()
-        offsets, size = _layout(spec, num_partitions, steps_per_partition, R, len(spec_json))
+        _, size = _layout(spec, num_partitions, steps_per_partition, R, len(spec_json))
         name = name or f"{PREFIX}_{os.getpid()}_{uuid.uuid4().hex[:10]}"
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            if reserve:
-                os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise MemoryError(
-                f"cannot create a {size / 2**30:.2f} GiB shared-memory table in {SHM_DIR}: {exc}"
-            ) from exc
-        os.close(fd)
+        mm = create_segment(name, size, "replay table", reserve=reserve)
         header = np.frombuffer(mm, dtype=np.int64, count=HEADER_FIELDS)
         header[[H_P, H_S, H_R, H_OWNER, H_SPEC_LEN, H_SIZE]] = (
             num_partitions, steps_per_partition, R, os.getpid(), len(spec_json), size,
         )  # fmt: skip
         header[H_INSERT_LIMIT] = NO_LIMIT
+        write_owner(header, run_tag)
         mm[HEADER_FIELDS * 8 : HEADER_FIELDS * 8 + len(spec_json)] = spec_json
         header[H_VERSION] = VERSION
         header[H_MAGIC] = MAGIC  # last: a half-made segment is never mistaken for a table
@@ -246,7 +244,117 @@ def map_segment(name: str, what: str = "shared-memory segment") -> mmap.mmap:
         os.close(fd)
 
 
+class SharedMemoryError(GearflowError, MemoryError):
+    """A shared-memory segment cannot be created (too large for the space left, or the
+    directory is unusable); the message says how many bytes were needed and are free."""
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def create_segment(name: str, size: int, what: str, reserve: bool = True) -> mmap.mmap:
+    """Create ``SHM_DIR/name`` of ``size`` bytes, every page reserved (``posix_fallocate``),
+    mapped read-write. Not enough room is a :class:`SharedMemoryError` naming the bytes
+    needed and free, raised before anything is left behind."""
+    free = shm_free_bytes()
+    if size > free:
+        raise SharedMemoryError(
+            f"the {what} needs {size} bytes ({size / 2**30:.2f} GiB) of shared memory, "
+            f"{SHM_DIR} has {free} bytes ({free / 2**30:.2f} GiB) free"
+        )
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        raise  # a name chosen by the caller that is taken: never another run's segment to reuse
+    except OSError as exc:
+        raise SharedMemoryError(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
+    try:
+        os.ftruncate(fd, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, size)  # no page of the segment is left to fault (SIGBUS) later
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException as exc:
+        path.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            free = shm_free_bytes()
+            raise SharedMemoryError(
+                f"cannot reserve {size} bytes ({size / 2**30:.2f} GiB) for the {what} in {SHM_DIR} "
+                f"({free} bytes free): {exc.strerror or exc}"
+            ) from None
+        raise
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- owner identity
+
+
+def _boot_id() -> int:
+    try:
+        text = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return int(text.replace("-", ""), 16) & (2**63 - 1) or 1
+    except (OSError, ValueError):
+        return 0
+
+
+def _pid_ns(pid: int | str = "self") -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int | str = "self") -> int:
+    """Start time of process ``pid`` in clock ticks after boot (/proc/PID/stat field 22); 0 if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # the name in (...) may hold spaces
+
+
+def run_tag(run_dir: str | os.PathLike) -> int:
+    """A run's tag (from its directory's real path), written in the header of its segments."""
+    import zlib
+
+    real = os.path.realpath(run_dir).encode()
+    return (zlib.crc32(real) << 31 | zlib.crc32(real[::-1]) >> 1) or 1
+
+
+def write_owner(header: np.ndarray, tag: int = 0) -> None:
+    """Record this process as the owner of a segment (``H_OWNER`` holds the PID)."""
+    header[[H_BOOT_ID, H_PID_NS, H_START_TIME, H_RUN_TAG]] = (
+        _boot_id(), _pid_ns(), _start_time(os.getpid()), int(tag)
+    )
+
+
+def owner_status(head: np.ndarray) -> tuple[bool, str]:
+    """(provably dead, why) of the owner recorded in a segment header.
+
+    Dead when the machine has rebooted since (another boot id), or, in this PID namespace,
+    no process has that PID or the one that has it started at another time (a reused PID).
+    An owner in another PID namespace, or a header without an identity (an older gearflow),
+    is never provably dead."""
+    pid, boot, ns, start = (int(head[i]) for i in (H_OWNER, H_BOOT_ID, H_PID_NS, H_START_TIME))
+    if not boot or not ns or not start:
+        return False, f"pid {pid}: no owner identity recorded (older gearflow); remove with --force"
+    if boot != _boot_id():
+        return True, f"pid {pid}: the machine rebooted since"
+    if ns != _pid_ns():
+        return False, f"pid {pid} of another PID namespace (ns inode {ns}): cannot be proven dead from here"
+    now = _start_time(pid) if pid > 0 else 0
+    if now == 0:
+        return True, f"pid {pid}: no such process"
+    if now != start:
+        return True, f"pid {pid}: reused by another process"
+    return False, f"pid {pid}: alive"
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists in this PID namespace (PID only: see owner_status)."""
     if pid <= 0:
         return False
     try:
@@ -258,8 +366,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def list_segments(prefix: str = PREFIX) -> Iterator[tuple[str, int, int]]:
-    """(name, owner pid, size) of gearflow segments in /dev/shm."""
+def _headers(prefix: str) -> Iterator[tuple[str, np.ndarray, int]]:
     for path in sorted(SHM_DIR.glob(f"{prefix}*")):
         try:
             with open(path, "rb") as f:
@@ -272,15 +379,51 @@ def list_segments(prefix: str = PREFIX) -> Iterator[tuple[str, int, int]]:
         head = np.frombuffer(raw, dtype=np.int64)
         if head[H_MAGIC] != MAGIC:
             continue
-        yield path.name, int(head[H_OWNER]), size
+        yield path.name, head, size
 
 
-def gc_segments(prefix: str = PREFIX, dry_run: bool = False, include_live: bool = False) -> list[tuple[str, int]]:
-    """Remove segments whose owning process is gone (all of them with ``include_live``)."""
+def list_segments(prefix: str = PREFIX) -> Iterator[tuple[str, int, int]]:
+    """(name, owner pid, size) of gearflow segments in SHM_DIR."""
+    for name, head, size in _headers(prefix):
+        yield name, int(head[H_OWNER]), size
+
+
+def gc_segments(
+    prefix: str = PREFIX, dry_run: bool = False, include_live: bool = False, run: int | None = None
+) -> list[tuple[str, int]]:
+    """Remove segments whose owning process is provably gone (:func:`owner_status`; all of
+    them with ``include_live``). ``run``: only the segments tagged with that :func:`run_tag`."""
     removed = []
-    for name, owner, size in list_segments(prefix):
-        if include_live or not _pid_alive(owner):
+    for name, head, size in _headers(prefix):
+        if run is not None and int(head[H_RUN_TAG]) != run:
+            continue
+        dead, why = owner_status(head)
+        if include_live or dead:
             if not dry_run:
                 (SHM_DIR / name).unlink(missing_ok=True)
             removed.append((name, size))
+        else:
+            log.debug("kept %s (%s)", name, why)
     return removed
+
+
+# ---------------------------------------------------------------------- partition owners
+
+
+class PartitionOwned(GearflowError):
+    """A writer asked for a partition that a live writer already writes."""
+
+
+def claim_partitions(storage: "SharedStorage", partitions: np.ndarray) -> None:
+    """Make this process the writer of ``partitions``: refused (:class:`PartitionOwned`) while
+    another live process is recorded as a partition's writer; a dead writer's partition is
+    taken over (the new writer continues after its last step)."""
+    owners = storage.counters[partitions, WRITER_PID]
+    me = os.getpid()
+    for p, pid in zip(partitions.tolist(), owners.tolist()):
+        if pid and pid != me and _pid_alive(int(pid)):
+            raise PartitionOwned(
+                f"partition {p} of {storage.name} already has a live writer (pid {pid}); "
+                "a second writer would mix its steps into the same ring"
+            )
+    storage.counters[partitions, WRITER_PID] = me

@@ -19,7 +19,6 @@ record is written, then PUBLISHED is bumped. Readers only trust rows of steps
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Mapping
 
@@ -36,8 +35,8 @@ from gearflow.replay.storage import (
     HEARTBEAT_NS,
     PUBLISHED,
     RESERVE,
-    WRITER_PID,
     SharedStorage,
+    claim_partitions,
 )
 
 
@@ -80,13 +79,13 @@ class Writer:
         self.insert_timeout_s = insert_timeout_s
         self._S = storage.steps_per_partition
         self._R = storage.items_per_partition
+        claim_partitions(storage, parts)  # refused while another live writer has one of them
         c = storage.counters
         # A writer that died mid-write left RESERVE ahead of COMMIT: those rows may be
         # torn, so a new writer continues after them (RESERVE never moves back).
         self._pos = np.maximum(c[parts, RESERVE], c[parts, COMMIT])  # next step per stream
         c[parts, COMMIT] = self._pos
         c[parts, RESERVE] = self._pos
-        c[parts, WRITER_PID] = os.getpid()
         self.abort: Callable[[], bool] | None = None  # polled while an insert waits on the rate limiter
         if prefault:
             storage.prefault(parts)  # no page faults in the env loop's first lap
