@@ -86,13 +86,15 @@ def _writer_proc(name: str, steps: int, started) -> None:
             writer.append({"obs": np.stack([pos, pos], 1).astype(np.float32), "step": pos})
             if writer.episode_lengths()[0] >= 4:
                 writer.create_items([1.0], 4)
-            if i == 200:
+            if i == 4 * storage.steps_per_partition:  # the ring has wrapped: every save races a lap
                 started.set()
     finally:
         storage.close()
 
 
-def test_checkpoint_while_a_writer_runs_is_consistent(make_table, tmp_path):
+def test_checkpoint_while_a_writer_process_runs_restores_only_intact_items(make_table, tmp_path):
+    """A real writer process laps the ring during the save (timing-dependent: whether any item
+    is dropped varies; the deterministic test below proves the dropping)."""
     table = make_table(spec=SPEC, P=1, S=256, kind=Transition(next_columns=("obs",)))
     ctx = mp.get_context("spawn")
     started = ctx.Event()
@@ -108,11 +110,64 @@ def test_checkpoint_while_a_writer_runs_is_consistent(make_table, tmp_path):
         assert restored.size > 0
         for _ in range(20):
             batch = restored.sample(32)
-            # every restored item is intact: obs and next_obs hold their own step numbers
+            # every restored item is intact: its rows hold its own steps (P=1: key = seq = start)
             assert torch.equal(batch.data["obs"][:, 0].long(), batch.data["step"])
             assert torch.equal(batch.data["next_obs"][:, 0].long(), batch.data["step"] + 3)
+            assert torch.equal(batch.data["step"], batch.keys)
     finally:
         restored.close()
+
+
+def test_items_overwritten_during_the_copy_are_left_out(make_table, tmp_path, monkeypatch):
+    """A writer runs between the copies of two columns: rows of saved items change under the
+    save. Deterministic: the writer steps run inside the save, from a hook on ``np.save``."""
+    S = 64
+    table = make_table(spec=SPEC, P=1, S=S, kind=Transition(next_columns=("obs",)))
+    writer = Writer(table.storage, [0])
+
+    def step() -> None:  # step t holds obs (t, t) and step t; item k covers steps k..k+3
+        pos = writer.positions
+        writer.append({"obs": np.stack([pos, pos], 1).astype(np.float32), "step": pos})
+        if writer.episode_lengths()[0] >= 4:
+            writer.create_items([1.0], 4)
+
+    for _ in range(100):
+        step()
+    table.scan()  # items 0..96 published; those starting before step 100 - 64 = 36 evicted
+    assert table.size == 61
+
+    save = np.save
+    columns_saved = []
+
+    def save_while_a_writer_runs(file, arr, *args, **kwargs):
+        if len(columns_saved) == 1:  # "obs" is saved, "step" not yet
+            for _ in range(10):  # steps 100..109 land on the rows of steps 36..45
+                step()
+        columns_saved.append(str(file))
+        save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", save_while_a_writer_runs)
+    save_checkpoint(table, tmp_path / "ck")
+    monkeypatch.undo()
+    assert [p.rsplit("/", 1)[-1] for p in columns_saved] == ["obs.npy", "step.npy"]
+
+    restored = restore_checkpoint(tmp_path / "ck")
+    try:
+        seen = set()
+        for _ in range(20):
+            batch = restored.sample(32)
+            seen.update(batch.keys.tolist())
+            assert torch.equal(batch.data["step"], batch.keys)  # item k starts at step k
+            assert torch.equal(batch.data["obs"][:, 0].long(), batch.keys)
+            assert torch.equal(batch.data["next_obs"][:, 0].long(), batch.keys + 3)
+        # items 36..45 start on overwritten rows: left out; 46..96 kept
+        assert min(seen) >= 46 and max(seen) == 96
+        assert restored.size == 51
+        assert restored.storage.counters[0, COMMIT] == 100  # the steps written during the copy are not in it
+    finally:
+        restored.close()
+    with np.load(tmp_path / "ck" / "table.npz") as t:
+        assert t["dropped"].size == 10 and t["slot_live"].sum() == 51
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "missing"])
