@@ -10,11 +10,17 @@ sees a whole checkpoint or none; a SIGKILL mid-write leaves only a ``.tmp``
 directory, which is ignored and removed by the next save)::
 
     checkpoints/ckpt-000001200/
-        learner.pt      agent.state_dict() (networks, optimizer, counters) and RNG states
+        learner.pt      agent.state_dict() (networks, optimizer, counters) and RNG states:
+                        tensors, numbers, strings, lists and dicts only
         runner.json     env steps, updates, episodes, elapsed seconds, weights version,
                         recent returns, metric-file offsets, annealed β
         replay/         the table (gearflow.replay.checkpoint, with its own manifest)
-        MANIFEST.json   size and CRC-32 of learner.pt and runner.json; written last
+        MANIFEST.json   size and CRC-32 of learner.pt, runner.json and replay/MANIFEST.json
+                        (so a missing replay/ is a corrupt checkpoint); written last
+
+``learner.pt`` is read with ``torch.load(weights_only=True)``: a file that holds any
+other pickled object (one that would run code when unpickled) is refused like a corrupt
+checkpoint, without running it.
 
 Only the newest ``keep`` complete checkpoints are kept. A checkpoint that fails
 verification when loading is renamed ``ckpt-<updates>.refused`` (kept for
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,7 +43,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.replay.checkpoint import CheckpointError, check_manifest, save_checkpoint, verify_checkpoint, write_manifest
+from gearflow.replay.checkpoint import (
+    CheckpointError,
+    check_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+)
 
 log = logging.getLogger("gearflow.checkpoint")
 
@@ -44,8 +57,16 @@ _NAME = re.compile(r"^ckpt-(\d+)(\.old-\d+)?$")  # .old-<pid>: replaced by a sav
 
 
 def rng_states() -> dict[str, Any]:
-    """Every global RNG the learner draws from (torch, numpy's legacy global, Python's)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every global RNG the learner draws from (torch, numpy's legacy global, Python's), as
+    tensors and numbers only: what ``torch.load(weights_only=True)`` reads back."""
+    _, key, pos, has_gauss, gauss = np.random.get_state()
+    version, words, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+        "python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64), "gauss": py_gauss},
+    }  # fmt: skip
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -53,10 +74,41 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n, py = state["numpy"], state["python"]
+    if isinstance(n, dict):
+        np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))  # fmt: skip
+        random.setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss"]))
+    else:  # written before the RNG states were tensors: numpy's state tuple, Python's as is
+        np.random.set_state(n)
+        random.setstate(py)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# Checkpoints written before the RNG states were tensors hold numpy's as an ndarray: these are
+# the only globals (beyond tensors) that ``torch.load(weights_only=True)`` is allowed here.
+_np_core = getattr(np, "_core", None) or np.core
+_LEGACY_SAFE = [_np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_UNPICKLER_PROBLEM = re.compile(r"Unsupported (global: GLOBAL [\w.]+|operand \d+|class [\w.]+)|Unpickler error: ([^\n]*)")
+
+
+def load_learner(path: Path) -> dict[str, Any]:
+    """``learner.pt`` read without running code: :class:`CheckpointError` if it holds anything but
+    tensors, numbers, strings, lists and dicts (a pickled object's code never runs)."""
+    try:
+        with torch.serialization.safe_globals(_LEGACY_SAFE):
+            learner = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        m = _UNPICKLER_PROBLEM.search(str(exc))
+        what = (m.group(1) or m.group(2)).strip().rstrip(".") if m else str(exc).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{path.parent}: {path.name} holds a pickled object that is not a tensor ({what}); refused "
+            "without loading it (it could run code): a checkpoint from someone you do not trust?"
+        ) from None
+    if not isinstance(learner, dict) or not isinstance(learner.get("agent"), dict) or "rng" not in learner:
+        raise CheckpointError(f"{path.parent}: {path.name} does not hold a learner state (agent and rng)")
+    return learner
 
 
 @dataclass
@@ -104,9 +156,11 @@ class RunCheckpoints:
         try:
             torch.save(learner, tmp / "learner.pt")
             (tmp / "runner.json").write_text(json.dumps(runner, indent=1))
+            extra = []
             if table is not None:
                 save_checkpoint(table, tmp / "replay")
-            write_manifest(tmp, subdirs=False)
+                extra = ["replay/MANIFEST.json"]  # the replay is part of this checkpoint: missing = corrupt
+            write_manifest(tmp, subdirs=False, extra=extra)
             old = path.with_name(f"{path.name}.old-{os.getpid()}")
             if path.exists():  # the same update count saved twice (a final save after a periodic one)
                 path.rename(old)  # until the new one is in place, a crash leaves the old one findable
@@ -125,14 +179,22 @@ class RunCheckpoints:
         """Verify and load one checkpoint; :class:`CheckpointError` naming what is wrong.
         ``replay=False``: the replay is not verified (a reader that does not restore it)."""
         path = Path(path)
-        check_manifest(path, "checkpoint")
+        check_manifest(path, "checkpoint", required=("learner.pt", "runner.json"))
         if replay and (path / "replay").is_dir():
             verify_checkpoint(path / "replay")
         try:
             runner = json.loads((path / "runner.json").read_text())
-            learner = torch.load(path / "learner.pt", map_location="cpu", weights_only=False)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: runner.json cannot be read: {exc}") from None
+        if not isinstance(runner, dict):
+            raise CheckpointError(f"{path}: runner.json is not a JSON object")
+        try:
+            learner = load_learner(path / "learner.pt")
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file makes the checkpoint unusable
-            raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{path}: learner.pt cannot be read: {first}") from None
         return Checkpoint(path, learner, runner)
 
     def latest(self, replay: bool = True) -> Checkpoint:

@@ -56,22 +56,32 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def write_manifest(directory: Path, subdirs: bool = True) -> None:
+def write_manifest(directory: Path, subdirs: bool = True, extra: list[str] = ()) -> None:
     """``MANIFEST.json``: size and CRC-32 of every file under ``directory`` (written last).
 
     ``subdirs=False`` covers only the files directly in ``directory`` (a sub-directory
-    with its own manifest is checked on its own)."""
+    with its own manifest is checked on its own; list that manifest in ``extra`` so that
+    the sub-directory cannot go missing unnoticed)."""
     files = sorted(p for p in (directory.rglob("*") if subdirs else directory.iterdir()) if p.is_file())
+    files += [directory / rel for rel in extra]
     manifest = {
         str(p.relative_to(directory)): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
         for p in files
-        if p.name != "MANIFEST.json"
+        if p.name != "MANIFEST.json" or p.parent != directory
     }
     (directory / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
 
 
-def check_manifest(directory: Path, what: str) -> None:
-    """Raise :class:`CheckpointError` unless every file in the manifest has its size and CRC."""
+def _entry_ok(rel: Any, want: Any) -> bool:
+    return (
+        isinstance(rel, str) and rel and not rel.startswith("/") and ".." not in Path(rel).parts
+        and isinstance(want, dict) and all(type(want.get(k)) is int for k in ("bytes", "crc32"))
+    )  # fmt: skip
+
+
+def check_manifest(directory: Path, what: str, required: tuple[str, ...] = ()) -> None:
+    """Raise :class:`CheckpointError` unless the manifest is a mapping of relative paths to
+    size and CRC-32, lists every ``required`` file, and every file listed has its size and CRC."""
     manifest_path = directory / "MANIFEST.json"
     if not manifest_path.is_file():
         raise CheckpointError(f"{directory}: not a complete {what} (no MANIFEST.json)")
@@ -79,6 +89,10 @@ def check_manifest(directory: Path, what: str) -> None:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{directory}: MANIFEST.json is corrupt: {exc}") from None
+    if not isinstance(manifest, dict) or not all(_entry_ok(k, v) for k, v in manifest.items()):
+        raise CheckpointError(f"{directory}: MANIFEST.json is corrupt: not a mapping of files to bytes and crc32")
+    if missing := [r for r in required if r not in manifest]:
+        raise CheckpointError(f"{directory}: MANIFEST.json is corrupt: it does not list {missing[0]}")
     for rel, want in manifest.items():
         f = directory / rel
         if not f.is_file():
@@ -155,27 +169,41 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the manifest against the files; returns ``meta.json`` or raises CheckpointError."""
     path = Path(path)
-    check_manifest(path, "replay checkpoint")
-    meta = json.loads((path / "meta.json").read_text())
+    check_manifest(path, "replay checkpoint", required=("meta.json", "table.npz", "selector.npz"))
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: meta.json cannot be read: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: meta.json is not a JSON object")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} (this gearflow reads {FORMAT})")
+    try:
+        columns = [f"columns/{c.name}.npy" for c in TableSpec.parse(meta["spec"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: meta.json has no valid spec: {exc}") from None
+    listed = json.loads((path / "MANIFEST.json").read_text())  # checked above: every entry verified
+    if missing := [c for c in columns if c not in listed]:
+        raise CheckpointError(f"{path}: MANIFEST.json is corrupt: it does not list {missing[0]}")
     return meta
 
 
 def restore_checkpoint(
-    path: str | Path, name: str | None = None, pin_memory: bool | None = None, device: Any = "cpu"
+    path: str | Path, name: str | None = None, pin_memory: bool | None = None, device: Any = "cpu",
+    run_tag: int = 0,
 ) -> Table:
     """A new table (in a new shared-memory segment) equal to the one saved at ``path``.
 
     Writers attached to the new segment continue each partition's step and item
     counters where the checkpoint left them. ``device``: as :class:`Table`'s (``"cuda"``:
-    sampled on the GPU, its device vectors filled from the restored records).
+    sampled on the GPU, its device vectors filled from the restored records). ``run_tag``: as
+    :meth:`SharedStorage.create`'s. Arrays are read without pickles (``np.load`` refuses them).
     """
     path = Path(path)
     meta = verify_checkpoint(path)
     spec = TableSpec.parse(meta["spec"])
     P, S, R = meta["num_partitions"], meta["steps_per_partition"], meta["items_per_partition"]
-    storage = SharedStorage.create(spec, P, S, R, name=name)
+    storage = SharedStorage.create(spec, P, S, R, name=name, run_tag=run_tag)
     try:
         for c in spec:
             storage.columns[c.name][:] = np.load(path / "columns" / f"{c.name}.npy", mmap_mode="r")
