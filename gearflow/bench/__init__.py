@@ -18,6 +18,7 @@ from gearflow.errors import GearflowError
 SUITES = {
     "replay": "gearflow.bench.replay",
     "actors": "gearflow.bench.actors",
+    "keys": "gearflow.bench.keys",
 }
 
 

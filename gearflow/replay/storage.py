@@ -11,8 +11,11 @@ region as it is)::
                RESERVE   steps that may be being written: rows of steps < RESERVE - S
                          are gone or going (seqlock upper bound, bumped *before* a write)
                COMMIT    steps fully written (bumped *after* the write)
-               PUBLISHED item records published
+               PUBLISHED item records published (bumped *after* the records are written)
                EPISODES, WRITER_PID, HEARTBEAT_NS
+               REC_RESERVE item records that may be being written: the records of items
+                         < REC_RESERVE - R are gone or going (bumped *before* a record
+                         slot is rewritten; the record ring's seqlock upper bound)
     item_start    int64[P, R]       absolute step index of each item record's first step
     item_length   int32[P, R]       steps in the item
     item_priority float64[P, R]     initial priority
@@ -66,7 +69,7 @@ H_MAGIC, H_VERSION, H_P, H_S, H_R, H_OWNER, H_SPEC_LEN, H_SIZE, H_INSERT_LIMIT, 
 # (containers) or survived a reboot, so gc needs the whole identity to remove a segment
 H_BOOT_ID, H_PID_NS, H_START_TIME, H_RUN_TAG = range(12, 16)
 # counter fields
-RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS = range(6)
+RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS, REC_RESERVE = range(7)
 
 NO_LIMIT = np.iinfo(np.int64).max
 

@@ -51,6 +51,7 @@ from gearflow.replay.storage import (
     H_INSERT_LIMIT,
     H_SAMPLES,
     PUBLISHED,
+    REC_RESERVE,
     RESERVE,
     SHM_DIR,
     SharedStorage,
@@ -180,8 +181,9 @@ class Table:
         # an item longer than the kind's window is cut to it (its first steps are kept)
         lengths = np.minimum(st.item_length[p, ring], self._max_item_steps)
         prios = st.item_priority[p, ring].copy()
-        # records older than PUBLISHED - R may have been rewritten while we copied them
-        ok = seqs >= int(st.counters[p, PUBLISHED]) - R
+        # a writer bumps REC_RESERVE before it rewrites record slots: records of items older
+        # than REC_RESERVE - R (read after the copy) may have been rewritten while we copied
+        ok = seqs >= max(int(st.counters[p, REC_RESERVE]), int(st.counters[p, PUBLISHED])) - R
         if not ok.all():
             seqs, ring, starts, lengths, prios = (a[ok] for a in (seqs, ring, starts, lengths, prios))
         slots = p * R + ring
@@ -308,7 +310,10 @@ class Table:
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
             slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
             weights = (weights / weights.max()).astype(np.float32)
-            rec = self._records(slots)
+            # only the redrawn rows get records: the scan above may have ingested new items
+            # into slots that other rows still hold, and those rows keep the records (and so
+            # the keys) of the items they gathered
+            rec[:, bad] = self._records(fresh.slots)
             self._gather(slots, rec, out, only=bad)
             bad = bad[self._torn(slots[bad], rec[:, bad])]
         self.samples += batch_size

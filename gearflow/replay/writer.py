@@ -12,9 +12,11 @@ EnvPool actor needs (``recv`` returns a batch of envs, each its own stream).
     writer.end_episode()
 
 Write protocol per partition (a seqlock; one writer, no lock): bump RESERVE to
-the end of the steps about to be written, copy the rows, bump COMMIT. An item
-record is written, then PUBLISHED is bumped. Readers only trust rows of steps
-``>= RESERVE - S`` read *after* their copy.
+the end of the steps about to be written, copy the rows, bump COMMIT. Item
+records follow the same rule on their own ring: bump REC_RESERVE to the end of
+the items about to be written, write the records, bump PUBLISHED. Readers only
+trust rows of steps ``>= RESERVE - S`` and records of items
+``>= REC_RESERVE - R``, both counters read *after* their copy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gearflow.replay.storage import (
     H_SAMPLES,
     HEARTBEAT_NS,
     PUBLISHED,
+    REC_RESERVE,
     RESERVE,
     SharedStorage,
     claim_partitions,
@@ -228,11 +231,14 @@ class Writer:
         self._wait_for_insert(m)
         seq = c[parts, PUBLISHED] + rank
         slot = seq % self._R
+        last = np.r_[group_start[1:] - 1, m - 1]
+        ends = seq[last] + 1
+        # announce the record slots before rewriting them (the record ring's seqlock)
+        c[parts[last], REC_RESERVE] = np.maximum(c[parts[last], REC_RESERVE], ends)
         st.item_start[parts, slot] = start
         st.item_length[parts, slot] = lengths
         st.item_priority[parts, slot] = prio
-        last = np.r_[group_start[1:] - 1, m - 1]
-        c[parts[last], PUBLISHED] = seq[last] + 1  # publish after the records are written
+        c[parts[last], PUBLISHED] = ends  # publish after the records are written
         self._last_item_start[s[last]] = start[last]
 
     def _create_stream_items(self, prio: np.ndarray, num_steps, stream: int, ends) -> None:
@@ -272,6 +278,7 @@ class Writer:
         p, c, st = int(self.partitions[stream]), self.storage.counters, self.storage
         self._wait_for_insert(m)
         seq0 = int(c[p, PUBLISHED])
+        c[p, REC_RESERVE] = max(int(c[p, REC_RESERVE]), seq0 + m)  # before the record slots change
         r0 = seq0 % R
         slot = slice(r0, r0 + m) if r0 + m <= R else np.arange(seq0, seq0 + m) % R
         st.item_start[p, slot] = start

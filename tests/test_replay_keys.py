@@ -1,0 +1,117 @@
+"""A sampled row always carries its own key: the item whose steps it holds.
+
+Two deterministic interleavings (the two ways a key could name another item),
+then the stamp stress of ``gearflow bench keys`` with a real writer process
+at small and large rings and record rings, every row checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gearflow.bench.keys import CASES, check
+from gearflow.replay import Transition, Writer
+from gearflow.replay.storage import PUBLISHED, REC_RESERVE
+
+STAMP_SPEC = {"stamp": "int64", "obs": "uint8[8]"}
+
+
+def _steps(first: int, n: int) -> dict[str, np.ndarray]:
+    t = np.arange(first, first + n)
+    return {"stamp": t, "obs": np.repeat((t % 251 + 1).astype(np.uint8)[:, None], 8, 1)}
+
+
+def _write(w: Writer, n: int) -> None:
+    """``n`` stamped steps of stream 0, one 1-step item per step (item seq = step), in calls of 8."""
+    for k in range(0, n, 8):
+        m = min(8, n - k)
+        first = w.extend(_steps(int(w.positions[0]), m))
+        w.create_items(np.ones(m), 1, streams=0, ends=first + np.arange(1, m + 1))
+
+
+def test_redraw_keeps_the_records_of_rows_it_did_not_redraw(make_table):
+    """A redraw's scan ingests new items into slots other rows of the batch still hold
+    (record ring lapped): those rows keep the key of the item they gathered."""
+    S, R = 64, 16
+    table = make_table(STAMP_SPEC, P=1, S=S, R=R, kind=Transition(next_columns=()), selector="uniform")
+    w = Writer(table.storage, [0])
+    _write(w, 16)  # items 0..15 fill the record ring; steps 0..15
+    table.scan()
+    real_gather, calls = table._gather, []
+
+    def gather_then_write(slots, rec, out, only=None):
+        real_gather(slots, rec, out, only)
+        if not calls:  # between the first gather and its seqlock check, a writer laps
+            # the step ring past item 0's step (so some row is torn and redrawn) and
+            # the record ring (so every slot now names a newer item)
+            _write(w, 52)  # RESERVE 68: items 0..3 torn, 4..15 intact; slots hold items 52..67
+        calls.append(slots.copy())
+
+    table._gather = gather_then_write
+    s = table.sample(64)
+    assert len(calls) >= 2, "the injected lap must tear at least one row"
+    assert table.torn >= 1
+    keys, stamps = s.keys.numpy(), s.data["stamp"].numpy()
+    np.testing.assert_array_equal(stamps, keys)  # P=1: key = seq = first step
+
+
+def test_ingest_refuses_records_a_writer_is_rewriting(make_table):
+    """A writer bumps REC_RESERVE before it rewrites record slots; a scan that copies a
+    slot mid-rewrite (PUBLISHED not yet bumped) must not ingest it under the old key."""
+    S, R = 64, 8
+    table = make_table(STAMP_SPEC, P=1, S=S, R=R, kind=Transition(next_columns=()), selector="uniform")
+    st = table.storage
+    w = Writer(st, [0])
+    _write(w, 8)  # items 0..7, published, not yet ingested
+    # a second writer call is half done: it announced items 8..11 and rewrote the record
+    # slots of items 0..3 (slot = seq % R) but has not published them
+    w.extend(_steps(8, 4))
+    st.counters[0, REC_RESERVE] = 12
+    st.item_start[0, 0:4] = np.arange(8, 12)
+    assert st.counters[0, PUBLISHED] == 8
+    table.scan()
+    assert table.size == 4  # items 4..7 only: the records of 0..3 were being rewritten
+    s = table.sample(64)
+    np.testing.assert_array_equal(s.data["stamp"].numpy(), s.keys.numpy())
+    assert set(s.keys.tolist()) == {4, 5, 6, 7}
+
+
+def test_writer_announces_record_slots_before_publishing(storage_factory):
+    from gearflow.replay import TableSpec
+
+    st = storage_factory(TableSpec.parse(STAMP_SPEC), P=2, S=32, R=8)
+    w = Writer(st, [0, 1])
+    w.append({"stamp": np.zeros(2, np.int64), "obs": np.ones((2, 8), np.uint8)})
+    w.create_items([1.0, 1.0], 1)
+    w.extend(_steps(1, 5), stream=1)
+    w.create_items(np.ones(5), 1, streams=1, ends=np.arange(2, 7))
+    np.testing.assert_array_equal(st.counters[:, PUBLISHED], [1, 6])
+    np.testing.assert_array_equal(st.counters[:, REC_RESERVE], [1, 6])
+
+
+# The stress: a writer process, every row checked. Each case runs until it has seen
+# redraws (the path where keys went wrong) or its time is up.
+STRESS = [
+    "transition_S8192_R=S",
+    "transition_S8192_R256",
+    "transition_append_S2048_R128",
+    "sequence_S4096_R64",
+    "episode_S4096",
+    "transition_fifo_S2048",
+]
+
+
+@pytest.mark.parametrize("name", STRESS)
+def test_stamp_stress_every_row_carries_its_own_key(name):
+    res = check(CASES[name], seconds=2.5, min_redraws=1, max_seconds=20)
+    assert res["rows_checked"] > 0
+    assert res["bad_keys"] == 0, res
+    assert res["torn_rows"] == 0, res
+
+
+def test_stamp_stress_exercises_the_redraw_path():
+    """The fifo case always draws the oldest items, which the writer overwrites first."""
+    res = check(CASES["transition_fifo_S2048"], seconds=2.5, min_redraws=1, max_seconds=30)
+    assert res["redrawn_items"] > 0, res
+    assert res["bad_keys"] == 0 and res["torn_rows"] == 0, res
