@@ -18,8 +18,10 @@ Tiers (as in test_native.py):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import subprocess
+import threading
 import sys
 from types import SimpleNamespace
 
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_replay import SPEC
-from test_native import EmulatedModule, FakeCupy, compile_emulated, dev, needs_emulation
+from test_native import EmulatedModule, FakeCupy, FakeDeviceArray, compile_emulated, needs_emulation
 from test_replay_table import KINDS, Recorder, check_batch
 
 from gearflow.errors import ConfigError, MissingDependencyError
@@ -100,7 +102,7 @@ def test_table_on_cuda_without_cupy_fails_cleanly_and_leaves_the_storage_to_its_
 
 
 def test_table_device_argument_is_checked(make_table):
-    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'gpu'"):
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
         make_table(SPEC, device="gpu")
     with pytest.raises(ValueError, match="a DeviceReplay over this table's storage"):
         make_table(SPEC, device=object())
@@ -120,40 +122,169 @@ def test_import_device_replay_does_not_import_cupy():
 
 
 # ============================================================================ emulated kernels (CPU)
+class Trace:
+    """What the CuPy stand-in saw: every device operation as (what, device, stream) with the CUDA
+    device and stream current when it was issued (None: CuPy's legacy default stream), host
+    synchronizations, and CUDA events created. The emulated kernels run at once, so the
+    ordering a GPU would give is checked here as "which stream was each operation issued on"."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.reset()
+
+    def reset(self):
+        self.ops, self.syncs, self.events = [], [], 0
+
+    def _stack(self, name):
+        if not hasattr(self.local, name):
+            setattr(self.local, name, [])
+        return getattr(self.local, name)
+
+    def device(self):
+        devices = self._stack("devices")
+        return devices[-1] if devices else 0
+
+    def stream(self):
+        streams = self._stack("streams")
+        return streams[-1] if streams else None
+
+    def op(self, what, stream=None):
+        self.ops.append((what, self.device(), self.stream() if stream is None else stream))
+
+    def sync(self, what):
+        self.syncs.append(what)
+        self.ops.append(("host sync: " + what, self.device(), None))
+
+
+TRACE = Trace()
+
+
+class Tracked(FakeDeviceArray):
+    """A stand-in device array whose every operation (ufunc, reduction, indexing, copy) is traced."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        TRACE.op(f"{ufunc.__name__}.{method}")
+        args = [x.view(np.ndarray) if isinstance(x, np.ndarray) else x for x in inputs]
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, np.ndarray) else o for o in out)
+        result = getattr(ufunc, method)(*args, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _wrap(result)
+
+    def __getitem__(self, index):
+        TRACE.op("getitem")
+        return super().__getitem__(index)
+
+    def __setitem__(self, index, value):
+        TRACE.op("setitem")
+        super().__setitem__(index, value)
+
+    def copy(self, *a, **k):
+        TRACE.op("copy")
+        return super().copy(*a, **k)
+
+    def astype(self, *a, **k):
+        TRACE.op("astype")
+        return super().astype(*a, **k)
+
+
 def _wrap(x):
-    return dev(x) if isinstance(x, np.ndarray) else x
+    if isinstance(x, np.ndarray):
+        return (x if x.flags.c_contiguous else x.copy()).view(Tracked)
+    return x
+
+
+class TracedModule:
+    """A kernel module (emulated) whose launches are traced with their device and stream."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def get_function(self, name):
+        fn = self.module.get_function(name)
+
+        def kernel(grid, block, args):
+            TRACE.op("kernel " + name)
+            fn(grid, block, args)
+
+        return kernel
 
 
 class HostCupy(FakeCupy):
     """CuPy's calls used by DeviceReplay, on host memory. "Device pointers" are host addresses,
-    so the emulated kernels read the table's shared-memory segment in place."""
+    so the emulated kernels read the table's shared-memory segment in place. Devices, streams
+    and events are bookkeeping for :data:`TRACE`: a stream belongs to the device current when it
+    was made, and entering it under another device fails, as in CUDA."""
 
-    class Stream:
-        def __init__(self, non_blocking=False):
-            self.synchronized = 0
+    class Device:
+        def __init__(self, index):
+            self.id = index
 
         def __enter__(self):
+            TRACE._stack("devices").append(self.id)
             return self
 
         def __exit__(self, *exc):
-            return None
+            TRACE._stack("devices").pop()
+
+    class Stream:
+        made = 0
+
+        def __init__(self, non_blocking=False):
+            HostCupy.Stream.made += 1
+            self.ptr, self.device_id, self.non_blocking = 0x5000 + HostCupy.Stream.made, TRACE.device(), non_blocking
+
+        def __enter__(self):
+            assert TRACE.device() == self.device_id, f"stream of cuda:{self.device_id} used on cuda:{TRACE.device()}"
+            TRACE._stack("streams").append(self)
+            return self
+
+        def __exit__(self, *exc):
+            TRACE._stack("streams").pop()
 
         def synchronize(self):  # the emulated kernels ran synchronously
-            self.synchronized += 1
+            TRACE.sync("stream.synchronize")
+
+        def wait_event(self, event):
+            TRACE.op(f"wait for an event recorded on {event.recorded_on!r}", stream=self)
+
+        def __repr__(self):
+            return f"Stream(0x{self.ptr:x}, cuda:{self.device_id})"
+
+    class ExternalStream(Stream):
+        def __init__(self, ptr):
+            self.ptr, self.device_id, self.non_blocking = ptr, TRACE.device(), False
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            TRACE.events += 1
+            self.recorded_on = None
+
+        def record(self, stream=None):
+            self.recorded_on = stream
+            TRACE.op("event.record", stream=stream)
+
+        def synchronize(self):
+            TRACE.sync("event.synchronize")
 
     class Runtime:
-        def __init__(self):
-            self.registered = {}
+        def __init__(self, devices=1):
+            self.registered, self.devices = {}, devices
 
         def getDevice(self):
-            return 0
+            return TRACE.device()
+
+        def getDeviceCount(self):
+            return self.devices
 
         def deviceGetAttribute(self, attr, device):
             return 1  # can map host memory
 
         def hostRegister(self, ptr, size, flags):
             assert ptr not in self.registered
-            self.registered[ptr] = size
+            self.registered[ptr] = (size, TRACE.device())
 
         def hostUnregister(self, ptr):
             del self.registered[ptr]
@@ -161,9 +292,18 @@ class HostCupy(FakeCupy):
         def hostGetDevicePointer(self, ptr, flags):
             return ptr  # unified addressing: the host address
 
-    def __init__(self):
+        def memcpyAsync(self, dst, src, size, kind, stream_ptr):
+            current = TRACE.stream()
+            assert current is not None and current.ptr == stream_ptr, "memcpyAsync on another stream than the current"
+            TRACE.op("memcpyAsync")
+            ctypes.memmove(dst, src, size)
+
+    def __init__(self, devices=1):
         super().__init__()
-        self.cuda = SimpleNamespace(Stream=HostCupy.Stream, runtime=HostCupy.Runtime())
+        self.cuda = SimpleNamespace(Stream=HostCupy.Stream, ExternalStream=HostCupy.ExternalStream,
+                                    Event=HostCupy.Event, Device=HostCupy.Device,
+                                    runtime=HostCupy.Runtime(devices),
+                                    alloc_pinned_memory=lambda n: bytearray(n))  # fmt: skip
         self.random = SimpleNamespace(RandomState=HostCupy.RandomState)
 
     class RandomState:
@@ -171,14 +311,35 @@ class HostCupy(FakeCupy):
             self._rng = np.random.RandomState(seed)
 
         def random_sample(self, n):
-            return dev(self._rng.random_sample(n))
+            TRACE.op("random_sample")
+            return _wrap(self._rng.random_sample(n))
+
+    def asarray(self, x):
+        TRACE.op("asarray")
+        return x if isinstance(x, Tracked) else _wrap(np.array(x))
+
+    def empty(self, shape, dtype):
+        TRACE.op("empty")
+        return _wrap(np.empty(shape, dtype))
+
+    def zeros(self, shape, dtype):
+        TRACE.op("zeros")
+        return _wrap(np.zeros(shape, dtype))
 
     def asnumpy(self, a):
+        TRACE.sync("asnumpy")
         return np.array(a)
 
-    def __getattr__(self, name):  # full, ones, flatnonzero, ...: numpy's, results as "device" arrays
+    def __getattr__(self, name):  # full, ones, where, flatnonzero, clip, ...: numpy's, traced, "device" results
         fn = getattr(np, name)
-        return (lambda *a, **k: _wrap(fn(*a, **k))) if callable(fn) else fn
+        if not callable(fn):
+            return fn
+
+        def call(*a, **k):
+            TRACE.op(name)
+            return _wrap(fn(*a, **k))
+
+        return call
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +361,33 @@ class OverwritingDeviceReplay(DeviceReplay):
         return super().gather(draw, out)
 
 
+CONSUMER = 0x7C0  # the emulated consumer's (torch's) stream, a raw cudaStream_t
+
+
 @pytest.fixture
-def emulated_table(make_table, emulated_kernels):
-    """``emulated_table(selector, kind, P, S) -> (Table, its DeviceReplay)`` on the emulation."""
+def emulated_device(emulated_kernels):
+    """``emulated_device(storage, kind, selector, devices=1, **DeviceReplay kwargs)``: an
+    :class:`OverwritingDeviceReplay` on a fresh :class:`HostCupy` with the traced emulated kernels
+    and :data:`CONSUMER` as the consumer's stream."""
     gather_module, select_module = emulated_kernels
 
-    def make(selector, kind, P=2, S=32, **kw):
-        cp = HostCupy()
+    def make(storage, kind, selector, devices=1, select_cls=CudaSelect, **kw):
+        cp = HostCupy(devices)
+        kw.setdefault("consumer_stream", lambda: CONSUMER)
+        return OverwritingDeviceReplay(storage, kind, selector, cupy=cp, gather=CudaGather(cp, TracedModule(gather_module)),
+                                       select=select_cls(cp, TracedModule(select_module)), **kw)  # fmt: skip
 
-        def device_for(storage, kind_, sel):
-            return OverwritingDeviceReplay(storage, kind_, sel, cupy=cp, gather=CudaGather(cp, gather_module),
-                                           select=CudaSelect(cp, select_module))  # fmt: skip
+    return make
 
+
+@pytest.fixture
+def emulated_table(make_table, emulated_device):
+    """``emulated_table(selector, kind, P, S, devices=1, device=None, ...) -> (Table, its DeviceReplay)``
+    on the emulation."""
+
+    def make(selector, kind, P=2, S=32, devices=1, device=None, select_cls=CudaSelect, **kw):
         made = []
+        device_for = lambda st, k, sel: emulated_device(st, k, sel, devices, select_cls, device=device)  # noqa: E731
         table = make_table(SPEC, P=P, S=S, kind=kind, selector=selector, table_cls=_factory(device_for, made), **kw)
         return table, made[0]
 
@@ -334,7 +509,7 @@ def test_emulated_ingest_reaches_the_device_in_one_batch_per_draw(emulated_table
 def test_emulated_close_unregisters_before_the_segment_goes(emulated_table):
     table, device = emulated_table("uniform", KINDS["transition"])
     runtime = device.cupy.cuda.runtime
-    assert list(runtime.registered.values()) == [table.storage.nbytes]
+    assert list(runtime.registered.values()) == [(table.storage.nbytes, 0)]  # (bytes, device)
     table.close()
     assert runtime.registered == {}
 

@@ -8,6 +8,7 @@ the ``probe_*`` functions tell whether each is usable and why not, and the
 
 from __future__ import annotations
 
+import functools
 import importlib
 import shutil
 import subprocess
@@ -52,19 +53,75 @@ def probe_cuda() -> Probe:
     return Probe("cuda (torch)", True, f"{torch.cuda.device_count()} device(s), {name}")
 
 
-def probe_cupy() -> Probe:
-    """CuPy importable *and* able to run a kernel on a device."""
+PROBE_KERNEL = r"""
+extern "C" __global__ void gearflow_probe(const long long* a, long long* out, long long n)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 2 * a[i] + 1;
+}
+"""
+CTK_HINT = (
+    "a CUDA toolkit (NVRTC): the system's (/usr/local/cuda) or pip install 'cupy-cuda12x[ctk]' "
+    "('cupy-cuda13x[ctk]' for CUDA 13)"
+)
+
+
+def probe_cupy(cupy: ModuleType | None = None) -> Probe:
+    """CuPy importable *and* able to compile (NVRTC) and run a raw kernel on the current device.
+
+    Steps, the first that fails named in ``detail``: import; the driver and a
+    device (``getDeviceCount``); NVRTC (CuPy's runtime compiler, from a CUDA
+    toolkit or CuPy's ``[ctk]`` extra); compiling a tiny kernel; running it
+    and reading its result back. ``cupy`` may be injected (tests); the
+    imported module's result is cached for the process.
+    """
+    if cupy is not None:
+        return _probe_cupy(cupy)
+    return _probe_cupy_imported()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_cupy_imported() -> Probe:
     try:
         cupy = importlib.import_module("cupy")
     except ImportError as exc:
         return Probe("cupy", False, f"not installed ({_first_line(exc)}); {CUPY_HINT}")
+    return _probe_cupy(cupy)
+
+
+def _probe_cupy(cupy: ModuleType) -> Probe:
+    version = f"cupy {getattr(cupy, '__version__', '?')}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError without a driver or device
-        return Probe("cupy", False, f"cupy {cupy.__version__} imports but {_first_line(exc)}")
+        return Probe("cupy", False, f"{version} imports but the CUDA driver or device is missing: {_first_line(exc)}")
     if count == 0:
-        return Probe("cupy", False, f"cupy {cupy.__version__}: no CUDA device")
-    return Probe("cupy", True, f"cupy {cupy.__version__}, {count} device(s)")
+        return Probe("cupy", False, f"{version}: no CUDA device")
+    try:
+        nvrtc = cupy.cuda.nvrtc.getVersion()
+        nvrtc = ".".join(map(str, nvrtc)) if isinstance(nvrtc, tuple) else str(nvrtc)
+    except Exception as exc:  # libnvrtc not found (no toolkit and no [ctk] wheels)
+        return Probe("cupy", False, f"{version}, {count} device(s), but NVRTC is missing ({_first_line(exc)}): "
+                     f"CuPy compiles its kernels at run time and needs {CTK_HINT}")  # fmt: skip
+    try:
+        kernel = cupy.RawKernel(PROBE_KERNEL, "gearflow_probe")
+        kernel.compile()
+    except Exception as exc:  # NVRTC present but the compile fails (headers, builtins, arch)
+        return Probe("cupy", False, f"{version}, NVRTC {nvrtc}: a test kernel does not compile "
+                     f"({_first_line(exc)}); check {CTK_HINT}")  # fmt: skip
+    try:
+        n = 64
+        a = cupy.arange(n, dtype=cupy.int64)
+        out = cupy.zeros(n, dtype=cupy.int64)
+        kernel((1,), (n,), (a, out, cupy.int64(n)))
+        got = [int(v) for v in cupy.asnumpy(out).tolist()]
+    except Exception as exc:  # no kernel image for this GPU, driver too old for the toolkit, ...
+        return Probe("cupy", False, f"{version}, NVRTC {nvrtc}: a test kernel compiled but did not run "
+                     f"({_first_line(exc)}): is the driver as new as the toolkit?")  # fmt: skip
+    if got != [2 * i + 1 for i in range(n)]:
+        return Probe("cupy", False, f"{version}: a test kernel ran but returned wrong values")
+    device = int(cupy.cuda.runtime.getDevice())
+    return Probe("cupy", True, f"{version}, NVRTC {nvrtc}, {count} device(s); a test kernel ran on cuda:{device}")
 
 
 def probe_nvcc() -> Probe:

@@ -2,36 +2,60 @@
 
 The table stays the owner of ingest, eviction, rate limiting, checkpoints and
 keys; its CPU selector stays the source of truth for ``len`` and checkpoints.
-:class:`DeviceReplay` mirrors what sampling needs onto the GPU, fed by the
+:class:`DeviceReplay` mirrors what sampling needs onto one GPU, fed by the
 table's own ingest/evict/update calls, and draws and gathers whole batches
 there:
 
-    per slot (N = P * R, device, one CuPy stream)
+    per slot (N = P * R, on device ``device_id``, written on ``stream`` only)
       masses  float64[N]    p ** alpha (prioritized) or 1.0 (uniform) for a live slot, 0 when dead
       sums    float64[NC]   per-4096-slot chunk sums (select.cu's two-level sum tree)
       start   int64[N]      absolute first step of the item in its partition
       seq     int64[N]      item sequence number in its partition (its key is seq * P + p)
       length  int32[N]      steps in the item (cut to the kind's window at ingest)
 
-A sample is: B uniforms → stratified proportional draw (uniform = mass 1 per
-live slot, so the same kernel) → IS weights → records looked up on the device
-→ one gather kernel per column straight out of the shared-memory segment
-(``cudaHostRegister``-ed, mapped: zero-copy) into preallocated device buffers
-→ the stream is synchronized → the table reads its RESERVE counters and asks
-:meth:`DeviceReplay.torn` which items a writer may have overwritten during the
-copy (the seqlock rule of ``Table._torn`` via :func:`gather.torn_items`); those
-are evicted and redrawn by the table, never returned. Outputs reach torch
-through DLPack (``torch.from_dlpack``): the batch is CUDA tensors, no copy.
+A sample, every device operation queued on :attr:`DeviceReplay.stream` under
+``cupy.cuda.Device(device_id)``:
+
+1. the stream waits (a reused event) for the work the consumer (torch's current
+   stream on that device) has queued so far: it may still read the buffer set
+   about to be refilled;
+2. B uniforms → stratified proportional draw (uniform = mass 1 per live slot,
+   the same kernel) → IS weights → each row's record (partition, start, seq,
+   length) copied out of the mirrors *once*, into the :class:`DeviceDraw`, with
+   a flag for an impossible slot (< 0 or ≥ N: the kernel's −1 when rounding
+   makes an empty chunk look non-empty);
+3. one gather kernel per column straight out of the shared-memory segment
+   (``cudaHostRegister``-ed, mapped: zero-copy) into a preallocated buffer set,
+   and the keys (``seq * P + p``), weights and probabilities copied into the
+   same set, all from the draw's records; the count of impossible slots copied
+   into pinned host memory;
+4. one reused event recorded and waited for: **the sample's one host
+   synchronization**. The table then reads the RESERVE counters (the seqlock
+   rule of ``Table._torn``, via :func:`gather.torn_items` on the draw's
+   records); torn items are evicted, impossible and torn rows redrawn
+   (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
+   gathered again. Nothing is returned before every row passed.
+
+Invariant: **the rows gathered are the rows of the keys returned.** Records,
+gather and keys come from the same per-row records, which are written on the
+same stream before the gather reads them; a redraw replaces the records of the
+redrawn rows only, so a scan that reuses the slot of another row of the batch
+(the record ring lapped) cannot change what that row's key names. Outputs
+reach torch through DLPack over the buffer set: CUDA tensors, no copy, written
+before the host synchronization and not written again until a later sample's
+step 1 has waited for the consumer.
 
 Example (GPU; ``Table(..., device="cuda")`` does exactly this)::
 
-    dev = DeviceReplay(storage, Transition(("obs",)), selector)    # require_cupy, registers the segment
+    dev = DeviceReplay(storage, Transition(("obs",)), selector, device=0)   # require_cupy, registers the segment
     table = Table(storage, Transition(("obs",)), selector, device=dev)
-    batch = table.sample(256)          # batch.data["obs"]: cuda uint8 (256, 4, 84, 84)
+    batch = table.sample(256)          # batch.data["obs"]: cuda:0 uint8 (256, 4, 84, 84)
 
 CuPy is passed in (``cupy=``) or imported by :func:`~gearflow.native.require_cupy`
 on construction, never at import time; so is the compiled kernel code
-(``gather=`` / ``select=``: a :class:`CudaGather` / :class:`CudaSelect`).
+(``gather=`` / ``select=``: a :class:`CudaGather` / :class:`CudaSelect`) and
+the consumer's stream (``consumer_stream=``: a callable returning a raw
+``cudaStream_t``, default torch's current stream on the device).
 Differences from the CPU selectors, by design: uniform draws are stratified
 like prioritized ones (same marginal 1/N, lower variance); the device RNG
 (CuPy's) is seeded from the selector's RNG state but is not part of a
@@ -42,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +74,7 @@ import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
-from gearflow.native.cuda_backend import to_torch
+from gearflow.native.cuda_backend import dptr, to_torch
 from gearflow.native.gather import CudaGather, torn_items, transition_rows
 from gearflow.native.hostmem import register_storage
 from gearflow.native.select import CudaSelect, num_chunks
@@ -59,64 +84,153 @@ log = logging.getLogger(__name__)
 REPLAY_DEVICES = ("auto", "cpu", "cuda")
 FLUSH_AT = 1 << 20  # queued ingest entries applied to the device without waiting for a draw
 DEVICE_SELECTORS = ("prioritized", "uniform")
+MAX_INVALID_ROUNDS = 8  # redraws of impossible slots in a row before the sample raises
+MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
-__all__ = ["DEVICE_SELECTORS", "REPLAY_DEVICES", "DeviceDraw", "DeviceReplay", "resolve_replay_device"]
+__all__ = [
+    "DEVICE_SELECTORS",
+    "REPLAY_DEVICES",
+    "DeviceBuffers",
+    "DeviceDraw",
+    "DeviceReplay",
+    "cuda_device_index",
+    "resolve_replay_device",
+]
+
+
+def cuda_device_index(name: str) -> int | None:
+    """The device index of ``"cuda:N"`` (N), or None for ``"cuda"`` (the current device when the
+    table is built). ValueError for anything else.
+
+    >>> cuda_device_index("cuda:1"), cuda_device_index("cuda")
+    (1, None)
+    """
+    if name == "cuda":
+        return None
+    head, sep, index = str(name).partition(":")
+    if head != "cuda" or not sep or not index.isdigit():
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    return int(index)
 
 
 def resolve_replay_device(name: str, selector: str | None = None) -> str:
-    """``"cpu"`` or ``"cuda"`` for ``replay.device=name`` (``auto``, ``cpu`` or ``cuda``).
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` for ``replay.device=name`` (``auto``, ``cpu``, ``cuda``
+    or ``cuda:N``; ``cuda`` is CuPy's current device when the table is built).
 
     ``auto`` picks ``cuda`` when CuPy can run a kernel, torch is a CUDA build
     and the selector samples on the device (``prioritized``/``uniform``), and
-    logs why when it picks ``cpu``. ``cuda`` without them raises a one-line
-    :class:`MissingDependencyError` saying why and how to install CuPy (or
-    :class:`ConfigError` for a selector the device path does not have).
+    logs why when it picks ``cpu``. ``cuda``/``cuda:N`` without them raises a
+    one-line :class:`MissingDependencyError` saying why and how to install CuPy
+    (or :class:`ConfigError` for a selector the device path does not have).
     """
-    if name not in REPLAY_DEVICES:
-        raise ConfigError(f"replay.device={name!r}: must be one of {', '.join(REPLAY_DEVICES)}")
+    cuda = name == "cuda" or str(name).startswith("cuda:")
+    if name not in REPLAY_DEVICES and not cuda:
+        raise ConfigError(f"replay.device={name!r}: must be one of {', '.join(REPLAY_DEVICES)}, cuda:N")
+    if cuda:
+        try:
+            cuda_device_index(name)
+        except ValueError:
+            raise ConfigError(f"replay.device={name!r}: a device index is a number (cuda:0, cuda:1, ...)") from None
     if name == "cpu":
         return "cpu"
     if selector is not None and selector not in DEVICE_SELECTORS:
         why = f"replay.selector={selector!r} samples on the CPU only (the GPU path has {', '.join(DEVICE_SELECTORS)})"
-        if name == "cuda":
-            raise ConfigError(f"replay.device=cuda: {why}")
+        if cuda:
+            raise ConfigError(f"replay.device={name}: {why}")
         log.info("replay.device=auto: cpu (%s)", why)
         return "cpu"
     cupy, torch_cuda = probe_cupy(), probe_cuda()
     if cupy.ok and torch_cuda.ok:
         if name == "auto":
             log.info("replay.device=auto: cuda (%s; torch: %s)", cupy.detail, torch_cuda.detail)
-        return "cuda"
+            return "cuda"
+        return name
     why = (
         f"needs CuPy and a CUDA GPU: {cupy.detail}"
         if not cupy.ok
         else f"hands batches to torch on the GPU, but torch cannot use CUDA: {torch_cuda.detail}"
     )
-    if name == "cuda":
-        raise MissingDependencyError(f"replay.device=cuda {why}")
+    if cuda:
+        raise MissingDependencyError(f"replay.device={name} {why}")
     log.info("replay.device=auto: cpu (GPU replay %s)", why)
     return "cpu"
 
 
 @dataclass
 class DeviceDraw:
-    """One batch's draws, all device arrays of length B (CuPy)."""
+    """One batch's draws and the records of the drawn items, all device arrays of length B (CuPy).
 
-    slots: Any  # int64 (B,)
+    The records are copied out of the device mirrors when the row is drawn and never re-read:
+    the gather, the seqlock check and the keys all use these, so each key names the item
+    whose rows were gathered even if a later scan reuses the slot.
+    """
+
+    slots: Any  # int64 (B,) as drawn (may hold an impossible slot: see valid)
     probabilities: Any  # float64 (B,)
     weights: Any  # float32 (B,) importance weights, max 1
+    parts: Any  # int64 (B,) partition of the slot (-1 where not valid)
+    starts: Any  # int64 (B,) absolute first step of the item
+    seqs: Any  # int64 (B,) item sequence number in its partition
+    lengths: Any  # int32 (B,) steps in the item
+    valid: Any  # bool (B,) 0 <= slot < N
+    invalid: Any  # int64 (1,) count of rows not valid (copied to the host by gather)
+    num_invalid: int | None = None  # that count on the host, once gather has synchronized
+
+
+@dataclass
+class DeviceBuffers:
+    """One preallocated output set: name → (CuPy array, torch tensor over the same memory)."""
+
+    data: dict[str, tuple[Any, Any]]  # the kind's layout: (B, ...) or (B, T, ...), mask, length
+    keys: tuple[Any, Any]  # int64 (B,)
+    weights: tuple[Any, Any]  # float32 (B,)
+    probabilities: tuple[Any, Any]  # float64 (B,)
+
+
+def _torch_stream(device_id: int) -> int | None:
+    """Raw ``cudaStream_t`` of torch's current stream on ``device_id`` (None without CUDA torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.current_stream(device_id).cuda_stream)
+
+
+class _OnDevice:
+    """``with self._on:`` = ``with cupy.cuda.Device(i), stream:`` (entered in that order)."""
+
+    __slots__ = ("device", "stream")
+
+    def __init__(self, device: Any, stream: Any) -> None:
+        self.device, self.stream = device, stream
+
+    def __enter__(self) -> None:
+        self.device.__enter__()
+        try:
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
 
 
 class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
 
     Built over the table's ``storage``, ``kind`` and ``selector`` (one of
-    :data:`DEVICE_SELECTORS`); registers the whole shared-memory segment with
-    CUDA until :meth:`close`. The table calls :meth:`insert`, :meth:`remove`,
-    :meth:`update` and :meth:`load` as its own state changes, and
-    :meth:`draw` / :meth:`gather` / :meth:`torn` / :meth:`redraw` /
-    :meth:`batch` to sample. Every call queues on :attr:`stream`;
-    :meth:`gather` is the one place that synchronizes it.
+    :data:`DEVICE_SELECTORS`) on GPU ``device`` (default: CuPy's current device
+    now; it is kept for the table's life); registers the whole shared-memory
+    segment with CUDA until :meth:`close`. The table calls :meth:`insert`,
+    :meth:`remove`, :meth:`update` and :meth:`load` as its own state changes, and
+    :meth:`draw` / :meth:`buffers` / :meth:`gather` / :meth:`invalid` /
+    :meth:`torn` / :meth:`redraw` / :meth:`batch` to sample. Every device
+    operation is queued on :attr:`stream` under ``cupy.cuda.Device(device_id)``;
+    :meth:`gather` is the one place that synchronizes (one reused event).
     """
 
     def __init__(
@@ -125,10 +239,12 @@ class DeviceReplay:
         kind: Any,
         selector: Any,
         *,
+        device: int | None = None,
         cupy: Any = None,
         gather: CudaGather | None = None,
         select: CudaSelect | None = None,
         seed: int | None = None,
+        consumer_stream: Callable[[], int | None] | None = None,
     ) -> None:
         name = getattr(selector, "name", type(selector).__name__)
         if name not in DEVICE_SELECTORS:
@@ -138,33 +254,50 @@ class DeviceReplay:
             )
         kind.layout(storage.spec, 1)  # validates the kind against the spec before anything is allocated
         cp = require_cupy("replay.device=cuda") if cupy is None else cupy
+        count = int(cp.cuda.runtime.getDeviceCount())
+        device_id = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
+        if not 0 <= device_id < count:
+            raise ValueError(f"replay device cuda:{device_id} does not exist ({count} CUDA device(s) visible)")
         self.cupy, self.storage, self.kind, self.selector = cp, storage, kind, selector
+        self.device_id = device_id
         self.prioritized = name == "prioritized"
         self._P, self._R, self._S = storage.num_partitions, storage.items_per_partition, storage.steps_per_partition
         self._T = getattr(kind, "max_length", None)  # None: transitions (rows, not windows)
         N = self._P * self._R
         self._gather = gather or CudaGather(cp)
         self._select = select or CudaSelect(cp)
+        self._consumer_stream = consumer_stream or (lambda: _torch_stream(device_id))
         if seed is None:  # follow the selector's seed (public state), so seeded runs stay seeded
             seed = zlib.crc32(np.asarray(selector.state_dict()["rng_state"]).tobytes())
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        with self.stream:
-            self._rng = cp.random.RandomState(seed)
-            self._masses = cp.zeros(N, dtype=cp.float64)
-            self._sums = cp.zeros(num_chunks(N), dtype=cp.float64)
-            self._start = cp.zeros(N, dtype=cp.int64)
-            self._seq = cp.full(N, -1, dtype=cp.int64)
-            self._length = cp.zeros(N, dtype=cp.int32)
-        self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
+        self._device = cp.cuda.Device(device_id)
+        with self._device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self._on = _OnDevice(self._device, self.stream)
+            # reused every sample (no event created per sample): "gathered" is the one host sync,
+            # "consumer" orders this stream after the consumer's queued reads of the buffer sets
+            self._gathered = cp.cuda.Event(disable_timing=True)
+            self._consumer_done = cp.cuda.Event(disable_timing=True)
+            self._consumer: tuple[int, Any] | None = None  # (raw stream, ExternalStream)
+            self._pinned = cp.cuda.alloc_pinned_memory(8)  # int64: impossible slots of the last gather
+            self._status_host = np.frombuffer(self._pinned, dtype=np.int64, count=1)
+            with self.stream:
+                self._rng = cp.random.RandomState(seed)
+                self._masses = cp.zeros(N, dtype=cp.float64)
+                self._sums = cp.zeros(num_chunks(N), dtype=cp.float64)
+                self._start = cp.zeros(N, dtype=cp.int64)
+                self._seq = cp.full(N, -1, dtype=cp.int64)
+                self._length = cp.zeros(N, dtype=cp.int32)
+            self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
         # per column: (name, device pointer of row 0, bytes per row)
         self._columns = [
             (c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec
         ]
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
-        self._buffers: list[dict[str, tuple[Any, Any]]] = []  # [set][name] = (cupy array, torch view)
+        self._buffers: list[DeviceBuffers] = []
         self._buffer_key: tuple[int, int] = (-1, -1)
         self._next_buffer = 0
+        self._invalid_rounds = 0
 
     # ------------------------------------------------------------------ mirror of the table's ingest
     # The table reports ingest/evict/update per partition; those calls are queued on the host and
@@ -205,21 +338,26 @@ class DeviceReplay:
         """Apply the queued ingest/evict/update calls to the device vectors (queued on the stream)."""
         if not self._pending:
             return
+        with self._on:
+            self._flush()
+
+    def _flush(self) -> None:  # inside self._on
+        if not self._pending:
+            return
         pending, self._pending, self._pending_n = self._pending, [], 0
         cp = self.cupy
         slots = np.concatenate([s for s, _, _ in pending])
         prios = np.concatenate([p for _, p, _ in pending])
-        with self.stream:
-            self._select.update_priorities(self._masses, slots, prios, self._alpha(), chunk_sums=self._sums)
-            inserted = [(s, r) for s, _, r in pending if r is not None]
-            if inserted:
-                rs = np.concatenate([s for s, _ in inserted])
-                cols = [np.concatenate([r[i] for _, r in inserted]) for i in range(3)]
-                _, first_reversed = np.unique(rs[::-1], return_index=True)
-                last = len(rs) - 1 - first_reversed  # a slot ingested twice: its last record
-                s_dev = cp.asarray(rs[last])
-                for dst, col, dtype in zip((self._start, self._seq, self._length), cols, (np.int64, np.int64, np.int32)):
-                    dst[s_dev] = cp.asarray(np.ascontiguousarray(col[last], dtype=dtype))
+        self._select.update_priorities(self._masses, slots, prios, self._alpha(), chunk_sums=self._sums)
+        inserted = [(s, r) for s, _, r in pending if r is not None]
+        if inserted:
+            rs = np.concatenate([s for s, _ in inserted])
+            cols = [np.concatenate([r[i] for _, r in inserted]) for i in range(3)]
+            _, first_reversed = np.unique(rs[::-1], return_index=True)
+            last = len(rs) - 1 - first_reversed  # a slot ingested twice: its last record
+            s_dev = cp.asarray(rs[last])
+            for dst, col, dtype in zip((self._start, self._seq, self._length), cols, (np.int64, np.int64, np.int32)):
+                dst[s_dev] = cp.asarray(np.ascontiguousarray(col[last], dtype=dtype))
 
     def load(self, live: np.ndarray, starts: np.ndarray, seqs: np.ndarray, lengths: np.ndarray) -> None:
         """Rebuild every mirror from the table's per-slot state (after a checkpoint restore). The
@@ -231,7 +369,7 @@ class DeviceReplay:
         else:
             masses = live.astype(np.float64)
         cp = self.cupy
-        with self.stream:
+        with self._on:
             self._masses[...] = cp.asarray(np.ascontiguousarray(masses, dtype=np.float64))
             self._start[...] = cp.asarray(np.ascontiguousarray(starts, dtype=np.int64))
             self._seq[...] = cp.asarray(np.ascontiguousarray(seqs, dtype=np.int64))
@@ -239,17 +377,46 @@ class DeviceReplay:
             self._select.sum_chunks(self._masses, self._sums)
 
     # ------------------------------------------------------------------ sampling
+    def _wait_for_consumer(self) -> None:
+        """Make :attr:`stream` wait for the work the consumer has queued so far on its stream
+        (torch's current stream on this device): it may still read the buffer set this sample
+        refills, or memory it released to this stream's pool. One reused event; no host wait."""
+        ptr = self._consumer_stream()
+        if ptr is None:  # no CUDA consumer (CPU torch, the emulation): its code has already run
+            return
+        if self._consumer is None or self._consumer[0] != ptr:
+            self._consumer = (ptr, self.cupy.cuda.ExternalStream(ptr))
+        self._consumer_done.record(self._consumer[1])
+        self.stream.wait_event(self._consumer_done)
+
     def draw(self, batch_size: int, num_live: int) -> DeviceDraw:
-        """Queue ``batch_size`` draws among ``num_live`` live items (stratified, proportional to mass)."""
+        """Start a sample: wait for the consumer, apply queued ingest, queue ``batch_size`` draws
+        among ``num_live`` live items (stratified, proportional to mass) with their records."""
         if num_live < 1:
             raise ValueError("cannot sample from an empty table")
         if self.prioritized and not self.selector.tree.total > 0:
             raise ValueError(f"cannot sample: all {num_live} live items have zero priority")
-        self.flush()
-        with self.stream:
-            u = self._rng.random_sample(batch_size)  # float64 (B,)
-            slots, probs = self._select.sample_proportional(self._masses, u, chunk_sums=self._sums)
-            return DeviceDraw(slots, probs, self._weights(probs, num_live))
+        self._invalid_rounds = 0
+        with self._on:
+            self._wait_for_consumer()  # first: before anything this sample writes
+            self._flush()
+            return self._draw(batch_size, num_live)
+
+    def _draw(self, batch_size: int, num_live: int) -> DeviceDraw:  # inside self._on
+        u = self._rng.random_sample(batch_size)  # float64 (B,)
+        slots, probs = self._select.sample_proportional(self._masses, u, chunk_sums=self._sums)
+        return self._with_records(slots, probs, self._weights(probs, num_live))
+
+    def _with_records(self, slots: Any, probs: Any, weights: Any) -> DeviceDraw:  # inside self._on
+        """The draw with each row's record copied out of the mirrors now (the only read of them)."""
+        cp, N = self.cupy, self._P * self._R
+        valid = (slots >= 0) & (slots < N)  # bool (B,): the kernel's -1, or anything past the vector
+        safe = cp.where(valid, slots, 0)  # never index the mirrors out of range (CuPy wraps -1)
+        parts = cp.where(valid, safe // self._R, -1)
+        invalid = cp.zeros(1, dtype=cp.int64)
+        invalid[...] = (~valid).sum()
+        return DeviceDraw(slots, probs, weights, parts, self._start[safe], self._seq[safe], self._length[safe],
+                          valid, invalid)  # fmt: skip
 
     def _weights(self, probs: Any, num_live: int) -> Any:
         if not self.prioritized:
@@ -257,95 +424,123 @@ class DeviceReplay:
         return self._select.importance_weights(probs, num_live, float(self.selector.beta))
 
     def redraw(self, draw: DeviceDraw, positions: np.ndarray, num_live: int) -> DeviceDraw:
-        """``draw`` with fresh draws at ``positions`` (host int64); weights re-normalised over the batch."""
-        fresh = self.draw(len(positions), num_live)
+        """``draw`` with fresh draws and records at ``positions`` (host int64) only; the other rows
+        keep their records; weights re-normalised over the batch."""
         cp = self.cupy
-        with self.stream:
+        with self._on:
+            self._flush()  # the table's scan (torn eviction) ingested: fresh draws see it
+            fresh = self._draw(len(positions), num_live)
             pos = cp.asarray(np.ascontiguousarray(positions, dtype=np.int64))
-            slots, probs = draw.slots.copy(), draw.probabilities.copy()
-            slots[pos], probs[pos] = fresh.slots, fresh.probabilities
-            return DeviceDraw(slots, probs, self._weights(probs, num_live))
+            fields = ("slots", "probabilities", "parts", "starts", "seqs", "lengths", "valid")
+            merged = {}
+            for f in fields:
+                a = getattr(draw, f).copy()
+                a[pos] = getattr(fresh, f)
+                merged[f] = a
+            invalid = cp.zeros(1, dtype=cp.int64)
+            invalid[...] = (~merged["valid"]).sum()
+            return DeviceDraw(weights=self._weights(merged["probabilities"], num_live), invalid=invalid, **merged)
 
     def slots_at(self, draw: DeviceDraw, positions: np.ndarray) -> np.ndarray:
         """Host copy of the drawn slots at ``positions`` (the torn ones, to evict)."""
-        with self.stream:
-            return self.cupy.asnumpy(draw.slots[self.cupy.asarray(np.asarray(positions, dtype=np.int64))])
+        cp = self.cupy
+        with self._on:
+            return cp.asnumpy(draw.slots[cp.asarray(np.asarray(positions, dtype=np.int64))])
 
-    def buffers(self, batch_size: int, num_buffers: int) -> dict[str, tuple[Any, Any]]:
-        """The next of ``num_buffers`` preallocated output sets: name → (CuPy array, torch tensor
-        over the same memory). A batch stays valid for ``num_buffers - 1`` further samples."""
-        self._after_torch()
+    def buffers(self, batch_size: int, num_buffers: int) -> DeviceBuffers:
+        """The next of ``num_buffers`` preallocated output sets. A batch stays valid for
+        ``num_buffers - 1`` further samples; a set is refilled only after the sample's
+        :meth:`draw` made the stream wait for the consumer's queued work."""
         if (batch_size, num_buffers) != self._buffer_key:
             from gearflow.replay.items import TORCH_DTYPES
 
             numpy_dtype = {t: d for d, t in TORCH_DTYPES.items()}
             layout = self.kind.layout(self.storage.spec, batch_size)
-            with self.stream:
-                self._buffers = []
-                for _ in range(num_buffers):
-                    arrays = {n: self.cupy.zeros(shape, dtype=numpy_dtype[t]) for n, (shape, t) in layout.items()}
-                    self._buffers.append({n: (a, to_torch(a)) for n, a in arrays.items()})
+            cp = self.cupy
+
+            def pair(shape, dtype):
+                a = cp.zeros(shape, dtype=dtype)
+                return a, to_torch(a)
+
+            with self._on:
+                self._buffers = [
+                    DeviceBuffers(
+                        data={n: pair(shape, numpy_dtype[t]) for n, (shape, t) in layout.items()},
+                        keys=pair(batch_size, cp.int64),
+                        weights=pair(batch_size, cp.float32),
+                        probabilities=pair(batch_size, cp.float64),
+                    )
+                    for _ in range(num_buffers)
+                ]
             self._buffer_key, self._next_buffer = (batch_size, num_buffers), 0
         out = self._buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % num_buffers
         return out
 
-    def _after_torch(self) -> None:
-        """Make this table's stream wait for the work torch has queued so far on its current stream:
-        a learner's kernels may still read the older batch in the buffer set we are about to refill
-        (on a CPU the same contract needs nothing: the caller's code has run)."""
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        cp = self.cupy
-        event = cp.cuda.Event(disable_timing=True)
-        event.record(cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
-        self.stream.wait_event(event)
-
-    def _records(self, slots: Any) -> tuple[Any, Any, Any]:
-        """(parts int64, starts int64, lengths int32) of the drawn slots, on the device."""
-        return slots // self._R, self._start[slots], self._length[slots]
-
-    def gather(self, draw: DeviceDraw, out: dict[str, tuple[Any, Any]]) -> None:
-        """Gather the drawn items' steps into ``out`` (zero-copy from the segment), then wait for it:
-        the caller reads the RESERVE counters next, and they must postdate the copy."""
-        parts, starts, lengths = self._records(draw.slots)
+    def gather(self, draw: DeviceDraw, out: DeviceBuffers) -> None:
+        """Gather the drawn items' steps into ``out`` (zero-copy from the segment) from the draw's
+        records, write its keys, weights and probabilities, then wait for it: the caller reads the
+        RESERVE counters next, and they must postdate the copy. The sample's one host sync."""
         P, S = self._P, self._S
         g = self._gather
-        with self.stream:
+        parts, starts, lengths = draw.parts, draw.starts, draw.lengths
+        with self._on:
             if self._T is None:  # transitions: every column at the first step, next_<c> at the last
                 first, last = transition_rows(parts, starts, lengths.astype(self.cupy.int64), S)
                 for name, ptr, row_bytes in self._columns:
-                    g.gather_rows(ptr, row_bytes, first, out[name][0], num_rows=P * S)
+                    g.gather_rows(ptr, row_bytes, first, out.data[name][0], num_rows=P * S)
                 for name in self.kind.next_columns:
                     ptr, row_bytes = next((p, rb) for n, p, rb in self._columns if n == name)
-                    g.gather_rows(ptr, row_bytes, last, out["next_" + name][0], num_rows=P * S)
+                    g.gather_rows(ptr, row_bytes, last, out.data["next_" + name][0], num_rows=P * S)
             else:  # windows of T steps, padded with zeros past each item's length, mask (B, T)
-                mask = out["mask"][0]
+                mask = out.data["mask"][0]
                 for name, ptr, row_bytes in self._columns:
-                    g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, self._T, out[name][0], mask,
+                    g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, self._T, out.data[name][0], mask,
                                      num_rows=P * S)  # fmt: skip
-                out["length"][0][...] = lengths
-        self.stream.synchronize()
+                out.data["length"][0][...] = lengths
+            out.keys[0][...] = draw.seqs * P + parts  # int64 (B,): the key of the record gathered
+            out.weights[0][...] = draw.weights
+            out.probabilities[0][...] = draw.probabilities
+            self.cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, dptr(draw.invalid), 8,
+                                               MEMCPY_DEVICE_TO_HOST, self.stream.ptr)  # fmt: skip
+            self._gathered.record(self.stream)
+        self._gathered.synchronize()
+        draw.num_invalid = int(self._status_host[0])
+
+    def invalid(self, draw: DeviceDraw) -> np.ndarray:
+        """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
+        without a device read when :meth:`gather` counted none (the usual case). Raises
+        RuntimeError after :data:`MAX_INVALID_ROUNDS` rounds in a row that had some."""
+        if draw.num_invalid is None:
+            raise ValueError("invalid() needs the draw gathered first (gather() reads the count)")
+        if not draw.num_invalid:
+            return np.zeros(0, dtype=np.int64)
+        self._invalid_rounds += 1
+        if self._invalid_rounds > MAX_INVALID_ROUNDS:
+            raise RuntimeError(
+                f"device draw returned a slot outside [0, {self._P * self._R}) in {MAX_INVALID_ROUNDS} "
+                "redraws in a row: the device priority vector is inconsistent with the table"
+            )
+        cp = self.cupy
+        with self._on:
+            return cp.asnumpy(cp.flatnonzero(~draw.valid)).astype(np.int64)
 
     def torn(self, draw: DeviceDraw, reserve: np.ndarray) -> np.ndarray:
-        """Host int64 positions of items a writer may have overwritten during :meth:`gather`;
-        ``reserve`` is the partitions' RESERVE counters read after it returned."""
+        """Host int64 positions of items a writer may have overwritten during :meth:`gather`
+        (from the draw's records); ``reserve`` is the partitions' RESERVE counters read after it
+        returned. Rows with an impossible slot are left to :meth:`invalid`."""
         cp = self.cupy
-        with self.stream:
-            parts, starts, _ = self._records(draw.slots)
-            bad = torn_items(parts, starts, cp.asarray(np.ascontiguousarray(reserve, dtype=np.int64)), self._S)
+        with self._on:
+            parts = cp.where(draw.valid, draw.parts, 0)
+            r = cp.asarray(np.ascontiguousarray(reserve, dtype=np.int64))
+            bad = draw.valid & torn_items(parts, draw.starts, r, self._S)
             return cp.asnumpy(cp.flatnonzero(bad)).astype(np.int64)
 
-    def batch(self, draw: DeviceDraw, out: dict[str, tuple[Any, Any]]):
-        """(data, keys, weights, probabilities) as torch CUDA tensors (DLPack, no copy)."""
-        with self.stream:
-            keys = self._seq[draw.slots] * self._P + draw.slots // self._R  # int64 (B,)
-            data = {name: tensor for name, (_, tensor) in out.items()}
-            result = data, to_torch(keys), to_torch(draw.weights), to_torch(draw.probabilities)
-        self.stream.synchronize()  # keys: one small kernel; done before torch's stream uses it
-        return result
+    def batch(self, out: DeviceBuffers):
+        """(data, keys, weights, probabilities) as torch CUDA tensors over ``out`` (DLPack views
+        made when the set was allocated: no copy, no device work, no synchronization)."""
+        data = {name: tensor for name, (_, tensor) in out.data.items()}
+        return data, out.keys[1], out.weights[1], out.probabilities[1]
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -353,10 +548,11 @@ class DeviceReplay:
         if self._reg.closed:
             return
         self._pending, self._pending_n = [], 0
-        self.stream.synchronize()
-        self._buffers, self._buffer_key = [], (-1, -1)
-        self._reg.close()
+        with self._device:
+            self.stream.synchronize()
+            self._buffers, self._buffer_key = [], (-1, -1)
+            self._reg.close()
 
     def __repr__(self) -> str:
         kind = "prioritized" if self.prioritized else "uniform"
-        return f"DeviceReplay({kind}, {self._P * self._R} slots, {self._reg!r})"
+        return f"DeviceReplay({kind}, {self._P * self._R} slots, cuda:{self.device_id}, {self._reg!r})"
