@@ -71,18 +71,18 @@ EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
 
 
 def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector: Selector) -> Any:
-    """None for ``"cpu"``; a ``DeviceReplay`` for ``"cuda"`` (CuPy imported only then), or the
-    one passed in (built by the caller, e.g. with its own CuPy handle)."""
+    """None for ``"cpu"``; a ``DeviceReplay`` for ``"cuda"`` (CuPy's current device) or ``"cuda:N"``
+    (GPU N: its arrays, stream and kernels; CuPy imported only then), or the one passed in
+    (built by the caller, e.g. with its own CuPy handle)."""
     if isinstance(device, str):
         if device == "cpu":
             return None
-        if device != "cuda":
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        from gearflow.native.device_replay import DeviceReplay
+        from gearflow.native import device_replay
 
-        return DeviceReplay(storage, kind, selector)
+        index = device_replay.cuda_device_index(device)  # ValueError for anything but cuda / cuda:N
+        return device_replay.DeviceReplay(storage, kind, selector, device=index)
     if getattr(device, "storage", None) is not storage or getattr(device, "selector", None) is not selector:
-        raise ValueError("device must be 'cpu', 'cuda' or a DeviceReplay over this table's storage and selector")
+        raise ValueError("device must be 'cpu', 'cuda', 'cuda:N' or a DeviceReplay over this table's storage and selector")
     return device
 
 
@@ -381,22 +381,29 @@ class Table:
 
     def _sample_on_device(self, batch_size: int, timeout_s: float | None) -> Sample:
         """:meth:`sample` with selection and gather on the GPU (``device="cuda"``): the same
-        seqlock rule and torn-item replacement, a batch of CUDA tensors."""
+        seqlock rule and torn-item replacement, a batch of CUDA tensors. Each row keeps the
+        record it was drawn with (only redrawn rows get new ones), so its key names the item
+        whose rows were gathered; a slot outside the table (< 0 or ≥ capacity) is redrawn."""
         dev = self._device
-        draw = dev.draw(batch_size, self.size)
+        draw = dev.draw(batch_size, self.size)  # the device first waits for the consumer's queued work
         out = dev.buffers(batch_size, self.num_buffers)
-        dev.gather(draw, out)  # returns once the copy is done: the counters below postdate it
+        dev.gather(draw, out)  # the one host sync: the counters below postdate the copy
         deadline = None
-        while self._counter_total() != self._seen_total:  # a writer moved since this sample's scan
-            bad = dev.torn(draw, self.storage.counters[:, RESERVE])
-            if not bad.size:
+        while True:
+            redo = dev.invalid(draw)  # impossible slots: redrawn, never returned (no device read if none)
+            if self._counter_total() != self._seen_total:  # a writer moved since this sample's scan
+                torn = dev.torn(draw, self.storage.counters[:, RESERVE])
+                if torn.size:
+                    deadline = self._evict_torn(dev.slots_at(draw, torn), deadline, timeout_s,
+                                                "the GPU could gather them")  # fmt: skip
+                    redo = np.union1d(redo, torn)
+            if not redo.size:
                 break
-            deadline = self._evict_torn(dev.slots_at(draw, bad), deadline, timeout_s, "the GPU could gather them")
-            draw = dev.redraw(draw, bad, self.size)
+            draw = dev.redraw(draw, redo, self.size)  # new records for those rows only
             dev.gather(draw, out)  # the whole batch again (rare path): every item is re-checked
         self.samples += batch_size
         self._publish_insert_limit()
-        data, keys, weights, probs = dev.batch(draw, out)
+        data, keys, weights, probs = dev.batch(out)
         return Sample(data=data, keys=keys, weights=weights, probabilities=probs)
 
     @property
