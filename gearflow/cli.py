@@ -11,7 +11,11 @@
 
 Every sub-command has ``--help``. Errors in the user's input (a bad config, a
 missing optional dependency) print one line and exit with status 2, never a
-traceback.
+traceback. ``gearflow train`` exits 0 when a stopping limit was reached, 3 when an
+actor failed more than ``actor.max_restarts`` times (after its final checkpoint),
+and 128 + the signal (143 for SIGTERM, 130 for SIGINT) when a signal stopped it
+(after its final checkpoint): a scheduler can tell "stopped and checkpointed,
+resume me" from "finished".
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.run.dir = str(run_dir)
     summary = train(cfg, resume=args.resume is not None)
     print(json.dumps(summary))
+    if summary.get("stop_signal"):  # stopped (and checkpointed), not finished
+        import signal
+
+        return 128 + int(signal.Signals[summary["stop_signal"]])
     return 0
 
 
@@ -110,10 +118,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_replay_gc(args: argparse.Namespace) -> int:
     from gearflow.replay.storage import gc_segments
 
+    from gearflow.replay.storage import SHM_DIR
+
     removed = gc_segments(prefix=args.prefix, dry_run=args.dry_run, include_live=args.force)
     verb = "would remove" if args.dry_run else "removed"
     for name, size in removed:
-        print(f"{verb} /dev/shm/{name} ({size / 2**20:.1f} MiB)")
+        print(f"{verb} {SHM_DIR}/{name} ({size / 2**20:.1f} MiB)")
     print(f"{verb} {len(removed)} segment(s)")
     return 0
 
@@ -165,12 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = p.add_subparsers(dest="replay_command", metavar="ACTION", required=True)
     gc = rsub.add_parser(
         "gc",
-        help="remove gearflow shared-memory segments whose owning process is gone",
-        description="remove gearflow shared-memory segments whose owning process is gone",
+        help="remove gearflow shared-memory segments whose owning process is provably gone",
+        description="remove gearflow shared-memory segments whose owning process is provably gone: "
+        "the machine rebooted since, or, in this PID namespace, no process has its PID and start time. "
+        "Segments of owners in another PID namespace (another container sharing /dev/shm) are kept.",
     )
     gc.add_argument("--prefix", default="gearflow", help="segment name prefix (default: gearflow)")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    gc.add_argument("--force", action="store_true", help="also remove segments whose owner is alive")
+    gc.add_argument("--force", action="store_true",
+                    help="also remove segments whose owner may be alive (another PID namespace included)")
     gc.set_defaults(replay_func=_cmd_replay_gc)
     return parser
 
@@ -191,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except GearflowError as exc:
         print(f"gearflow {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print(f"gearflow {args.command}: interrupted", file=sys.stderr)
         return 130

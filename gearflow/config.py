@@ -382,6 +382,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         schema.agent = _agent_schema(agent_name)
     except ConfigError as exc:
         raise ConfigError(f"{agent_source}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the agent module's own code raised while importing
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"{agent_source}: agent.name: importing agent module '{agent_name}' raised "
+            f"{type(exc).__name__}{': ' + first if first else ''}"
+        ) from None
     OmegaConf.set_struct(schema, True)
     _open_free_dicts(schema)
 
@@ -475,6 +481,9 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
         f"gives {steps_per_partition} steps per partition "
         f"({a.num_actors} actors × {e.num_envs} envs); need at least {2 * (a.n_step + 1)}",
     )
+    check(r.min_size_to_sample <= r.capacity, "replay.min_size_to_sample",
+          f"is larger than replay.capacity ({r.capacity}): the table never holds that many items, "
+          "so no batch would ever be sampled")  # fmt: skip
     check(run.max_env_steps >= 0, "run.max_env_steps", "must be ≥ 0")
     check(run.max_seconds >= 0, "run.max_seconds", "must be ≥ 0")
     check(run.max_updates >= 0, "run.max_updates", "must be ≥ 0")

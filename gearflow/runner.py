@@ -13,6 +13,15 @@ their data survive (the new writer continues after the old one's last step).
 ``run.serial=true`` runs one actor and the learner in this process with the
 same classes. SIGINT/SIGTERM stop everything cleanly: no child process and no
 /dev/shm segment is left behind.
+
+Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
+
+    0    finished: a stopping limit was reached (final checkpoint written)
+    2    a user error (config, run directory, checkpoint): one line, nothing started or left
+    3    an actor failed more than ``actor.max_restarts`` times: the final checkpoint is
+         written and ``--resume`` continues the run
+    130  stopped by SIGINT, 143 by SIGTERM (128 + the signal, as a shell reports it), after
+         the final checkpoint: ``--resume`` continues the run
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from gearflow.progress import make_display
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.checkpoint import restore_checkpoint
 from gearflow.replay.items import records_per_partition
-from gearflow.replay.storage import COMMIT, gc_segments
+from gearflow.replay.storage import COMMIT, gc_segments, run_tag
 
 log = logging.getLogger("gearflow.runner")
 
@@ -118,6 +127,16 @@ class Progress:
         return float(np.mean(self.returns[actor]))
 
 
+class ActorFailed(GearflowError):
+    """An actor died more than ``actor.max_restarts`` times (the run stops, checkpointed)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, actor: int):
+        super().__init__(message)
+        self.actor = actor
+
+
 class ActorSupervisor:
     """Starts actor processes and restarts the ones that die."""
 
@@ -158,9 +177,9 @@ class ActorSupervisor:
             code = proc.exitcode
             proc.join()
             if self.restarts[i] >= self.max_restarts:
-                raise GearflowError(
+                raise ActorFailed(
                     f"actor {i} died (exit code {code}) and was already restarted "
-                    f"{self.restarts[i]} times (actor.max_restarts={self.max_restarts})"
+                    f"{self.restarts[i]} times (actor.max_restarts={self.max_restarts})", actor=i
                 )
             self.restarts[i] += 1
             log.error("actor %d died (exit code %s); restarting it (%d/%d)", i, code,
@@ -243,6 +262,9 @@ class Runner:
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self._pending_tokens = None  # tensor: valid steps learned from since the last row
         self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
+        self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
+        self.stop_signal = 0  # the signal that stopped the run (0: none)
+        self._actor_errors: dict[int, str] = {}  # last line of each actor's last traceback
 
     # ------------------------------------------------------------------ wiring
     def connect_components(self) -> None:
@@ -252,7 +274,8 @@ class Runner:
         if self.resume:
             self.checkpoint = self.checkpoints.latest()
             log.info("resuming from %s", self.checkpoint.path)
-            for name, size in gc_segments(prefix="gearflow"):  # left by the stopped run, if it was killed
+            # left by the stopped run if it was killed: only this run's, and only of dead owners
+            for name, size in gc_segments(prefix="gearflow", run=self.run_tag):
                 log.info("removed /dev/shm/%s (%.1f MiB) of a dead process", name, size / 2**20)
         probe_cfg = OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1})
         probe = make_vec_env(probe_cfg, seed=cfg.env.seed)
@@ -293,7 +316,7 @@ class Runner:
         if self.checkpoint is not None and self.checkpoint.replay_dir is not None:
             self.table = self._restore_table(self.checkpoint.replay_dir, spec, (P, S, R), replay_device)
         else:
-            storage = SharedStorage.create(spec, P, S, R)
+            storage = SharedStorage.create(spec, P, S, R, run_tag=self.run_tag)
             selector = make_selector(cfg.replay.selector, P * R, seed=cfg.run.seed, **selector_kwargs(cfg))
             limiter = RateLimiter(
                 min_size_to_sample=cfg.replay.min_size_to_sample,
@@ -309,7 +332,12 @@ class Runner:
                 raise
         storage = self.table.storage
         self.lock = threading.Lock()
-        self.params = ParameterStore.create(self.agent.learner_network())
+        try:
+            self.params = ParameterStore.create(self.agent.learner_network(), run_tag=self.run_tag)
+        except BaseException:
+            self.table.close()
+            self.table = None
+            raise
         if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
             r = self.checkpoint.runner
             self.progress.load_state(r["progress"])
@@ -337,7 +365,7 @@ class Runner:
         """The replay table of a checkpoint, refused if the config no longer matches its layout,
         item kind or selector; its rate limiter, timeout and buffer count follow the config."""
         cfg = self.cfg
-        table = restore_checkpoint(path, device=device)
+        table = restore_checkpoint(path, device=device, run_tag=self.run_tag)
         st = table.storage
         have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
         problem = ""
@@ -393,6 +421,20 @@ class Runner:
         log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
         return path
 
+    def _periodic_checkpoint(self) -> None:
+        """A periodic checkpoint; one that cannot be written (disk full, read-only) is removed,
+        logged, and retried at the next period: training goes on, older checkpoints stay."""
+        try:
+            self.save_checkpoint()
+        except OSError as exc:
+            self._last_checkpoint = (time.monotonic(), self.progress.updates)
+            log.warning("checkpoint at %d updates not written (%s); training continues, the previous "
+                        "checkpoints are intact, the next period retries", self.progress.updates, exc)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.stop_signal = signum
+        self._stop.set()
+
     def _checkpoint_due(self) -> bool:
         kind, every = self._checkpoint_period
         when, updates = self._last_checkpoint
@@ -441,6 +483,8 @@ class Runner:
                 self.progress.actor_counters[int(msg["actor"])] = msg
             elif kind == "error":
                 log.error("actor %s raised:\n%s", msg.get("actor"), msg.get("error"))
+                lines = str(msg.get("error", "")).strip().splitlines()
+                self._actor_errors[int(msg["actor"])] = lines[-1] if lines else "?"
 
     def _learn_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -518,7 +562,7 @@ class Runner:
         cfg = self.cfg
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
-            signal.signal(s, lambda *_: self._stop.set())
+            signal.signal(s, self._on_signal)
         self.metrics = None
         display = file_log = None
         prefetch = None
@@ -528,9 +572,13 @@ class Runner:
                     f"run.dir={str(self.run_dir)!r} already holds a run (metrics.jsonl or checkpoints): continue it "
                     f"with gearflow train --resume {self.run_dir}, or choose another run.dir"
                 )
+            check_run_dir(self.run_dir)
             self.connect_components()  # config errors surface here, before a run directory exists
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            file_log = logging.FileHandler(self.run_dir / "train.log")
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                file_log = logging.FileHandler(self.run_dir / "train.log")
+            except OSError as exc:
+                raise GearflowError(f"run.dir={str(self.run_dir)!r}: cannot write there: {exc.strerror or exc}") from None
             file_log.setFormatter(logging.Formatter(FORMAT, DATEFMT))
             logging.getLogger().addHandler(file_log)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -548,6 +596,7 @@ class Runner:
             last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), self.progress.updates, {}
             last_samples, last_tokens = self.progress.samples, self.progress.tokens
             reason = ""
+            failure: ActorFailed | None = None
             while not (reason := self._done()):
                 if self.serial_actor is not None:
                     self.serial_actor.step()
@@ -560,7 +609,11 @@ class Runner:
                 else:
                     self._drain_metrics()
                     if self.supervisor is not None:
-                        self.progress.restarts += self.supervisor.check()
+                        try:
+                            self.progress.restarts += self.supervisor.check()
+                        except ActorFailed as exc:  # stop as a limit would: checkpoint, then fail
+                            failure, reason = exc, f"actor failed: {exc}"
+                            break
                     t0 = time.perf_counter()
                     try:
                         batch = prefetch.get(timeout=0.5)
@@ -584,7 +637,7 @@ class Runner:
                     display.update(row)
                     last_log, last_steps, last_updates = now, steps, updates
                 if self._checkpoint_due():
-                    self.save_checkpoint()
+                    self._periodic_checkpoint()
             if self.supervisor is not None:  # final actor counters arrive as they exit
                 self._stop.set()
                 self.supervisor.stop(drain=self._drain_metrics)
@@ -594,7 +647,16 @@ class Runner:
             self.metrics.write(summary)
             if self._checkpoint_period[0] != "off":  # SIGTERM/SIGINT included: resume continues here
                 summary["checkpoint"] = str(self.save_checkpoint(metric_offsets=before_summary))
+            if self.stop_signal:
+                summary["stop_signal"] = signal.Signals(self.stop_signal).name
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            if failure is not None:
+                self._drain_metrics()  # the actor's own traceback, if it sent one
+                error = self._actor_errors.get(failure.actor, "no traceback received (killed by a signal?)")
+                where = (f"final checkpoint {summary['checkpoint']}; continue with gearflow train --resume "
+                         f"{self.run_dir}") if "checkpoint" in summary else "no checkpoint (run.checkpoint_every=0)"
+                failure.args = (f"{failure}; its last error: {error}; {where}",)
+                raise failure
             return summary
         finally:
             self._stop.set()
@@ -618,6 +680,27 @@ class Runner:
                 file_log.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A one-line :class:`GearflowError` unless ``run_dir`` is, or can be made, a writable directory
+    (checked before anything starts, so nothing is left behind)."""
+    path = Path(os.path.abspath(run_dir))
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise GearflowError(f"run.dir={str(run_dir)!r}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "on a read-only file system" if _read_only(existing) else "not writable"
+        raise GearflowError(f"run.dir={str(run_dir)!r}: {existing} is {why}")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:

@@ -184,6 +184,8 @@ VALIDATION_CASES = [
         "replay.capacity",
         "gives 6 steps per partition (2 actors × 8 envs); need at least 8",
     ),
+    (["replay.capacity=1000", "replay.min_size_to_sample=1001"], "replay.min_size_to_sample",
+     "is larger than replay.capacity (1000)"),
     (["run.max_env_steps=-1"], "run.max_env_steps", "must be ≥ 0"),
     (["run.max_seconds=-1"], "run.max_seconds", "must be ≥ 0"),
     (["run.max_updates=-1"], "run.max_updates", "must be ≥ 0"),
