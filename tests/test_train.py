@@ -115,7 +115,7 @@ def test_sigkilled_actor_is_restarted_and_sigterm_stops_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]  # stopped by SIGTERM (checkpointed), not finished
     assert "actor 0 died (exit code -9); restarting it (1/3)" in err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stop_reason"] == "stopped by signal"
