@@ -154,7 +154,8 @@ class RunCheckpoints:
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         tmp.mkdir()
         try:
-            torch.save(learner, tmp / "learner.pt")
+            with open(tmp / "learner.pt", "wb") as f:  # a full disk is an OSError (a path: RuntimeError)
+                torch.save(learner, f)
             (tmp / "runner.json").write_text(json.dumps(runner, indent=1))
             extra = []
             if table is not None:
