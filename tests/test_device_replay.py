@@ -514,6 +514,209 @@ def test_emulated_close_unregisters_before_the_segment_goes(emulated_table):
     assert runtime.registered == {}
 
 
+def _ops_of(device):
+    """The traced operations since the last reset, with the sample's stream named."""
+    return [(what, dev_id, "stream" if st is device.stream else st) for what, dev_id, st in TRACE.ops]
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", ["transition", "sequence"])
+def test_emulated_sample_is_one_stream_on_its_device_with_one_host_sync(emulated_table, kind_name):
+    """Issue 18 points 1, 2, 4, 6 under the emulation: every device operation of a sample is issued
+    on the table's stream under its device (cuda:1 here, while the caller's current device is 0);
+    the first is the wait for the consumer's stream; the one host sync comes last; no event is
+    created per sample."""
+    kind = KINDS[kind_name]
+    table, device = emulated_table("prioritized", kind, devices=2, device=1, num_buffers=2)
+    assert device.device_id == 1 and device.stream.device_id == 1
+    assert list(device.cupy.cuda.runtime.registered.values()) == [(table.storage.nbytes, 1)]
+    rec = _fill(table, kind)
+    for i in range(3):
+        TRACE.reset()
+        s = table.sample(7)
+        check_batch(s, rec, kind, 2, 7)
+        ops = _ops_of(device)
+        assert {d for what, d, _ in ops if not what.startswith("host sync")} == {1}, ops  # none on cuda:0
+        # first: the consumer's queued work is waited for, before anything this sample writes
+        assert ops[0][0] == "event.record" and ops[0][2].ptr == CONSUMER
+        assert ops[1][0] == f"wait for an event recorded on Stream(0x{CONSUMER:x}, cuda:1)" and ops[1][2] == "stream"
+        assert all(st == "stream" for _, _, st in ops[1:-1]), [op for op in ops if op[2] != "stream"]
+        assert TRACE.syncs == ["event.synchronize"] and ops[-1][0] == "host sync: event.synchronize"
+        assert TRACE.events == 0  # the two events were made with the table, and are reused
+        if i == 0:
+            first = s
+    # what torch holds: the rotating buffer sets (preallocated), keys/weights/probabilities too
+    assert s.keys.data_ptr() == first.keys.data_ptr() and s.weights.data_ptr() == first.weights.data_ptr()
+    assert s.probabilities.data_ptr() == first.probabilities.data_ptr()
+    assert all(s.data[k].data_ptr() == first.data[k].data_ptr() for k in s.data)
+
+
+@needs_emulation
+def test_emulated_torn_redraw_stays_on_the_stream(emulated_table):
+    kind = KINDS["transition"]
+    table, device = emulated_table("uniform", kind, P=1, S=16)
+    rec = Recorder(table.storage, [0])
+    for _ in range(16):
+        rec.append(0)
+        rec.item(0, min(rec.w.positions[0], 3))
+    table.scan()
+    device.during_gather = lambda: [rec.append(0) for _ in range(6)]
+    TRACE.reset()
+    check_batch(table.sample(32), rec, kind, 1, 32)
+    assert table.torn > 0
+    ops = _ops_of(device)
+    # the rare path reads the device (torn positions, slots to evict) and gathers again: more host
+    # syncs, every device operation still on the stream
+    assert TRACE.syncs.count("event.synchronize") == 2 and "asnumpy" in TRACE.syncs
+    assert all(st == "stream" for what, _, st in ops[1:] if not what.startswith("host sync")), ops
+
+
+@needs_emulation
+def test_emulated_table_on_cuda_n_and_unknown_devices(make_table, emulated_device, monkeypatch):
+    from gearflow.native import device_replay
+
+    monkeypatch.setattr(device_replay, "DeviceReplay",
+                        lambda st, k, sel, device=None: emulated_device(st, k, sel, devices=2, device=device))  # fmt: skip
+    assert make_table(SPEC, selector="prioritized", device="cuda:1")._device.device_id == 1
+    assert make_table(SPEC, selector="prioritized", device="cuda")._device.device_id == 0  # the current device
+    with pytest.raises(ValueError, match=r"replay device cuda:2 does not exist \(2 CUDA device"):
+        make_table(SPEC, selector="prioritized", device="cuda:2")
+    with pytest.raises(ValueError, match="got 'cuda:x'"):
+        make_table(SPEC, device="cuda:x")
+
+
+def test_replay_device_names_with_an_index():
+    from gearflow.native.device_replay import cuda_device_index
+
+    assert cuda_device_index("cuda") is None and cuda_device_index("cuda:3") == 3
+    for bad in ("cuda:", "cuda:-1", "gpu:0", "cuda:1:2"):
+        with pytest.raises(ValueError):
+            cuda_device_index(bad)
+    with pytest.raises(ConfigError, match="a device index is a number"):
+        resolve_replay_device("cuda:x")
+    with pytest.raises(ConfigError, match=r"replay.device=cuda:1: replay.selector='fifo' samples on the CPU only"):
+        resolve_replay_device("cuda:1", "fifo")
+
+
+class ImpossibleSelect(CudaSelect):
+    """The proportional draw returns -1 at row 0 and N at the last row for ``bad_rounds`` draws
+    (what the kernel does when rounding at a scan-chunk boundary makes an empty chunk look full)."""
+
+    bad_rounds = 0
+
+    def sample_proportional(self, masses, u, *, chunk_sums=None, stream=None):
+        slots, probs = super().sample_proportional(masses, u, chunk_sums=chunk_sums, stream=stream)
+        if ImpossibleSelect.bad_rounds > 0:
+            ImpossibleSelect.bad_rounds -= 1
+            slots[0], probs[0] = -1, 0.0
+            slots[-1] = masses.shape[0]
+        return slots, probs
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_emulated_impossible_slots_are_redrawn_never_returned(emulated_table, kind_name):
+    kind = KINDS[kind_name]
+    table, device = emulated_table("prioritized", kind, select_cls=ImpossibleSelect)
+    rec = _fill(table, kind)
+    size = table.size
+    for rounds in (1, 3):
+        ImpossibleSelect.bad_rounds = rounds
+        TRACE.reset()
+        s = table.sample(9)
+        check_batch(s, rec, kind, 2, 9)  # every key a real item, its rows gathered; weights in (0, 1]
+        assert torch.isfinite(s.weights).all() and s.weights.max() == 1
+        assert sum(what == "kernel sample_proportional" for what, _, _ in TRACE.ops) == rounds + 1
+        assert ImpossibleSelect.bad_rounds == 0
+    assert table.size == size and table.torn == 0  # redrawn, not evicted (-1 is no item)
+    ImpossibleSelect.bad_rounds = 100
+    with pytest.raises(RuntimeError, match=r"outside \[0, \d+\) in 8 redraws in a row"):
+        table.sample(9)
+    ImpossibleSelect.bad_rounds = 0
+
+
+@needs_emulation
+def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_table):
+    """The keys invariant on the device path: a torn row is redrawn after a scan that laps the
+    record ring, so new items take the slots that other rows of the batch still hold. Those rows
+    keep the key they were drawn with, and their rows are that item's (stamp-checked per row)."""
+    kind = KINDS["transition"]
+    table, device = emulated_table("uniform", kind, P=1, S=16, R=8, num_buffers=1)
+    rec = Recorder(table.storage, [0])
+    for t in range(16):
+        rec.append(0)
+        if t >= 8:
+            rec.item(0, 1)  # seqs 0..7: one item per step 8..15, in slots 0..7
+    table.scan()
+    assert table.size == 8
+    drawn = []
+    draw = device.draw
+
+    def recording_draw(batch_size, num_live):
+        d = draw(batch_size, num_live)
+        drawn.append((np.array(d.seqs) * 1 + np.array(d.parts), np.array(d.slots)))
+        return d
+
+    device.draw = recording_draw
+
+    def writer_laps_the_record_ring():  # during the first gather
+        for _ in range(9):  # steps 16..24: step 8 (seq 0) is overwritten, steps 9..15 are not
+            rec.append(0)
+        for _ in range(3):  # seqs 8, 9, 10 at step 24: the record ring laps into slots 0, 1, 2
+            rec.item(0, 1)
+
+    device.during_gather = writer_laps_the_record_ring
+    s = table.sample(8)  # stratified over 8 equal masses: row i draws slot i
+    keys = check_batch(s, rec, kind, 1, 8)  # each row's data is its key's item (obs stamps (p, t))
+    first_keys, first_slots = drawn[0]
+    assert first_slots.tolist() == list(range(8)) and table.torn == 1  # row 0 (seq 0) torn, redrawn
+    assert keys[1:].tolist() == first_keys[1:].tolist() == list(range(1, 8))  # rows 1, 2 keep seqs 1, 2
+    assert table._slot_seq[1] == 9 and table._slot_seq[2] == 10  # ... though their slots were reused
+
+
+@needs_emulation
+def test_emulated_restore_checkpoint_onto_a_device_in_a_new_segment(emulated_table, emulated_device, monkeypatch,
+                                                                    tmp_path):  # fmt: skip
+    """Issue 19: ``restore_checkpoint(device=...)`` builds a new segment and a new device mirror
+    from the checkpoint: batches, priorities and further writes as before the save."""
+    from gearflow.native import device_replay
+    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+
+    kind = KINDS["sequence"]
+    table, _ = emulated_table("prioritized", kind)
+    rec = _fill(table, kind)
+    keys = sorted(rec.key(p, s) for p, s in rec.items)
+    hot = keys[2]
+    table.update_priorities(torch.tensor(keys), torch.tensor([1e-6 if k != hot else 1e6 for k in keys]))
+    save_checkpoint(table, tmp_path / "replay")
+    made = []
+
+    def factory(st, k, sel, device=None):
+        made.append(emulated_device(st, k, sel, devices=2, device=device))
+        return made[-1]
+
+    monkeypatch.setattr(device_replay, "DeviceReplay", factory)
+    restored = restore_checkpoint(tmp_path / "replay", device="cuda:1")
+    try:
+        assert restored.storage.name != table.storage.name and made[0].storage is restored.storage
+        assert restored.device == "cuda" and made[0].device_id == 1 and restored.size == table.size
+        table.close()  # the original segment is gone: the batches below come from the new one
+        s = restored.sample(16)
+        check_batch(s, rec, kind, 2, 16)
+        assert (s.keys == hot).sum() >= 15  # the priorities came back onto the device
+        rec2 = Recorder(restored.storage, [0, 1])  # writers continue where the checkpoint left off
+        rec2.items.update(rec.items)
+        rec2.episode(1, 6, kind)
+        restored.scan()
+        new = [rec2.key(p, q) for p, q in rec2.items if (p, q) not in rec.items]
+        assert new and restored.size == table.size + len(new)
+        restored.update_priorities(torch.tensor(new), torch.full((len(new),), 1e9))
+        s = restored.sample(16)
+        assert set(check_batch(s, rec2, kind, 2, 16).tolist()) <= set(new)
+    finally:
+        restored.close()
+
+
 # ============================================================================ CUDA
 def _cpu(sample):
     assert sample.keys.is_cuda and sample.weights.is_cuda and sample.probabilities.is_cuda
