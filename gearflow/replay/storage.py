@@ -252,6 +252,13 @@ class SharedMemoryError(GearflowError, MemoryError):
     directory is unusable); the message says how many bytes were needed and are free."""
 
 
+def _human(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def shm_free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
@@ -264,8 +271,8 @@ def create_segment(name: str, size: int, what: str, reserve: bool = True) -> mma
     free = shm_free_bytes()
     if size > free:
         raise SharedMemoryError(
-            f"the {what} needs {size} bytes ({size / 2**30:.2f} GiB) of shared memory, "
-            f"{SHM_DIR} has {free} bytes ({free / 2**30:.2f} GiB) free"
+            f"the {what} needs {size} bytes ({_human(size)}) of shared memory; "
+            f"{SHM_DIR} has {free} bytes ({_human(free)}) free"
         )
     path = SHM_DIR / name
     try:
@@ -284,7 +291,7 @@ def create_segment(name: str, size: int, what: str, reserve: bool = True) -> mma
         if isinstance(exc, OSError):
             free = shm_free_bytes()
             raise SharedMemoryError(
-                f"cannot reserve {size} bytes ({size / 2**30:.2f} GiB) for the {what} in {SHM_DIR} "
+                f"cannot reserve {size} bytes ({_human(size)}) for the {what} in {SHM_DIR} "
                 f"({free} bytes free): {exc.strerror or exc}"
             ) from None
         raise
