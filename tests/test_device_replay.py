@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import statistics
 import subprocess
 import threading
 import sys
@@ -635,13 +636,12 @@ def test_emulated_impossible_slots_are_redrawn_never_returned(emulated_table, ki
     ImpossibleSelect.bad_rounds = 0
 
 
-@needs_emulation
-def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_table):
+def check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device, to_cpu=lambda s: s):
     """The keys invariant on the device path: a torn row is redrawn after a scan that laps the
     record ring, so new items take the slots that other rows of the batch still hold. Those rows
-    keep the key they were drawn with, and their rows are that item's (stamp-checked per row)."""
-    kind = KINDS["transition"]
-    table, device = emulated_table("uniform", kind, P=1, S=16, R=8, num_buffers=1)
+    keep the key they were drawn with, and their rows are that item's (stamp-checked per row).
+    ``table``: uniform, transitions, P=1, S=16, R=8, over ``device`` (an OverwritingDeviceReplay)."""
+    kind = table.kind
     rec = Recorder(table.storage, [0])
     for t in range(16):
         rec.append(0)
@@ -654,7 +654,7 @@ def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_tabl
 
     def recording_draw(batch_size, num_live):
         d = draw(batch_size, num_live)
-        drawn.append((np.array(d.seqs) * 1 + np.array(d.parts), np.array(d.slots)))
+        drawn.append((device.cupy.asnumpy(d.seqs), device.cupy.asnumpy(d.slots)))
         return d
 
     device.draw = recording_draw
@@ -666,12 +666,18 @@ def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_tabl
             rec.item(0, 1)
 
     device.during_gather = writer_laps_the_record_ring
-    s = table.sample(8)  # stratified over 8 equal masses: row i draws slot i
+    s = to_cpu(table.sample(8))  # stratified over 8 equal masses: row i draws slot i
     keys = check_batch(s, rec, kind, 1, 8)  # each row's data is its key's item (obs stamps (p, t))
     first_keys, first_slots = drawn[0]
     assert first_slots.tolist() == list(range(8)) and table.torn == 1  # row 0 (seq 0) torn, redrawn
     assert keys[1:].tolist() == first_keys[1:].tolist() == list(range(1, 8))  # rows 1, 2 keep seqs 1, 2
     assert table._slot_seq[1] == 9 and table._slot_seq[2] == 10  # ... though their slots were reused
+
+
+@needs_emulation
+def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_table):
+    table, device = emulated_table("uniform", KINDS["transition"], P=1, S=16, R=8, num_buffers=1)
+    check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device)
 
 
 @needs_emulation
@@ -715,6 +721,100 @@ def test_emulated_restore_checkpoint_onto_a_device_in_a_new_segment(emulated_tab
         assert set(check_batch(s, rec2, kind, 2, 16).tolist()) <= set(new)
     finally:
         restored.close()
+
+
+def distribution_mismatch(got, reference, alpha=1e-6, min_expected=100):
+    """None when the counts ``got`` and ``reference`` (same keys, any totals) could come from one
+    distribution; otherwise why not. Two checks at family-wise level ``alpha``: the homogeneity
+    chi-square of the 2 × K table (critical value by Wilson–Hilferty) and, per key, the z of the
+    difference in frequencies against a Bonferroni bound. Power: a key that ``got`` never draws
+    has z ≈ sqrt(its reference count), so the check refuses (ValueError) a reference in which a
+    key was drawn fewer than ``min_expected`` times (100: z ≈ 10 against a bound of about 6)."""
+    a, b = np.asarray(got, np.float64), np.asarray(reference, np.float64)
+    if b.min() < min_expected:
+        raise ValueError(f"too few draws to detect a never-drawn key: a key drawn {b.min():.0f} < "
+                         f"{min_expected} times in the reference")  # fmt: skip
+    na, nb = a.sum(), b.sum()
+    pooled = (a + b) / (na + nb)
+    ea, eb = na * pooled, nb * pooled
+    K = len(a)
+    normal = statistics.NormalDist()
+    chi2 = float(((a - ea) ** 2 / ea).sum() + ((b - eb) ** 2 / eb).sum())
+    dof = K - 1
+    z = normal.inv_cdf(1 - alpha / 2)
+    critical = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+    diff = (a / na - b / nb) / np.sqrt(pooled * (1 - pooled) * (1 / na + 1 / nb))
+    bound = normal.inv_cdf(1 - alpha / (4 * K))
+    why = []
+    if chi2 > critical:
+        why.append(f"chi-square {chi2:.0f} > {critical:.0f} ({dof} dof)")
+    if np.abs(diff).max() > bound:
+        k = int(np.abs(diff).argmax())
+        why.append(f"key #{k}: {a[k]:.0f} of {na:.0f} vs {b[k]:.0f} of {nb:.0f} (z={diff[k]:.1f}, bound {bound:.1f})")
+    return "; ".join(why) or None
+
+
+def test_distribution_check_passes_equal_draws_and_catches_a_never_drawn_or_biased_key():
+    """The power check of the GPU chi-square test, on the CPU: over 20 seeds, samples of one
+    distribution always pass, a sample missing one key always fails, one with a key drawn twice as
+    often always fails; an underpowered sample is refused rather than passed."""
+    rng = np.random.default_rng(7)
+    K = 800
+    p = rng.random(K) + 0.2
+    p /= p.sum()
+    n = int(160 / p.min())
+    low = int(p.argmin())
+    for seed in range(20):
+        r = np.random.default_rng(seed)
+        a, b = r.multinomial(n, p), r.multinomial(n, p)
+        assert distribution_mismatch(a, b) is None, seed
+        missing = b.copy()
+        missing[(low + 1) % K] += missing[low]
+        missing[low] = 0  # a key the device never draws
+        assert distribution_mismatch(missing, a) is not None, seed
+        q = p.copy()
+        q[int(p.argmax())] *= 2  # one key drawn twice as often
+        assert distribution_mismatch(r.multinomial(n, q / q.sum()), a) is not None, seed
+    with pytest.raises(ValueError, match="too few draws"):
+        distribution_mismatch(a // 10, b // 10)
+
+
+def _key_counts(keys, known):
+    """Counts of ``keys`` per key of the sorted array ``known`` (every key must be known)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+    assert (known[at] == keys).all(), f"unknown keys drawn: {sorted(set(keys[known[at] != keys].tolist()))[:5]}"
+    return np.bincount(at, minlength=len(known)).astype(np.float64)
+
+
+def _cpu_selector_counts(table, draws, known, batch=1000):
+    """Counts per key of ``draws`` draws by the table's own CPU selector (the reference)."""
+    sel, P, R = table.selector, table.storage.num_partitions, table.storage.items_per_partition
+    counts = np.zeros(len(known))
+    for _ in range(-(-draws // batch)):
+        slots = sel.sample(batch).slots
+        counts += _key_counts(table._slot_seq[slots] * P + slots // R, known)
+    return counts
+
+
+@needs_emulation
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_emulated_draw_distribution_matches_the_cpu_selector(emulated_table, selector):
+    """The emulated kernels' draws through ``Table(device=...)`` against the table's own CPU
+    selector, by :func:`distribution_mismatch` (6 keys of priority 2, 3, 4; the emulation runs a
+    block of 256 fibers per draw, so one batch of 1000, every key expected >= 111 times)."""
+    kind = KINDS["transition"]
+    table, _ = emulated_table(selector, kind, P=2, S=16,
+                              selector_kwargs={"alpha": 1.0} if selector == "prioritized" else None)  # fmt: skip
+    rec = Recorder(table.storage, [0, 1])
+    for stream in (0, 1):
+        for j in range(3):
+            rec.append(stream)
+            rec.item(stream, 1, priority=2 + j)
+    table.scan()
+    known = np.array(sorted(rec.key(p, s) for p, s in rec.items))
+    gpu = _key_counts(table.sample(1000).keys, known)
+    assert distribution_mismatch(gpu, _cpu_selector_counts(table, 5000, known)) is None
 
 
 # ============================================================================ CUDA
