@@ -90,7 +90,7 @@ def set_rng_states(state: dict[str, Any]) -> None:
 # the only globals (beyond tensors) that ``torch.load(weights_only=True)`` is allowed here.
 _np_core = getattr(np, "_core", None) or np.core
 _LEGACY_SAFE = [_np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-_UNPICKLER_PROBLEM = re.compile(r"Unsupported (global: GLOBAL [\w.]+|operand \d+|class [\w.]+)|Unpickler error: ([^\n]*)")
+_UNPICKLER_PROBLEM = re.compile(r"Unsupported (global: GLOBAL [\w.]+|operand \d+|class [\w.]+)")
 
 
 def load_learner(path: Path) -> dict[str, Any]:
@@ -101,7 +101,8 @@ def load_learner(path: Path) -> dict[str, Any]:
             learner = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         m = _UNPICKLER_PROBLEM.search(str(exc))
-        what = (m.group(1) or m.group(2)).strip().rstrip(".") if m else str(exc).strip().splitlines()[0]
+        lines = str(exc).strip().splitlines() or ["?"]
+        what = m.group(1) if m else lines[-1].strip()[:200]
         raise CheckpointError(
             f"{path.parent}: {path.name} holds a pickled object that is not a tensor ({what}); refused "
             "without loading it (it could run code): a checkpoint from someone you do not trust?"
