@@ -559,3 +559,19 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     set_rng_states(load_learner(path / "learner.pt")["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+def test_a_checkpoint_written_before_rng_states_were_tensors_still_loads(tmp_path):
+    """Nothing already stored is lost: numpy's RNG state pickled as an ndarray (the old format)
+    is the one non-tensor global still allowed, and restores the same draws."""
+    import random
+
+    from gearflow.checkpoint import set_rng_states
+
+    legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    ckpt = RunCheckpoints(tmp_path).save(1, {"agent": {"w": torch.ones(2)}, "rng": legacy}, {"value": 1})
+    want = (np.random.rand(3), random.random())
+    found = RunCheckpoints(tmp_path).latest()
+    assert found.path == ckpt
+    set_rng_states(found.learner["rng"])
+    assert np.array_equal(np.random.rand(3), want[0]) and random.random() == want[1]
