@@ -249,23 +249,19 @@ class HostCupy(FakeCupy):
             TRACE.sync("stream.synchronize")
 
         def wait_event(self, event):
-            TRACE.op(f"wait for an event recorded on {event.recorded_on!r}", stream=self)
+            TRACE.op(f"wait for an event recorded on stream 0x{event.recorded_on:x}", stream=self)
 
         def __repr__(self):
             return f"Stream(0x{self.ptr:x}, cuda:{self.device_id})"
-
-    class ExternalStream(Stream):
-        def __init__(self, ptr):
-            self.ptr, self.device_id, self.non_blocking = ptr, TRACE.device(), False
 
     class Event:
         def __init__(self, disable_timing=False):
             TRACE.events += 1
             self.recorded_on = None
 
-        def record(self, stream=None):
-            self.recorded_on = stream
-            TRACE.op("event.record", stream=stream)
+        def record(self, stream=None):  # CuPy reads stream.ptr only
+            self.recorded_on = stream.ptr
+            TRACE.op("event.record", stream=stream if isinstance(stream, HostCupy.Stream) else stream.ptr)
 
         def synchronize(self):
             TRACE.sync("event.synchronize")
@@ -301,8 +297,7 @@ class HostCupy(FakeCupy):
 
     def __init__(self, devices=1):
         super().__init__()
-        self.cuda = SimpleNamespace(Stream=HostCupy.Stream, ExternalStream=HostCupy.ExternalStream,
-                                    Event=HostCupy.Event, Device=HostCupy.Device,
+        self.cuda = SimpleNamespace(Stream=HostCupy.Stream, Event=HostCupy.Event, Device=HostCupy.Device,
                                     runtime=HostCupy.Runtime(devices),
                                     alloc_pinned_memory=lambda n: bytearray(n))  # fmt: skip
         self.random = SimpleNamespace(RandomState=HostCupy.RandomState)
@@ -539,8 +534,8 @@ def test_emulated_sample_is_one_stream_on_its_device_with_one_host_sync(emulated
         ops = _ops_of(device)
         assert {d for what, d, _ in ops if not what.startswith("host sync")} == {1}, ops  # none on cuda:0
         # first: the consumer's queued work is waited for, before anything this sample writes
-        assert ops[0][0] == "event.record" and ops[0][2].ptr == CONSUMER
-        assert ops[1][0] == f"wait for an event recorded on Stream(0x{CONSUMER:x}, cuda:1)" and ops[1][2] == "stream"
+        assert ops[0][0] == "event.record" and ops[0][2] == CONSUMER
+        assert ops[1][0] == f"wait for an event recorded on stream 0x{CONSUMER:x}" and ops[1][2] == "stream"
         assert all(st == "stream" for _, _, st in ops[1:-1]), [op for op in ops if op[2] != "stream"]
         assert TRACE.syncs == ["event.synchronize"] and ops[-1][0] == "host sync: event.synchronize"
         assert TRACE.events == 0  # the two events were made with the table, and are reused
@@ -654,6 +649,7 @@ def check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device, to_cpu
 
     def recording_draw(batch_size, num_live):
         d = draw(batch_size, num_live)
+        device.stream.synchronize()  # the test's own read of the draw (asnumpy runs on another stream)
         drawn.append((device.cupy.asnumpy(d.seqs), device.cupy.asnumpy(d.slots)))
         return d
 
@@ -856,6 +852,9 @@ def test_cuda_table_returns_what_was_written(make_table, selector, kind_name):
 @needs_gpu
 @pytest.mark.parametrize("selector", ["uniform", "prioritized"])
 def test_cuda_draw_distribution_matches_the_cpu_selector(make_table, selector):
+    """Device draws through ``Table(device="cuda")`` against the table's own CPU selector, by the
+    power-checked :func:`distribution_mismatch` (about 800 keys; enough draws that every key is
+    expected >= 120 times on each side, so a never-drawn key fails with z >= 11)."""
     kind = KINDS["transition"]
     table = make_table(SPEC, P=2, S=512, kind=kind, selector=selector, device="cuda",
                        selector_kwargs={"alpha": 1.0} if selector == "prioritized" else None)  # fmt: skip
@@ -863,17 +862,14 @@ def test_cuda_draw_distribution_matches_the_cpu_selector(make_table, selector):
     for stream in (0, 1):
         rec.episode(stream, 400, kind)
     table.scan()
-    keys = sorted(rec.key(p, s) for p, s in rec.items)
-    index = {k: i for i, k in enumerate(keys)}
-    p = np.array([rec.items[(k % 2, k // 2)][2] for k in keys]) if selector == "prioritized" else np.ones(len(keys))
-    counts = np.zeros(len(keys))
-    for _ in range(200):
-        got = table.sample(1000).keys.cpu().numpy()
-        np.add.at(counts, [index[k] for k in got.tolist()], 1)
-    expected = counts.sum() * p / p.sum()
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    dof = len(keys) - 1
-    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
+    known = np.array(sorted(rec.key(p, s) for p, s in rec.items))
+    p = np.array([rec.items[(k % 2, k // 2)][2] for k in known]) if selector == "prioritized" else np.ones(len(known))
+    batches = int(np.ceil(120 * p.sum() / p.min() / 1000))
+    gpu = np.zeros(len(known))
+    for _ in range(batches):
+        gpu += _key_counts(table.sample(1000).keys.cpu().numpy(), known)
+    why = distribution_mismatch(gpu, _cpu_selector_counts(table, batches * 1000, known))
+    assert why is None, why
 
 
 @pytest.mark.cuda
@@ -899,6 +895,162 @@ def test_cuda_torn_items_are_redrawn_never_returned(make_table, kind_name):
     keys = check_batch(_cpu(table.sample(32)), rec, kind, 1, 32)
     assert all(rec.items[(0, k)][0] >= 6 for k in keys.tolist())
     assert table.torn > 0
+
+
+def _stamp_table(make_table, kind, **kw):
+    table = make_table(SPEC, P=2, S=64, kind=kind, selector="prioritized", device="cuda", num_buffers=2, **kw)
+    rec = Recorder(table.storage, [0, 1])
+    for stream in (0, 1):
+        for length in (9, 14, 6, 11):
+            rec.episode(stream, length, kind)
+    table.scan()
+    return table, rec
+
+
+def _prefetch(table, batch_size):
+    """``table.sample`` in another thread, as the learner's prefetcher calls it."""
+    box = {}
+
+    def run():
+        try:
+            box["sample"] = table.sample(batch_size)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "sample hung"
+    if "error" in box:
+        raise box["error"]
+    return box["sample"]
+
+
+BUSY_CYCLES = 20_000_000  # torch.cuda._sleep: about 10 ms of one kernel at ~2 GHz
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("kind_name", ["transition", "sequence"])
+def test_cuda_rows_match_their_keys_while_the_learner_stream_is_busy(make_table, kind_name):
+    """Issue 18 point 1 on a GPU: the learner's stream (torch's current stream, the legacy
+    default stream CuPy also calls current) is busy with a long kernel while the prefetcher
+    samples. Priorities change before each sample, so a gather that read stale records would
+    return another batch's rows; every row is stamp-checked against its key."""
+    kind = KINDS[kind_name]
+    table, rec = _stamp_table(make_table, kind)
+    keys = torch.tensor(sorted(rec.key(p, s) for p, s in rec.items))
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(30):
+        table.update_priorities(keys, torch.from_numpy(rng.random(len(keys)) ** 4 + 1e-3))
+        torch.cuda._sleep(BUSY_CYCLES)  # the learner's forward/backward, still running
+        s = _prefetch(table, 24)
+        got = check_batch(_cpu(s), rec, kind, 2, 24)
+        seen.add(tuple(got.tolist()))
+    assert len(seen) > 20  # the batches differed: stale rows would have shown
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_a_batch_torch_still_reads_is_not_overwritten(make_table):
+    """Issue 18 point 2 on a GPU: the learner queues reads of batch 0 (keys, weights,
+    probabilities, data) behind a long kernel; the prefetcher then samples until the buffer
+    sets wrap around to batch 0's. What the learner read must be batch 0 as it was returned."""
+    kind = KINDS["transition"]
+    table, rec = _stamp_table(make_table, kind)  # two buffer sets: the third sample reuses the first's
+    s0 = table.sample(16)
+    want = _cpu(s0)
+    torch.cuda._sleep(BUSY_CYCLES)  # the learner is busy ...
+    read = {"keys": s0.keys.clone(), "weights": s0.weights.clone(), "probabilities": s0.probabilities.clone(),
+            **{k: v.clone() for k, v in s0.data.items()}}  # ... and reads batch 0 after it  # fmt: skip
+    for _ in range(3):
+        _prefetch(table, 16)
+    torch.cuda.synchronize()
+    assert torch.equal(read["keys"].cpu(), want.keys) and torch.equal(read["weights"].cpu(), want.weights)
+    assert torch.equal(read["probabilities"].cpu(), want.probabilities)
+    assert all(torch.equal(read[k].cpu(), want.data[k]) for k in want.data)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_table_on_an_explicit_device_index(make_table):
+    kind = KINDS["sequence"]
+    table, rec = _stamp_table(make_table, kind)
+    assert table._device.device_id == torch.cuda.current_device()
+    made = []
+    t0 = make_table(SPEC, P=2, S=64, kind=kind, selector="prioritized",
+                    table_cls=_factory(lambda st, k, sel: DeviceReplay(st, k, sel, device=0), made))  # fmt: skip
+    assert made[0].device_id == 0 and made[0].stream.device_id == 0
+    rec0 = _fill(t0, kind)
+    s = t0.sample(8)
+    assert all(v.device == torch.device("cuda", 0) for v in (s.keys, s.weights, s.probabilities, *s.data.values()))
+    check_batch(_cpu(s), rec0, kind, 2, 8)
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (cuda:1 while cuda:0 is current)")
+def test_cuda_table_on_the_second_gpu_keeps_everything_there(make_table):
+    kind = KINDS["transition"]
+    with torch.cuda.device(0):
+        table = make_table(SPEC, P=2, S=32, kind=kind, selector="prioritized", device="cuda:1")
+        rec = _fill(table, kind)
+        assert table._device.device_id == 1 and table._device.stream.device_id == 1
+        s = table.sample(8)
+        assert all(v.device == torch.device("cuda", 1) for v in (s.keys, s.weights, *s.data.values()))
+        check_batch(_cpu(s), rec, kind, 2, 8)
+        assert table.update_priorities(s.keys, torch.ones(8, device=s.keys.device)) == 8
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("kind_name", sorted(KINDS))
+def test_cuda_impossible_slots_are_redrawn_never_returned(make_table, kind_name):
+    import cupy
+
+    kind = KINDS[kind_name]
+    table = make_table(SPEC, P=2, S=32, kind=kind, selector="prioritized",
+                       table_cls=_factory(lambda st, k, sel: DeviceReplay(st, k, sel, select=ImpossibleSelect(cupy)),
+                                          []))  # fmt: skip
+    rec = _fill(table, kind)
+    ImpossibleSelect.bad_rounds = 2
+    s = table.sample(9)
+    assert ImpossibleSelect.bad_rounds == 0
+    check_batch(_cpu(s), rec, kind, 2, 9)
+    assert torch.isfinite(s.weights).all() and table.torn == 0
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_redraw_keeps_the_records_of_the_rows_not_redrawn(make_table):
+    made = []
+    table = make_table(SPEC, P=1, S=16, R=8, kind=KINDS["transition"], selector="uniform", num_buffers=1,
+                       table_cls=_factory(OverwritingDeviceReplay, made))  # fmt: skip
+    check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, made[0], _cpu)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_restore_checkpoint_onto_the_device(make_table, tmp_path):
+    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+
+    kind = KINDS["sequence"]
+    table = make_table(SPEC, P=2, S=32, kind=kind, selector="prioritized")
+    rec = _fill(table, kind)
+    save_checkpoint(table, tmp_path / "replay")
+    restored = restore_checkpoint(tmp_path / "replay", device="cuda:0")
+    try:
+        assert restored.device == "cuda" and restored.size == table.size
+        check_batch(_cpu(restored.sample(16)), rec, kind, 2, 16)
+    finally:
+        restored.close()
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_probe_compiled_and_ran_a_kernel():
+    assert CUPY.ok and "a test kernel ran on cuda:" in CUPY.detail, CUPY.detail
 
 
 @no_cupy_here

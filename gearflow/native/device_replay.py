@@ -196,6 +196,20 @@ def _torch_stream(device_id: int) -> int | None:
     return int(torch.cuda.current_stream(device_id).cuda_stream)
 
 
+class _RawStream:
+    """A stream CuPy does not own, by its raw ``cudaStream_t`` (0: the legacy default stream):
+    what ``cupy.cuda.Event.record`` reads (``.ptr``). CuPy's ``ExternalStream`` is deprecated
+    in CuPy 14 and ``Stream.from_external`` is not in 13."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __repr__(self) -> str:
+        return f"consumer stream 0x{self.ptr:x}"
+
+
 class _OnDevice:
     """``with self._on:`` = ``with cupy.cuda.Device(i), stream:`` (entered in that order)."""
 
@@ -277,7 +291,7 @@ class DeviceReplay:
             # "consumer" orders this stream after the consumer's queued reads of the buffer sets
             self._gathered = cp.cuda.Event(disable_timing=True)
             self._consumer_done = cp.cuda.Event(disable_timing=True)
-            self._consumer: tuple[int, Any] | None = None  # (raw stream, ExternalStream)
+            self._consumer = _RawStream(0)  # the consumer's stream, re-pointed per sample
             self._pinned = cp.cuda.alloc_pinned_memory(8)  # int64: impossible slots of the last gather
             self._status_host = np.frombuffer(self._pinned, dtype=np.int64, count=1)
             with self.stream:
@@ -384,9 +398,8 @@ class DeviceReplay:
         ptr = self._consumer_stream()
         if ptr is None:  # no CUDA consumer (CPU torch, the emulation): its code has already run
             return
-        if self._consumer is None or self._consumer[0] != ptr:
-            self._consumer = (ptr, self.cupy.cuda.ExternalStream(ptr))
-        self._consumer_done.record(self._consumer[1])
+        self._consumer.ptr = ptr
+        self._consumer_done.record(self._consumer)
         self.stream.wait_event(self._consumer_done)
 
     def draw(self, batch_size: int, num_live: int) -> DeviceDraw:
