@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -926,6 +927,98 @@ def test_emulated_select_kernels_match_the_reference(emulated):
     assert slots.tolist() == [-1, -1] and probs.tolist() == [0.0, 0.0]
     values = rng.permutation(1000).astype(np.float64)
     assert np.array_equal(s.top_k(values, 10), top_k(values, 10))
+
+
+# ============================================================================ probe (CPU, injected CuPy)
+class ProbeCupy:
+    """A CuPy module for :func:`probe_cupy`: each step can fail as it does on a real machine;
+    the probe kernel itself runs under the g++ emulation when ``kernel_dir`` is given."""
+
+    int64 = np.int64
+
+    def __init__(self, tmp_path, fail=None, devices=1, wrong=False):
+        self.__version__, self.fail, self.tmp_path, self.wrong = "13.6.0", fail, tmp_path, wrong
+        self.launched = []
+
+        class Runtime:
+            def getDeviceCount(_):
+                if fail == "driver":
+                    raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+                return devices
+
+            def getDevice(_):
+                return 0
+
+        class Nvrtc:
+            def getVersion(_):
+                if fail == "nvrtc":
+                    raise OSError("libnvrtc.so.12: cannot open shared object file: No such file or directory")
+                return (12, 8)
+
+        self.cuda = SimpleNamespace(runtime=Runtime(), nvrtc=Nvrtc())
+
+    def RawKernel(self, code, name):  # noqa: N802 - CuPy's name
+        probe = self
+
+        class Kernel:
+            def compile(_):
+                if probe.fail == "compile":
+                    raise RuntimeError("CompileException: catastrophic error: cannot open source file")
+
+            def __call__(_, grid, block, args):
+                if probe.fail == "launch":
+                    raise RuntimeError("CUDARuntimeError: cudaErrorNoKernelImageForDevice")
+                src = probe.tmp_path / "probe.cu"
+                src.write_text(code)
+                fn = EmulatedModule(compile_emulated(src, probe.tmp_path)).get_function(name)
+                a, out, n = args
+                pad = lambda t: tuple(t) + (1,) * (3 - len(t))  # noqa: E731 - CuPy takes 1-3 dims
+                fn(pad(grid), pad(block), (np.uint64(a.ctypes.data), np.uint64(out.ctypes.data), n))
+                if probe.wrong:
+                    out[0] += 1
+                probe.launched.append(name)
+
+        return Kernel()
+
+    def arange(self, n, dtype):
+        return np.arange(n, dtype=dtype)
+
+    def zeros(self, n, dtype):
+        return np.zeros(n, dtype=dtype)
+
+    def asnumpy(self, a):
+        return np.asarray(a)
+
+
+@needs_emulation
+def test_probe_cupy_compiles_and_runs_a_kernel_and_names_what_is_missing(tmp_path):
+    ok = ProbeCupy(tmp_path)
+    p = probe_cupy(ok)
+    assert p.ok and p.detail == "cupy 13.6.0, NVRTC 12.8, 1 device(s); a test kernel ran on cuda:0", p
+    assert ok.launched == ["gearflow_probe"]  # the kernel source itself ran (under the emulation)
+    cases = {
+        "driver": "imports but the CUDA driver or device is missing: RuntimeError: cudaErrorInsufficientDriver",
+        "nvrtc": "but NVRTC is missing (OSError: libnvrtc.so.12: cannot open shared object file",
+        "compile": "NVRTC 12.8: a test kernel does not compile (RuntimeError: CompileException",
+        "launch": "a test kernel compiled but did not run (RuntimeError: CUDARuntimeError: cudaErrorNoKernelImage",
+    }
+    for fail, why in cases.items():
+        p = probe_cupy(ProbeCupy(tmp_path, fail=fail))
+        assert not p.ok and why in p.detail and "\n" not in p.detail, (fail, p.detail)
+    assert "pip install 'cupy-cuda12x[ctk]'" in probe_cupy(ProbeCupy(tmp_path, fail="nvrtc")).detail
+    assert probe_cupy(ProbeCupy(tmp_path, devices=0)).detail == "cupy 13.6.0: no CUDA device"
+    assert "returned wrong values" in probe_cupy(ProbeCupy(tmp_path, wrong=True)).detail
+
+
+@needs_nvcc
+def test_probe_kernel_compiles_to_ptx(tmp_path):
+    from gearflow.native import PROBE_KERNEL
+
+    (tmp_path / "probe.cu").write_text(PROBE_KERNEL)
+    proc = subprocess.run([NVCC, "--ptx", "-arch=sm_90", "-o", str(tmp_path / "probe.ptx"), str(tmp_path / "probe.cu")],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert ".entry gearflow_probe" in (tmp_path / "probe.ptx").read_text()
 
 
 # ============================================================================ packaging
