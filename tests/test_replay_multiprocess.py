@@ -41,8 +41,11 @@ def item_of(seq, base_seq, base_pos):
     return base_pos + j + 1 - n, n
 
 
-def writer_main(name, partitions, steps, q, pause_every=4):
-    """One actor: appends ``steps`` steps to each of its partitions, one item per stream per step."""
+def writer_main(name, partitions, steps, q, pause_every=4, hold_at=None, hold=None):
+    """One actor: appends ``steps`` steps to each of its partitions, one item per stream per step.
+
+    With ``hold_at``, it reports ``("held", pid, positions)`` after that many steps and waits
+    for the event ``hold`` (the test decides when it goes on, not the scheduler)."""
     st = SharedStorage.attach(name)
     try:
         w = Writer(st, partitions, insert_timeout_s=30)
@@ -55,6 +58,10 @@ def writer_main(name, partitions, steps, q, pause_every=4):
             )
         )
         for i in range(steps):
+            if i == hold_at:
+                q.put(("held", os.getpid(), w.positions.tolist(), None))
+                if not hold.wait(120):
+                    raise TimeoutError("the test never released the writer")
             w.append(encode(w.partitions, w.positions))
             L = w.episode_lengths()
             w.create_items(1.0 + (w.positions % 5), np.minimum(L, NSTEP))
@@ -92,8 +99,8 @@ def verify(sample, P, bases):
     return p, seq, start
 
 
-def _spawn(ctx, *args):
-    proc = ctx.Process(target=writer_main, args=args, daemon=True)
+def _spawn(ctx, *args, **kwargs):
+    proc = ctx.Process(target=writer_main, args=args, kwargs=kwargs, daemon=True)
     proc.start()
     return proc
 
@@ -105,10 +112,28 @@ def _stop(procs):
         proc.join(10)
 
 
-def _expect(q, kind, timeout=60):
-    msg = q.get(timeout=timeout)
-    assert msg[0] == kind, msg
-    return msg
+class Messages:
+    """The writers' reports, by (kind, pid): processes report in whatever order they run."""
+
+    def __init__(self, q):
+        self.q, self.seen = q, {}
+
+    def _read(self, timeout):
+        msg = self.q.get(timeout=timeout)  # a failure bound: a writer that never reports
+        assert msg[0] != "error", msg
+        self.seen[(msg[0], msg[1])] = msg
+
+    def has(self, kind, pid):
+        """Whether ``pid`` has reported ``kind`` yet (reads what is queued, waits for nothing)."""
+        while (kind, pid) not in self.seen and not self.q.empty():
+            self._read(timeout=10)  # queued: it arrives at once
+        return (kind, pid) in self.seen
+
+    def expect(self, kind, pid, timeout=120):
+        """The ``kind`` report of process ``pid`` (waiting for it; other reports are kept)."""
+        while (kind, pid) not in self.seen:
+            self._read(timeout)
+        return self.seen[(kind, pid)]
 
 
 @pytest.fixture
@@ -125,13 +150,15 @@ def test_two_writer_processes_while_sampling(table):
     P, S, STEPS = 4, 128, 2500
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    msgs = Messages(q)
+    hold = ctx.Event()  # both writers wait half-way until the sampler has drawn 10 batches
     procs = []
     try:
         procs = [
-            _spawn(ctx, table.storage.name, [0, 1], STEPS, q),
-            _spawn(ctx, table.storage.name, [2, 3], STEPS, q),
+            _spawn(ctx, table.storage.name, [0, 1], STEPS, q, hold_at=STEPS // 2, hold=hold),
+            _spawn(ctx, table.storage.name, [2, 3], STEPS, q, hold_at=STEPS // 2, hold=hold),
         ]
-        starts = [_expect(q, "start"), _expect(q, "start")]
+        starts = [msgs.expect("start", proc.pid) for proc in procs]
         assert all(m[2] == [0, 0] and m[3] == [0, 0] for m in starts)
         bases = {p: [(0, 0)] for p in range(P)}
         sampled_parts = set()
@@ -142,11 +169,13 @@ def test_two_writer_processes_while_sampling(table):
             p, _, _ = verify(s, P, bases)
             sampled_parts.update(p.tolist())
             batches_during += 1
-        done = [q.get(timeout=10), q.get(timeout=10)]
+            if batches_during == 10:
+                hold.set()
+        done = [msgs.expect("done", proc.pid) for proc in procs]
         for proc in procs:
             proc.join(10)
             assert proc.exitcode == 0
-        assert all(m[0] == "done" and m[2] == [STEPS, STEPS] for m in done), done
+        assert all(m[2] == [STEPS, STEPS] for m in done), done
     finally:
         _stop(procs)
     assert batches_during >= 10, f"only {batches_during} batches overlapped the writers"
@@ -179,16 +208,18 @@ def test_killed_writer_is_replaced_and_old_data_stays_sampleable():
     )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    msgs = Messages(q)
+    never = ctx.Event()
     procs = []
     try:
         try:
-            a = _spawn(ctx, storage.name, [0, 1], 10**9, q)  # runs until killed
+            # writes 200 steps per partition (sampled meanwhile), then waits until killed
+            a = _spawn(ctx, storage.name, [0, 1], 10**9, q, hold_at=200, hold=never)
             procs.append(a)
-            _expect(q, "start")
+            msgs.expect("start", a.pid)
             bases = {p: [(0, 0)] for p in range(P)}
-            deadline = time.monotonic() + 60
-            while storage.counters[:, COMMIT].min() < 150:
-                assert time.monotonic() < deadline and a.is_alive()
+            while not msgs.has("held", a.pid):
+                assert a.is_alive()
                 verify(table.sample(32), P, bases)
             os.kill(a.pid, signal.SIGKILL)
             a.join(10)
@@ -196,9 +227,7 @@ def test_killed_writer_is_replaced_and_old_data_stays_sampleable():
             c = storage.counters
             old_pos = np.maximum(c[:, RESERVE], c[:, COMMIT]).copy()
             old_pub = c[:, PUBLISHED].copy()
-            assert (old_pos >= 150).all() and (old_pos < S).all(), (
-                old_pos
-            )  # nothing overwritten yet
+            assert old_pos.tolist() == [200, 200]  # nothing overwritten yet (S = 256)
 
             # the dead writer's items are still there
             for _ in range(5):
@@ -210,7 +239,7 @@ def test_killed_writer_is_replaced_and_old_data_stays_sampleable():
             new_steps = 120
             b = _spawn(ctx, storage.name, [0, 1], new_steps, q)
             procs.append(b)
-            msg = _expect(q, "start")
+            msg = msgs.expect("start", b.pid)
             assert msg[2] == old_pos.tolist() and msg[3] == old_pub.tolist()
             for p in range(P):
                 bases[p].append((int(old_pub[p]), int(old_pos[p])))
@@ -218,7 +247,7 @@ def test_killed_writer_is_replaced_and_old_data_stays_sampleable():
                 verify(table.sample(32), P, bases)
             b.join(10)
             assert b.exitcode == 0
-            assert _expect(q, "done")[2] == (old_pos + new_steps).tolist()
+            assert msgs.expect("done", b.pid)[2] == (old_pos + new_steps).tolist()
         finally:
             _stop(procs)
         assert c[:, COMMIT].tolist() == c[:, RESERVE].tolist() == (old_pos + new_steps).tolist()
@@ -234,7 +263,6 @@ def test_killed_writer_is_replaced_and_old_data_stays_sampleable():
             old_seen += int(old.sum())
             new_seen += int((~old).sum())
         assert old_seen > 0 and new_seen > 0
-        if (limit > 0).any():
-            assert table.stats()["replay/evictions"] > 0
+        assert (limit > 0).all() and table.stats()["replay/evictions"] > 0
     finally:
         table.close()
