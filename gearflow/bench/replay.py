@@ -9,7 +9,9 @@ Workloads (sizes at ``--scale 1``):
   windows of 32 (period 16); prioritized batches of 64.
 * ``W3`` concurrency — a writer process inserts W1 steps while this process
   samples, for a bounded time; both rates against their solo rates, and every
-  sampled row is verified (stamp column + obs byte pattern): zero torn rows.
+  byte of every sampled row is checked against the steps its item's key names:
+  zero torn rows, and at least one overwritten item caught and redrawn (else
+  the run fails: the check proved nothing).
 * ``W4`` scale — cost of a batch-256 prioritized sample at 10^5, 10^6, 10^7 items.
 
 ``--device cuda`` runs the GPU workloads instead (``gearflow/bench/replay_cuda.py``).
@@ -233,55 +235,73 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
 # ----------------------------------------------------------------------------- W3
 
 
-def _stamp_obs(chunk: np.ndarray, steps: np.ndarray) -> None:
-    """Fill each obs with one byte derived from its step index."""
-    chunk[:] = (steps % 251 + 1).astype(np.uint8)[:, None, None, None]
+def _stamp_obs(chunk: dict[str, np.ndarray], steps: np.ndarray) -> None:
+    """Make every byte of each row say which step it is: obs (uint8[4,84,84]) viewed as int64
+    words, each word = the step; ``stamp`` and ``action`` = the step; ``reward`` = step mod
+    2^16 (exact in float32); ``done`` = step mod 3 == 0."""
+    n = steps.size
+    chunk["obs"].reshape(n, -1).view(np.int64)[:] = steps[:, None]  # (n, 3528) words
+    chunk["stamp"][:] = steps
+    chunk["action"][:] = steps
+    chunk["reward"][:] = (steps % 65536).astype(np.float32)
+    chunk["done"][:] = steps % 3 == 0
 
 
-def _w3_writer(name: str, seconds: float, go, done_q) -> None:
-    """Writer process: inserts stamped W1 steps with 4-step items until ``seconds`` pass."""
+def _w3_writer(name: str, seconds: float, go, stop, q) -> None:
+    """Writer process: inserts stamped W1 steps with 4-step items, for at least ``seconds``
+    and until ``stop`` is set. Reports ``("base", first step, first item seq)`` (item ``seq``
+    then starts at step ``first step + seq - first item seq``) and, at the end, its rate."""
     torch.set_num_threads(1)
     storage = SharedStorage.attach(name)
     try:
         writer = Writer(storage, [0], insert_timeout_s=seconds + 30)
+        pos0 = int(writer.positions[0])
+        q.put(("base", pos0, int(storage.total_inserts())))
         rng = np.random.default_rng(1)
         chunk = _chunk(storage.spec, 64, rng)
 
         def insert() -> None:
             pos = int(writer.positions[0])
-            idx = np.arange(pos, pos + 64)
-            _stamp_obs(chunk["obs"], idx)
-            chunk["stamp"][:] = idx
+            _stamp_obs(chunk, np.arange(pos, pos + 64, dtype=np.int64))
             first = writer.extend(chunk)
             ends = first + np.arange(1, 65)
-            ends = ends[ends - 4 >= writer.episode_starts()[0]]
+            ends = ends[ends - 4 >= writer.episode_starts()[0]]  # the first item starts at pos0
             writer.create_items(rng.random(ends.size) + 0.01, 4, streams=0, ends=ends)
 
         for _ in range(storage.steps_per_partition // 64 + 1):
             insert()  # one untimed lap: this process's page tables fill in
         go.wait()
         steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        while time.perf_counter() - start < seconds or not stop.is_set():
             insert()
             steps += 64
-        done_q.put(steps / (time.perf_counter() - start))
+        q.put(("rate", steps / (time.perf_counter() - start), None))
     finally:
         storage.close()
 
 
-def _verify(sample) -> int:
-    """Rows of a W3 batch whose stamp or obs pattern does not match the item's steps."""
+def _verify(sample, bases: list[tuple[int, int]]) -> int:
+    """Rows of a W3 batch that are not exactly what its item's steps hold, every byte of
+    every column compared. ``bases``: (first item seq, first step) of each writer run, in
+    order; the item's first step comes from its key, not from the row."""
     d = sample.data
-    want_first = (d["stamp"] % 251 + 1).to(torch.uint8)
-    obs = d["obs"].view(d["obs"].shape[0], -1)
-    nxt = d["next_obs"].view(obs.shape[0], -1)
-    want_last = ((d["stamp"] + 3) % 251 + 1).to(torch.uint8)
-    bad = (obs[:, 0] != want_first) | (obs[:, -1] != want_first)
-    bad |= (nxt[:, 0] != want_last) | (nxt[:, -1] != want_last)
+    seq = sample.keys.numpy()  # one partition: key = seq
+    seqs0 = np.array([b[0] for b in bases])
+    run = np.searchsorted(seqs0, seq, side="right") - 1
+    first = torch.from_numpy(np.array([b[1] for b in bases])[run] + seq - seqs0[run])  # (B,)
+    B = first.shape[0]
+    obs = d["obs"].reshape(B, -1).view(torch.int64)  # (B, 3528) words, each = the step
+    nxt = d["next_obs"].reshape(B, -1).view(torch.int64)  # the item's last step: first + 3
+    bad = (obs != first[:, None]).any(1) | (nxt != (first + 3)[:, None]).any(1)
+    bad |= (d["stamp"] != first) | (d["action"] != first)
+    bad |= d["reward"] != (first % 65536).float()
+    bad |= d["done"] != (first % 3 == 0)
     return int(bad.sum())
 
 
 def w3(emit: Emit, scale: float, seed: int) -> None:
+    """Raises (after emitting its records) when a torn or wrong row was returned, or when no
+    torn item was detected and redrawn: then the check proved nothing."""
     steps = max(4096, int(100_000 * scale)) // 64 * 64
     seconds = max(1.5, 5.0 * scale)
     table = _make_table(W3_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
@@ -294,37 +314,56 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     try:
         rates: dict[str, float] = {}
+        bases: list[tuple[int, int]] = []
         for phase in ("writer_solo", "concurrent"):
-            go, q = ctx.Event(), ctx.Queue()
-            proc = ctx.Process(target=_w3_writer, args=(table.storage.name, seconds, go, q), daemon=True)
+            go, stop, q = ctx.Event(), ctx.Event(), ctx.Queue()
+            proc = ctx.Process(target=_w3_writer, args=(table.storage.name, seconds, go, stop, q), daemon=True)
             proc.start()
             procs.append(proc)
+            _, pos0, seq0 = q.get(timeout=120)
+            bases.append((seq0, pos0))
             if phase == "concurrent":
                 table.wait_until_ready(256, timeout_s=60)
+            else:
+                stop.set()  # solo: the writer runs ``seconds``
             go.set()
             if phase == "concurrent":
+                # sample for ``seconds``, and on until the seqlock has caught at least one
+                # item overwritten mid-gather (a loaded machine may starve the writer for a while)
                 samples, bad, start = 0, 0, time.perf_counter()
-                while proc.is_alive() and time.perf_counter() - start < seconds:
+                while proc.is_alive():
                     s = table.sample(256)
-                    bad += _verify(s)
+                    bad += _verify(s, bases)
                     samples += 1
-                rates["sampler_concurrent"] = samples / (time.perf_counter() - start)
+                    elapsed = time.perf_counter() - start
+                    if elapsed >= seconds and (table.torn > 0 or elapsed >= seconds + 120):
+                        if not stop.is_set():
+                            rates["sampler_concurrent"] = samples / elapsed
+                        stop.set()
                 rates["torn_rows"] = bad
-            rates[phase] = q.get(timeout=seconds + 60)
+            rates[phase] = q.get(timeout=seconds + 180)[1]
             proc.join(timeout=30)
             table.scan()
             if phase == "writer_solo":
                 samples, bad, start = 0, 0, time.perf_counter()
                 while time.perf_counter() - start < seconds:
                     s = table.sample(256)
-                    bad += _verify(s)
+                    bad += _verify(s, bases)
                     samples += 1
                 rates["sampler_solo"] = samples / (time.perf_counter() - start)
                 rates["torn_rows_solo"] = bad
+        torn_rows = rates["torn_rows"] + rates["torn_rows_solo"]
         emit(_record("W3", "writer_steps_per_s", rates["concurrent"], "steps/s", rates["writer_solo"]))
         emit(_record("W3", "sampler_batches_per_s", rates["sampler_concurrent"], "batches/s", rates["sampler_solo"]))
-        emit(_record("W3", "torn_or_corrupt_rows_returned", rates["torn_rows"] + rates["torn_rows_solo"], "rows"))
+        emit(_record("W3", "torn_or_corrupt_rows_returned", torn_rows, "rows"))
         emit(_record("W3", "torn_items_detected_and_resampled", table.torn, "items"))
+        if torn_rows:
+            raise GearflowError(f"W3: {torn_rows} sampled rows did not hold their item's steps (torn reads returned)")
+        if not table.torn:
+            raise GearflowError(
+                "W3: no overwritten item was detected and redrawn while the writer ran, so the "
+                "torn-read check proved nothing (ring too large for the write rate?)"
+            )
     finally:
         torch.set_num_threads(threads)
         for proc in procs:
