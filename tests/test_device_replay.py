@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import statistics
 import subprocess
 import threading
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -100,6 +102,21 @@ def test_table_on_cuda_without_cupy_fails_cleanly_and_leaves_the_storage_to_its_
         raise
     table.close()
     assert not (SHM_DIR / storage.name).exists()  # and the leak fixture checks /dev/shm
+
+
+@no_cupy_here
+def test_gpu_check_stops_at_its_first_step_naming_what_is_missing(tmp_path):
+    """launch/gpu_check.sh on a machine where the CUDA tests would only skip: it says what is
+    missing (with the install command) and exits 1 before running any test."""
+    script = Path(__file__).resolve().parents[1] / "launch" / "gpu_check.sh"
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "gpu_check.log")], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "gpu_check: MISSING: CuPy cannot run a kernel: not installed" in proc.stderr
+    assert "pip install 'gearflow[gpu]'" in proc.stderr and "would only skip" in proc.stderr
+    if not TORCH_CUDA.ok and "CPU-only" in TORCH_CUDA.detail:
+        assert "is a CPU-only build: pip install torch --index-url" in proc.stderr
+    assert "cuda tests" not in proc.stdout and "prerequisites FAILED" in proc.stdout
 
 
 def test_table_device_argument_is_checked(make_table):
