@@ -23,8 +23,8 @@ import logging
 import os
 import statistics
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -400,7 +400,7 @@ def emulated_table(make_table, emulated_device):
 
     def make(selector, kind, P=2, S=32, devices=1, device=None, select_cls=CudaSelect, **kw):
         made = []
-        device_for = lambda st, k, sel: emulated_device(st, k, sel, devices, select_cls, device=device)  # noqa: E731
+        device_for = lambda st, k, sel: emulated_device(st, k, sel, devices, select_cls, device=device)
         table = make_table(SPEC, P=P, S=S, kind=kind, selector=selector, table_cls=_factory(device_for, made), **kw)
         return table, made[0]
 
@@ -630,7 +630,7 @@ class ImpossibleSelect(CudaSelect):
 @pytest.mark.parametrize("kind_name", sorted(KINDS))
 def test_emulated_impossible_slots_are_redrawn_never_returned(emulated_table, kind_name):
     kind = KINDS[kind_name]
-    table, device = emulated_table("prioritized", kind, select_cls=ImpossibleSelect)
+    table, _ = emulated_table("prioritized", kind, select_cls=ImpossibleSelect)
     rec = _fill(table, kind)
     size = table.size
     for rounds in (1, 3):
@@ -975,7 +975,7 @@ def test_cuda_a_batch_torch_still_reads_is_not_overwritten(make_table):
     probabilities, data) behind a long kernel; the prefetcher then samples until the buffer
     sets wrap around to batch 0's. What the learner read must be batch 0 as it was returned."""
     kind = KINDS["transition"]
-    table, rec = _stamp_table(make_table, kind)  # two buffer sets: the third sample reuses the first's
+    table, _ = _stamp_table(make_table, kind)  # two buffer sets: the third sample reuses the first's
     s0 = table.sample(16)
     want = _cpu(s0)
     torch.cuda._sleep(BUSY_CYCLES)  # the learner is busy ...
@@ -993,7 +993,7 @@ def test_cuda_a_batch_torch_still_reads_is_not_overwritten(make_table):
 @needs_gpu
 def test_cuda_table_on_an_explicit_device_index(make_table):
     kind = KINDS["sequence"]
-    table, rec = _stamp_table(make_table, kind)
+    table, _ = _stamp_table(make_table, kind)
     assert table._device.device_id == torch.cuda.current_device()
     made = []
     t0 = make_table(SPEC, P=2, S=64, kind=kind, selector="prioritized",

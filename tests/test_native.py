@@ -957,7 +957,7 @@ class ProbeCupy:
 
         self.cuda = SimpleNamespace(runtime=Runtime(), nvrtc=Nvrtc())
 
-    def RawKernel(self, code, name):  # noqa: N802 - CuPy's name
+    def RawKernel(self, code, name):
         probe = self
 
         class Kernel:
@@ -972,7 +972,7 @@ class ProbeCupy:
                 src.write_text(code)
                 fn = EmulatedModule(compile_emulated(src, probe.tmp_path)).get_function(name)
                 a, out, n = args
-                pad = lambda t: tuple(t) + (1,) * (3 - len(t))  # noqa: E731 - CuPy takes 1-3 dims
+                pad = lambda t: tuple(t) + (1,) * (3 - len(t))
                 fn(pad(grid), pad(block), (np.uint64(a.ctypes.data), np.uint64(out.ctypes.data), n))
                 if probe.wrong:
                     out[0] += 1

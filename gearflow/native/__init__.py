@@ -17,7 +17,6 @@ from types import ModuleType
 
 from gearflow.errors import MissingDependencyError
 
-
 CUPY_HINT = "pip install 'gearflow[gpu]' (CUDA 12) or 'gearflow[gpu-cu13]' (CUDA 13)"
 PYVERBS_HINT = (
     "pyverbs ships with rdma-core, not PyPI: apt-get install python3-pyverbs "
@@ -93,20 +92,20 @@ def _probe_cupy(cupy: ModuleType) -> Probe:
     version = f"cupy {getattr(cupy, '__version__', '?')}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError without a driver or device
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver or device
         return Probe("cupy", False, f"{version} imports but the CUDA driver or device is missing: {_first_line(exc)}")
     if count == 0:
         return Probe("cupy", False, f"{version}: no CUDA device")
     try:
         nvrtc = cupy.cuda.nvrtc.getVersion()
         nvrtc = ".".join(map(str, nvrtc)) if isinstance(nvrtc, tuple) else str(nvrtc)
-    except Exception as exc:  # libnvrtc not found (no toolkit and no [ctk] wheels)
+    except Exception as exc:  # noqa: BLE001 - libnvrtc not found (no toolkit and no [ctk] wheels)
         return Probe("cupy", False, f"{version}, {count} device(s), but NVRTC is missing ({_first_line(exc)}): "
                      f"CuPy compiles its kernels at run time and needs {CTK_HINT}")  # fmt: skip
     try:
         kernel = cupy.RawKernel(PROBE_KERNEL, "gearflow_probe")
         kernel.compile()
-    except Exception as exc:  # NVRTC present but the compile fails (headers, builtins, arch)
+    except Exception as exc:  # noqa: BLE001 - NVRTC present but the compile fails (headers, builtins, arch)
         return Probe("cupy", False, f"{version}, NVRTC {nvrtc}: a test kernel does not compile "
                      f"({_first_line(exc)}); check {CTK_HINT}")  # fmt: skip
     try:
@@ -115,7 +114,7 @@ def _probe_cupy(cupy: ModuleType) -> Probe:
         out = cupy.zeros(n, dtype=cupy.int64)
         kernel((1,), (n,), (a, out, cupy.int64(n)))
         got = [int(v) for v in cupy.asnumpy(out).tolist()]
-    except Exception as exc:  # no kernel image for this GPU, driver too old for the toolkit, ...
+    except Exception as exc:  # noqa: BLE001 - no kernel image for this GPU, driver too old for the toolkit, ...
         return Probe("cupy", False, f"{version}, NVRTC {nvrtc}: a test kernel compiled but did not run "
                      f"({_first_line(exc)}): is the driver as new as the toolkit?")  # fmt: skip
     if got != [2 * i + 1 for i in range(n)]:
