@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from gearflow.config import load_config
@@ -34,8 +36,29 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
             runner.serial_actor.step()
             runner.table.scan()
         sample = runner.table.sample(32)
+        table, sel = runner.table, runner.table.selector
+        keys = sample.keys.numpy().copy()  # the batch's buffers are reused by later samples
+        P, R = table.storage.num_partitions, table.storage.items_per_partition
+        slots = (keys % P) * R + (keys // P) % R
+        before = sel.tree.leaves[slots].copy()  # masses p ** alpha as the actors wrote them
+        learned = []
+        learn = runner.agent.learn
+
+        def recording_learn(batch):
+            metrics, priorities = learn(batch)
+            learned.append(priorities.detach().float().double().numpy().copy())
+            return metrics, priorities
+
+        runner.agent.learn = recording_learn
         metrics = runner._learn_step(sample)
         assert torch.isfinite(torch.tensor(metrics["learner/loss"]))
+        # the table now holds the agent's priorities for exactly the sampled items
+        (prios,) = learned
+        assert prios.shape == (32,) and (prios > 0).all()
+        want = dict(zip(slots.tolist(), prios ** sel.alpha))  # a key drawn twice: its last value
+        np.testing.assert_allclose(sel.tree.leaves[list(want)], list(want.values()), rtol=1e-12)
+        assert not np.allclose(sel.tree.leaves[slots], before)  # they changed
+        assert sel.tree.total == pytest.approx(sel.tree.leaves.sum())
         assert runner.progress.updates == 1 and runner.progress.samples == 32
         assert runner.progress.tokens == 32  # transitions: one step each
         row = runner.snapshot(metrics)
