@@ -65,6 +65,7 @@ checkpoint, so a restored device table does not repeat the exact draws.
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,26 +212,30 @@ class _RawStream:
 
 
 class _OnDevice:
-    """``with self._on:`` = ``with cupy.cuda.Device(i), stream:`` (entered in that order)."""
+    """``with self._on:`` = ``with cupy.cuda.Device(i), stream:`` (entered in that order). A fresh
+    ``Device`` per entry: CuPy keeps the device to restore in the ``Device`` object, so one shared
+    between threads (the prefetcher samples, another thread may flush) could restore the wrong one."""
 
-    __slots__ = ("device", "stream")
-
-    def __init__(self, device: Any, stream: Any) -> None:
-        self.device, self.stream = device, stream
+    def __init__(self, cupy: Any, device_id: int, stream: Any) -> None:
+        self.cupy, self.device_id, self.stream = cupy, device_id, stream
+        self._local = threading.local()
 
     def __enter__(self) -> None:
-        self.device.__enter__()
+        device = self.cupy.cuda.Device(self.device_id)
+        device.__enter__()
         try:
             self.stream.__enter__()
         except BaseException:
-            self.device.__exit__(None, None, None)
+            device.__exit__(None, None, None)
             raise
+        self._local.__dict__.setdefault("devices", []).append(device)
 
     def __exit__(self, *exc: object) -> None:
+        device = self._local.devices.pop()
         try:
             self.stream.__exit__(*exc)
         finally:
-            self.device.__exit__(*exc)
+            device.__exit__(*exc)
 
 
 class DeviceReplay:
@@ -283,10 +288,9 @@ class DeviceReplay:
         self._consumer_stream = consumer_stream or (lambda: _torch_stream(device_id))
         if seed is None:  # follow the selector's seed (public state), so seeded runs stay seeded
             seed = zlib.crc32(np.asarray(selector.state_dict()["rng_state"]).tobytes())
-        self._device = cp.cuda.Device(device_id)
-        with self._device:
+        with cp.cuda.Device(device_id):
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self._on = _OnDevice(self._device, self.stream)
+            self._on = _OnDevice(cp, device_id, self.stream)
             # reused every sample (no event created per sample): "gathered" is the one host sync,
             # "consumer" orders this stream after the consumer's queued reads of the buffer sets
             self._gathered = cp.cuda.Event(disable_timing=True)
@@ -561,7 +565,7 @@ class DeviceReplay:
         if self._reg.closed:
             return
         self._pending, self._pending_n = [], 0
-        with self._device:
+        with self.cupy.cuda.Device(self.device_id):
             self.stream.synchronize()
             self._buffers, self._buffer_key = [], (-1, -1)
             self._reg.close()
