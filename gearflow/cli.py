@@ -120,10 +120,13 @@ def _cmd_replay_gc(args: argparse.Namespace) -> int:
 
     from gearflow.replay.storage import SHM_DIR
 
-    removed = gc_segments(prefix=args.prefix, dry_run=args.dry_run, include_live=args.force)
+    kept: list[tuple[str, str]] = []
+    removed = gc_segments(prefix=args.prefix, dry_run=args.dry_run, include_live=args.force, kept=kept)
     verb = "would remove" if args.dry_run else "removed"
     for name, size in removed:
         print(f"{verb} {SHM_DIR}/{name} ({size / 2**20:.1f} MiB)")
+    for name, why in kept:
+        print(f"kept {SHM_DIR}/{name} (owner {why})")
     print(f"{verb} {len(removed)} segment(s)")
     return 0
 

@@ -434,6 +434,7 @@ def test_gc_from_another_pid_namespace_keeps_live_segments(storage_factory):
             pytest.skip(f"cannot make a PID namespace here: {r.stderr.strip()}")
         assert r.returncode == 0, r.stderr[-2000:]
         assert "removed 0 segment(s)" in r.stdout, r.stdout
+        assert f"kept {SHM_DIR}/{live.name} (owner pid {os.getpid()} of another PID namespace" in r.stdout, r.stdout
         assert (SHM_DIR / live.name).exists() and (SHM_DIR / params.name).exists()
         # in this namespace, the owner is provably dead once its process is gone
         params.header[H_OWNER] = _dead_pid()

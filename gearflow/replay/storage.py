@@ -399,10 +399,12 @@ def list_segments(prefix: str = PREFIX) -> Iterator[tuple[str, int, int]]:
 
 
 def gc_segments(
-    prefix: str = PREFIX, dry_run: bool = False, include_live: bool = False, run: int | None = None
+    prefix: str = PREFIX, dry_run: bool = False, include_live: bool = False, run: int | None = None,
+    kept: list[tuple[str, str]] | None = None,
 ) -> list[tuple[str, int]]:
     """Remove segments whose owning process is provably gone (:func:`owner_status`; all of
-    them with ``include_live``). ``run``: only the segments tagged with that :func:`run_tag`."""
+    them with ``include_live``). ``run``: only the segments tagged with that :func:`run_tag`.
+    ``kept``: gets (name, why) of each segment left in place."""
     removed = []
     for name, head, size in _headers(prefix):
         if run is not None and int(head[H_RUN_TAG]) != run:
@@ -414,6 +416,8 @@ def gc_segments(
             removed.append((name, size))
         else:
             log.debug("kept %s (%s)", name, why)
+            if kept is not None:
+                kept.append((name, why))
     return removed
 
 
