@@ -191,15 +191,14 @@ def _attach_child(name: str, results) -> None:
         results.put((version, checksum(dst), s.load_into(dst, min_version=version)))
 
 
-def _reader_child(name: str, target: int, ready, results, deadline_s: float) -> None:
+def _reader_child(name: str, target: int, ready, results, stop) -> None:
     torch.set_num_threads(1)  # OpenMP workers spinning on an oversubscribed box stall everyone
     with ParameterStore.attach(name) as s:
         dst = blank_like(s)
         loads = torn = decreasing = 0
         last = 0
         ready.put(True)
-        end = time.monotonic() + deadline_s
-        while last < target and time.monotonic() < end:
+        while last < target and not stop.is_set():  # until the last version, or the test gives up
             v = s.load_into(dst, min_version=last)
             if v is None:
                 time.sleep(0)  # yield: the writer shares the cores with us
@@ -243,8 +242,8 @@ def test_attach_from_spawned_process(store):
 def test_concurrent_readers_never_see_torn_copies(store):
     n_versions, n_readers = 2000, 2
     ctx = mp.get_context("spawn")
-    ready, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_reader_child, args=(store.name, n_versions, ready, results, 20.0))
+    ready, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_reader_child, args=(store.name, n_versions, ready, results, stop))
              for _ in range(n_readers)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -260,11 +259,12 @@ def test_concurrent_readers_never_see_torn_copies(store):
             assert store.publish(params) == v  # flat out: the most slot reuse under readers
         reports = []
         for _ in procs:
-            try:
-                reports.append(results.get(timeout=30))
+            try:  # a reader reports once it has loaded the last version; the timeout is a hang guard
+                reports.append(results.get(timeout=300))
             except queue.Empty:
                 pytest.fail(f"a reader did not report (got {reports})")
     finally:
+        stop.set()
         torch.set_num_threads(threads)
         _join_all(procs)
     for r in reports:

@@ -335,7 +335,9 @@ def test_writer_blocks_on_rate_limiter_and_times_out(make_table):
         with pytest.raises(RateLimiterTimeout) as info:
             w.create_items([5.0], num_steps=1, streams=0)
         elapsed = time.monotonic() - t0
-        assert 0.2 <= elapsed < 2.0
+        # it waited its timeout; the upper bound only tells "timed out" from "hung" (a loaded
+        # machine may deschedule the writer for seconds)
+        assert 0.2 <= elapsed < 30
         msg = str(info.value)
         assert (
             "blocked for 0.2 s by the rate limiter" in msg
