@@ -52,7 +52,7 @@ SERIAL = [*TINY, "run.serial=true", "replay.min_size_to_sample=100", "learner.ba
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gearflow", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gearflow", *args], capture_output=True, text=True, check=False,
                           timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})  # fmt: skip
 
 
@@ -80,7 +80,8 @@ needs_mount = pytest.mark.skipif(not _can_mount(), reason="mounting a tmpfs need
 def tmpfs(path: Path, size: int | str):
     """A real tmpfs of ``size`` mounted at ``path`` for the block."""
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -429,7 +430,7 @@ def test_gc_from_another_pid_namespace_keeps_live_segments(storage_factory):
     params = ParameterStore.create(torch.nn.Linear(2, 2), name=f"{prefix}_params")
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "gearflow", "replay", "gc", "--prefix", prefix]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
         if r.returncode != 0 and "unshare" in r.stderr:
             pytest.skip(f"cannot make a PID namespace here: {r.stderr.strip()}")
         assert r.returncode == 0, r.stderr[-2000:]
@@ -439,7 +440,7 @@ def test_gc_from_another_pid_namespace_keeps_live_segments(storage_factory):
         # in this namespace, the owner is provably dead once its process is gone
         params.header[H_OWNER] = _dead_pid()
         r = subprocess.run([sys.executable, "-m", "gearflow", "replay", "gc", "--prefix", prefix],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)  # fmt: skip
         assert f"removed {SHM_DIR}/{params.name}" in r.stdout and "removed 1 segment(s)" in r.stdout, r.stdout
         assert (SHM_DIR / live.name).exists()
     finally:
