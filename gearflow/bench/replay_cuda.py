@@ -14,7 +14,8 @@ Workloads (sizes at ``--scale 1``; smaller scales shrink them for a smoke run):
   ``PrioritizedSelector`` for scale (:func:`~gearflow.native.bench_cuda.bench_select`).
 * ``table`` — ``Table(device="cuda")`` end to end: Atari-sized transitions
   (obs uint8[4,84,84] + next obs), batch 256, every sampled row verified
-  (stamp column + obs byte pattern); then the batch-256 sample time at 10^6
+  (stamp column + obs byte pattern; every other sample taken while torch's
+  stream is busy with a long kernel, the learner's case); then the batch-256 sample time at 10^6
   and 10^7 items, table ingest included in the setup, not the timing.
 
 Every line is a ``gearflow bench`` record; a failed check is reported on
@@ -131,7 +132,11 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
             writer.create_items(rng.random(ends.size) + 0.01, 4, streams=0, ends=ends)
         t.scan()
         B = 256
-        bad = sum(_verify(t.sample(B)) for _ in range(20))
+        bad = 0
+        for i in range(20):
+            if i % 2:  # the learner's stream busy with a long kernel (~10 ms) while the sample runs
+                torch.cuda._sleep(20_000_000)
+            bad += _verify(t.sample(B))
         emit(_record("cuda_table", "torn_or_corrupt_rows_returned", bad, "rows"))
         if bad:
             failures.append(f"Table(device='cuda'): {bad} sampled rows differ from what was written")
