@@ -51,3 +51,22 @@ def test_the_guide_shows_the_agent_it_tests():
     assert agent in guide, "docs/custom_agent.md no longer shows examples/custom_agent/my_dqn.py verbatim"
     assert (EXAMPLE / "my_dqn.yaml").read_text() in guide
     assert len(agent.splitlines()) <= 110
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["repo root, relative path", "another directory, absolute path"])
+def test_the_agent_next_to_its_config_is_found_from_any_directory(tmp_path, where):
+    """README: `gearflow train examples/custom_agent/my_dqn.yaml`; my_dqn.py is found next to the
+    config, in the learner and in the spawned actors, whatever the current directory."""
+    cwd, config = (ROOT, "examples/custom_agent/my_dqn.yaml") if where.startswith("repo") else (
+        tmp_path, str(EXAMPLE / "my_dqn.yaml"))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [*gearflow_command(), "train", config, "run.max_env_steps=1500", "run.max_seconds=200",
+           "replay.min_size_to_sample=200", "learner.batch_size=32", "run.progress=log",
+           f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=cwd, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["stop_reason"] == "reached run.max_env_steps=1500"
+    assert summary["actor/restarts"] == 0, "an actor process died (could it import my_dqn?)"
+    assert summary["learner/updates"] > 0 and summary["actor/weights_version_min"] >= 0  # actors reported
