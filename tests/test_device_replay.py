@@ -3,17 +3,24 @@
 Tiers (as in test_native.py):
 
 * CPU: backend resolution and its errors here (no CuPy), the table's refusal
-  of ``device="cuda"`` without CuPy (the caller's storage left intact), and
-  argument checks.
+  of ``device="cuda"`` without CuPy (the caller's storage left intact),
+  argument checks, ``launch/gpu_check.sh`` stopping at its first step, and the
+  power check of the distribution test used on the device draws.
 * Emulated (g++ on x86-64 Linux): ``DeviceReplay`` driven through a real
   ``Table`` with a small host-memory stand-in for CuPy and the ``.cu`` kernel
   sources compiled for the CPU (test_native's emulation). It checks the Python
-  control logic — ingest mirroring, records, keys, the torn-item loop, buffer
-  rotation — and the kernels' indexing on the table's own segment. It is not a
-  GPU test and says nothing about CUDA memory, streams or DLPack on a device.
+  control logic — ingest mirroring, records, keys, the torn-item loop,
+  impossible slots, redraws after a record-ring lap, buffer rotation,
+  restore into a new segment — and the kernels' indexing on the table's own
+  segment. The stand-in traces which device and stream each operation is
+  issued on, so stream ordering (issue 18) is checked as a call sequence. It
+  is not a GPU test and says nothing about CUDA memory or DLPack on a device.
 * CUDA (``-m cuda``; skipped with the reason unless CuPy can run a kernel and
-  torch has CUDA): the same batches from ``Table(device="cuda")`` against what
-  was written, the draw distribution by chi-square, torn-item replacement.
+  torch has CUDA; launch/gpu_check.sh fails on such a skip): the same batches
+  from ``Table(device="cuda")`` against what was written, rows against keys
+  while the learner's stream is busy, a batch torch still reads not
+  overwritten, device indices, the draw distribution against the CPU selector,
+  torn-item replacement, restore.
 """
 
 from __future__ import annotations
