@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gearflow.replay.storage import list_segments
+from gearflow.replay.storage import COMMIT, PREFIX, SharedStorage, gc_segments, list_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
@@ -45,7 +45,10 @@ def test_train_end_to_end_updates_and_actors_get_new_weights(tmp_path):
     assert summary["learner/updates"] > 0
     assert summary["learner/weights_version"] > 1
     assert summary["actor/weights_version_min"] > 1, "an actor never loaded newer weights"
-    assert summary["replay/size"] > 0 and summary["replay/torn_resampled"] >= 0
+    # 8 partitions of 2,500 steps and ~8,000 steps in all: no ring wraps, so no item was
+    # overwritten, evicted or torn
+    assert summary["replay/size"] == summary["replay/inserts"] > 0
+    assert summary["replay/evictions"] == 0 and summary["replay/torn_resampled"] == 0
     assert "Traceback" not in log
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
@@ -81,6 +84,16 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "zombie" not in status.read_text()
+
+
+def _wait_gone(pids: list[int], what: str, timeout: float = 60) -> None:
+    """Wait until none of ``pids`` runs; the timeout only keeps a hang from stalling the suite."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            left = [(p, _cmdline(p)[:80]) for p in pids if _alive(p)]
+            pytest.fail(f"{what}: {left}")
+        time.sleep(0.1)
 
 
 def test_sigkilled_actor_is_restarted_and_sigterm_stops_cleanly(tmp_path):
@@ -123,8 +136,7 @@ def test_sigkilled_actor_is_restarted_and_sigterm_stops_cleanly(tmp_path):
     # the replay kept what the killed actor had written
     assert summary["replay/inserts"] >= before["replay/inserts"]
     assert summary["replay/size"] >= before["replay/size"]
-    time.sleep(0.5)
-    assert not [c for c in children if _alive(c)], "child processes outlived the run"
+    _wait_gone(children, "child processes outlived the run")
     assert not [n for n, owner, _ in list_segments() if owner == proc.pid], "shared memory left behind"
 
 
@@ -141,28 +153,35 @@ def test_actors_stop_when_the_learner_is_sigkilled(tmp_path):
     cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={tmp_path / 'run'}",
            "run.max_env_steps=0", "run.max_seconds=120"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    actors: list[int] = []
     try:
         deadline = time.monotonic() + 90
-        actors: list[int] = []
         while time.monotonic() < deadline and len(actors) < 2:
             actors = [c for c in _children(proc.pid) if "resource_tracker" not in _cmdline(c)]
             time.sleep(0.2)
         assert len(actors) == 2, "the run did not start two actors"
-        time.sleep(2.0)
+        # both actors are in their env loops: every partition has committed steps
+        (table,) = [n for n, owner, _ in list_segments() if owner == proc.pid and "_params_" not in n]
+        st = SharedStorage.attach(table)
+        try:
+            while not (st.counters[:, COMMIT] > 0).all():
+                assert proc.poll() is None and time.monotonic() < deadline, "the actors never wrote"
+                time.sleep(0.05)
+        finally:
+            st.close()
         proc.kill()  # SIGKILL: the learner runs no cleanup at all
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(a) for a in actors):
-            time.sleep(0.2)
-        left = [a for a in actors if _alive(a)]
-        assert not left, f"orphaned actors kept running: {[(a, _cmdline(a)[:80], Path(f'/proc/{a}/status').read_text()[:200]) for a in left]}"
+        _wait_gone(actors, "orphaned actors kept running")
     finally:
         if proc.poll() is None:
             proc.kill()
         for a in actors:
             if _alive(a):
                 os.kill(a, signal.SIGKILL)
-        # the dead learner's segments are what `gearflow replay gc` is for
-        from gearflow.replay.storage import gc_segments
-
-        gc_segments()
+        # the dead learner's segments (its table and parameter store, both named with its pid)
+        # are what `gearflow replay gc` is for; only this run's: other runs share /dev/shm
+        proc.wait(timeout=30)
+        removed = [n for prefix in (f"{PREFIX}_{proc.pid}_", f"{PREFIX}_params_{proc.pid}_")
+                   for n, _ in gc_segments(prefix=prefix)]  # fmt: skip
+    assert len(removed) == 2, removed
+    assert not [n for n, owner, _ in list_segments() if owner == proc.pid]
