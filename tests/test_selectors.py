@@ -535,17 +535,17 @@ def test_load_state_dict_rejects_other_capacity_without_changes():
 
 NAN, INF = float("nan"), float("inf")
 BAD_CALLS = [
-    ("insert", (np.array([1]), np.array([NAN]), np.array([9])), r"priority nan"),
-    ("insert", (np.array([1, 2]), np.array([1.0, INF]), np.array([9, 10])), r"priority inf"),
-    ("insert", (np.array([1]), np.array([-1.5]), np.array([9])), r"priority -1\.5"),
+    ("insert", (np.array([1]), np.array([NAN]), np.array([9])), r"priority must be finite and ≥ 0, got nan"),
+    ("insert", (np.array([1, 2]), np.array([1.0, INF]), np.array([9, 10])), r"priority must be finite and ≥ 0, got inf"),
+    ("insert", (np.array([1]), np.array([-1.5]), np.array([9])), r"priority must be finite and ≥ 0, got -1\.5"),
     ("insert", (np.array([1, 2, 3]), np.array([1.0, 2.0]), np.arange(3)), "shape"),
     ("insert", (np.array([1, 2]), np.array([1.0, 2.0]), np.arange(3)), "order"),
     ("insert", (np.array([1, 20]), np.ones(2), np.arange(2)), "slot 20 out of range"),
     ("insert", (np.array([-1]), np.ones(1), np.arange(1)), "slot -1 out of range"),
     ("insert", (np.array([[1]]), np.ones(1), np.arange(1)), "1-D"),
     ("insert", (np.array([1.0]), np.ones(1), np.arange(1)), "integers"),
-    ("update", (np.array([2]), np.array([NAN])), r"priority nan"),
-    ("update", (np.array([2, 3]), np.array([-INF, 1.0])), r"priority -inf"),
+    ("update", (np.array([2]), np.array([NAN])), r"priority must be finite and ≥ 0, got nan"),
+    ("update", (np.array([2, 3]), np.array([-INF, 1.0])), r"priority must be finite and ≥ 0, got -inf"),
     ("update", (np.array([2, 3]), np.array([1.0])), "shape"),
     ("update", (np.array([2, 10]), np.ones(2)), "slot 10 out of range"),
     ("update", (np.array([2, 7]), np.ones(2)), "slot 7: it is not live"),

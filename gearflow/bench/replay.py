@@ -403,7 +403,14 @@ def w4(emit: Emit, scale: float, seed: int) -> None:
     emit(_record("W4", f"sample_cost_ratio_{hi}_vs_{lo}", costs[hi] / costs[lo], "x"))
 
 
-WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4}
+def w5(emit: Emit, scale: float, seed: int) -> None:
+    """The per-step hot paths (gearflow/bench/replay_hot.py)."""
+    from gearflow.bench import replay_hot
+
+    replay_hot.w5(emit, scale, seed)
+
+
+WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5}
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:

@@ -34,6 +34,21 @@
 #include <stdint.h>
 
 #define MAX_LEVELS 64
+#define GE "\xe2\x89\xa5"  /* "≥", UTF-8: PyErr_Format wants an ASCII format */
+
+/* log2(fanout) when it is a power of two (parents by shifting), else -1 (by dividing) */
+static int pow2_shift(Py_ssize_t fanout) {
+    if (fanout < 1 || (fanout & (fanout - 1))) return -1;
+    int k = 0;
+    while (((Py_ssize_t)1 << k) < fanout) k++;
+    return k;
+}
+
+static inline double sum_block(const double *c, Py_ssize_t fanout) {
+    double s = 0.0;
+    for (Py_ssize_t j = 0; j < fanout; j++) s += c[j];
+    return s;
+}
 
 typedef struct {
     Py_buffer bufs[MAX_LEVELS];
@@ -235,22 +250,24 @@ static PyObject *sumtree_set(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) leaves[idx[i]] = val[i];
     /* Recompute ancestors level by level; indices are sorted, so the parents of
-     * consecutive leaves repeat consecutively and each parent is summed once. */
+     * consecutive leaves repeat consecutively and each parent is summed once.
+     * node[] holds each leaf's ancestor on the level being recomputed. */
+    int64_t *node = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
+    if (node == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) node[i] = idx[i];
+    const int shift = pow2_shift(fanout);
     for (int d = lv.n - 2; d >= 0; d--) {
         const double *child = lv.data[d + 1];
         double *parent = lv.data[d];
-        Py_ssize_t last = -1;
+        int64_t last = -1;
         for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t p = (Py_ssize_t)idx[i];
-            for (int k = lv.n - 1; k > d; k--) p /= fanout;
+            int64_t p = node[i] = shift >= 0 ? node[i] >> shift : node[i] / fanout;
             if (p == last) continue;
             last = p;
-            double s = 0.0;
-            const double *c = child + p * fanout;
-            for (Py_ssize_t j = 0; j < fanout; j++) s += c[j];
-            parent[p] = s;
+            parent[p] = sum_block(child + p * fanout, fanout);
         }
     }
+    PyMem_Free(node);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -294,6 +311,630 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * Incremental priority updates, liveness lists, keys and the ingest of item records.
+ * Each is one pass over its batch; the numpy code in selectors.py / table.py stays the
+ * reference and the fallback.
+ * ---------------------------------------------------------------------------------------- */
+
+/* A contiguous 1-D buffer of float64 or float32 (priorities come as either). */
+typedef struct { Py_buffer view; int is_f32; Py_ssize_t n; } Floats;
+
+static int get_floats(PyObject *obj, Floats *f, const char *what) {
+    if (PyObject_GetBuffer(obj, &f->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *fmt = f->view.format ? f->view.format : "B";
+    if (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@') fmt++;
+    if (fmt[0] == 'd' && f->view.itemsize == 8) f->is_f32 = 0;
+    else if (fmt[0] == 'f' && f->view.itemsize == 4) f->is_f32 = 1;
+    else {
+        PyErr_Format(PyExc_TypeError, "%s must be float64 or float32", what);
+        PyBuffer_Release(&f->view);
+        return -1;
+    }
+    f->n = f->view.len / f->view.itemsize;
+    return 0;
+}
+
+static inline double float_at(const Floats *f, Py_ssize_t i) {
+    return f->is_f32 ? (double)((const float *)f->view.buf)[i] : ((const double *)f->view.buf)[i];
+}
+
+static inline double mass_of(double p, double alpha) {
+    if (!(p > 0.0)) return 0.0;  /* zero priority: never drawn, whatever alpha */
+    if (alpha == 1.0) return p;
+    if (alpha == 0.0) return 1.0;
+    if (alpha == 0.5) return sqrt(p);
+    return exp(alpha * log(p));  /* pow's result to ~1e-15 relative, about a third cheaper */
+}
+
+/* Leaf `leaf` := m, and each ancestor changes by its child's change: one add per level
+ * instead of re-summing F children. Where the change cancels almost all of a node (the
+ * node falls below 2^-10 of the change, e.g. its last positive leaf went to 0), the node
+ * is re-summed from its children instead, so a node over only zero leaves is exactly 0
+ * and rounding cannot build up in a shrinking node; the next level then gets the exact
+ * difference. */
+static inline void tree_put(const Levels *lv, Py_ssize_t fanout, int shift, int64_t leaf, double m) {
+    const int last = lv->n - 1;
+    double *leaves = lv->data[last];
+    double delta = m - leaves[leaf];
+    leaves[leaf] = m;
+    int64_t node = leaf;
+    for (int d = last - 1; d >= 0 && delta != 0.0; d--) {
+        node = shift >= 0 ? node >> shift : node / fanout;
+        double *x = lv->data[d] + node;
+        const double old = *x;
+        double v = old + delta;
+        if (v < fabs(delta) * (1.0 / 1024.0)) v = sum_block(lv->data[d + 1] + node * fanout, fanout);
+        *x = v;
+        delta = v - old;
+    }
+}
+
+/* 0 when every priority is finite and >= 0, else -1 with ValueError naming the first bad one */
+static int check_priorities(const Floats *pr) {
+    for (Py_ssize_t i = 0; i < pr->n; i++) {
+        const double p = float_at(pr, i);
+        if (p >= 0.0 && !isinf(p)) continue;
+        Py_ssize_t nbad = 0;
+        for (Py_ssize_t j = i; j < pr->n; j++) { const double q = float_at(pr, j); nbad += !(q >= 0.0) || isinf(q); }
+        PyObject *v = PyFloat_FromDouble(p);
+        PyErr_Format(PyExc_ValueError, "priority must be finite and %s 0, got %R at index %zd (%zd bad of %zd)",
+                     GE, v, i, nbad, pr->n);
+        Py_XDECREF(v);
+        return -1;
+    }
+    return 0;
+}
+
+/* update_by_key(levels, fanout, keys: int64[n], P, R, slot_rec: int64[P*R, 3], slot_live: bool[P*R],
+ *               priorities: float64|float32[n], alpha) -> applied
+ * The learner's priority write-back in one pass: every priority checked first (a bad one
+ * raises ValueError, nothing changes); then each key's slot (seq * P + p lives in slot
+ * p * R + seq % R), skipped unless the slot still holds that very item, takes p ** alpha. */
+static PyObject *update_by_key(PyObject *self, PyObject *args) {
+    PyObject *levels_obj, *prio_obj;
+    Py_ssize_t fanout, P, R;
+    double alpha;
+    Py_buffer kb, rb, lb;
+    if (!PyArg_ParseTuple(args, "Ony*nny*y*Od", &levels_obj, &fanout, &kb, &P, &R, &rb, &lb, &prio_obj, &alpha))
+        return NULL;
+    Floats pr;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_floats(prio_obj, &pr, "priorities") < 0) { PyBuffer_Release(&kb); PyBuffer_Release(&rb); PyBuffer_Release(&lb); return NULL; }
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    const Py_ssize_t n = kb.len / 8, N = lb.len;
+    if (pr.n != n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys but %zd priorities", n, pr.n);
+        goto done;
+    }
+    if (rb.len != N * 24 || P < 1 || R < 1 || P * R != N || lv.len[lv.n - 1] < N) {
+        PyErr_SetString(PyExc_ValueError, "update_by_key: slot_rec int64[P*R, 3], slot_live bool[P*R], tree >= P*R leaves");
+        goto done;
+    }
+    if (check_priorities(&pr) < 0) goto done;
+    const int64_t *keys = (const int64_t *)kb.buf, *rec = (const int64_t *)rb.buf;
+    const char *live = (const char *)lb.buf;
+    const int shift = pow2_shift(fanout);
+    Py_ssize_t applied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t k = keys[i];
+        if (k < 0) continue;
+        const int64_t seq = k / P, s = (k % P) * R + seq % R;
+        if (!live[s] || rec[s * 3 + 1] != seq) continue;  /* evicted or overwritten since the sample */
+        tree_put(&lv, fanout, shift, s, mass_of(float_at(&pr, i), alpha));
+        applied++;
+    }
+    result = PyLong_FromSsize_t(applied);
+done:
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&pr.view);
+    return result;
+}
+
+/* set_priorities(levels, fanout, size, slots: int64[n], priorities: float64|float32[n],
+ *                alpha, skip_negative) -> leaves set
+ * Every priority is checked first (finite, >= 0) and every slot (in [0, size), or < 0 and
+ * skipped when skip_negative): a bad one raises ValueError and changes nothing. Then the
+ * leaves take p ** alpha (0 for p == 0) in order, so a repeated slot keeps its last one. */
+static PyObject *set_priorities(PyObject *self, PyObject *args) {
+    PyObject *levels_obj, *prio_obj;
+    Py_ssize_t fanout, size;
+    double alpha;
+    int skip_negative;
+    Py_buffer sb;
+    if (!PyArg_ParseTuple(args, "Onny*Odp", &levels_obj, &fanout, &size, &sb, &prio_obj, &alpha, &skip_negative))
+        return NULL;
+    Floats pr;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_floats(prio_obj, &pr, "priorities") < 0) { PyBuffer_Release(&sb); return NULL; }
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    const Py_ssize_t n = sb.len / 8;
+    const int64_t *slots = (const int64_t *)sb.buf;
+    if (pr.n != n) {
+        PyErr_Format(PyExc_ValueError, "%zd priorities for %zd slots", pr.n, n);
+        goto done;
+    }
+    if (check_priorities(&pr) < 0) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] >= size || (slots[i] < 0 && !skip_negative)) {
+            PyErr_Format(PyExc_ValueError, "slot %lld out of range [0, %zd)", (long long)slots[i], size);
+            goto done;
+        }
+    }
+    const int shift = pow2_shift(fanout);
+    Py_ssize_t applied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        tree_put(&lv, fanout, shift, slots[i], mass_of(float_at(&pr, i), alpha));
+        applied++;
+    }
+    result = PyLong_FromSsize_t(applied);
+done:
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&pr.view);
+    return result;
+}
+
+/* rebuild(levels, fanout): every parent re-summed from its children (exact). */
+static PyObject *rebuild(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout;
+    if (!PyArg_ParseTuple(args, "On", &levels_obj, &fanout)) return NULL;
+    Levels lv;
+    if (get_levels(levels_obj, &lv) < 0) return NULL;
+    for (int d = lv.n - 2; d >= 0; d--)
+        for (Py_ssize_t p = 0; p < lv.len[d]; p++)
+            lv.data[d][p] = (p + 1) * fanout <= lv.len[d + 1] ? sum_block(lv.data[d + 1] + p * fanout, fanout) : 0.0;
+    release_levels(&lv);
+    Py_RETURN_NONE;
+}
+
+/* make_live(position: int64[N], live: int64[N], count, slots: int64[n]) -> count
+ * Appends the dead ones among slots to the packed live list. */
+static PyObject *make_live(PyObject *self, PyObject *args) {
+    Py_buffer pb, lb, sb;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "w*w*ny*", &pb, &lb, &count, &sb)) return NULL;
+    int64_t *pos = (int64_t *)pb.buf, *live = (int64_t *)lb.buf;
+    const int64_t *slots = (const int64_t *)sb.buf;
+    const Py_ssize_t N = pb.len / 8, n = sb.len / 8;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= N) { PyErr_SetString(PyExc_IndexError, "make_live: slot out of range"); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t s = slots[i];
+        if (pos[s] >= 0) continue;
+        live[count] = s;
+        pos[s] = count++;
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+/* make_dead(position, live, count, slots) -> count
+ * Removes the live ones among slots from the packed list; each hole takes the list's last
+ * entry (the same state as Selector._make_dead up to the order of the live list). */
+static PyObject *make_dead(PyObject *self, PyObject *args) {
+    Py_buffer pb, lb, sb;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "w*w*ny*", &pb, &lb, &count, &sb)) return NULL;
+    int64_t *pos = (int64_t *)pb.buf, *live = (int64_t *)lb.buf;
+    const int64_t *slots = (const int64_t *)sb.buf;
+    const Py_ssize_t N = pb.len / 8, n = sb.len / 8;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= N) { PyErr_SetString(PyExc_IndexError, "make_dead: slot out of range"); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t s = slots[i], hole = pos[s];
+        if (hole < 0) continue;
+        pos[s] = -1;
+        count--;
+        if (hole != count) {
+            const int64_t mover = live[count];
+            live[hole] = mover;
+            pos[mover] = hole;
+        }
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&sb);
+    return result;
+}
+
+/* key_slots(keys: int64[n], P, R, slot_rec: int64[N, 3], slot_live: bool[N], out: int64[n]) -> valid
+ * The slot of each key (seq * P + p lives in slot p * R + seq % R) when that slot holds that
+ * very item, else -1 (evicted, overwritten or never ingested). */
+static PyObject *key_slots(PyObject *self, PyObject *args) {
+    Py_buffer kb, rb, lb, ob;
+    Py_ssize_t P, R;
+    if (!PyArg_ParseTuple(args, "y*nny*y*w*", &kb, &P, &R, &rb, &lb, &ob)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = kb.len / 8, N = lb.len;
+    if (ob.len != kb.len || rb.len != N * 24 || P < 1 || R < 1 || P * R != N) {
+        PyErr_SetString(PyExc_ValueError, "key_slots: keys/out int64[n], slot_rec int64[P*R, 3], slot_live bool[P*R]");
+        goto done;
+    }
+    const int64_t *keys = (const int64_t *)kb.buf, *rec = (const int64_t *)rb.buf;
+    const char *live = (const char *)lb.buf;
+    int64_t *out = (int64_t *)ob.buf;
+    Py_ssize_t valid = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t k = keys[i];
+        int64_t slot = -1;
+        if (k >= 0) {
+            const int64_t seq = k / P, s = (k % P) * R + seq % R;
+            if (live[s] && rec[s * 3 + 1] == seq) slot = s;
+        }
+        out[i] = slot;
+        valid += slot >= 0;
+    }
+    result = PyLong_FromSsize_t(valid);
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+/* ingest(item_start: int64[R], item_length: int32[R], item_priority: float64[R],
+ *        counters: int64[8] (the partition's, shared), lo, hi, p, max_len, published_field,
+ *        rec_reserve_field, slot_rec: int64[P*R, 3], slot_live: bool[P*R],
+ *        out_slots: int64[>= hi-lo], out_prios: float64[>= hi-lo]) -> (kept, replaced)
+ * The item records of seqs [lo, hi) of partition p (hi - lo <= R), copied, then checked
+ * against the record ring's seqlock: REC_RESERVE and PUBLISHED are read *after* the copy,
+ * and records of seqs below max(them) - R may have been rewritten meanwhile, so they are
+ * dropped. The rest become the table's records (slot_rec: start, seq, min(length, max_len);
+ * slot_live) and are listed in out_* (slots, priorities) for the selector. A priority that
+ * is not finite and >= 0 raises ValueError before anything changes. */
+static PyObject *ingest(PyObject *self, PyObject *args) {
+    Py_buffer stb, lnb, prb, cb, rb, lvb, osb, opb;
+    Py_ssize_t lo, hi, p, max_len, f_pub, f_rres;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*nnnnnnw*w*w*w*", &stb, &lnb, &prb, &cb, &lo, &hi, &p, &max_len,
+                          &f_pub, &f_rres, &rb, &lvb, &osb, &opb))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *starts = NULL;
+    int32_t *lengths = NULL;
+    const Py_ssize_t R = stb.len / 8, N = lvb.len, n = hi - lo;
+    if (lnb.len != R * 4 || prb.len != R * 8 || rb.len != N * 24 || N % R || p < 0 || p >= N / R
+        || n < 0 || n > R || osb.len < n * 8 || opb.len < n * 8 || cb.len < 64 || f_pub < 0 || f_pub > 7
+        || f_rres < 0 || f_rres > 7) {
+        PyErr_SetString(PyExc_ValueError, "ingest: record rows, counters or table arrays disagree");
+        goto done;
+    }
+    const int64_t *src_start = (const int64_t *)stb.buf;
+    const int32_t *src_len = (const int32_t *)lnb.buf;
+    const double *src_prio = (const double *)prb.buf;
+    const int64_t *counters = (const int64_t *)cb.buf;
+    int64_t *slot_rec = (int64_t *)rb.buf, *out_slots = (int64_t *)osb.buf;
+    char *slot_live = (char *)lvb.buf;
+    double *out_prios = (double *)opb.buf;
+    starts = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
+    lengths = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
+    if (!starts || !lengths) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {  /* copy: a writer may be rewriting these slots */
+        const Py_ssize_t r = (lo + i) % R;
+        starts[i] = src_start[r];
+        lengths[i] = src_len[r];
+        out_prios[i] = src_prio[r];
+    }
+    /* the counters are read after the copy: the fence keeps the record loads above it */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    const int64_t rres = __atomic_load_n(&counters[f_rres], __ATOMIC_RELAXED);
+    const int64_t pub = __atomic_load_n(&counters[f_pub], __ATOMIC_RELAXED);
+    const int64_t valid_from = (rres > pub ? rres : pub) - R;
+    const Py_ssize_t k0 = valid_from > lo ? (valid_from - lo < n ? valid_from - lo : n) : 0;
+    for (Py_ssize_t i = k0; i < n; i++) {
+        const double pr = out_prios[i];
+        if (!(pr >= 0.0) || isinf(pr)) {
+            PyObject *v = PyFloat_FromDouble(pr);
+            PyErr_Format(PyExc_ValueError, "partition %zd item %zd: priority must be finite and %s 0, got %R "
+                         "(a writer bypassed its checks)", p, lo + i, GE, v);
+            Py_XDECREF(v);
+            goto done;
+        }
+    }
+    Py_ssize_t kept = 0, replaced = 0;
+    for (Py_ssize_t i = k0; i < n; i++) {
+        const int64_t seq = lo + i, s = p * R + seq % R;
+        int64_t len = lengths[i];
+        if (len > max_len) len = max_len;  /* an item longer than the kind's window is cut to it */
+        replaced += slot_live[s] != 0;
+        slot_rec[s * 3] = starts[i];
+        slot_rec[s * 3 + 1] = seq;
+        slot_rec[s * 3 + 2] = len;
+        slot_live[s] = 1;
+        out_slots[kept] = s;
+        out_prios[kept] = out_prios[i];
+        kept++;
+    }
+    result = Py_BuildValue("nn", kept, replaced);
+done:
+    PyMem_Free(starts);
+    PyMem_Free(lengths);
+    PyBuffer_Release(&stb); PyBuffer_Release(&lnb); PyBuffer_Release(&prb); PyBuffer_Release(&cb);
+    PyBuffer_Release(&rb); PyBuffer_Release(&lvb); PyBuffer_Release(&osb); PyBuffer_Release(&opb);
+    return result;
+}
+
+/* evict_before(slot_rec: int64[P*R, 3], slot_live: bool[P*R], p, R, lo, hi, limit, out: int64[]) -> (k, new_lo)
+ * Walks partition p's seqs from lo while the item's first step is older than limit (starts
+ * ascend with seq), marking the live ones dead and listing their slots in out. */
+static PyObject *evict_before(PyObject *self, PyObject *args) {
+    Py_buffer rb, lvb, ob;
+    Py_ssize_t p, R, lo, hi, limit;
+    if (!PyArg_ParseTuple(args, "y*w*nnnnnw*", &rb, &lvb, &p, &R, &lo, &hi, &limit, &ob)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t N = lvb.len, cap = ob.len / 8;
+    if (rb.len != N * 24 || R < 1 || p < 0 || (p + 1) * R > N) {
+        PyErr_SetString(PyExc_ValueError, "evict_before: slot_rec int64[P*R, 3], slot_live bool[P*R]");
+        goto done;
+    }
+    const int64_t *rec = (const int64_t *)rb.buf;
+    char *live = (char *)lvb.buf;
+    int64_t *out = (int64_t *)ob.buf;
+    Py_ssize_t k = 0, seq = lo;
+    for (; seq < hi && k < cap; seq++) {
+        const int64_t s = p * R + seq % R;
+        if (rec[s * 3] >= limit) break;
+        if (live[s]) { live[s] = 0; out[k++] = s; }
+    }
+    result = Py_BuildValue("nn", k, seq);
+done:
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lvb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+
+/* stream_items(item_start: int64[R], item_length: int32[R], item_priority: float64[R],
+ *              counters: int64[8] (the partition's, shared), ends: int64[m], num_steps: int | int64[m],
+ *              priorities: float64[m], S, pos, episode_start, last_item_start, stream,
+ *              published_field, rec_reserve_field) -> start of the last item
+ * Writer.create_items for m items of one stream (item j: steps [ends[j] - n_j, ends[j])):
+ * every check of the Python path, in its order and with its messages, then the record
+ * ring's write protocol: REC_RESERVE bumped, records written (ring wrap included),
+ * PUBLISHED bumped, each store ordered after the one before. */
+static PyObject *stream_items(PyObject *self, PyObject *args) {
+    Py_buffer stb, lnb, prb, cb, eb, pb;
+    PyObject *nobj;
+    Py_ssize_t S, pos, ep0, last_start, stream, f_pub, f_rres;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*y*Oy*nnnnnnn", &stb, &lnb, &prb, &cb, &eb, &nobj, &pb, &S, &pos, &ep0,
+                          &last_start, &stream, &f_pub, &f_rres))
+        return NULL;
+    PyObject *result = NULL;
+    Py_buffer nb = {0};
+    int n_is_array = 0;
+    int64_t n_scalar = 0;
+    const Py_ssize_t R = stb.len / 8, m = eb.len / 8;
+    if (lnb.len != R * 4 || prb.len != R * 8 || cb.len < 64 || f_pub < 0 || f_pub > 7 || f_rres < 0 || f_rres > 7) {
+        PyErr_SetString(PyExc_ValueError, "stream_items: record rows or counters disagree");
+        goto done;
+    }
+    if (PyLong_Check(nobj)) {
+        n_scalar = PyLong_AsLongLong(nobj);
+        if (n_scalar == -1 && PyErr_Occurred()) goto done;
+        if (n_scalar < 1 || n_scalar > S) {
+            PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)n_scalar);
+            goto done;
+        }
+    } else {
+        if (PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        n_is_array = 1;
+        if (nb.len != m * 8) { PyErr_SetString(PyExc_ValueError, "num_steps: one int64 per item"); goto done; }
+        const int64_t *nn = (const int64_t *)nb.buf;
+        for (Py_ssize_t j = 0; j < m; j++)
+            if (nn[j] < 1 || nn[j] > S) {
+                PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)nn[j]);
+                goto done;
+            }
+    }
+    if (pb.len != m * 8) {
+        PyErr_Format(PyExc_ValueError, "%zd priorities but %zd ends", pb.len / 8, m);
+        goto done;
+    }
+    const int64_t *ends = (const int64_t *)eb.buf;
+    const double *prios = (const double *)pb.buf;
+    #define NSTEPS(j) (n_is_array ? ((const int64_t *)nb.buf)[j] : n_scalar)
+    Floats pf = {.view = pb, .is_f32 = 0, .n = m};
+    if (check_priorities(&pf) < 0) goto done;
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (ends[j] > pos) { PyErr_SetString(PyExc_ValueError, "an item ends after the last appended step"); goto done; }
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (ends[j] - NSTEPS(j) < ep0) {
+            PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %zd has %lld steps "
+                         "in its current episode", (long long)NSTEPS(j), stream, (long long)(ends[j] - ep0));
+            goto done;
+        }
+    if (m > R) { PyErr_Format(PyExc_ValueError, "more than %zd items for one stream in one call", R); goto done; }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const int64_t start = ends[j] - NSTEPS(j), before = j ? ends[j - 1] - NSTEPS(j - 1) : last_start;
+        if (start < before) {
+            PyErr_SetString(PyExc_ValueError, "items of a stream must be created in order of their first step");
+            goto done;
+        }
+    }
+    int64_t *c = (int64_t *)cb.buf, *rec_start = (int64_t *)stb.buf;
+    int32_t *rec_len = (int32_t *)lnb.buf;
+    double *rec_prio = (double *)prb.buf;
+    const int64_t seq0 = __atomic_load_n(&c[f_pub], __ATOMIC_RELAXED);
+    if (m) {
+        const int64_t rres = __atomic_load_n(&c[f_rres], __ATOMIC_RELAXED);
+        if (seq0 + m > rres) __atomic_store_n(&c[f_rres], seq0 + m, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);  /* the announcement before the slots change */
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const Py_ssize_t r = (seq0 + j) % R;
+            rec_start[r] = ends[j] - NSTEPS(j);
+            rec_len[r] = (int32_t)NSTEPS(j);
+            rec_prio[r] = prios[j];
+        }
+        __atomic_store_n(&c[f_pub], seq0 + m, __ATOMIC_RELEASE);  /* publish after the records */
+    }
+    #undef NSTEPS
+    result = PyLong_FromLongLong(m ? ends[m - 1] - (n_is_array ? ((const int64_t *)nb.buf)[m - 1] : n_scalar) : last_start);
+done:
+    if (n_is_array) PyBuffer_Release(&nb);
+    PyBuffer_Release(&stb); PyBuffer_Release(&lnb); PyBuffer_Release(&prb); PyBuffer_Release(&cb);
+    PyBuffer_Release(&eb); PyBuffer_Release(&pb);
+    return result;
+}
+
+/* scan(counters: int64[P, 8], item_start: int64[P, R], item_length: int32[P, R], item_priority: float64[P, R],
+ *      ingested: int64[P], live_lo: int64[P], seen_reserve: int64[P], S, max_len, seen_total, first_p,
+ *      slot_rec: int64[P*R, 3], slot_live: bool[P*R],
+ *      new_slots: int64[C], new_prios: float64[C], gone: int64[C])
+ *   -> (total, next_p, n_new, n_gone, n_replaced, n_bad)
+ * The table's scan over every partition in one pass (Table.scan's numpy code is the reference):
+ * - total: the sum of every partition's RESERVE, COMMIT and PUBLISHED; when it equals
+ *   seen_total no writer moved and nothing else is done (next_p = P).
+ * - ingest: the item records of partition p's seqs [max(ingested, PUBLISHED - R), PUBLISHED)
+ *   are copied, then checked against the record ring's seqlock (REC_RESERVE and PUBLISHED read
+ *   after the copy: records of seqs below max(them) - R may have been rewritten meanwhile and
+ *   are dropped); the rest become the table's records (slot_rec, slot_live) and are listed in
+ *   new_* for the selector. A record whose priority is not finite and >= 0 (a writer that
+ *   bypassed its checks) is dropped and counted in n_bad.
+ * - evict: from live_lo on, items whose first step is older than RESERVE - S (RESERVE read at
+ *   the start of the partition's turn) are marked dead and listed in gone.
+ * The outputs hold C entries: a partition that would not fit is done in part (its ingested /
+ * live_lo say how far) and next_p < P says where to go on after the caller emptied them. */
+#define F_RESERVE 0
+#define F_COMMIT 1
+#define F_PUBLISHED 2
+#define F_REC_RESERVE 6
+static PyObject *scan(PyObject *self, PyObject *args) {
+    Py_buffer cb, stb, lnb, prb, ib, llb, srb, rb, lvb, nsb, npb, gb;
+    Py_ssize_t S, max_len, seen_total, first_p;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*nnnnw*w*w*w*w*", &cb, &stb, &lnb, &prb, &ib, &llb, &srb, &S, &max_len,
+                          &seen_total, &first_p, &rb, &lvb, &nsb, &npb, &gb))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *starts = NULL;
+    int32_t *lengths = NULL;
+    const Py_ssize_t P = ib.len / 8, N = lvb.len, R = P ? N / P : 0, cap = nsb.len / 8;
+    if (P < 1 || cb.len != P * 64 || stb.len != N * 8 || lnb.len != N * 4 || prb.len != N * 8 || llb.len != P * 8
+        || srb.len != P * 8 || rb.len != N * 24 || N % P || npb.len != cap * 8 || gb.len != cap * 8 || cap < 1) {
+        PyErr_SetString(PyExc_ValueError, "scan: counters, records and table arrays disagree");
+        goto done;
+    }
+    const int64_t *c = (const int64_t *)cb.buf, *src_start = (const int64_t *)stb.buf;
+    const int32_t *src_len = (const int32_t *)lnb.buf;
+    const double *src_prio = (const double *)prb.buf;
+    int64_t *ingested = (int64_t *)ib.buf, *live_lo = (int64_t *)llb.buf, *seen_res = (int64_t *)srb.buf;
+    int64_t *rec = (int64_t *)rb.buf, *new_slots = (int64_t *)nsb.buf, *gone = (int64_t *)gb.buf;
+    char *live = (char *)lvb.buf;
+    double *new_prios = (double *)npb.buf;
+    int64_t total = 0;
+    for (Py_ssize_t p = 0; p < P; p++)
+        total += __atomic_load_n(&c[p * 8 + F_RESERVE], __ATOMIC_RELAXED) + __atomic_load_n(&c[p * 8 + F_COMMIT], __ATOMIC_RELAXED)
+               + __atomic_load_n(&c[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
+    if (total == seen_total && first_p == 0) {
+        result = Py_BuildValue("Lnnnnn", (long long)total, P, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0);
+        goto done;
+    }
+    starts = (int64_t *)PyMem_Malloc((cap + 1) * sizeof(int64_t));
+    lengths = (int32_t *)PyMem_Malloc((cap + 1) * sizeof(int32_t));
+    if (!starts || !lengths) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t n_new = 0, n_gone = 0, n_rep = 0, n_bad = 0, p = first_p;
+    for (; p < P; p++) {
+        const int64_t *cp = c + p * 8;
+        const int64_t pub = __atomic_load_n(&cp[F_PUBLISHED], __ATOMIC_RELAXED);
+        const int64_t res = __atomic_load_n(&cp[F_RESERVE], __ATOMIC_RELAXED);
+        if (pub == ingested[p] && res == seen_res[p]) continue;
+        if (pub > ingested[p]) {  /* ---- ingest */
+            const int64_t lo = ingested[p] > pub - R ? ingested[p] : pub - R;  /* a lapped reader keeps the newest R */
+            int64_t hi = pub;
+            if (hi - lo > cap - n_new) hi = lo + (cap - n_new);  /* the rest on the next call */
+            if (hi <= lo) break;
+            const Py_ssize_t n = (Py_ssize_t)(hi - lo);
+            const int64_t *ps = src_start + p * R;
+            const int32_t *pl = src_len + p * R;
+            const double *pp = src_prio + p * R;
+            const Py_ssize_t base = n_new;  /* new_prios[base:] is the copy's scratch; kept ones compact into it */
+            for (Py_ssize_t i = 0; i < n; i++) {  /* copy: a writer may be rewriting these slots */
+                const Py_ssize_t r = (Py_ssize_t)((lo + i) % R);
+                starts[i] = ps[r];
+                lengths[i] = pl[r];
+                new_prios[base + i] = pp[r];
+            }
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);  /* the record loads above stay above */
+            const int64_t rres = __atomic_load_n(&cp[F_REC_RESERVE], __ATOMIC_RELAXED);
+            const int64_t pub2 = __atomic_load_n(&cp[F_PUBLISHED], __ATOMIC_RELAXED);
+            const int64_t valid_from = (rres > pub2 ? rres : pub2) - R;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                const int64_t seq = lo + i;
+                const double pr = new_prios[base + i];
+                if (seq < valid_from) continue;  /* rewritten while we copied it */
+                if (!(pr >= 0.0) || isinf(pr)) { n_bad++; continue; }
+                const int64_t s = p * R + seq % R;
+                int64_t len = lengths[i] < max_len ? lengths[i] : max_len;  /* cut to the kind's window */
+                n_rep += live[s] != 0;
+                rec[s * 3] = starts[i];
+                rec[s * 3 + 1] = seq;
+                rec[s * 3 + 2] = len;
+                live[s] = 1;
+                new_slots[n_new] = s;
+                new_prios[n_new] = pr;
+                n_new++;
+            }
+            ingested[p] = hi;
+            if (hi - R > live_lo[p]) live_lo[p] = hi - R;
+            if (hi < pub) break;  /* outputs full */
+        }
+        /* ---- evict the oldest items whose first step is older than RESERVE - S */
+        const int64_t limit = res - S, hi = ingested[p];
+        int64_t seq = live_lo[p];
+        for (; seq < hi; seq++) {
+            const int64_t s = p * R + seq % R;
+            if (rec[s * 3] >= limit) break;  /* starts ascend with seq in a partition */
+            if (live[s]) {
+                if (n_gone == cap) break;
+                live[s] = 0;
+                gone[n_gone++] = s;
+            }
+        }
+        live_lo[p] = seq;
+        if (seq < hi && rec[(p * R + seq % R) * 3] < limit) break;  /* gone full: go on from here */
+        seen_res[p] = res;
+    }
+    result = Py_BuildValue("Lnnnnn", (long long)total, p, n_new, n_gone, n_rep, n_bad);
+done:
+    PyMem_Free(starts);
+    PyMem_Free(lengths);
+    PyBuffer_Release(&cb); PyBuffer_Release(&stb); PyBuffer_Release(&lnb); PyBuffer_Release(&prb);
+    PyBuffer_Release(&ib); PyBuffer_Release(&llb); PyBuffer_Release(&srb); PyBuffer_Release(&rb);
+    PyBuffer_Release(&lvb); PyBuffer_Release(&nsb); PyBuffer_Release(&npb); PyBuffer_Release(&gb);
+    return result;
+}
+
+/* counter_total(counters: int64[P, 8]) -> the sum of every partition's RESERVE, COMMIT, PUBLISHED */
+static PyObject *counter_total(PyObject *self, PyObject *args) {
+    Py_buffer cb;
+    if (!PyArg_ParseTuple(args, "y*", &cb)) return NULL;
+    const int64_t *c = (const int64_t *)cb.buf;
+    int64_t total = 0;
+    for (Py_ssize_t p = 0; p < cb.len / 64; p++)
+        total += __atomic_load_n(&c[p * 8 + F_RESERVE], __ATOMIC_RELAXED) + __atomic_load_n(&c[p * 8 + F_COMMIT], __ATOMIC_RELAXED)
+               + __atomic_load_n(&c[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
+    PyBuffer_Release(&cb);
+    return PyLong_FromLongLong(total);
+}
+
 static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
@@ -301,6 +942,24 @@ static PyMethodDef methods[] = {
      "sample_proportional(levels, fanout, uniforms, count, beta, slots, probs, weights)"},
     {"window_rows", window_rows, METH_VARARGS, "window_rows(parts, starts, lengths, S, T, rows) -> padded"},
     {"take_rows", take_rows, METH_VARARGS, "take_rows(src, k, idx, out): out = src[idx].T with prefetching"},
+    {"set_priorities", set_priorities, METH_VARARGS,
+     "set_priorities(levels, fanout, size, slots, priorities, alpha, skip_negative) -> leaves set"},
+    {"rebuild", rebuild, METH_VARARGS, "rebuild(levels, fanout): every parent re-summed from its children"},
+    {"make_live", make_live, METH_VARARGS, "make_live(position, live, count, slots) -> count"},
+    {"make_dead", make_dead, METH_VARARGS, "make_dead(position, live, count, slots) -> count"},
+    {"update_by_key", update_by_key, METH_VARARGS,
+     "update_by_key(levels, fanout, keys, P, R, slot_rec, slot_live, priorities, alpha) -> applied"},
+    {"stream_items", stream_items, METH_VARARGS,
+     "stream_items(start, length, priority, counters, ends, num_steps, priorities, S, pos, ep0, last_start, "
+     "stream, published_field, rec_reserve_field) -> last start"},
+    {"scan", scan, METH_VARARGS,
+     "scan(counters, item_start, item_length, item_priority, ingested, live_lo, seen_reserve, S, max_len, "
+     "seen_total, first_p, slot_rec, slot_live, new_slots, new_prios, gone) -> (total, next_p, new, gone, replaced, bad)"},
+    {"counter_total", counter_total, METH_VARARGS, "counter_total(counters) -> sum of RESERVE, COMMIT, PUBLISHED"},
+    {"key_slots", key_slots, METH_VARARGS, "key_slots(keys, P, R, slot_rec, slot_live, out) -> valid"},
+    {"ingest", ingest, METH_VARARGS, "ingest(start, length, priority, counters, lo, hi, p, max_len, "
+     "published_field, rec_reserve_field, slot_rec, slot_live, out_slots, out_prios) -> (kept, replaced)"},
+    {"evict_before", evict_before, METH_VARARGS, "evict_before(slot_rec, slot_live, p, R, lo, hi, limit, out) -> (k, lo)"},
     {NULL, NULL, 0, NULL},
 };
 

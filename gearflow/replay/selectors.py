@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover - depends on the build
 __all__ = [
     "SELECTORS",
     "FifoSelector",
+    "KeyIndex",
     "LifoSelector",
     "MaxHeapSelector",
     "MinHeapSelector",
@@ -63,10 +64,23 @@ __all__ = [
     "SumTree",
     "TopKSelector",
     "UniformSelector",
+    "check_priorities",
     "make_selector",
 ]
 
 StateDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KeyIndex:
+    """How a table maps item keys to slots, for :meth:`Selector.update_by_key`: key
+    ``seq * P + p`` lives in slot ``p * R + seq % R`` while ``slot_live[slot]`` and
+    ``slot_rec[slot, 1] == seq`` (the table's own arrays, viewed, not copied)."""
+
+    P: int
+    R: int
+    slot_rec: np.ndarray  # int64 [P * R, 3]: start, seq, length
+    slot_live: np.ndarray  # bool [P * R]
 
 
 @dataclass
@@ -106,6 +120,18 @@ def _encode_rng(rng: np.random.Generator) -> np.ndarray:
 
 def _decode_rng(encoded: np.ndarray) -> dict[str, Any]:
     return json.loads(np.asarray(encoded, dtype=np.uint8).tobytes().decode())
+
+
+def check_priorities(priorities: np.ndarray) -> None:
+    """The one priority rule (writers, the table, selectors): finite and ≥ 0.
+    Raises ValueError naming the first bad value and its index."""
+    bad = ~np.isfinite(priorities) | (priorities < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"priority must be finite and ≥ 0, got {float(priorities[i])!r} at index {i} "
+            f"({int(bad.sum())} bad of {priorities.size})"
+        )
 
 
 def _check_positive_int(name: str, value: int) -> int:
@@ -185,6 +211,62 @@ class Selector:
         slots, priorities = _last_wins(slots, priorities)
         self._set_priorities(slots, priorities)
 
+    # -- the table's per-call paths ----------------------------------------
+    # The table calls these with arguments it has already checked (slots in range and,
+    # for insert_ingested/remove_known, unique): they skip the public methods' argument
+    # checks and sorting. The defaults go through the public methods.
+
+    def insert_ingested(self, slots: np.ndarray, priorities: np.ndarray, order0: int) -> None:
+        """:meth:`insert` of unique in-range ``slots`` with orders ``order0, order0 + 1, ...``."""
+        if _hotpath is None:
+            self.insert(slots, priorities, np.arange(order0, order0 + len(slots), dtype=np.int64))
+            return
+        self._count = _hotpath.make_live(self._position, self._live_slots, self._count, slots)
+        self._set_priorities(slots, priorities)
+        if self._uses_order:
+            self._set_order(slots, np.arange(order0, order0 + len(slots), dtype=np.int64))
+
+    def remove_known(self, slots: np.ndarray) -> None:
+        """:meth:`remove` of unique in-range ``slots``."""
+        if _hotpath is None or not len(slots):
+            self.remove(slots)
+            return
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        self._count = _hotpath.make_dead(self._position, self._live_slots, self._count, slots)
+        self._forget_known(slots)
+
+    def _forget_known(self, slots: np.ndarray) -> None:
+        """:meth:`_forget` of unique slots in any order."""
+        self._forget(np.sort(slots))
+
+    def update_by_key(self, keys: np.ndarray, priorities: np.ndarray, index: "KeyIndex") -> int:
+        """New priorities for the items named by ``keys`` (``index``: the table's key → slot
+        records); keys of items the table no longer holds are skipped. Returns how many
+        applied. Priorities are float32 or float64 arrays."""
+        if _hotpath is None:  # the reference
+            seq = keys // index.P
+            slots = (keys % index.P) * index.R + seq % index.R
+            ok = (keys >= 0) & index.slot_live[slots] & (index.slot_rec[slots, 1] == seq)
+            return self.update_known(np.where(ok, slots, -1), priorities)
+        if self._key_slots.size != keys.size:
+            self._key_slots = np.empty(keys.size, np.int64)
+        _hotpath.key_slots(keys, index.P, index.R, index.slot_rec, index.slot_live, self._key_slots)
+        return self.update_known(self._key_slots, priorities)
+
+    _key_slots = np.empty(0, np.int64)
+
+    def update_known(self, slots: np.ndarray, priorities: np.ndarray) -> int:
+        """:meth:`update` where ``slots`` are live or -1 (skipped); returns how many applied."""
+        priorities = np.asarray(priorities, dtype=np.float64)
+        check_priorities(priorities)  # every one, skipped or not: bad input is an error
+        keep = slots >= 0
+        if not keep.all():
+            slots, priorities = slots[keep], priorities[keep]
+        self.update(slots, priorities)
+        return int(slots.size)
+
+    _uses_order = False  # ranked selectors keep insertion order
+
     def sample(self, batch_size: int) -> Selection:
         """Pick ``batch_size`` live slots."""
         batch_size = operator.index(batch_size)
@@ -259,13 +341,7 @@ class Selector:
             raise ValueError(
                 f"priorities has shape {priorities.shape} but slots has shape ({count},)"
             )
-        valid = np.isfinite(priorities) & (priorities >= 0)
-        if not valid.all():
-            index = int(np.argmin(valid))
-            raise ValueError(
-                f"invalid priority {float(priorities[index])} at index {index}: "
-                "a priority must be finite and >= 0"
-            )
+        check_priorities(priorities)
         return priorities
 
     def _make_live(self, slots: np.ndarray) -> None:
@@ -313,8 +389,13 @@ class SumTree:
     6 levels below the root for 10^7 leaves at the default ``F = 16``, which
     measured fastest for batches of a few hundred (32 and 8 are close).
 
-    Parents are always *recomputed* as the sum of their children (never updated
-    by adding deltas), so float error does not accumulate over updates.
+    :meth:`set` recomputes each touched parent as the sum of its children (exact).
+    :meth:`set_priorities` (the learner's per-batch update and the table's ingest)
+    changes each ancestor by its child's change, one add per level instead of
+    re-summing ``F`` children; a node whose change cancels nearly all of it (e.g.
+    its last positive leaf went to 0) is re-summed from its children instead, so
+    a node over only zero leaves is exactly 0, and the whole tree is re-summed
+    after every ``4 * size`` incremental leaf changes, so rounding stays bounded.
     """
 
     def __init__(self, size: int, fanout: int = 16) -> None:
@@ -332,6 +413,7 @@ class SumTree:
             nodes = parents
         self.levels = [np.zeros(1)] + [np.zeros(n) for n in reversed(child_level_sizes)]
         self._ones = np.ones(fanout)  # (F,)
+        self._incremental = 0  # leaf changes carried up by adding since the last exact re-sum
         self.native = _hotpath is not None  # False: the numpy reference path
         self._strictly_upper = np.triu(np.ones((fanout, fanout)), k=1)  # (F, F)
 
@@ -358,6 +440,44 @@ class SumTree:
             indices = _unique_sorted(indices // fanout)  # sorted stays sorted
             children = self.levels[depth + 1].reshape(-1, fanout)[indices]  # (n, F)
             self.levels[depth][indices] = children @ self._ones  # row sums; 4x np.sum's speed
+
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray, alpha: float, skip_negative: bool = False) -> int:
+        """Leaves at ``slots`` (any order; a repeated slot keeps its last value) := ``p ** alpha``
+        (0 for ``p == 0``). Every priority must be finite and ≥ 0 and every slot in range
+        (``skip_negative``: slots < 0 are skipped), else ValueError and nothing changes.
+        Returns the number of leaves set."""
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if self.native:
+            pr = priorities if isinstance(priorities, np.ndarray) and priorities.dtype in (np.float32, np.float64) else np.asarray(priorities, dtype=np.float64)
+            n = _hotpath.set_priorities(self.levels, self.fanout, self.size, slots, np.ascontiguousarray(pr), float(alpha), skip_negative)
+            self._incremental += n
+            if self._incremental > 4 * self.size:
+                self.rebuild()
+            return n
+        pr = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if pr.shape != slots.shape:
+            raise ValueError(f"{pr.size} priorities for {slots.size} slots")
+        check_priorities(pr)
+        if slots.size and (slots.max() >= self.size or (not skip_negative and slots.min() < 0)):
+            bad_slot = slots.max() if slots.max() >= self.size else slots.min()
+            raise ValueError(f"slot {bad_slot} out of range [0, {self.size})")
+        keep = slots >= 0
+        slots, pr = slots[keep], pr[keep]
+        unique, first_reversed = np.unique(slots[::-1], return_index=True)  # last one wins
+        pr = pr[len(slots) - 1 - first_reversed]
+        self.set(unique, np.where(pr > 0, pr ** float(alpha) if alpha else 1.0, 0.0))
+        return int(slots.size)
+
+    def rebuild(self) -> None:
+        """Re-sum every parent from its children (exact)."""
+        self._incremental = 0
+        if self.native:
+            _hotpath.rebuild(self.levels, self.fanout)
+            return
+        for depth in range(len(self.levels) - 2, -1, -1):
+            sums = self.levels[depth + 1].reshape(-1, self.fanout).sum(axis=1)
+            self.levels[depth][:] = 0.0
+            self.levels[depth][: len(sums)] = sums
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """Leaf index holding each cumulative-mass target in ``[0, total]``, shape (B,).
@@ -436,8 +556,30 @@ class PrioritizedSelector(Selector):
         self._beta = _check_non_negative("beta", value)
 
     def _set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        if self.tree.native:
+            self.tree.set_priorities(slots, priorities, self.alpha)
+            return
         masses = np.where(priorities > 0, priorities**self.alpha, 0.0)
         self.tree.set(slots, masses)
+
+    def _forget_known(self, slots: np.ndarray) -> None:
+        self.tree.set_priorities(slots, np.zeros(len(slots)), 0.0)
+
+    def update_by_key(self, keys: np.ndarray, priorities: np.ndarray, index: "KeyIndex") -> int:
+        tree = self.tree
+        if not tree.native:
+            return super().update_by_key(keys, priorities, index)
+        # one C pass: priorities checked, keys mapped to the slots still holding them, leaves set
+        n = _hotpath.update_by_key(tree.levels, tree.fanout, keys, index.P, index.R, index.slot_rec,
+                                   index.slot_live, priorities, self.alpha)  # fmt: skip
+        tree._incremental += n
+        if tree._incremental > 4 * tree.size:
+            tree.rebuild()
+        return n
+
+    def update_known(self, slots: np.ndarray, priorities: np.ndarray) -> int:
+        # one C pass: priorities checked, -1 slots skipped, leaves set, ancestors changed
+        return self.tree.set_priorities(slots, priorities, self.alpha, skip_negative=True)
 
     def _forget(self, slots: np.ndarray) -> None:
         self.tree.set(slots, 0.0)
@@ -495,6 +637,8 @@ class _RankedSelector(Selector):
     cyclically. Ranking is O(N) in the number N of live slots (argpartition,
     then a sort of only the ``B`` chosen), so it suits small tables or rare calls.
     """
+
+    _uses_order = True
 
     def __init__(self, capacity: int, *, seed: int | None = None) -> None:
         super().__init__(capacity, seed=seed)
@@ -661,4 +805,9 @@ def make_selector(name: str, capacity: int, *, seed: int | None = None, **kwargs
     except KeyError:
         valid = ", ".join(sorted(SELECTORS))
         raise ValueError(f"unknown selector {name!r}; valid names: {valid}") from None
+    if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise ValueError(
+            f"make_selector({name!r}, capacity): capacity must be the number of item slots (an int ≥ 1), "
+            f"got {capacity!r}"
+        )
     return cls(capacity, seed=seed, **kwargs)

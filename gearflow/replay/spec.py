@@ -199,6 +199,28 @@ class TableSpec:
         assert n is not None
         return out, n
 
+    def check_row(self, step: Mapping[str, Any]) -> list[Any]:
+        """Validate one unbatched step; returns its values in column order, each ready to
+        be stored in a row (``column_array[row] = value``). The same rules and errors as
+        :meth:`check_step`, with no per-column array building for values that already
+        have the column's exact dtype and shape (numpy arrays and scalars)."""
+        cols = self.columns
+        if len(step) == len(cols):
+            row = []
+            try:
+                for c in cols:
+                    v = step[c.name]
+                    if (type(v) is np.ndarray or isinstance(v, np.generic)) and v.dtype == c.dtype and v.shape == c.shape:
+                        row.append(v)
+                    else:
+                        break
+                else:
+                    return row
+            except KeyError:
+                pass
+        checked = self.check_step(step)
+        return [checked[c.name][0] for c in cols]
+
     def check_step(self, step: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Validate one unbatched step; returns arrays shaped ``[1, *shape]``."""
         batched = {}

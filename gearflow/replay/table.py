@@ -45,7 +45,7 @@ import torch
 
 from gearflow.replay.items import ItemKind, gatherable
 from gearflow.replay.rate_limiter import RateLimiter, RateLimiterTimeout
-from gearflow.replay.selectors import Selector
+from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
 from gearflow.replay.storage import (
     COMMIT,
     H_INSERT_LIMIT,
@@ -56,7 +56,6 @@ from gearflow.replay.storage import (
     SHM_DIR,
     SharedStorage,
 )
-from gearflow.replay.writer import _check_priorities
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +83,23 @@ def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector
     if getattr(device, "storage", None) is not storage or getattr(device, "selector", None) is not selector:
         raise ValueError("device must be 'cpu', 'cuda', 'cuda:N' or a DeviceReplay over this table's storage and selector")
     return device
+
+
+_INT64, _FLOATS = (np.dtype(np.int64),), (np.dtype(np.float64), np.dtype(np.float32))
+
+
+def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
+    """``x`` (a tensor on any device, an array, a list) as a 1-D C-contiguous numpy array of
+    one of ``dtypes`` (converted to the first when it is none of them)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16
+            x = x.float()
+        x = x.numpy() if x.is_cpu and not x.requires_grad else x.detach().cpu().numpy()
+    if type(x) is np.ndarray and x.ndim == 1 and x.dtype in dtypes and x.flags.c_contiguous:
+        return x  # the learner's case: nothing to convert
+    if not (isinstance(x, np.ndarray) and x.dtype in dtypes):
+        x = np.asarray(x, dtype=dtypes[0])
+    return np.ascontiguousarray(x.reshape(-1))
 
 
 @dataclass
@@ -142,6 +158,11 @@ class Table:
         self.inserts = 0  # items ingested
         self.evictions = 0
         self.torn = 0  # items replaced because their steps were overwritten mid-gather
+        # what one C scan call hands the selector (a partition that would not fit is done in parts)
+        n_out = min(P * R, 1 << 16)
+        self._new_slots, self._new_prios, self._gone = np.empty(n_out, np.int64), np.empty(n_out), np.empty(n_out, np.int64)
+        self.bad_records = 0  # item records dropped at ingest: priority not finite and ≥ 0
+        self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
         self._buffers: list[dict[str, torch.Tensor]] = []
         self._buffer_batch = -1
         self._next_buffer = 0
@@ -151,11 +172,53 @@ class Table:
     # ------------------------------------------------------------------ ingest
     def _counter_total(self) -> int:
         """Sum of every partition's RESERVE, COMMIT and PUBLISHED: they only grow, so an
-        unchanged sum means no writer moved (one numpy call on the sample path)."""
+        unchanged sum means no writer moved (one call on the sample path)."""
+        if _hotpath is not None:
+            return _hotpath.counter_total(self.storage.counters)
         return int(self.storage.counters[:, :3].sum())
 
     def scan(self) -> int:
-        """Ingest newly published items and evict overwritten ones; returns items ingested."""
+        """Ingest newly published items and evict overwritten ones; returns items ingested.
+
+        Where the C module is built, one C pass over every partition (``_hotpath.scan``) does
+        what :meth:`_scan_reference` does, and the selector is told in two calls."""
+        if _hotpath is None:
+            return self._scan_reference()
+        st, P = self.storage, self._P
+        first_p, ingested = 0, 0
+        while True:
+            total, next_p, n_new, n_gone, n_replaced, n_bad = _hotpath.scan(
+                st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
+                self._seen_reserve, self._S, self._max_item_steps, self._seen_total, first_p, self._slot_rec,
+                self._slot_live, self._new_slots, self._new_prios, self._gone,
+            )  # fmt: skip
+            if n_new:  # inserted before the evictions: an item can be both (a reader a lap behind)
+                slots = self._new_slots[:n_new]
+                self.selector.insert_ingested(slots, self._new_prios[:n_new], self._order)
+                if self._device is not None:
+                    rec = self._slot_rec[slots]
+                    self._device.insert(slots.copy(), self._new_prios[:n_new].copy(), rec[:, 0], rec[:, 1], rec[:, 2])
+                self._order += n_new
+                self.inserts += n_new
+                ingested += n_new
+            if n_gone:
+                gone = self._gone[:n_gone]
+                self.selector.remove_known(gone)
+                if self._device is not None:
+                    self._device.remove(gone.copy())
+            self.evictions += n_replaced + n_gone
+            if n_bad:
+                self.bad_records += n_bad
+                log.warning("replay: dropped %d item record(s) whose priority is not finite and ≥ 0 "
+                            "(a writer bypassed Writer's checks); %d so far", n_bad, self.bad_records)  # fmt: skip
+            if next_p >= P:
+                break
+            first_p = next_p
+        self._seen_total = total
+        return ingested
+
+    def _scan_reference(self) -> int:
+        """:meth:`scan` in numpy (the reference, and the path where the C module is not built)."""
         c = self.storage.counters
         total = self._counter_total()  # unchanged: nothing written since the last scan
         if total == self._seen_total:
@@ -184,6 +247,11 @@ class Table:
         # a writer bumps REC_RESERVE before it rewrites record slots: records of items older
         # than REC_RESERVE - R (read after the copy) may have been rewritten while we copied
         ok = seqs >= max(int(st.counters[p, REC_RESERVE]), int(st.counters[p, PUBLISHED])) - R
+        good = np.isfinite(prios) & (prios >= 0)  # a writer that bypassed its checks: dropped
+        if not good.all():
+            self.bad_records += int((ok & ~good).sum())
+            log.warning("replay: dropped item record(s) of partition %d whose priority is not finite and ≥ 0", p)
+        ok &= good
         if not ok.all():
             seqs, ring, starts, lengths, prios = (a[ok] for a in (seqs, ring, starts, lengths, prios))
         slots = p * R + ring
@@ -217,8 +285,10 @@ class Table:
         self._live_lo[p] = lo
 
     def _remove(self, slots: np.ndarray) -> None:
+        """Evict unique ``slots`` (live or not)."""
+        slots = slots[self._slot_live[slots]]
         if slots.size:
-            self.selector.remove(slots)
+            self.selector.remove_known(slots)
             self._slot_live[slots] = False
             if self._device is not None:
                 self._device.remove(slots)
@@ -413,13 +483,16 @@ class Table:
 
     # ------------------------------------------------------------------ priorities
     def update_priorities(self, keys, priorities) -> int:
-        """New priorities by key; keys of evicted items are ignored. Returns how many applied."""
-        keys = np.asarray(keys.cpu() if isinstance(keys, torch.Tensor) else keys, dtype=np.int64).reshape(-1)
-        prios = priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities
-        prios = np.asarray(prios, dtype=np.float64).reshape(-1)
+        """New priorities by key; keys of evicted items are ignored. Returns how many applied.
+
+        A priority that is not finite and ≥ 0 raises ValueError and nothing changes."""
+        keys = _host_array(keys, _INT64)
+        prios = _host_array(priorities, _FLOATS)
         if keys.shape != prios.shape:
             raise ValueError(f"{keys.size} keys but {prios.size} priorities")
-        _check_priorities(prios)
+        if self._device is None:  # one C pass where built: checked, mapped, applied
+            return self.selector.update_by_key(keys, prios, self._key_index)
+        check_priorities(prios)
         p = keys % self._P
         seq = keys // self._P
         slots = p * self._R + seq % self._R

@@ -21,6 +21,8 @@ trust rows of steps ``>= RESERVE - S`` and records of items
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from typing import Any, Callable, Mapping
 
@@ -28,6 +30,12 @@ import numpy as np
 
 from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.selectors import check_priorities
+
+try:  # C item records for one stream (setup.py builds it); the numpy code below is the reference
+    from gearflow.replay import _hotpath
+except ImportError:  # pragma: no cover - depends on the build
+    _hotpath = None
 from gearflow.replay.storage import (
     COMMIT,
     NO_LIMIT,
@@ -51,13 +59,6 @@ class InsertAborted(GearflowError):
     """A blocked insert gave up because ``Writer.abort()`` said the writer should stop."""
 
 
-def _check_priorities(priorities: np.ndarray) -> None:
-    bad = ~np.isfinite(priorities) | (priorities < 0)
-    if bad.any():
-        raise ValueError(
-            f"priority must be finite and ≥ 0, got {priorities[bad][0]!r} "
-            f"({int(bad.sum())} bad of {priorities.size})"
-        )
 
 
 class Writer:
@@ -203,7 +204,7 @@ class Writer:
         lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
         end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
         start = end - lengths
-        _check_priorities(prio)
+        check_priorities(prio)
         if (lengths < 1).any() or (lengths > self._S).any():
             bad = lengths[(lengths < 1) | (lengths > self._S)][0]
             raise ValueError(f"num_steps must be in [1, {self._S}], got {bad}")
@@ -242,9 +243,28 @@ class Writer:
         self._last_item_start[s[last]] = start[last]
 
     def _create_stream_items(self, prio: np.ndarray, num_steps, stream: int, ends) -> None:
-        """``create_items`` for many items of one stream (the ``extend`` path), in few numpy calls."""
+        """``create_items`` for many items of one stream (the ``extend`` path): one C call
+        where built (the same checks and messages), else a few numpy calls."""
         if not 0 <= stream < self.num_streams:
             raise ValueError(f"streams [{stream}] out of range [0, {self.num_streams})")
+        if _hotpath is not None:
+            m, pos = prio.size, int(self._pos[stream])
+            if ends is None:
+                end = np.full(m, pos, dtype=np.int64)
+            else:
+                end = np.ascontiguousarray(ends, dtype=np.int64).reshape(-1)
+            if isinstance(num_steps, (int, np.integer)):
+                n = int(num_steps)
+            else:
+                n = np.ascontiguousarray(np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,)))
+            self._wait_for_insert(m)
+            p, st = int(self.partitions[stream]), self.storage
+            self._last_item_start[stream] = _hotpath.stream_items(
+                st.item_start[p], st.item_length[p], st.item_priority[p], st.counters[p], end, n,
+                np.ascontiguousarray(prio), self._S, pos, int(self._episode_start[stream]),
+                int(self._last_item_start[stream]), stream, PUBLISHED, REC_RESERVE,
+            )  # fmt: skip
+            return
         m, S, R = prio.size, self._S, self._R
         pos, ep0 = int(self._pos[stream]), int(self._episode_start[stream])
         if np.ndim(num_steps) == 0:
@@ -261,7 +281,7 @@ class Writer:
             raise ValueError(f"{m} priorities but {end.size} ends")
         start = end - lengths
         if not (prio.min() >= 0 and prio.max() < np.inf):  # a NaN fails both comparisons
-            _check_priorities(prio)
+            check_priorities(prio)
         if end.max() > pos:
             raise ValueError("an item ends after the last appended step")
         if start.min() < ep0:
@@ -310,7 +330,9 @@ class Writer:
     def end_episode(self, streams=None) -> None:
         """Close the current episode of ``streams``: later items cannot reach back into it."""
         if streams is not None and np.ndim(streams) == 0:  # one stream: plain int indexing
-            s = int(self._streams(int(streams))[0])
+            s = int(streams)
+            if not 0 <= s < self.num_streams:
+                raise ValueError(f"streams [{s}] out of range [0, {self.num_streams})")
             self._episode_start[s] = self._pos[s]
             self.storage.counters[int(self.partitions[s]), EPISODES] += 1
             return
@@ -325,29 +347,73 @@ class Writer:
 
 
 class TrajectoryWriter:
-    """One stream, Reverb's names: ``append`` / ``extend`` / ``create_item`` / ``end_episode`` / ``flush``."""
+    """One stream, Reverb's names: ``append`` / ``extend`` / ``create_item`` / ``end_episode`` / ``flush``.
+
+    ``append`` and ``create_item`` are the per-step loop of a one-env actor: they write the
+    row and the item record with scalar stores (no batch arrays), under the same checks,
+    write protocol and rate limiter as :class:`Writer`, which holds the stream's state."""
 
     def __init__(self, storage: SharedStorage, partition: int, *, insert_timeout_s: float = 60.0):
         self._w = Writer(storage, [partition], insert_timeout_s=insert_timeout_s)
-        self.partition = partition
+        self.partition = p = int(partition)
+        self._counters = storage.counters[p]  # this partition's counter line
+        self._columns = [storage.columns[c.name] for c in storage.spec]
+        self._records = (storage.item_start[p], storage.item_length[p], storage.item_priority[p])
+        self._S, self._R, self._base = storage.steps_per_partition, storage.items_per_partition, p * storage.steps_per_partition
 
     @property
     def episode_length(self) -> int:
-        return int(self._w.episode_lengths()[0])
+        return int(self._w._pos[0] - self._w._episode_start[0])
 
     @property
     def position(self) -> int:
-        return int(self._w.positions[0])
+        return int(self._w._pos[0])
 
     def append(self, step: Mapping[str, Any]) -> int:
         """One unbatched step; returns its absolute index."""
-        return int(self._w.append(self._w.storage.spec.check_step(step))[0])
+        values = self._w.storage.spec.check_row(step)  # every column checked before a byte is stored
+        w, c = self._w, self._counters
+        pos = int(w._pos[0])
+        row = self._base + pos % self._S
+        c[RESERVE] = pos + 1
+        for col, v in zip(self._columns, values):
+            col[row] = v
+        c[COMMIT] = pos + 1
+        w._pos[0] = pos + 1
+        return pos
 
     def extend(self, steps: Mapping[str, Any]) -> int:
         return self._w.extend(steps)
 
     def create_item(self, priority: float, num_steps: int) -> None:
-        self._w.create_items([priority], num_steps)
+        """An item over the last ``num_steps`` steps of the current episode."""
+        w, c = self._w, self._counters
+        try:
+            prio, n = float(priority), operator.index(num_steps)
+        except TypeError:
+            raise ValueError(f"create_item(priority, num_steps): a number and an int, got {priority!r}, {num_steps!r}") from None
+        if not (prio >= 0.0 and prio != math.inf):
+            raise ValueError(f"priority must be finite and ≥ 0, got {prio!r} at index 0 (1 bad of 1)")
+        if not 1 <= n <= self._S:
+            raise ValueError(f"num_steps must be in [1, {self._S}], got {n}")
+        pos, ep0 = int(w._pos[0]), int(w._episode_start[0])
+        start = pos - n
+        if start < ep0:
+            raise ValueError(
+                f"item of {n} steps crosses an episode boundary: stream 0 has {pos - ep0} steps in its current episode"
+            )
+        if start < w._last_item_start[0]:
+            raise ValueError("items of a stream must be created in order of their first step")
+        if int(w.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
+            w._wait_for_insert(1)
+        seq = int(c[PUBLISHED])
+        if c[REC_RESERVE] < seq + 1:
+            c[REC_RESERVE] = seq + 1  # announce the record slot before rewriting it
+        starts, lengths, prios = self._records
+        r = seq % self._R
+        starts[r], lengths[r], prios[r] = start, n, prio
+        c[PUBLISHED] = seq + 1  # publish after the record is written
+        w._last_item_start[0] = start
 
     def end_episode(self) -> None:
         self._w.end_episode()
