@@ -181,3 +181,52 @@ def test_update_priorities_c_path_rejects_bad_values_atomically(make_table):
     # float32 priorities (a learner's TD errors) and evicted keys
     assert table.update_priorities(np.array([0, 1, 999]), np.array([4.0, 9.0, 1.0], np.float32)) == 2
     np.testing.assert_allclose(table.selector.tree.leaves[:2], np.array([4.0, 9.0]) ** table.selector.alpha)
+
+
+# ----------------------------------------------------------------------------- gather threads
+def test_gather_threads_measures_both_then_keeps_the_cheaper_and_retries():
+    from gearflow.replay.table import GatherThreads
+
+    g = GatherThreads(most=2)
+    assert g.pick(256) == 1 and g.chosen(256) is None
+    g.record(256, 1, 0.010)
+    assert g.pick(256) == 2
+    g.record(256, 2, 0.001)
+    assert g.chosen(256) == 2
+    picks = [g.pick(256) for _ in range(512)]
+    assert picks.count(2) > 500 and picks.count(1) >= 1  # the other is re-tried now and then
+    for _ in range(40):  # the load changed: 2 threads became slow
+        g.record(256, 2, 0.050)
+    assert g.chosen(256) == 1
+    assert g.chosen(64) is None  # per batch size
+    assert GatherThreads(3).pick(256) == 3
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="num_threads must be an int ≥ 1 or None"):
+            GatherThreads(bad)
+
+
+def test_table_num_threads_is_the_gathers_thread_count(make_table):
+    import torch
+
+    seen = []
+    table = make_table(STAMP_SPEC, P=1, S=64, kind=Transition(next_columns=()), num_threads=1)
+    real = table.kind.gather
+
+    class Spy(Transition):
+        def gather(self, *a):
+            seen.append(torch.get_num_threads())
+            return real(*a)
+
+    table.kind = Spy(next_columns=())
+    w = Writer(table.storage, [0])
+    _write(w, 8)
+    before = torch.get_num_threads()
+    table.sample(4)
+    assert seen == [1] and torch.get_num_threads() == before  # restored after the gather
+
+
+def test_make_selector_names_a_missing_capacity():
+    from gearflow.replay import make_selector
+
+    with pytest.raises(ValueError, match=r"make_selector\('prioritized', capacity\): capacity must be .* got None"):
+        make_selector("prioritized", None)

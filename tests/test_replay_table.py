@@ -478,12 +478,6 @@ def test_prioritized_weights_are_the_is_formula(make_table):
     np.testing.assert_allclose([probs[k] for k in (0, 1, 2)], [1 / 7, 2 / 7, 4 / 7], rtol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Table.sample puts a redrawn item's weight in the batch already divided by the max of "
-    "the redraw alone (weights[bad] = fresh.weights), the kept ones by the max of the first "
-    "draw (a torn item's): the same item can get two weights in one batch",
-)
 def test_torn_items_are_resampled_prioritized_weights_renormalised(make_table):
     # items 0..7 (starts 0..5) are torn by the overwrite, priority 1 (mass 1); items 8..15 stay,
     # priorities 4, 16, 4, 16, ... (masses 2, 4). alpha 0.5, beta 1. The batch holds only

@@ -13,6 +13,12 @@ Each figure has its floor measured in the same run:
 * ``single_stream`` — Reverb's per-step loop: ``TrajectoryWriter.append`` then
   ``create_item`` of a 3-step item, small steps (CartPole-sized), against a plain
   per-step copy of the same columns into preallocated arrays.
+* ``busy_core_sample`` — W1 batches sampled while another process holds a core:
+  the table's measured thread choice against torch's default thread count.
+
+Floors for inserts are slice copies into a /dev/shm mapping, as the table's columns
+are (4 KiB shared pages); the same copy into numpy's own memory (transparent huge
+pages) is reported beside it.
 """
 
 from __future__ import annotations
@@ -270,6 +276,57 @@ def single_stream(emit: Emit, scale: float, seed: int) -> None:
         table.close()
 
 
+def _spin(seconds: float) -> None:
+    """A process holding a core (an actor's env loop, in a real run)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def gather_threads(emit: Emit, scale: float, seed: int) -> None:
+    """W1 batches sampled while another process spins on a core: the table's own thread
+    choice against torch's default (all its threads), in the same run."""
+    import multiprocessing as mp
+
+    if torch.get_num_threads() < 2:
+        return  # one core: nothing to choose
+    steps = max(2048, int(50_000 * scale)) // 64 * 64
+    rng = np.random.default_rng(seed)
+    tables = {}
+    try:
+        for name, threads in (("chosen", None), ("torch_default", torch.get_num_threads())):
+            storage = SharedStorage.create(TableSpec.parse(W1_SPEC), 1, steps)
+            selector = make_selector("prioritized", steps, seed=seed, alpha=0.6, beta=0.4)
+            t = tables[name] = Table(storage, Transition(next_columns=("obs",)), selector,
+                                     RateLimiter(min_size_to_sample=1), num_buffers=1, num_threads=threads)  # fmt: skip
+            w = Writer(storage, [0])
+            chunk = _chunk(storage.spec, 64, rng)
+            for _ in range(steps // 64):
+                first = w.extend(chunk)
+                w.create_items(np.ones(64), 1, streams=0, ends=first + np.arange(1, 65))
+            t.scan()
+        seconds = max(1.0, 4.0 * scale)
+        proc = mp.get_context("spawn").Process(target=_spin, args=(2 * seconds + 30,), daemon=True)
+        proc.start()
+        try:
+            time.sleep(0.5)
+            rate = {}
+            for name, t in tables.items():
+                calls, start = 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    t.sample(256)
+                    calls += 1
+                rate[name] = calls / (time.perf_counter() - start)
+        finally:
+            proc.terminate()
+            proc.join(timeout=10)
+        emit(_rec("busy_core_sample_batches_per_s", rate["chosen"], "batches/s", rate["torch_default"]))
+        emit(_rec("busy_core_gather_threads_chosen", tables["chosen"].gather_threads.chosen(256) or 0, "threads"))
+    finally:
+        for t in tables.values():
+            t.close()
+
+
 def w5(emit: Emit, scale: float, seed: int) -> None:
-    for fn in (priority_updates, insert_with_ingest, sequence_insert_with_ingest, single_stream):
+    for fn in (priority_updates, insert_with_ingest, sequence_insert_with_ingest, single_stream, gather_threads):
         fn(emit, scale, seed)

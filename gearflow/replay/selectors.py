@@ -94,6 +94,9 @@ class Selection:
     slots: np.ndarray  # (B,) int64
     probabilities: np.ndarray  # (B,) float64
     weights: np.ndarray  # (B,) float32
+    # probabilities[i] = mass_i / total at the draw (prioritized: the tree's total mass;
+    # uniform: the live count with mass 1); None where probabilities are not proportional
+    total: float | None = None
 
 
 def _unique_sorted(values: np.ndarray) -> np.ndarray:
@@ -267,6 +270,12 @@ class Selector:
 
     _uses_order = False  # ranked selectors keep insertion order
 
+    def reweigh(self, masses: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Probabilities and importance weights of a batch whose rows came from several draws
+        (a table's torn-row redraws), from each row's mass at its draw (``probability * total``)
+        against the selector as it is now; None where a draw's weights need no change."""
+        return None
+
     def sample(self, batch_size: int) -> Selection:
         """Pick ``batch_size`` live slots."""
         batch_size = operator.index(batch_size)
@@ -376,7 +385,11 @@ class UniformSelector(Selector):
             slots=self._live_slots[picks],
             probabilities=np.full(batch_size, 1.0 / self._count),
             weights=np.ones(batch_size, dtype=np.float32),
+            total=float(self._count),
         )
+
+    def reweigh(self, masses):
+        return np.full(len(masses), 1.0 / self._count), np.ones(len(masses), dtype=np.float32)
 
 
 class SumTree:
@@ -597,13 +610,20 @@ class PrioritizedSelector(Selector):
                 self.tree.levels, self.tree.fanout, uniforms, self._count, self.beta,
                 slots, probabilities, weights32,
             )  # fmt: skip
-            return Selection(slots, probabilities, weights32)
+            return Selection(slots, probabilities, weights32, total)
         strata = np.arange(batch_size) + uniforms  # (B,)
         slots = self.tree.find(strata * (total / batch_size))
         probabilities = self.tree.leaves[slots] / total  # (B,)
         weights = (self._count * probabilities) ** -self.beta
         weights /= weights.max()
-        return Selection(slots, probabilities, weights.astype(np.float32))
+        return Selection(slots, probabilities, weights.astype(np.float32), total)
+
+    def reweigh(self, masses):
+        """P(i) = m_i / total and w_i = (N P(i)) ** -beta / max over the batch, with the total
+        and N of now: one normalisation for every row, whichever draw it came from."""
+        probabilities = np.asarray(masses, dtype=np.float64) / self.tree.total
+        weights = (self._count * probabilities) ** -self.beta
+        return probabilities, (weights / weights.max()).astype(np.float32)
 
     def state_dict(self) -> StateDict:
         state = super().state_dict()
