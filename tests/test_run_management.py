@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,9 +20,9 @@ from gearflow.errors import GearflowError
 from gearflow.metrics import MetricsLog, read_metrics
 from gearflow.progress import LiveDisplay, LogDisplay, log_line, make_display
 from gearflow.replay.checkpoint import CheckpointError
-from gearflow.replay.storage import list_segments
+from gearflow.replay.storage import COMMIT, PREFIX, PUBLISHED, RESERVE, SharedStorage, list_segments
 
-from tests.test_train import CONFIG, ROOT, TINY  # the same tiny CartPole run
+from tests.test_train import CONFIG, ROOT, TINY, _alive, _children, _cmdline  # the same tiny CartPole run
 
 
 # ------------------------------------------------------------------ RunCheckpoints
@@ -236,9 +237,39 @@ def _wait_for_checkpoints(run: Path, proc: subprocess.Popen, count: int, timeout
     pytest.fail("no periodic checkpoints appeared in time")
 
 
+def _wait_until(done, proc: subprocess.Popen | None, what: str, timeout: float = 120) -> None:
+    """Poll ``done()``; the timeout only keeps a broken run from hanging the suite."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the run exited while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
 def _replay_items(checkpoint: Path) -> int:
     with np.load(checkpoint / "replay" / "table.npz") as t:
         return int(t["slot_live"].sum())
+
+
+def _table_segment(pid: int) -> SharedStorage:
+    """The replay segment of the run ``pid``, attached: the mapping outlives the run's unlink."""
+    (name,) = [n for n, owner, _ in list_segments() if owner == pid and not n.startswith(f"{PREFIX}_params_")]
+    return SharedStorage.attach(name)
+
+
+def _committed_items(st: SharedStorage) -> tuple[int, int]:
+    """(items, steps) the writers committed and the ring still holds, counted from the segment's
+    own counters and records (not from the table or a checkpoint): per partition, of the last
+    R published item records, those whose first step is not older than ``RESERVE - S``."""
+    S, R = st.steps_per_partition, st.items_per_partition
+    items = 0
+    for p in range(st.num_partitions):
+        published, reserve = int(st.counters[p, PUBLISHED]), int(st.counters[p, RESERVE])
+        seqs = np.arange(max(0, published - R), published)
+        items += int((st.item_start[p, seqs % R] >= reserve - S).sum())
+    return items, int(st.counters[:, COMMIT].sum())
 
 
 def _assert_continuous(rows: list[dict]) -> None:
@@ -253,11 +284,17 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path):
     cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={run}",
            "run.max_env_steps=0", "run.max_seconds=300", "run.checkpoint_every=40"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    segment = None
     try:
         _wait_for_checkpoints(run, proc, 2)
+        segment = _table_segment(proc.pid)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
+        # the run has exited: its actors were stopped and joined, so these counters are final
+        committed, committed_steps = _committed_items(segment)
     finally:
+        if segment is not None:
+            segment.close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
@@ -267,23 +304,29 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path):
     final = Path(first["checkpoint"])  # SIGTERM wrote a final checkpoint
     assert final == RunCheckpoints(run / "checkpoints").paths()[0]
     saved = json.loads((final / "runner.json").read_text())
-    items_at_checkpoint = _replay_items(final)
-    assert items_at_checkpoint > 0 and saved["progress"]["updates"] == first["learner/updates"]
+    # every item the actors committed before the stop is in the final checkpoint
+    assert committed > 0 and _replay_items(final) == committed
+    assert saved["env_steps"] == committed_steps
+    assert saved["progress"]["updates"] == first["learner/updates"]
+    lines_before = (run / "metrics.jsonl").read_text().splitlines()
     rows_before = len(read_metrics(run))
 
     resumed = _cli("train", "--resume", str(run), f"run.max_env_steps={saved['env_steps'] + 1500}",
                    "run.max_seconds=0")  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {final}" in resumed.stderr
-    assert f"replay restored: {items_at_checkpoint} items, {saved['env_steps']} env steps" in resumed.stderr
+    # ... and in the resumed run's table
+    assert f"replay restored: {committed} items, {committed_steps} env steps" in resumed.stderr
     second = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert second["actor/env_steps"] >= saved["env_steps"] + 1500
     assert second["learner/updates"] > first["learner/updates"]
     assert second["learner/weights_version"] > first["learner/weights_version"]
-    assert second["replay/inserts"] >= first["replay/inserts"]
+    assert second["replay/inserts"] > first["replay/inserts"]
     assert second["actor/episodes"] > first["actor/episodes"]
     rows = read_metrics(run)
-    assert len(rows) > rows_before - 1
+    # the first run's rows are kept as they were but for its summary row; the resumed run's follow
+    assert (run / "metrics.jsonl").read_text().splitlines()[: rows_before - 1] == lines_before[:-1]
+    assert len(rows) >= rows_before
     _assert_continuous(rows)
     # the first run's final summary row was dropped on resume (no step appears twice); the
     # resumed run's own summary ends the file
@@ -301,18 +344,28 @@ def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={run}",
            "run.max_env_steps=0", "run.max_seconds=300", "run.checkpoint_every=40"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    actors: list[int] = []
     try:
         _wait_for_checkpoints(run, proc, 3)
-        time.sleep(0.5)
+        # a metrics row past the newest checkpoint: the resume has rows to drop
+        newest = RunCheckpoints(run / "checkpoints").paths()[0]
+        offset = json.loads((newest / "runner.json").read_text())["metric_offsets"]["metrics.jsonl"]
+        _wait_until(lambda: (run / "metrics.jsonl").stat().st_size > offset, proc, "a metrics row after a checkpoint")
+        actors = [c for c in _children(proc.pid) if "resource_tracker" not in _cmdline(c)]
+        assert actors
         proc.kill()  # no cleanup, no final checkpoint
         proc.wait(timeout=30)
+        # the orphaned actors notice the dead learner and exit
+        _wait_until(lambda: not any(_alive(a) for a in actors), None, "the orphaned actors to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
+        for a in actors:
+            if _alive(a):
+                os.kill(a, signal.SIGKILL)
     latest = RunCheckpoints(run / "checkpoints").paths()[0]
     saved = json.loads((latest / "runner.json").read_text())
     items = _replay_items(latest)
-    time.sleep(1.0)  # the orphaned actors notice the dead learner and exit
 
     resumed = _cli("train", "--resume", str(run), f"run.max_env_steps={saved['env_steps'] + 1000}",
                    "run.max_seconds=0")  # fmt: skip
