@@ -340,6 +340,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
                         if not stop.is_set():
                             rates["sampler_concurrent"] = samples / elapsed
                         stop.set()
+                rates.setdefault("sampler_concurrent", samples / (time.perf_counter() - start))  # writer died early
                 rates["torn_rows"] = bad
             rates[phase] = q.get(timeout=seconds + 180)[1]
             proc.join(timeout=30)
