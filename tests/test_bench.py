@@ -39,6 +39,16 @@ def test_bench_replay_all_workloads_smoke():
     assert by[("W3", "torn_or_corrupt_rows_returned")]["value"] == 0
     assert by[("W3", "torn_items_detected_and_resampled")]["value"] > 0
     assert any(m.startswith("sample_cost_ratio") for w, m in by if w == "W4")
+    # the per-step hot paths, each with its floor
+    for metric in ("priority_update_calls_per_s", "insert_with_ingest_steps_per_s",
+                   "sequence_insert_with_ingest_steps_per_s", "single_stream_items_per_s"):  # fmt: skip
+        assert by[("W5", metric)]["value"] > 0 and by[("W5", metric)]["floor"] > 0, metric
+
+
+def test_bench_keys_smoke_every_row_checked():
+    rows = bench("keys", "--scale", "0.01", "--workloads", "transition_fifo_S2048")
+    by = {r["metric"]: r["value"] for r in rows}
+    assert by["rows_checked"] > 0 and by["bad_keys"] == 0 and by["torn_rows"] == 0
 
 
 def test_bench_unknown_workload_is_a_clear_error():

@@ -44,7 +44,7 @@ from gearflow.replay import (
     make_selector,
 )
 
-OBS_BYTES = 4 * 84 * 84  # Atari-sized rows: a gather is slow enough for writers to tear it
+OBS_BYTES = 4 * 84 * 84  # Atari-sized rows (the other cases use smaller ones to check more rows)
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,10 @@ class Case:
 CASES = {
     c.name: c
     for c in (
-        Case("transition_S8192_R=S", "transition", 8192),
-        Case("transition_S8192_R256", "transition", 8192, records=256),
-        Case("transition_S100k", "transition", 100_000, partitions=1),
+        Case("transition_S8192_R=S", "transition", 8192, obs_bytes=1024),
+        Case("transition_S8192_R256", "transition", 8192, records=256, obs_bytes=1024),
+        Case("transition_S100k", "transition", 100_000, partitions=1, obs_bytes=1024),
+        Case("transition_atari_S8192", "transition", 8192),
         Case("transition_append_S2048_R128", "transition", 2048, records=128, mode="append"),
         Case("sequence_S4096_R64", "sequence", 4096, records=64, n=16, period=8, obs_bytes=2048),
         Case("episode_S4096", "episode", 4096, n=20, obs_bytes=2048, selector="uniform"),
