@@ -288,8 +288,10 @@ def gather_threads(emit: Emit, scale: float, seed: int) -> None:
     choice against torch's default (all its threads), in the same run."""
     import multiprocessing as mp
 
-    if torch.get_num_threads() < 2:
-        return  # one core: nothing to choose
+    import inspect
+
+    if torch.get_num_threads() < 2 or "num_threads" not in inspect.signature(Table).parameters:
+        return  # one core (nothing to choose), or a gearflow without the choice
     steps = max(2048, int(50_000 * scale)) // 64 * 64
     rng = np.random.default_rng(seed)
     tables = {}
