@@ -67,6 +67,7 @@ def test_the_agent_next_to_its_config_is_found_from_any_directory(tmp_path, wher
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=cwd, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the env steps were written by the actor processes: they imported my_dqn too (whether the
+    # learner got to an update in 1,500 steps depends on the machine's load: not asserted)
     assert summary["stop_reason"] == "reached run.max_env_steps=1500"
     assert summary["actor/restarts"] == 0, "an actor process died (could it import my_dqn?)"
-    assert summary["learner/updates"] > 0 and summary["actor/weights_version_min"] >= 0  # actors reported
