@@ -19,7 +19,8 @@ agent is one file anywhere on ``sys.path``::
     store.publish(agent.learner_network())
 
 Acting and learning are separate: actors only call ``make_network`` and
-``act`` (with weights loaded from the parameter store), so the same agent
+``act`` (with weights loaded from the parameter store; :class:`SequenceAgent` and
+:class:`EpisodeAgent` declare what the sequence and episode actors call besides), so the same agent
 serves a serial run, actor processes and a distributed launch unchanged.
 
 ``run.dry_run=true`` (:mod:`gearflow.dryrun`) builds the agent and calls
@@ -44,7 +45,10 @@ from gearflow.errors import ConfigError
 from gearflow.replay.items import ItemKind
 from gearflow.replay.table import Sample
 
-__all__ = ["ActOutput", "Agent", "EnvSpec", "load_agent_class", "make_agent", "resolve_device"]
+__all__ = [
+    "ActOutput", "Agent", "EnvSpec", "EpisodeAgent", "SequenceAgent", "load_agent_class", "make_agent",
+    "resolve_device",
+]  # fmt: skip
 
 
 @dataclass
@@ -99,6 +103,57 @@ class Agent(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class SequenceAgent(Agent, Protocol):
+    """An agent of ``Sequence`` items (R2D2): what :class:`~gearflow.actors.SequenceActor` calls."""
+
+    def context_length(self) -> int:
+        """How many of an env's latest observations ``act`` sees (C)."""
+
+    def act(
+        self,
+        network: torch.nn.Module,
+        obs: np.ndarray,
+        epsilon: np.ndarray,
+        rng: Optional[np.random.Generator] = None,
+        lengths: Optional[np.ndarray] = None,
+    ) -> ActOutput:
+        """Actions for contexts ``obs`` (k, C, *obs_shape), left-aligned, ``lengths`` (k,) valid steps."""
+
+    def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
+        """Priorities (m,) of new windows from what the actor acted with: ``values`` (m, T, A),
+        ``action``/``reward``/``discount``/``first`` (m, T) padded with 0, ``lengths`` (m,)."""
+
+
+@runtime_checkable
+class EpisodeAgent(Agent, Protocol):
+    """An agent of ``Episode`` items (Decision Transformer): what :class:`~gearflow.actors.EpisodeActor` calls."""
+
+    def context_length(self) -> int:
+        """How many of an env's latest (R̂, obs, action, t) steps ``act`` sees (K)."""
+
+    def initial_rtg(self) -> float:
+        """The return-to-go an episode starts from (R̂_0)."""
+
+    def episode_priority(self, ret: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Priorities (m,) of episode items from their returns and lengths (the learner agrees)."""
+
+    def act(
+        self,
+        network: torch.nn.Module,
+        obs: np.ndarray,
+        epsilon: np.ndarray,
+        rng: Optional[np.random.Generator] = None,
+        lengths: Optional[np.ndarray] = None,
+        rtg: Optional[np.ndarray] = None,
+        actions: Optional[np.ndarray] = None,
+        timesteps: Optional[np.ndarray] = None,
+    ) -> ActOutput:
+        """Actions for contexts: ``obs`` (k, K, *obs), ``rtg`` (k, K), ``actions`` (k, K[, A]),
+        ``timesteps`` (k, K), ``lengths`` (k,) valid steps; ``epsilon``: the probability of
+        sampling from the policy instead of taking its mode."""
 
 
 def load_agent_class(name: str) -> type:

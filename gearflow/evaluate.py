@@ -48,7 +48,7 @@ def _policy(cfg, checkpoint, env_spec):
 
 def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list[float]:
     """Returns of the first ``episodes_per_env`` episodes of every env of ``env``, greedily."""
-    from gearflow.actor import scratch_actor
+    from gearflow.actors.process import make_actor
 
     E = env.num_envs
     returns: dict[int, list[float]] = {e: [] for e in range(E)}
@@ -57,8 +57,8 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
         if len(returns[env_index]) < episodes_per_env:
             returns[env_index].append(float(ret))
 
-    with scratch_actor(cfg, agent, env, 4096, network=network, on_episode=on_episode) as actor:
-        actor.epsilon[:] = 0.0  # greedy
+    # greedy (ε = 0), and no writer: evaluation writes no replay
+    with make_actor(cfg, 0, agent, env, None, None, None, epsilon=0.0, network=network, on_episode=on_episode) as actor:
         steps, limit = 0, MAX_STEPS_FACTOR * E * episodes_per_env
         while any(len(r) < episodes_per_env for r in returns.values()):
             steps += actor.step()

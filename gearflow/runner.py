@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from gearflow.actors.base import env_seed
 from gearflow.agent import make_agent, resolve_device
 from gearflow.checkpoint import Checkpoint, RunCheckpoints, rng_states, set_rng_states
 from gearflow.config import parse_period, save_config, to_yaml
@@ -141,7 +142,7 @@ class ActorSupervisor:
     """Starts actor processes and restarts the ones that die."""
 
     def __init__(self, cfg: DictConfig, storage_name: str, params_name: str, partitions: list[np.ndarray]):
-        from gearflow.actor import run_actor_process
+        from gearflow.actors.process import run_actor_process
 
         self._target = run_actor_process
         self.cfg_yaml = to_yaml(cfg)
@@ -352,10 +353,15 @@ class Runner:
             if self.table.size == 0:
                 load_dataset(cfg.run.dataset, self.table, self.agent, env_spec)
         elif cfg.run.serial:
-            from gearflow.actor import actor_class_for
+            from gearflow.actors.process import make_actor
 
-            self.serial_actor = actor_class_for(self.agent)(cfg, 0, storage, partitions[0], self.params, self.agent,
-                                      on_episode=lambda env, ret, length, eps: self.progress.add_episode(0, ret))
+            env = make_vec_env(cfg.env, seed=env_seed(cfg, 0))
+            try:
+                self.serial_actor = make_actor(cfg, 0, self.agent, env, storage, partitions[0], self.params,
+                                               on_episode=lambda env, ret, length, eps: self.progress.add_episode(0, ret))
+            except BaseException:
+                env.close()
+                raise
         else:
             self.supervisor = ActorSupervisor(cfg, storage.name, self.params.name, partitions)
         log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", P, S,

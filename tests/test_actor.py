@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.actor import Actor, epsilon_ladder, run_actor_process
+from gearflow.actors import epsilon_ladder
+from gearflow.actors.process import make_actor, run_actor_process
 from gearflow.agent import make_agent
 from gearflow.config import load_config, to_yaml
 from gearflow.envs import make_vec_env
@@ -102,17 +103,8 @@ def run_actor(make_table, cfg, env, steps, actor_index=1, param_source=None, on_
     agent, net = counting_agent(cfg)
     E = cfg.env.num_envs
     table = make_table(spec=agent.replay_columns(), P=E, S=1024, kind=agent.item_kind())
-    actor = Actor(
-        cfg,
-        actor_index,
-        table.storage,
-        np.arange(E),
-        param_source,
-        agent,
-        network=net,
-        env=env,
-        on_episode=on_episode,
-    )
+    actor = make_actor(cfg, actor_index, agent, env, table.storage, np.arange(E), param_source, network=net,
+                       on_episode=on_episode)  # fmt: skip
     done = actor.run(max_steps=steps)
     return actor, table, done
 
@@ -252,7 +244,7 @@ def test_weight_sync_records_the_version_acted_with(make_table):
     store = ParameterStore.create(net)
     try:
         env = make_vec_env(cfg.env, seed=0)
-        actor = Actor(cfg, 0, table.storage, np.arange(4), store, agent, network=net, env=env)
+        actor = make_actor(cfg, 0, agent, env, table.storage, np.arange(4), store, network=net)
         actor.run(max_steps=40)
         assert actor.version == 0  # nothing published: load_into returned None, never blocked
         newer = agent.make_network()
@@ -295,16 +287,7 @@ def test_envpool_cartpole_actor_writes_consistent_items(make_table):
     agent = make_agent(cfg, env.env_spec, torch.device("cpu"))
     table = make_table(spec=agent.replay_columns(), P=8, S=512, kind=agent.item_kind())
     episodes = []
-    actor = Actor(
-        cfg,
-        0,
-        table.storage,
-        np.arange(8),
-        None,
-        agent,
-        env=env,
-        on_episode=lambda *a: episodes.append(a),
-    )
+    actor = make_actor(cfg, 0, agent, env, table.storage, np.arange(8), None, on_episode=lambda *a: episodes.append(a))
     actor.run(max_steps=2000)
     actor.close()
     assert actor.env_steps == 2000 and len(episodes) == actor.episodes > 20
@@ -403,13 +386,13 @@ def test_actor_rejects_a_table_that_does_not_fit(make_table):
     env = make_vec_env(cfg.env, seed=0)
     try:
         with pytest.raises(ValueError, match="3 partitions for 4 envs"):
-            Actor(cfg, 0, table.storage, np.arange(3), None, agent, env=env)
+            make_actor(cfg, 0, agent, env, table.storage, np.arange(3), None)
         other = make_table(spec={**agent.replay_columns(), "obs": "float32[5]"}, P=4, S=64)
         with pytest.raises(ValueError, match=r"env observations are float32\[3\].*float32\[5\]"):
-            Actor(cfg, 0, other.storage, np.arange(4), None, agent, env=env)
+            make_actor(cfg, 0, agent, env, other.storage, np.arange(4), None)
         small = make_table(spec=agent.replay_columns(), P=4, S=7)
         with pytest.raises(ValueError, match="too small for n_step=3; need at least 8"):
-            Actor(cfg, 0, small.storage, np.arange(4), None, agent, env=env)
+            make_actor(cfg, 0, agent, env, small.storage, np.arange(4), None)
     finally:
         env.close()
 
@@ -425,3 +408,122 @@ def test_run_actor_process_reports_errors_through_the_queue():
         torch.set_num_threads(threads)
     msg = q.get_nowait()
     assert msg["type"] == "error" and msg["actor"] == 0 and "FileNotFoundError" in msg["error"]
+
+
+# --------------------------------------------------------------------------- the writer seam
+
+
+class RecordingWriter:
+    """The writer interface (gearflow.replay.protocols.WriterLike) over Python lists: every
+    call is recorded, rows are kept per stream, nothing is shared or rate-limited."""
+
+    def __init__(self, spec, num_streams, steps_per_stream=1024):
+        from gearflow.replay.spec import TableSpec
+
+        self.spec = TableSpec.parse(spec)
+        self.num_streams, self.steps_per_stream = num_streams, steps_per_stream
+        self.insert_timeout_s, self.abort = 60.0, None
+        self.rows = [[] for _ in range(num_streams)]  # per stream: dict of one row each
+        self._episode_start = np.zeros(num_streams, dtype=np.int64)
+        self.calls = []  # (method, details)
+
+    @property
+    def positions(self):
+        return np.array([len(r) for r in self.rows], dtype=np.int64)
+
+    def episode_lengths(self, streams=None):
+        s = np.arange(self.num_streams) if streams is None else np.asarray(streams).reshape(-1)
+        return self.positions[s] - self._episode_start[s]
+
+    def append(self, steps, streams=None):
+        s = np.arange(self.num_streams) if streams is None else np.asarray(streams).reshape(-1)
+        pos = self.positions[s]
+        for j, stream in enumerate(s.tolist()):
+            self.rows[stream].append({k: np.array(v[j]) for k, v in steps.items()})
+        self.calls.append(("append", s.tolist()))
+        return pos
+
+    def extend(self, steps, stream=0):
+        k = len(next(iter(steps.values())))
+        for j in range(k):
+            self.rows[stream].append({c: np.array(v[j]) for c, v in steps.items()})
+        self.calls.append(("extend", (int(stream), k)))
+        return len(self.rows[stream])
+
+    def create_items(self, priorities, num_steps, streams=None, ends=None):
+        items = list(zip(np.asarray(streams).tolist(), np.asarray(num_steps).tolist(), np.asarray(ends).tolist(),
+                         np.asarray(priorities, dtype=np.float64).tolist()))  # fmt: skip
+        for stream, length, end, _ in items:  # an item never reaches into a closed episode or the future
+            assert self._episode_start[stream] <= end - length and end <= len(self.rows[stream])
+        self.calls.append(("create_items", items))
+
+    def end_episode(self, streams=None):
+        s = np.asarray(streams).reshape(-1)
+        self._episode_start[s] = self.positions[s]
+        self.calls.append(("end_episode", s.tolist()))
+
+    def flush(self):
+        self.calls.append(("flush", None))
+
+
+def test_actor_writes_through_an_injected_writer():
+    """An Ape-X actor against a recording writer: the rows, items and episode ends it gets are
+    the n-step transitions of the env's episodes (the same checks as the shared-memory table's)."""
+    from helpers_envs import expected_episode
+
+    from gearflow.actors import Actor
+    from gearflow.replay.protocols import WriterLike
+
+    cfg = config(n_step=N_STEP)
+    agent, net = counting_agent(cfg)
+    env = make_vec_env(cfg.env, seed=0)
+    writer = RecordingWriter(agent.replay_columns(), 4)
+    assert isinstance(writer, WriterLike)
+    episodes = []
+    with Actor(env, agent, writer, None, 0.5, cfg=cfg, actor_index=1, network=net,
+               on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
+        assert actor.run(max_steps=240) == 240
+    methods = {m for m, _ in writer.calls}
+    assert methods == {"append", "extend", "create_items", "end_episode", "flush"}
+    items = [it for m, d in writer.calls if m == "create_items" for it in d]
+    assert len(items) == actor.items > 100
+    for stream, length, end, prio in items:
+        first, last = writer.rows[stream][end - length], writer.rows[stream][end - 1]
+        ret, disc, next_obs, exp_len = expected_item(first["obs"], N_STEP, GAMMA)
+        assert length == exp_len
+        np.testing.assert_array_equal(last["obs"], next_obs)
+        assert float(first["ret"]) == pytest.approx(ret, rel=1e-6)
+        assert float(first["disc"]) == pytest.approx(disc, rel=1e-6)
+        assert prio == pytest.approx(abs(ret + disc * q_of(next_obs).max() - q_of(first["obs"])[first["action"]]),
+                                     rel=1e-5)  # fmt: skip
+    ends = [s for m, d in writer.calls if m == "end_episode" for s in d]
+    assert len(ends) == len(episodes) == actor.episodes > 20
+    for e in range(4):  # rows: each env's episodes in order, final observation included
+        obs = np.array([r["obs"] for r in writer.rows[e]])
+        expect, ep = [], 0
+        while len(expect) < len(obs):
+            L, _ = expected_episode(e, ep)
+            expect += [(t, ep, e) for t in range(L + 1)]
+            ep += 1
+        np.testing.assert_array_equal(obs, np.array(expect[: len(obs)], dtype=np.float32))
+
+
+def test_actor_without_a_writer_only_acts():
+    """Evaluation: no writer, ε given (greedy), episodes reported, nothing written."""
+    from gearflow.actors import Actor
+    from helpers_envs import expected_episode
+
+    cfg = config()
+    agent, net = counting_agent(cfg)
+    env = make_vec_env(cfg.env, seed=0)
+    episodes = []
+    with Actor(env, agent, None, None, 0.0, cfg=cfg, network=net,
+               on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
+        actor.run(max_steps=200)
+    assert actor.items == 0 and actor.adder is None and (actor.epsilon == 0).all()
+    assert len(episodes) == actor.episodes > 10
+    counts = {}
+    for env_index, ret, length, eps in episodes:
+        k = counts[env_index] = counts.get(env_index, -1) + 1
+        assert length == expected_episode(env_index, k)[0]
+        assert eps == 0.0 and ret == length * (length + 1) / 2

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from agents.decision_transformer import item_priority, returns_to_go, sample_windows
-from gearflow.actor import actor_class_for
+from gearflow.actors.process import make_actor
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec, make_vec_env
-from gearflow.episode_actor import EpisodeActor
+from gearflow.actors import EpisodeActor
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,8 +222,8 @@ def test_episode_actor_writes_the_episodes_the_env_produced(make_table, env_kind
     S = 1024
     table = make_table(spec=agent.replay_columns(), P=E, S=S, kind=agent.item_kind(), selector="max_heap")
     episodes = []
-    actor = actor_class_for(agent)(cfg, 0, table.storage, np.arange(E), None, agent, env=env,
-                                   on_episode=lambda *a: episodes.append(a))  # fmt: skip
+    actor = make_actor(cfg, 0, agent, env, table.storage, np.arange(E), None,
+                       on_episode=lambda *a: episodes.append(a))  # fmt: skip
     assert isinstance(actor, EpisodeActor)
     actor.run(max_steps=E * 40)
 
@@ -296,8 +296,8 @@ def test_episode_actor_on_envpool_cartpole_writes_whole_physical_episodes(make_t
     agent = discrete_agent(cfg, obs_dim=4)
     table = make_table(spec=agent.replay_columns(), P=E, S=1024, kind=agent.item_kind())
     episodes = []
-    with EpisodeActor(cfg, 0, table.storage, np.arange(E), None, agent, env=env,
-                      on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
+    with make_actor(cfg, 0, agent, env, table.storage, np.arange(E), None,
+                    on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
         actor.run(max_steps=1500)
     assert len(episodes) > 20 and all(ret == length for _, ret, length, _ in episodes)
     d = table.sample(64).data
@@ -323,8 +323,8 @@ def test_episode_actor_on_envpool_pendulum_acts_with_continuous_actions(make_tab
     assert agent.replay_columns()["action"] == "float32[1]"
     table = make_table(spec=agent.replay_columns(), P=E, S=512, kind=agent.item_kind())
     episodes = []
-    with EpisodeActor(cfg, 0, table.storage, np.arange(E), None, agent, env=env,
-                      on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
+    with make_actor(cfg, 0, agent, env, table.storage, np.arange(E), None,
+                    on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
         actor.run(max_steps=E * 210)
     assert len(episodes) == E and all(length == 200 for _, _, length, _ in episodes)
     st = table.storage

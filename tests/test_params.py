@@ -152,7 +152,7 @@ def test_seqlock_retries_when_writer_reuses_the_slot(store, monkeypatch):
     assert version == 3 and len(calls) == 2 and store.retries == 1
     assert all(float(t.min()) == float(t.max()) == 3.0 for t in calls[-1].values())
 
-    monkeypatch.setattr("gearflow.params.MAX_RETRIES", 50)
+    monkeypatch.setattr("gearflow.params.store.MAX_RETRIES", 50)
     store.header[H_SEQ[int(store.header[2])]] += 1  # a writer in the middle of the latest slot
     with pytest.raises(RuntimeError, match="no consistent read"):
         store.read()

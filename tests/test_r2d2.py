@@ -18,14 +18,15 @@ from agents.r2d2_transformer import (
     sequence_td,
     value_rescale,
 )
-from gearflow.actor import Actor, actor_class_for
+from gearflow.actors import Actor, actor_class_for
+from gearflow.actors.process import make_actor
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import ConfigError
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.replay.table import Sample
-from gearflow.sequence_actor import SequenceActor
+from gearflow.actors import SequenceActor
 from gearflow.transforms import mask_velocity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,8 +247,9 @@ def test_sequence_actor_writes_the_windows_the_env_produced(make_table, env_kind
     S = 1024
     table = make_table(spec=agent.replay_columns(), P=E, S=S, kind=agent.item_kind())
     episodes = []
-    actor = SequenceActor(cfg, 0, table.storage, np.arange(E), None, agent, env=env,
-                          on_episode=lambda *a: episodes.append(a))  # fmt: skip
+    actor = make_actor(cfg, 0, agent, env, table.storage, np.arange(E), None,
+                       on_episode=lambda *a: episodes.append(a))  # fmt: skip
+    assert isinstance(actor, SequenceActor)
     actor.run(max_steps=E * 40)
     st, cols = table.storage, table.storage.columns
 
@@ -333,8 +335,8 @@ def test_sequence_actor_on_envpool_cartpole_writes_physical_windows(make_table):
     agent = agent_for(cfg, obs_dim=4)
     table = make_table(spec=agent.replay_columns(), P=E, S=512, kind=agent.item_kind())
     episodes = []
-    with SequenceActor(cfg, 0, table.storage, np.arange(E), None, agent, env=env,
-                       on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
+    with make_actor(cfg, 0, agent, env, table.storage, np.arange(E), None,
+                    on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
         actor.run(max_steps=1500)
     assert len(episodes) > 20 and all(ret == length for _, ret, length, _ in episodes)
     d = table.sample(128).data

@@ -2,7 +2,7 @@
 
 Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex.yaml``):
 
-* ``random`` — one :class:`~gearflow.actor.Actor` with a random policy (no
+* ``random`` — one :class:`~gearflow.actors.Actor` with a random policy (no
   network) writing n-step transitions into a real shared-memory table, against
   a bare EnvPool loop with random actions and the same ``num_envs`` /
   ``batch_size``, timed in the same run. ``ratio`` = actor / bare.
@@ -14,6 +14,7 @@ Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,11 +22,13 @@ from typing import Callable
 import numpy as np
 from omegaconf import OmegaConf
 
-from gearflow.actor import scratch_actor
+from gearflow.actors.process import make_actor
 from gearflow.bench import record
 from gearflow.agent import ActOutput, make_agent
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
+from gearflow.replay.spec import TableSpec
+from gearflow.replay.storage import SharedStorage
 
 Emit = Callable[[dict], None]
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cartpole_apex.yaml"
@@ -51,6 +54,29 @@ class RandomPolicy:
             actions=rng.integers(0, self._num_actions, k, dtype=np.int64),
             values=np.zeros((k, self._num_actions), dtype=np.float32),
         )
+
+
+@contextlib.contextmanager
+def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
+    """The agent's actor over ``env``, writing into a private segment of ``steps_per_partition``
+    steps per env (at least its adder's ``min_steps``) that nobody samples. On exit the actor
+    (or, if it could not be made, ``env``) is closed and the segment unlinked."""
+    from gearflow.actors.adders import adder_class_for
+
+    E, kind = int(env.num_envs), agent.item_kind()
+    steps = max(int(steps_per_partition), adder_class_for(kind).min_steps(cfg, kind))
+    storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
+    actor = None
+    try:
+        actor = make_actor(cfg, 0, agent, env, storage, np.arange(E), None, **kwargs)
+        yield actor
+    finally:
+        if actor is not None:
+            actor.close()
+        else:
+            env.close()
+        storage.close()
+        storage.unlink()
 
 
 def _bare_loop(cfg, seconds: float) -> float:

@@ -102,6 +102,16 @@ class Writer:
         return self.partitions.size
 
     @property
+    def spec(self):
+        """The :class:`~gearflow.replay.spec.TableSpec` of the rows this writer takes."""
+        return self.storage.spec
+
+    @property
+    def steps_per_stream(self) -> int:
+        """Steps a stream holds before its oldest are overwritten (the partition's ring)."""
+        return self._S
+
+    @property
     def positions(self) -> np.ndarray:
         """Absolute index of the next step of each stream."""
         return self._pos.copy()

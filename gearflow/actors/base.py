@@ -1,0 +1,288 @@
+"""What every actor shares: the env loop, the Ape-X ε ladder, weight syncing, episode
+statistics, counters and closing; what is written is the adder's business.
+
+An actor is built from an env, an agent, a writer (anything with the
+:class:`~gearflow.replay.protocols.WriterLike` interface, or ``None``: act
+only, as evaluation does), a parameter source and its ε (one per env)::
+
+    actor = Actor(env, agent, writer, store, epsilon_ladder(8, 0.4, 7.0), cfg=cfg)
+    actor.run(stop_event, max_steps=10_000)
+    actor.close()
+
+Per ``recv`` of a batch of ``b`` envs (:meth:`ActorBase.step` of each subclass)::
+
+    obs, reward, terminated, truncated, ids = env.recv()     # (b, ...), (b,)
+    out = agent.act(policy, <obs or context>, epsilon[ids], rng, ...)
+    env.send(out.actions, ids)                                # envs step while we write
+    self._observe(...)                                        # adder.add + episode statistics
+
+Actor classes are registered by item kind (``@register_actor("transition")``);
+:func:`gearflow.actors.actor_class_for` picks one from ``agent.item_kind().name``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from gearflow.actors.adders import Adder, adder_class_for
+from gearflow.params.protocol import ParameterSource
+from gearflow.replay.protocols import WriterLike
+from gearflow.replay.writer import InsertAborted
+
+log = logging.getLogger(__name__)
+
+STOP_CHECK_EVERY = 16  # recvs between looks at the stop event (it costs a lock)
+
+ACTOR_CLASSES: dict[str, type["ActorBase"]] = {}  # item kind name → the actor class that writes it
+
+
+def register_actor(kind_name: str):
+    """Class decorator: the actor class for items of kind ``kind_name``."""
+
+    def deco(cls):
+        ACTOR_CLASSES[kind_name] = cls
+        return cls
+
+    return deco
+
+
+def epsilon_ladder(num_envs_total: int, epsilon: float = 0.4, alpha: float = 7.0) -> np.ndarray:
+    """Ape-X exploration: env ``i`` of ``N`` uses ε^(1 + α·i/(N−1)); ``N = 1`` → ``[ε]``.
+
+    >>> epsilon_ladder(3, 0.4, 7.0)       # [0.4, 0.4**4.5, 0.4**8]
+    """
+    n = int(num_envs_total)
+    if n < 1:
+        raise ValueError(f"num_envs_total must be ≥ 1, got {n}")
+    if n == 1:
+        return np.array([epsilon], dtype=np.float64)
+    i = np.arange(n, dtype=np.float64)
+    return np.power(float(epsilon), 1.0 + float(alpha) * i / (n - 1))
+
+
+def actor_epsilon(cfg, actor_index: int, num_envs: int) -> np.ndarray:
+    """The ε of each env of actor ``actor_index``: its slice of the run's ladder (E,)."""
+    N = int(cfg.actor.num_actors) * int(num_envs)
+    ladder = epsilon_ladder(N, float(cfg.actor.epsilon), float(cfg.actor.epsilon_alpha))
+    return ladder[int(actor_index) * int(num_envs) + np.arange(int(num_envs))]
+
+
+def env_seed(cfg, actor_index: int) -> int:
+    """Seed of env 0 of actor ``actor_index`` (env ``e`` gets ``seed + e``)."""
+    return int(cfg.env.seed) + 100_003 * int(cfg.run.seed) + int(actor_index) * int(cfg.env.num_envs)
+
+
+class ActorBase:
+    """The env loop around an agent's policy (subclasses: how the agent is asked to act).
+
+    ``env``: an EnvPool-shaped vector env (:mod:`gearflow.envs`); ``agent``: the agent;
+    ``writer``: where the adder writes, or ``None`` (no replay: evaluation);
+    ``param_source``: a :class:`~gearflow.params.ParameterSource` or ``None`` (fixed
+    weights); ``epsilon``: ε per env (E,) or one for all. Keywords: ``cfg`` (the run
+    config: n-step, γ, weight sync period, seeds), ``actor_index`` (global env index
+    ``actor_index * E + e`` for ``on_episode``), ``network`` (default
+    ``agent.make_network()``), ``on_episode(env_index, return, length, epsilon)``,
+    ``seed`` of the exploration generator.
+
+    The actor closes ``env`` in :meth:`close`; if construction fails, the caller does.
+    """
+
+    NAME = "the actor"
+
+    def __init__(
+        self,
+        env,
+        agent,
+        writer: Optional[WriterLike],
+        param_source: Optional[ParameterSource],
+        epsilon,
+        *,
+        cfg,
+        actor_index: int = 0,
+        network: Optional[torch.nn.Module] = None,
+        on_episode: Optional[Callable[[int, float, int, float], None]] = None,
+        seed: Optional[int] = None,
+    ):
+        self.cfg, self.actor_index, self.agent, self.env = cfg, int(actor_index), agent, env
+        self.param_source, self.on_episode, self.writer = param_source, on_episode, writer
+        self.sync_period = int(cfg.actor.weight_sync_period)
+        self.kind = agent.item_kind()
+        adder_cls = adder_class_for(self.kind)
+        adder_cls.check_kind(self.kind, type(agent).__module__)
+        E = self.num_envs = int(env.num_envs)
+        self.adder: Adder | None = None
+        if writer is not None:
+            self._check_writer(writer, adder_cls)
+            self.adder = self._make_adder(writer)
+        self.epsilon = np.broadcast_to(np.asarray(epsilon, dtype=np.float64), (E,)).copy()  # (E,)
+        self.global_env_index = self.actor_index * E + np.arange(E)
+        self.network = network if network is not None else agent.make_network()
+        self.network.eval()
+        seed = env_seed(cfg, self.actor_index) if seed is None else seed
+        self.rng = np.random.default_rng([int(seed), self.actor_index])
+
+        self.version = 0  # weights version the policy holds
+        self.env_steps = 0
+        self.episodes = 0
+        self._since_sync = 0
+        self._started = False
+        self._closed = False
+        self._new_episode = np.ones(E, dtype=bool)  # the next obs of env e starts an episode
+        self._episode_return = np.zeros(E, dtype=np.float64)
+        self._episode_length = np.zeros(E, dtype=np.int64)  # actions taken in the episode
+        self._setup_state()
+
+    def _check_writer(self, writer: WriterLike, adder_cls: type[Adder]) -> None:
+        """Refuse a writer the adder cannot fill (columns, streams, observation, ring size)."""
+        spec, E = writer.spec, self.num_envs
+        if set(spec.names) != set(adder_cls.COLUMNS):
+            raise ValueError(f"{self.NAME} writes columns {adder_cls.COLUMNS}; the table has {spec.names}")
+        if writer.steps_per_stream < adder_cls.min_steps(self.cfg, self.kind):
+            raise ValueError(adder_cls.size_error(self.cfg, self.kind, writer.steps_per_stream))
+        if writer.num_streams != E:
+            raise ValueError(f"{writer.num_streams} partitions for {E} envs (one per env)")
+        obs_col, env = spec["obs"], self.env
+        if tuple(env.obs_shape) != obs_col.shape or np.dtype(env.obs_dtype) != obs_col.dtype:
+            raise ValueError(
+                f"env observations are {np.dtype(env.obs_dtype).name}{list(env.obs_shape)}, "
+                f"the table's obs column is {obs_col.describe()}"
+            )
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _make_adder(self, writer: WriterLike) -> Adder:
+        raise NotImplementedError
+
+    def _setup_state(self) -> None:
+        """Per-env buffers of the subclass (contexts)."""
+
+    def step(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def items(self) -> int:
+        """Items published (0 without a writer)."""
+        return 0 if self.adder is None else self.adder.items
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> bool:
+        """Load newer weights from the parameter source, if any (never waits for the learner)."""
+        self._since_sync = 0
+        if self.writer is not None:
+            self.writer.flush()  # heartbeat for the supervisor
+        if self.param_source is None:
+            return False
+        v = self.param_source.load_into(self.network, min_version=self.version)
+        if v is None:
+            return False
+        self.version = int(v)
+        return True
+
+    # ------------------------------------------------------------------ stepping (shared parts)
+    def _recv(self):
+        """The next batch: ``env.recv()`` plus the env ids as int64 (resets the envs and loads
+        the first weights on the first call)."""
+        if not self._started:
+            self.env.async_reset()
+            self._started = True
+            self.sync_weights()
+        obs, reward, terminated, truncated, env_ids = self.env.recv()
+        return obs, reward, terminated, truncated, env_ids, np.asarray(env_ids, dtype=np.int64)
+
+    def _observe(self, ids, obs, reward, terminated, truncated, actions, values) -> None:
+        """After ``send``: the adder writes; episode returns and lengths are counted (the reward
+        that comes with an episode's first obs is 0) and reported when an episode ends."""
+        reward, terminated, truncated = np.asarray(reward), np.asarray(terminated), np.asarray(truncated)
+        done = terminated | truncated
+        if self.adder is not None:
+            self.adder.add(ids, obs, reward, terminated, truncated, self._new_episode[ids], actions, values,
+                           self.version)  # fmt: skip
+        self._episode_return[ids] += reward
+        self._new_episode[ids] = done
+        if not done.any():
+            self._episode_length[ids] += 1
+            return
+        self._episode_length[ids[~done]] += 1
+        e = ids[done]
+        self.episodes += e.size
+        if self.on_episode is not None:
+            for d, length, ret in zip(e.tolist(), self._episode_length[e].tolist(), self._episode_return[e].tolist()):
+                self.on_episode(int(self.global_env_index[d]), ret, int(length), float(self.epsilon[d]))
+        self._episode_return[e] = 0.0
+        self._episode_length[e] = 0
+
+    def _count_steps(self, b: int) -> int:
+        """Count ``b`` env steps; look for newer weights every ``actor.weight_sync_period``."""
+        self.env_steps += b
+        self._since_sync += b
+        if self._since_sync >= self.sync_period:
+            self.sync_weights()
+        return b
+
+    # ------------------------------------------------------------------ loop
+    def run(
+        self,
+        stop_event=None,
+        max_steps: Optional[int] = None,
+        on_tick: Optional[Callable[["ActorBase"], None]] = None,
+        tick_s: float = 1.0,
+    ) -> int:
+        """Step until ``stop_event`` is set or ``max_steps`` env steps were done; returns them.
+
+        Queued items are published before returning (without waiting on the rate limiter
+        when stopped by ``stop_event``). ``on_tick(actor)`` is called about every ``tick_s``
+        seconds (counters, heartbeats).
+        """
+        done = recvs = 0
+        stopped = False
+        next_tick = time.monotonic() + tick_s
+        if self.writer is not None:  # an insert held by the rate limiter gives up when we are told to stop
+            self.writer.abort = stop_event.is_set if stop_event is not None else None
+        try:
+            while max_steps is None or done < max_steps:
+                if recvs % STOP_CHECK_EVERY == 0:
+                    if stop_event is not None and stop_event.is_set():
+                        stopped = True
+                        break
+                    if on_tick is not None and time.monotonic() >= next_tick:
+                        on_tick(self)
+                        next_tick = time.monotonic() + tick_s
+                done += self.step()
+                recvs += 1
+        except InsertAborted:
+            stopped = True
+        if self.adder is not None:
+            self.adder.finish(block=not stopped)
+        return done
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "actor/env_steps": self.env_steps,
+            "actor/episodes": self.episodes,
+            "actor/items": self.items,
+            "actor/weight_version": self.version,
+        }
+
+    def close(self) -> None:
+        """Publish queued items if the table takes them now, close the env (idempotent).
+        Rows of unfinished episodes (and their items) are left without items."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.adder is not None:
+                self.adder.finish(block=False)
+        except Exception:  # never let a broken table keep the env open
+            log.exception("actor %d: could not publish the last items", self.actor_index)
+        self.env.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
