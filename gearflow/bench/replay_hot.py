@@ -187,13 +187,15 @@ def insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
         writer = Writer(table.storage, [0])
         chunk = _chunk(spec, 64, rng)
         prios = rng.random(64) + 0.01
+        offsets = np.arange(1, 65)
 
         def fill() -> float:
             start = time.perf_counter()
             for _ in range(steps // 64):
                 first = writer.extend(chunk)
-                ends = first + np.arange(1, 65)
-                ends = ends[ends - 3 >= 0]
+                ends = first + offsets  # an item ends after each step (3 steps: none before step 3)
+                if first < 3:
+                    ends = ends[ends >= 3]
                 writer.create_items(prios[: ends.size], 3, streams=0, ends=ends)
                 table.scan()
             return time.perf_counter() - start

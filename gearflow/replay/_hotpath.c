@@ -817,16 +817,40 @@ done:
 #define F_COMMIT 1
 #define F_PUBLISHED 2
 #define F_REC_RESERVE 6
+/* Optional trailing arguments (a prioritized selector's own state, for the fused path):
+ *   position: int64[N], live: int64[N], count, levels, fanout, alpha
+ * With them every ingested item is also made live in the selector with mass p ** alpha and
+ * every evicted one dead with mass 0 (make_live / make_dead / tree_put as above), and the
+ * result gains the selector's new count and the number of leaves changed. */
 static PyObject *scan(PyObject *self, PyObject *args) {
     Py_buffer cb, stb, lnb, prb, ib, llb, srb, rb, lvb, nsb, npb, gb;
-    Py_ssize_t S, max_len, seen_total, first_p;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*nnnnw*w*w*w*w*", &cb, &stb, &lnb, &prb, &ib, &llb, &srb, &S, &max_len,
-                          &seen_total, &first_p, &rb, &lvb, &nsb, &npb, &gb))
+    Py_buffer posb = {0}, liveb = {0};
+    PyObject *levels_obj = NULL;
+    Py_ssize_t S, max_len, seen_total, first_p, sel_count = 0, fanout = 0;
+    double alpha = 1.0;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*nnnnw*w*w*w*w*|w*w*nOnd", &cb, &stb, &lnb, &prb, &ib, &llb, &srb, &S,
+                          &max_len, &seen_total, &first_p, &rb, &lvb, &nsb, &npb, &gb, &posb, &liveb, &sel_count,
+                          &levels_obj, &fanout, &alpha))
         return NULL;
     PyObject *result = NULL;
     int64_t *starts = NULL;
     int32_t *lengths = NULL;
+    Levels lv = {.n = 0};
+    const int fused = levels_obj != NULL;
+    int64_t *sel_pos = NULL, *sel_live = NULL;
+    int shift = -1;
+    Py_ssize_t leaves_changed = 0;
     const Py_ssize_t P = ib.len / 8, N = lvb.len, R = P ? N / P : 0, cap = nsb.len / 8;
+    if (fused) {
+        if (get_levels(levels_obj, &lv) < 0) goto done;
+        if (posb.len != N * 8 || liveb.len != N * 8 || lv.len[lv.n - 1] < N || fanout < 2) {
+            PyErr_SetString(PyExc_ValueError, "scan: the selector's position/live arrays or tree do not fit the table");
+            goto done;
+        }
+        sel_pos = (int64_t *)posb.buf;
+        sel_live = (int64_t *)liveb.buf;
+        shift = pow2_shift(fanout);
+    }
     if (P < 1 || cb.len != P * 64 || stb.len != N * 8 || lnb.len != N * 4 || prb.len != N * 8 || llb.len != P * 8
         || srb.len != P * 8 || rb.len != N * 24 || N % P || npb.len != cap * 8 || gb.len != cap * 8 || cap < 1) {
         PyErr_SetString(PyExc_ValueError, "scan: counters, records and table arrays disagree");
@@ -844,7 +868,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         total += __atomic_load_n(&c[p * 8 + F_RESERVE], __ATOMIC_RELAXED) + __atomic_load_n(&c[p * 8 + F_COMMIT], __ATOMIC_RELAXED)
                + __atomic_load_n(&c[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
     if (total == seen_total && first_p == 0) {
-        result = Py_BuildValue("Lnnnnn", (long long)total, P, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0);
+        result = Py_BuildValue("Lnnnnnnn", (long long)total, P, (Py_ssize_t)0, (Py_ssize_t)0, (Py_ssize_t)0,
+                               (Py_ssize_t)0, sel_count, (Py_ssize_t)0);
         goto done;
     }
     starts = (int64_t *)PyMem_Malloc((cap + 1) * sizeof(int64_t));
@@ -891,6 +916,11 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 new_slots[n_new] = s;
                 new_prios[n_new] = pr;
                 n_new++;
+                if (fused) {  /* the selector: live, with mass p ** alpha */
+                    if (sel_pos[s] < 0) { sel_live[sel_count] = s; sel_pos[s] = sel_count++; }
+                    tree_put(&lv, fanout, shift, s, mass_of(pr, alpha));
+                    leaves_changed++;
+                }
             }
             ingested[p] = hi;
             if (hi - R > live_lo[p]) live_lo[p] = hi - R;
@@ -906,14 +936,24 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 if (n_gone == cap) break;
                 live[s] = 0;
                 gone[n_gone++] = s;
+                if (fused && sel_pos[s] >= 0) {  /* the selector: dead (the hole takes the last entry), mass 0 */
+                    const int64_t hole = sel_pos[s];
+                    sel_pos[s] = -1;
+                    if (hole != --sel_count) { const int64_t mover = sel_live[sel_count]; sel_live[hole] = mover; sel_pos[mover] = hole; }
+                    tree_put(&lv, fanout, shift, s, 0.0);
+                    leaves_changed++;
+                }
             }
         }
         live_lo[p] = seq;
         if (seq < hi && rec[(p * R + seq % R) * 3] < limit) break;  /* gone full: go on from here */
         seen_res[p] = res;
     }
-    result = Py_BuildValue("Lnnnnn", (long long)total, p, n_new, n_gone, n_rep, n_bad);
+    result = Py_BuildValue("Lnnnnnnn", (long long)total, p, n_new, n_gone, n_rep, n_bad, sel_count, leaves_changed);
 done:
+    if (lv.n) release_levels(&lv);
+    if (posb.buf) PyBuffer_Release(&posb);
+    if (liveb.buf) PyBuffer_Release(&liveb);
     PyMem_Free(starts);
     PyMem_Free(lengths);
     PyBuffer_Release(&cb); PyBuffer_Release(&stb); PyBuffer_Release(&lnb); PyBuffer_Release(&prb);

@@ -270,6 +270,15 @@ class Selector:
 
     _uses_order = False  # ranked selectors keep insertion order
 
+    def scan_state(self) -> tuple | None:
+        """The arrays a table's C scan updates in place for this selector (the fused path:
+        ingest and eviction tell the selector in the same pass), or None (the table calls
+        :meth:`insert_ingested` / :meth:`remove_known`)."""
+        return None
+
+    def scan_done(self, count: int, leaves_changed: int) -> None:
+        """After a fused scan: the live count it left, and how many leaves it changed."""
+
     def reweigh(self, masses: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Probabilities and importance weights of a batch whose rows came from several draws
         (a table's torn-row redraws), from each row's mass at its draw (``probability * total``)
@@ -577,6 +586,19 @@ class PrioritizedSelector(Selector):
 
     def _forget_known(self, slots: np.ndarray) -> None:
         self.tree.set_priorities(slots, np.zeros(len(slots)), 0.0)
+
+    def scan_state(self):
+        tree = self.tree
+        if not tree.native:
+            return None
+        return (self._position, self._live_slots, self._count, tree.levels, tree.fanout, self.alpha)
+
+    def scan_done(self, count, leaves_changed):
+        self._count = count
+        tree = self.tree
+        tree._incremental += leaves_changed
+        if tree._incremental > 4 * tree.size:
+            tree.rebuild()
 
     def update_by_key(self, keys: np.ndarray, priorities: np.ndarray, index: "KeyIndex") -> int:
         tree = self.tree

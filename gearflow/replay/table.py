@@ -236,17 +236,21 @@ class Table:
         what :meth:`_scan_reference` does, and the selector is told in two calls."""
         if _hotpath is None:
             return self._scan_reference()
-        st, P = self.storage, self._P
+        st, P, sel = self.storage, self._P, self.selector
         first_p, ingested = 0, 0
         while True:
-            total, next_p, n_new, n_gone, n_replaced, n_bad = _hotpath.scan(
+            fused = sel.scan_state()  # the selector's arrays, updated in the same pass (prioritized)
+            total, next_p, n_new, n_gone, n_replaced, n_bad, count, changed = _hotpath.scan(
                 st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
                 self._seen_reserve, self._S, self._max_item_steps, self._seen_total, first_p, self._slot_rec,
-                self._slot_live, self._new_slots, self._new_prios, self._gone,
+                self._slot_live, self._new_slots, self._new_prios, self._gone, *(fused or ()),
             )  # fmt: skip
+            if fused:
+                sel.scan_done(count, changed)
             if n_new:  # inserted before the evictions: an item can be both (a reader a lap behind)
                 slots = self._new_slots[:n_new]
-                self.selector.insert_ingested(slots, self._new_prios[:n_new], self._order)
+                if not fused:
+                    sel.insert_ingested(slots, self._new_prios[:n_new], self._order)
                 if self._device is not None:
                     rec = self._slot_rec[slots]
                     self._device.insert(slots.copy(), self._new_prios[:n_new].copy(), rec[:, 0], rec[:, 1], rec[:, 2])
@@ -255,7 +259,8 @@ class Table:
                 ingested += n_new
             if n_gone:
                 gone = self._gone[:n_gone]
-                self.selector.remove_known(gone)
+                if not fused:
+                    sel.remove_known(gone)
                 if self._device is not None:
                     self._device.remove(gone.copy())
             self.evictions += n_replaced + n_gone

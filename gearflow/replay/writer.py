@@ -96,6 +96,7 @@ class Writer:
         self._episode_start = self._pos.copy()
         self._last_item_start = self._pos.copy()
         self._all = np.arange(parts.size)
+        self._record_rows: dict[int, tuple] = {}  # stream -> its partition's record rows (C item path)
 
     @property
     def num_streams(self) -> int:
@@ -204,7 +205,7 @@ class Writer:
         m = prio.size
         if m == 0:
             return
-        if streams is not None and np.ndim(streams) == 0:
+        if isinstance(streams, (int, np.integer)) or (streams is not None and np.ndim(streams) == 0):
             return self._create_stream_items(prio, num_steps, int(streams), ends)
         if streams is None and m != self.num_streams:
             raise ValueError(f"{m} priorities for {self.num_streams} streams (pass streams=)")
@@ -268,10 +269,12 @@ class Writer:
             else:
                 n = np.ascontiguousarray(np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,)))
             self._wait_for_insert(m)
-            p, st = int(self.partitions[stream]), self.storage
+            rows = self._record_rows.get(stream)
+            if rows is None:  # the partition's record rows and counter line, viewed once
+                p, st = int(self.partitions[stream]), self.storage
+                rows = self._record_rows[stream] = (st.item_start[p], st.item_length[p], st.item_priority[p], st.counters[p])
             self._last_item_start[stream] = _hotpath.stream_items(
-                st.item_start[p], st.item_length[p], st.item_priority[p], st.counters[p], end, n,
-                np.ascontiguousarray(prio), self._S, pos, int(self._episode_start[stream]),
+                *rows, end, n, prio, self._S, pos, int(self._episode_start[stream]),
                 int(self._last_item_start[stream]), stream, PUBLISHED, REC_RESERVE,
             )  # fmt: skip
             return
