@@ -35,9 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from gearflow.errors import ConfigError
+from gearflow.geometry import min_steps_per_partition, replay_geometry
+from gearflow.native.protocol import DEVICE_SELECTORS
+from gearflow.replay.selectors import SELECTORS
 
 ITEM_KINDS = ("transition", "sequence", "episode")
-SELECTORS = ("uniform", "prioritized", "fifo", "lifo", "max_heap", "min_heap", "top_k")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS_MODES = ("auto", "live", "log")
@@ -452,8 +454,8 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(r.error_buffer >= 0, "replay.error_buffer", "must be ≥ 0")
     check(r.timeout_s > 0, "replay.timeout_s", "must be > 0 seconds")
     check(r.device in DEVICES, "replay.device", f"must be one of {', '.join(DEVICES)}")
-    check(r.device != "cuda" or r.selector in ("prioritized", "uniform"), "replay.device",
-          f"samples on the GPU with the prioritized or uniform selector only, not replay.selector={r.selector!r}")  # fmt: skip
+    check(r.device != "cuda" or r.selector in DEVICE_SELECTORS, "replay.device",
+          f"samples on the GPU with the {' or '.join(DEVICE_SELECTORS)} selector only, not replay.selector={r.selector!r}")  # fmt: skip
     check(le.batch_size >= 1, "learner.batch_size", "must be ≥ 1")
     check(
         le.batch_size <= r.capacity,
@@ -474,12 +476,13 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(a.weight_sync_period >= 1, "actor.weight_sync_period", "must be ≥ 1")
     check(a.max_restarts >= 0, "actor.max_restarts", "must be ≥ 0")
     check(0 <= a.nice <= 19, "actor.nice", "must be in [0, 19]")
-    steps_per_partition = r.capacity // max(1, a.num_actors * e.num_envs)
+    geom = replay_geometry(cfg)
+    need = min_steps_per_partition(cfg)
     check(
-        steps_per_partition >= 2 * (a.n_step + 1),
+        need is None or geom.steps_per_partition >= need,
         "replay.capacity",
-        f"gives {steps_per_partition} steps per partition "
-        f"({a.num_actors} actors × {e.num_envs} envs); need at least {2 * (a.n_step + 1)}",
+        f"gives {geom.steps_per_partition} steps per partition "
+        f"({geom.num_actors} actors × {geom.num_envs} envs); need at least {need}",
     )
     check(r.min_size_to_sample <= r.capacity, "replay.min_size_to_sample",
           f"is larger than replay.capacity ({r.capacity}): the table never holds that many items, "

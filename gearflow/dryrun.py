@@ -44,7 +44,6 @@ Where each figure comes from:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -55,8 +54,9 @@ from gearflow.agent import make_agent
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import GearflowError
 from gearflow.replay import TableSpec
-from gearflow.replay.items import ItemKind, records_per_partition
-from gearflow.replay.storage import _layout
+from gearflow.geometry import replay_geometry
+from gearflow.replay.items import ItemKind
+from gearflow.replay.storage import SharedStorage
 
 META = torch.device("meta")
 KORTHIKANTI = "L·B·T·(34·d + 5·heads·T) bytes (Korthikanti et al. 2022: 16-bit activations with dropout)"
@@ -189,10 +189,9 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         "other_network_bytes", "batch_bytes", "activation_bytes"))  # fmt: skip
 
     # the replay geometry Runner.connect_components creates
-    P = (1 if cfg.run.serial else int(cfg.actor.num_actors)) * int(cfg.env.num_envs)
-    S = int(cfg.replay.capacity) // P
-    R = records_per_partition(kind, S)
-    _, segment = _layout(table_spec, P, S, R, len(json.dumps(table_spec.to_dict()).encode()))
+    geom = replay_geometry(cfg, kind)
+    P, S, R = geom.num_partitions, geom.steps_per_partition, geom.items_per_partition
+    segment = SharedStorage.segment_nbytes(table_spec, P, S, R)
     buffers = int(cfg.learner.prefetch) + 2  # the table's rotating batch buffers
     replay = {
         "columns": {c.name: c.describe() for c in table_spec},

@@ -50,7 +50,7 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
             return metrics, priorities
 
         runner.agent.learn = recording_learn
-        metrics = runner._learn_step(sample)
+        metrics = runner.learner.learn_step(sample)
         assert torch.isfinite(torch.tensor(metrics["learner/loss"]))
         # the table now holds the agent's priorities for exactly the sampled items
         (prios,) = learned
@@ -61,7 +61,7 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
         assert sel.tree.total == pytest.approx(sel.tree.leaves.sum())
         assert runner.progress.updates == 1 and runner.progress.samples == 32
         assert runner.progress.tokens == 32  # transitions: one step each
-        row = runner.snapshot(metrics)
+        row = runner.learner.snapshot(metrics)
         assert row["learner/samples"] == 32 and row["learner/tokens"] == 32
     finally:
         _close(runner)

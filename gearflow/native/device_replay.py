@@ -78,13 +78,13 @@ from gearflow.native import probe_cuda, probe_cupy, require_cupy
 from gearflow.native.cuda_backend import dptr, to_torch
 from gearflow.native.gather import CudaGather, torn_items, transition_rows
 from gearflow.native.hostmem import register_storage
+from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.native.select import CudaSelect, num_chunks
 
 log = logging.getLogger(__name__)
 
 REPLAY_DEVICES = ("auto", "cpu", "cuda")
 FLUSH_AT = 1 << 20  # queued ingest entries applied to the device without waiting for a draw
-DEVICE_SELECTORS = ("prioritized", "uniform")
 MAX_INVALID_ROUNDS = 8  # redraws of impossible slots in a row before the sample raises
 MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 

@@ -14,18 +14,36 @@ Small roles, each swappable:
 * :mod:`~gearflow.replay.rate_limiter` — :class:`RateLimiter` (Reverb semantics).
 * :mod:`~gearflow.replay.table` — :class:`Table`: scan, evict, sample, update.
 * :mod:`~gearflow.replay.checkpoint` — consistent checkpoints and exact restore.
+* :mod:`~gearflow.replay.protocols` — :class:`WriterLike` (what adders write to) and
+  :class:`SamplerLike` (what the learner reads): the seams a network transport plugs into.
 """
 
-from gearflow.replay.items import Episode, ItemKind, Sequence, Transition
-from gearflow.replay.rate_limiter import RateLimiter, RateLimiterTimeout
-from gearflow.replay.selectors import Selection, Selector, make_selector
-from gearflow.replay.spec import Column, TableSpec
-from gearflow.replay.storage import SharedStorage, gc_segments
-from gearflow.replay.table import Sample, Table
-from gearflow.replay.writer import TrajectoryWriter, Writer
+import importlib
 
-__all__ = [
-    "Column", "Episode", "ItemKind", "RateLimiter", "RateLimiterTimeout", "Sample", "Selection",
-    "Selector", "Sequence", "SharedStorage", "Table", "TableSpec", "TrajectoryWriter",
-    "Transition", "Writer", "gc_segments", "make_selector",
-]  # fmt: skip
+# name → module: loaded on first use, so ``gearflow.replay.selectors`` or ``.storage`` can be
+# imported (config validation, gc) without torch, which the table and item kinds need
+_EXPORTS = {
+    "Episode": "items", "ItemKind": "items", "Sequence": "items", "Transition": "items",
+    "RateLimiter": "rate_limiter", "RateLimiterTimeout": "rate_limiter",
+    "Selection": "selectors", "Selector": "selectors", "make_selector": "selectors",
+    "Column": "spec", "TableSpec": "spec",
+    "SharedStorage": "storage", "gc_segments": "storage",
+    "Sample": "table", "Table": "table",
+    "TrajectoryWriter": "writer", "Writer": "writer",
+    "SamplerLike": "protocols", "WriterLike": "protocols",
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gearflow.replay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"gearflow.replay.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -190,7 +190,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def restore_checkpoint(
     path: str | Path, name: str | None = None, pin_memory: bool | None = None, device: Any = "cpu",
-    run_tag: int = 0,
+    run_tag: int = 0, rate_limiter: RateLimiter | None = None, num_buffers: int | None = None,
+    sample_timeout_s: float | None = None,
 ) -> Table:
     """A new table (in a new shared-memory segment) equal to the one saved at ``path``.
 
@@ -198,6 +199,8 @@ def restore_checkpoint(
     counters where the checkpoint left them. ``device``: as :class:`Table`'s (``"cuda"``:
     sampled on the GPU, its device vectors filled from the restored records). ``run_tag``: as
     :meth:`SharedStorage.create`'s. Arrays are read without pickles (``np.load`` refuses them).
+``rate_limiter`` and ``sample_timeout_s`` replace the saved ones (a resumed run follows its
+config); ``num_buffers`` is the fewest buffer sets the table keeps.
     """
     path = Path(path)
     meta = verify_checkpoint(path)
@@ -224,9 +227,9 @@ def restore_checkpoint(
             storage,
             kind_from_dict(meta["kind"]),
             selector,
-            RateLimiter(**meta["rate_limiter"]),
-            num_buffers=meta["num_buffers"],
-            sample_timeout_s=meta["sample_timeout_s"],
+            rate_limiter or RateLimiter(**meta["rate_limiter"]),
+            num_buffers=max(meta["num_buffers"], num_buffers or 1),
+            sample_timeout_s=meta["sample_timeout_s"] if sample_timeout_s is None else sample_timeout_s,
             pin_memory=pin_memory,
             device=device,
         )

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from gearflow.errors import GearflowError
 
-NO_LIMIT = 2**63 - 1
+NO_LIMIT = 2**63 - 1  # no limit on inserts (also the value published in the segment header)
+MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 
 
 class RateLimiterTimeout(GearflowError, TimeoutError):

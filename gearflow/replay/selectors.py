@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - depends on the build
 
 __all__ = [
     "SELECTORS",
+    "selector_kwargs",
     "FifoSelector",
     "KeyIndex",
     "LifoSelector",
@@ -162,6 +163,10 @@ class Selector:
     """
 
     name: str = ""
+    # constructor keyword → the ``replay`` config field that gives it (the one place the
+    # config's selector arguments are named); see :func:`selector_kwargs`
+    config_args: dict[str, str] = {}
+    importance_sampled = False  # True: samples carry IS weights with an exponent ``beta`` learners anneal
 
     def __init__(self, capacity: int, *, seed: int | None = None) -> None:
         self.capacity = _check_positive_int("capacity", capacity)
@@ -553,6 +558,8 @@ class PrioritizedSelector(Selector):
     """
 
     name = "prioritized"
+    config_args = {"alpha": "alpha", "beta": "beta"}
+    importance_sampled = True
 
     def __init__(
         self,
@@ -798,6 +805,7 @@ class TopKSelector(_PriorityRankedSelector):
     """
 
     name = "top_k"
+    config_args = {"k": "top_k"}
 
     def __init__(self, capacity: int, *, seed: int | None = None, k: int = 1000) -> None:
         super().__init__(capacity, seed=seed)
@@ -853,3 +861,10 @@ def make_selector(name: str, capacity: int, *, seed: int | None = None, **kwargs
             f"got {capacity!r}"
         )
     return cls(capacity, seed=seed, **kwargs)
+
+
+def selector_kwargs(replay_cfg: Any) -> dict[str, Any]:
+    """The constructor arguments of ``replay_cfg.selector`` taken from the ``replay`` config group
+    (``prioritized``: ``alpha``, ``beta``; ``top_k``: ``k`` from ``top_k``; others: none)."""
+    return {arg: replay_cfg[key] for arg, key in SELECTORS[replay_cfg.selector].config_args.items()}
+

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from gearflow.errors import GearflowError
+from gearflow.replay.rate_limiter import NO_LIMIT
 from gearflow.replay.spec import TableSpec
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,6 @@ H_BOOT_ID, H_PID_NS, H_START_TIME, H_RUN_TAG = range(12, 16)
 # counter fields
 RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS, REC_RESERVE = range(7)
 
-NO_LIMIT = np.iinfo(np.int64).max
 
 
 def _align(n: int) -> int:
@@ -134,6 +134,13 @@ class SharedStorage:
         self.column_offsets = {c.name: offsets["col:" + c.name] for c in self.spec}
 
     # ------------------------------------------------------------------ lifecycle
+    @staticmethod
+    def segment_nbytes(spec: TableSpec, num_partitions: int, steps_per_partition: int, items_per_partition: int) -> int:
+        """Bytes of the segment :meth:`create` makes for this geometry (header and alignment included)."""
+        spec_len = len(json.dumps(spec.to_dict()).encode())
+        return _layout(spec, num_partitions, steps_per_partition, items_per_partition or steps_per_partition,
+                       spec_len)[1]  # fmt: skip
+
     @classmethod
     def create(
         cls,

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.items import ItemKind, gatherable
-from gearflow.replay.rate_limiter import RateLimiter, RateLimiterTimeout
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
 from gearflow.replay.storage import (
     COMMIT,
@@ -67,7 +67,6 @@ try:  # C helpers (setup.py builds them); numpy is the reference and the fallbac
 except ImportError:  # pragma: no cover - depends on the build
     _hotpath = None
 
-MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 _NONE = np.zeros(0, dtype=np.int64)
 EVICT_PROBE = 64  # records checked per probe when looking for overwritten items
 
@@ -392,14 +391,19 @@ class Table:
         self._next_buffer = (self._next_buffer + 1) % self.num_buffers
         return buf
 
-    def wait_until_ready(self, batch_size: int, timeout_s: float | None = None) -> None:
-        """Block (scanning) until the rate limiter allows sampling ``batch_size`` items."""
+    def can_sample(self, batch_size: int) -> bool:
+        """Whether the rate limiter allows sampling ``batch_size`` items now (no scan, no wait)."""
         lim = self.rate_limiter
         if lim.samples_per_insert == 0 and self.size >= lim.min_size_to_sample:
-            return  # the usual case, without reading the insert counters
-        total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
-        if lim.can_sample(self.size, total(), self.samples, batch_size):
+            return True  # the usual case, without reading the insert counters
+        return lim.can_sample(self.size, int(self.storage.counters[:, PUBLISHED].sum()), self.samples, batch_size)
+
+    def wait_until_ready(self, batch_size: int, timeout_s: float | None = None) -> None:
+        """Block (scanning) until the rate limiter allows sampling ``batch_size`` items."""
+        if self.can_sample(batch_size):
             return
+        lim = self.rate_limiter
+        total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
         timeout_s = self.sample_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         delay = 1e-4

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from gearflow.errors import GearflowError
-from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.selectors import check_priorities
 
 try:  # C item records for one stream (setup.py builds it); the numpy code below is the reference
@@ -38,7 +38,6 @@ except ImportError:  # pragma: no cover - depends on the build
     _hotpath = None
 from gearflow.replay.storage import (
     COMMIT,
-    NO_LIMIT,
     EPISODES,
     H_INSERT_LIMIT,
     H_SAMPLES,
@@ -52,7 +51,6 @@ from gearflow.replay.storage import (
 
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
-MAX_BACKOFF_S = 0.001  # a blocked sampler/writer re-checks at least every millisecond
 
 
 class InsertAborted(GearflowError):

@@ -1,0 +1,346 @@
+"""The learner loop: batches in (prefetched, or from a serial actor), learn step, priority
+write-back, β schedule, weight publishing, metric rows, stop limits, periodic checkpoints.
+
+:class:`Learner` reads replay through the sampler interface
+(:class:`~gearflow.replay.protocols.SamplerLike`: ``sample`` / ``update_priorities`` /
+``stats``) and publishes through the parameter store; it does not know where actors run::
+
+    learner = Learner(cfg, agent, table, params, progress, env_steps=lambda: ...)
+    batches = Prefetcher(table, learner.lock, cfg.learner.batch_size, cfg.learner.prefetch, stop)
+    reason = learner.run(batches.next_batch, between=supervise, emit=metrics.write)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from gearflow.checkpoint import RunCheckpoints, rng_states
+from gearflow.config import parse_period, to_yaml
+from gearflow.replay.protocols import SamplerLike
+
+log = logging.getLogger("gearflow.runner")
+
+__all__ = ["BetaSchedule", "Learner", "Prefetcher", "Progress", "SerialBatches"]
+
+
+@dataclass
+class Progress:
+    """What the run tracks for logs, checkpoints and the final summary."""
+
+    start: float = field(default_factory=time.monotonic)
+    updates: int = 0
+    episodes: int = 0
+    wait_s: float = 0.0
+    learn_s: float = 0.0
+    returns: dict[int, collections.deque] = field(default_factory=dict)  # per actor
+    all_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
+    restarts: int = 0
+    samples: int = 0  # items learned from
+    tokens: int = 0  # steps learned from (items × their valid steps)
+    data_age: float = 0.0
+    actor_counters: dict[int, dict] = field(default_factory=dict)  # latest "counters" message per actor
+
+    def add_episode(self, actor: int, ret: float) -> None:
+        self.returns.setdefault(actor, collections.deque(maxlen=100)).append(ret)
+        self.all_returns.append(ret)
+        self.episodes += 1
+
+    def state(self, now: float) -> dict[str, Any]:
+        """JSON-able counters for a checkpoint (``now``: ``time.monotonic()``)."""
+        return {
+            "elapsed_s": now - self.start, "updates": self.updates, "episodes": self.episodes,
+            "samples": self.samples, "tokens": self.tokens,
+            "wait_s": self.wait_s, "learn_s": self.learn_s, "restarts": self.restarts,
+            "returns": {str(a): list(r) for a, r in self.returns.items()},
+            "all_returns": list(self.all_returns),
+        }  # fmt: skip
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.start = time.monotonic() - float(state["elapsed_s"])
+        self.updates, self.episodes = int(state["updates"]), int(state["episodes"])
+        self.wait_s, self.learn_s = float(state["wait_s"]), float(state["learn_s"])
+        self.restarts = int(state["restarts"])
+        self.samples, self.tokens = int(state.get("samples", 0)), int(state.get("tokens", 0))
+        self.returns = {int(a): collections.deque(r, maxlen=100) for a, r in state["returns"].items()}
+        self.all_returns = collections.deque(state["all_returns"], maxlen=100)
+
+    def greediest_return(self) -> float:
+        """Mean of the last 100 episodes of the greediest actor (the highest index)."""
+        if not self.returns:
+            return float("nan")
+        actor = max(self.returns)
+        return float(np.mean(self.returns[actor]))
+
+    def actor_weights_version(self) -> int:
+        """The oldest weights version any actor process reported (-1 before they report)."""
+        versions = [int(c.get("actor/weight_version", -1)) for c in self.actor_counters.values()]
+        return min(versions) if versions else -1
+
+
+class Prefetcher:
+    """Samples batches in a background thread, ``depth`` ahead of the learner."""
+
+    def __init__(self, table: SamplerLike, lock: threading.Lock, batch_size: int, depth: int,
+                 stop: threading.Event, progress: Optional[Progress] = None):  # fmt: skip
+        self.table, self.lock, self.batch_size, self.progress = table, lock, batch_size, progress
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = stop
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                with self.lock:
+                    try:
+                        batch = self.table.sample(self.batch_size, timeout_s=0.2)
+                    except TimeoutError:
+                        continue
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(batch, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # surfaced in the learner thread
+            self.error = exc
+
+    def get(self, timeout: float) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.queue.get(timeout=timeout)
+
+    def next_batch(self):
+        """The next batch, or None after waiting 0.5 s (the wait counts once learning began)."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.get(timeout=0.5)
+        except queue.Empty:
+            batch = None
+        if self.progress is not None and self.progress.updates:
+            self.progress.wait_s += time.perf_counter() - t0
+        return batch
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+class SerialBatches:
+    """``run.serial=true``: one actor step, a scan, and a batch when the rate limiter allows one
+    (the same check the table applies when it samples)."""
+
+    def __init__(self, actor, table, batch_size: int, progress: Progress):
+        self.actor, self.table, self.batch_size, self.progress = actor, table, batch_size, progress
+
+    def next_batch(self):
+        self.actor.step()
+        self.table.scan()
+        if not self.table.can_sample(self.batch_size):
+            return None
+        t0 = time.perf_counter()
+        batch = self.table.sample(self.batch_size)
+        self.progress.wait_s += time.perf_counter() - t0
+        return batch
+
+
+@dataclass
+class BetaSchedule:
+    """Prioritized replay's IS exponent annealed linearly from ``start`` to 1 over ``steps`` env steps."""
+
+    start: float
+    steps: int
+
+    def __call__(self, env_steps: int) -> float:
+        return self.start + (1.0 - self.start) * min(1.0, env_steps / self.steps)
+
+
+class Learner:
+    """Learns from batches, writes priorities back, anneals β, publishes weights, makes metric
+    rows and checkpoints; :meth:`run` is the loop. ``env_steps()`` counts the run's env steps;
+    ``actor_version()`` the oldest weights version an actor acts with."""
+
+    def __init__(self, cfg: DictConfig, agent, table: SamplerLike, params, progress: Progress, *,
+                 env_steps: Callable[[], int], actor_version: Callable[[], int],
+                 checkpoints: Optional[RunCheckpoints] = None, beta: Optional[BetaSchedule] = None,
+                 device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None):  # fmt: skip
+        self.cfg, self.agent, self.table, self.params, self.progress = cfg, agent, table, params, progress
+        self.env_steps, self.actor_version, self.checkpoints = env_steps, actor_version, checkpoints
+        self.beta, self.device = beta, device
+        self.lock = threading.Lock()  # the prefetcher samples and checkpoints read the table under it
+        self.stop = stop if stop is not None else threading.Event()  # set: the run stops (signals)
+        self._pending_tokens = None  # tensor: valid steps learned from since the last row
+        self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
+        self._checkpoint_period = parse_period(cfg.run.checkpoint_every)
+        self._last_checkpoint = (time.monotonic(), progress.updates)
+        self.metric_offsets: Callable[[], dict[str, int]] = dict  # where a resume continues the metric files
+
+    # ------------------------------------------------------------------ one update
+    def learn_step(self, batch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.learner.bf16):
+            metrics, priorities = self.agent.learn(batch)
+        if isinstance(priorities, torch.Tensor):
+            priorities = priorities.detach().float()
+        with self.lock:
+            self.table.update_priorities(batch.keys, priorities)
+        p = self.progress
+        p.learn_s += time.perf_counter() - t0
+        p.updates += 1
+        p.samples += len(batch.keys)
+        # Per-batch reductions stay tensors (on the GPU path, reading them would wait for the
+        # device every update); :meth:`read_pending` turns them into numbers when a row is made.
+        mask = batch.data.get("mask")  # sequence/episode items: valid steps; transitions: one each
+        if mask is None:
+            p.tokens += len(batch.keys)
+        else:
+            total = mask.sum()
+            self._pending_tokens = total if self._pending_tokens is None else self._pending_tokens + total
+        if "version" in batch.data:  # how many publications old the sampled data is
+            self._last_batch_version = (self.params.latest_version(), batch.data["version"].double().mean())
+        if p.updates % self.cfg.learner.publish_every == 0:
+            self.params.publish(self.agent.learner_network())
+        if self.beta is not None:
+            self.table.selector.beta = self.beta(self.env_steps())
+        return metrics
+
+    def read_pending(self) -> None:
+        """Fold the learner's per-batch tensor reductions into the progress counters."""
+        if self._pending_tokens is not None:
+            self.progress.tokens += int(self._pending_tokens)
+            self._pending_tokens = None
+        if self._last_batch_version is not None:
+            latest, mean = self._last_batch_version
+            self.progress.data_age = float(latest - mean)
+            self._last_batch_version = None
+
+    def snapshot(self, metrics: dict[str, float]) -> dict[str, float]:
+        self.read_pending()
+        p = self.progress
+        elapsed = max(1e-9, time.monotonic() - p.start)
+        busy = p.wait_s + p.learn_s
+        latest, oldest = self.params.latest_version(), self.actor_version()
+        return {
+            "time/elapsed_s": elapsed,
+            "actor/env_steps": self.env_steps(),
+            "actor/episodes": p.episodes,
+            "actor/return_last100": float(np.mean(p.all_returns)) if p.all_returns else float("nan"),
+            "actor/return_last100_greediest": p.greediest_return(),
+            "actor/restarts": p.restarts,
+            "learner/updates": p.updates,
+            "learner/samples": p.samples,
+            "learner/tokens": p.tokens,
+            "learner/wait_fraction": p.wait_s / busy if busy else 0.0,
+            "learner/weights_version": latest,
+            "actor/weights_version_min": oldest,
+            # versions the slowest actor is behind the learner, and the age of sampled data
+            "actor/policy_lag": latest - max(0, oldest),
+            "replay/sample_age_versions": p.data_age,
+            **self.table.stats(),
+            **metrics,
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def done(self) -> str:
+        """Why the run stops now ("" while it goes on): a signal or a ``run.*`` limit."""
+        r, p = self.cfg.run, self.progress
+        if self.stop.is_set():
+            return "stopped by signal"
+        if r.max_env_steps and self.env_steps() >= r.max_env_steps:
+            return f"reached run.max_env_steps={r.max_env_steps}"
+        if r.max_updates and p.updates >= r.max_updates:
+            return f"reached run.max_updates={r.max_updates}"
+        if r.max_seconds and time.monotonic() - p.start >= r.max_seconds:
+            return f"reached run.max_seconds={r.max_seconds}"
+        greedy = p.returns.get(max(p.returns, default=-1))
+        if r.stop_at_return and greedy is not None and len(greedy) == greedy.maxlen:
+            if float(np.mean(greedy)) >= r.stop_at_return:
+                return f"reached run.stop_at_return={r.stop_at_return}"
+        return ""
+
+    def run(self, next_batch: Callable[[], Any], *, between: Callable[[], str] = lambda: "",
+            emit: Callable[[dict], None] = lambda row: None) -> tuple[str, dict[str, float]]:
+        """Learn until :meth:`done` or ``between()`` (called before every batch: supervision)
+        gives a reason; a metric row goes to ``emit`` every ``run.log_every_s``, a checkpoint
+        is written every ``run.checkpoint_every``. Returns the reason and the last metrics."""
+        p, every = self.progress, self.cfg.run.log_every_s
+        self._last_checkpoint = (time.monotonic(), p.updates)
+        last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
+        last_samples, last_tokens = p.samples, p.tokens
+        while not (reason := self.done()):
+            if reason := between():
+                break
+            batch = next_batch()
+            if batch is not None:
+                metrics = self.learn_step(batch)
+            now = time.monotonic()
+            if now - last_log >= every:
+                row = self.snapshot(metrics)
+                steps, updates, dt = row["actor/env_steps"], row["learner/updates"], now - last_log
+                row["actor/env_steps_per_s"] = (steps - last_steps) / dt
+                row["learner/updates_per_s"] = (updates - last_updates) / dt
+                row["learner/samples_per_s"] = (p.samples - last_samples) / dt
+                row["learner/tokens_per_s"] = (p.tokens - last_tokens) / dt
+                last_samples, last_tokens = p.samples, p.tokens
+                emit(row)
+                last_log, last_steps, last_updates = now, steps, updates
+            if self._checkpoint_due():
+                self._periodic_checkpoint()
+        return reason, metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, metric_offsets: dict[str, int] | None = None) -> Path:
+        """Learner, counters and (``run.checkpoint_replay``) the replay, atomically.
+        ``metric_offsets``: where a resumed run continues the metric files (default: their end)."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        self.read_pending()
+        runner_state = {
+            "env_steps": self.env_steps(),
+            "weights_version": self.params.latest_version(),
+            "progress": self.progress.state(now),
+            "metric_offsets": metric_offsets if metric_offsets is not None else self.metric_offsets(),
+            "config": to_yaml(self.cfg),
+        }
+        learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
+        with self.lock:  # the prefetcher samples under the same lock
+            table = self.table if self.cfg.run.checkpoint_replay else None
+            path = self.checkpoints.save(self.progress.updates, learner_state, runner_state, table)
+        self._last_checkpoint = (time.monotonic(), self.progress.updates)
+        log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+        return path
+
+    @property
+    def checkpoints_on(self) -> bool:
+        return self._checkpoint_period[0] != "off"
+
+    def _periodic_checkpoint(self) -> None:
+        """A periodic checkpoint; one that cannot be written (disk full, read-only) is removed,
+        logged, and retried at the next period: training goes on, older checkpoints stay."""
+        try:
+            self.save_checkpoint()
+        except OSError as exc:
+            self._last_checkpoint = (time.monotonic(), self.progress.updates)
+            log.warning("checkpoint at %d updates not written (%s); training continues, the previous "
+                        "checkpoints are intact, the next period retries", self.progress.updates, exc)
+
+    def _checkpoint_due(self) -> bool:
+        kind, every = self._checkpoint_period
+        when, updates = self._last_checkpoint
+        if kind == "updates":
+            return self.progress.updates - updates >= every
+        if kind == "seconds":
+            return time.monotonic() - when >= every
+        return False

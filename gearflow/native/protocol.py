@@ -1,0 +1,80 @@
+"""The typed boundary of the native back ends (EnvPool's ``protocol.py``, Reverb's ``pybind.pyi``).
+
+What crosses it, so that the Python side is written and tested against these
+declarations on a CPU-only machine:
+
+* :class:`CupyLike` — the slice of the CuPy module gearflow calls (``cuda.runtime``,
+  ``RawModule``, ``asarray``...). It is injected (``DeviceReplay(cupy=...)``,
+  ``CudaGather(cupy=...)``): tests hand in an emulation, production code
+  :func:`~gearflow.native.require_cupy`'s module.
+* :class:`DeviceSampler` — what :class:`~gearflow.replay.Table` calls on the device
+  sampler it is handed (``Table(device=DeviceReplay(...))``; ``device="cuda"`` builds
+  one): the table's CPU selector stays the source of truth, the device mirror follows
+  every insert, removal and priority update and draws and gathers batches.
+* :data:`DEVICE_SELECTORS` — the selectors the device path samples with (the one place
+  that says so: config validation and ``resolve_replay_device`` read it).
+
+Nothing here imports CuPy, pyverbs or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["DEVICE_SELECTORS", "CupyLike", "DeviceSampler"]
+
+DEVICE_SELECTORS = ("prioritized", "uniform")  # replay.device=cuda samples with these
+
+
+@runtime_checkable
+class CupyLike(Protocol):
+    """The CuPy module as gearflow uses it (arrays are ``cupy.ndarray``; streams are CUDA streams)."""
+
+    cuda: Any  # .runtime (getDeviceCount, getDevice, hostRegister, memcpy), .Device, .Stream, .ExternalStream
+    ndarray: type
+
+    def RawModule(self, *, code: str, options: tuple = (), name_expressions: tuple = ()) -> Any: ...
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any: ...
+
+    def zeros(self, shape: Any, dtype: Any = float) -> Any: ...
+
+    def empty(self, shape: Any, dtype: Any = float) -> Any: ...
+
+
+@runtime_checkable
+class DeviceSampler(Protocol):
+    """A device mirror of a table's index (slots: the selector's; records: start, seq, length)."""
+
+    storage: Any  # the SharedStorage it gathers from (mapped into the device's address space)
+    selector: Any  # the table's CPU selector (priorities and liveness are mirrored from it)
+    device_id: int
+
+    def insert(self, slots: np.ndarray, priorities: np.ndarray, starts: np.ndarray, seqs: np.ndarray,
+               lengths: np.ndarray) -> None: ...  # fmt: skip
+
+    def remove(self, slots: np.ndarray) -> None: ...
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None: ...
+
+    def load(self, live: np.ndarray, starts: np.ndarray, seqs: np.ndarray, lengths: np.ndarray) -> None: ...
+
+    def draw(self, batch_size: int, num_live: int) -> Any: ...  # a DeviceDraw (device arrays)
+
+    def redraw(self, draw: Any, positions: np.ndarray, num_live: int) -> Any: ...
+
+    def slots_at(self, draw: Any, positions: np.ndarray) -> np.ndarray: ...
+
+    def buffers(self, batch_size: int, num_buffers: int) -> Any: ...  # DeviceBuffers: reused outputs
+
+    def gather(self, draw: Any, out: Any) -> None: ...
+
+    def invalid(self, draw: Any) -> np.ndarray: ...
+
+    def torn(self, draw: Any, reserve: np.ndarray) -> np.ndarray: ...
+
+    def batch(self, out: Any) -> tuple: ...  # (data, keys, weights, probabilities) as torch tensors
+
+    def close(self) -> None: ...
