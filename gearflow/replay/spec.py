@@ -162,14 +162,12 @@ class TableSpec:
         """
         if n is not None and len(steps) == len(self.columns):
             # fast path (the hot insert path): exact numpy arrays, nothing to convert
-            try:
-                if all(
-                    type(a := steps[c.name]) is np.ndarray and a.dtype == c.dtype and a.shape == (n, *c.shape)
-                    for c in self.columns
-                ):
-                    return dict(steps), n
-            except KeyError:
-                pass
+            for c in self.columns:
+                a = steps.get(c.name)
+                if type(a) is not np.ndarray or a.dtype != c.dtype or a.shape != (n, *c.shape):
+                    break
+            else:
+                return steps, n  # read only by the callers
         missing = [c for c in self.names if c not in steps]
         extra = [k for k in steps if k not in self._by_name]
         if missing or extra:

@@ -199,7 +199,10 @@ class Writer:
         Blocks while the table's rate limiter forbids the insert, up to
         ``insert_timeout_s``, then raises :class:`RateLimiterTimeout`.
         """
-        prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if type(priorities) is np.ndarray and priorities.dtype == np.float64 and priorities.ndim == 1:
+            prio = priorities
+        else:
+            prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
         m = prio.size
         if m == 0:
             return
@@ -260,6 +263,8 @@ class Writer:
             m, pos = prio.size, int(self._pos[stream])
             if ends is None:
                 end = np.full(m, pos, dtype=np.int64)
+            elif type(ends) is np.ndarray and ends.dtype == np.int64 and ends.ndim == 1 and ends.flags.c_contiguous:
+                end = ends
             else:
                 end = np.ascontiguousarray(ends, dtype=np.int64).reshape(-1)
             if isinstance(num_steps, (int, np.integer)):
