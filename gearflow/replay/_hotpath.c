@@ -436,6 +436,51 @@ done_bufs:
     return result;
 }
 
+/* update_by_key_raw(levels, fanout, keys_addr, prios_addr, n, prios_f32, P, R, slot_rec, slot_live, alpha)
+ * update_by_key for two contiguous CPU tensors the caller holds (int64 keys; float32 or float64
+ * priorities), given by address and length: a learner's batch keys and new priorities without
+ * building numpy arrays around them. The same checks and effect as update_by_key. */
+static PyObject *update_by_key_raw(PyObject *self, PyObject *args) {
+    PyObject *levels_obj;
+    Py_ssize_t fanout, n, P, R;
+    unsigned long long kaddr, paddr;
+    int f32;
+    double alpha;
+    Py_buffer rb, lb;
+    if (!PyArg_ParseTuple(args, "OnKKnpnny*y*d", &levels_obj, &fanout, &kaddr, &paddr, &n, &f32, &P, &R, &rb, &lb, &alpha))
+        return NULL;
+    Levels lv;
+    PyObject *result = NULL;
+    if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
+    const Py_ssize_t N = lb.len;
+    if (n < 0 || (n && (!kaddr || !paddr)) || rb.len != N * 24 || P < 1 || R < 1 || P * R != N || lv.len[lv.n - 1] < N) {
+        PyErr_SetString(PyExc_ValueError, "update_by_key_raw: bad addresses, or slot_rec/slot_live/tree do not fit P*R");
+        goto done;
+    }
+    Floats pr = {.is_f32 = f32, .n = n};
+    pr.view.buf = (void *)(uintptr_t)paddr;
+    if (check_priorities(&pr) < 0) goto done;
+    const int64_t *keys = (const int64_t *)(uintptr_t)kaddr, *rec = (const int64_t *)rb.buf;
+    const char *live = (const char *)lb.buf;
+    const int shift = pow2_shift(fanout);
+    Py_ssize_t applied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t k = keys[i];
+        if (k < 0) continue;
+        const int64_t seq = k / P, s = (k % P) * R + seq % R;
+        if (!live[s] || rec[s * 3 + 1] != seq) continue;  /* evicted or overwritten since the sample */
+        tree_put(&lv, fanout, shift, s, mass_of(float_at(&pr, i), alpha));
+        applied++;
+    }
+    result = PyLong_FromSsize_t(applied);
+done:
+    release_levels(&lv);
+done_bufs:
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
 /* set_priorities(levels, fanout, size, slots: int64[n], priorities: float64|float32[n],
  *                alpha, skip_negative) -> leaves set
  * Every priority is checked first (finite, >= 0) and every slot (in [0, size), or < 0 and
@@ -989,6 +1034,8 @@ static PyMethodDef methods[] = {
     {"make_dead", make_dead, METH_VARARGS, "make_dead(position, live, count, slots) -> count"},
     {"update_by_key", update_by_key, METH_VARARGS,
      "update_by_key(levels, fanout, keys, P, R, slot_rec, slot_live, priorities, alpha) -> applied"},
+    {"update_by_key_raw", update_by_key_raw, METH_VARARGS,
+     "update_by_key_raw(levels, fanout, keys_addr, prios_addr, n, prios_f32, P, R, slot_rec, slot_live, alpha) -> applied"},
     {"stream_items", stream_items, METH_VARARGS,
      "stream_items(start, length, priority, counters, ends, num_steps, priorities, S, pos, ep0, last_start, "
      "stream, published_field, rec_reserve_field) -> last start"},

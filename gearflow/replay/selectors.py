@@ -51,6 +51,8 @@ try:  # the C descent/update (setup.py builds it); the numpy code below is the r
 except ImportError:  # pragma: no cover - depends on the build
     _hotpath = None
 
+_TORCH_DTYPES: tuple = ()  # (int64, float32, float64) once a tensor was seen: this module does not import torch
+
 __all__ = [
     "SELECTORS",
     "selector_kwargs",
@@ -262,6 +264,10 @@ class Selector:
         return self.update_known(self._key_slots, priorities)
 
     _key_slots = np.empty(0, np.int64)
+
+    def update_by_key_tensors(self, keys: Any, priorities: Any, index: "KeyIndex") -> int | None:
+        """The same from torch tensors without converting them, where a selector can (None here)."""
+        return None
 
     def update_known(self, slots: np.ndarray, priorities: np.ndarray) -> int:
         """:meth:`update` where ``slots`` are live or -1 (skipped); returns how many applied."""
@@ -618,6 +624,32 @@ class PrioritizedSelector(Selector):
         if tree._incremental > 4 * tree.size:
             tree.rebuild()
         return n
+
+    def update_by_key_tensors(self, keys: Any, priorities: Any, index: "KeyIndex") -> int | None:
+        """:meth:`update_by_key` straight from a learner's CPU tensors (contiguous int64 keys;
+        float32 or float64 priorities, same length) by their addresses, or None when they are
+        not such tensors (the caller converts them and calls :meth:`update_by_key`)."""
+        global _TORCH_DTYPES
+        if not _TORCH_DTYPES:
+            import torch
+
+            _TORCH_DTYPES = (torch.int64, torch.float32, torch.float64)
+        i64, f32_, f64 = _TORCH_DTYPES
+        tree = self.tree
+        if not (tree.native and keys.is_cpu and priorities.is_cpu and keys.dtype is i64):
+            return None
+        f32 = priorities.dtype is f32_
+        if not (f32 or priorities.dtype is f64) or not (keys.is_contiguous() and priorities.is_contiguous()):
+            return None
+        n = keys.numel()
+        if priorities.numel() != n:
+            raise ValueError(f"{n} keys but {priorities.numel()} priorities")
+        applied = _hotpath.update_by_key_raw(tree.levels, tree.fanout, keys.data_ptr(), priorities.data_ptr(), n, f32,
+                                             index.P, index.R, index.slot_rec, index.slot_live, self.alpha)  # fmt: skip
+        tree._incremental += applied
+        if tree._incremental > 4 * tree.size:
+            tree.rebuild()
+        return applied
 
     def update_known(self, slots: np.ndarray, priorities: np.ndarray) -> int:
         # one C pass: priorities checked, -1 slots skipped, leaves set, ancestors changed

@@ -564,6 +564,10 @@ class Table:
         """New priorities by key; keys of evicted items are ignored. Returns how many applied.
 
         A priority that is not finite and ≥ 0 raises ValueError and nothing changes."""
+        if self._device is None and type(keys) is torch.Tensor and type(priorities) is torch.Tensor:
+            applied = self.selector.update_by_key_tensors(keys, priorities, self._key_index)
+            if applied is not None:  # a learner's CPU tensors, read where they are
+                return applied
         keys = _host_array(keys, _INT64)
         prios = _host_array(priorities, _FLOATS)
         if keys.shape != prios.shape:
