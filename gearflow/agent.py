@@ -33,13 +33,13 @@ something else may offer the optional hook
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from gearflow.config import import_agent_module
 from gearflow.envs import EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.replay.items import ItemKind
@@ -158,10 +158,7 @@ class EpisodeAgent(Agent, Protocol):
 
 def load_agent_class(name: str) -> type:
     """The ``Agent`` class of the agent module ``name`` (an import path: ``agents.apex_dqn``)."""
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        raise ConfigError(f"agent.name={name!r}: cannot import agent module: {exc}") from None
+    module = import_agent_module(name, key=f"agent.name={name!r}")
     cls = getattr(module, "Agent", None)
     if cls is None or not isinstance(cls, type):
         raise ConfigError(

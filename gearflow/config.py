@@ -264,12 +264,20 @@ def explain(cfg: DictConfig) -> str:
 # ------------------------------------------------------------------------ agents
 
 
+def import_agent_module(name: str, key: str = "agent.name"):
+    """The agent module ``name`` (an import path: ``agents.apex_dqn``, or a user's module found on
+    ``sys.path``, where the CLI also puts the config file's directory). The one place agent
+    modules are loaded: its ``Config`` here, its ``Agent`` in :func:`gearflow.agent.load_agent_class`.
+    ``key`` starts the error message."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import agent module '{name}': {exc}") from exc
+
+
 def agent_config_class(name: str) -> type:
     """The ``Config`` dataclass of the agent module ``name`` (an import path)."""
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        raise ConfigError(f"agent.name: cannot import agent module '{name}': {exc}") from exc
+    module = import_agent_module(name)
     cls = getattr(module, "Config", None)
     if cls is None or not dataclasses.is_dataclass(cls):
         raise ConfigError(f"agent.name: module '{name}' has no Config dataclass")

@@ -83,7 +83,8 @@ def emit(record: dict[str, Any], as_json: bool) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.device != "cpu" and args.suite != "replay":
         raise GearflowError(f"--device {args.device}: only the replay suite has a CUDA benchmark")
-    module = importlib.import_module(SUITES[args.suite])
+    suite = SUITES[args.suite] + ("_cuda" if args.device == "cuda" else "")  # replay_cuda: the GPU workloads
+    module = importlib.import_module(suite)
     wanted = [w for w in args.workloads.split(",") if w]
     return int(module.run(args, wanted, lambda rec: emit(rec, args.json)) or 0)
 

@@ -415,10 +415,8 @@ WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5}
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:
-    if getattr(args, "device", "cpu") == "cuda":  # the GPU path: its own workloads (gearflow/bench/replay_cuda.py)
-        from gearflow.bench import replay_cuda
-
-        return replay_cuda.run(args, wanted, emit)
+    """The CPU workloads (``--device cuda`` is dispatched to :mod:`gearflow.bench.replay_cuda` by
+    :func:`gearflow.bench.main`, which imports this module's helpers: not the other way round)."""
     unknown = [w for w in wanted if w not in WORKLOADS]
     if unknown:
         raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")

@@ -238,6 +238,33 @@ class _OnDevice:
             device.__exit__(*exc)
 
 
+def _mass_input(prioritized: bool, priorities: np.ndarray) -> np.ndarray:
+    """What goes into the mass vector: raw priorities (p ** alpha in the kernel), or 1.0 per
+    live item for the uniform selector."""
+    return np.asarray(priorities, dtype=np.float64) if prioritized else np.ones(len(priorities))
+
+
+def _check_selector(storage: Any, kind: Any, selector: Any) -> str:
+    """The selector's name, or ValueError (before CuPy is imported or anything allocated)."""
+    name = getattr(selector, "name", type(selector).__name__)
+    if name not in DEVICE_SELECTORS:
+        raise ValueError(
+            f"device sampling supports the {' and '.join(DEVICE_SELECTORS)} selectors, "
+            f"not {name!r}: use device='cpu' for it"
+        )
+    kind.layout(storage.spec, 1)  # validates the kind against the spec
+    return name
+
+
+def _device_id(cp: Any, device: int | None) -> int:
+    """CuPy's current device (``None``) or ``device``, or ValueError if it does not exist."""
+    count = int(cp.cuda.runtime.getDeviceCount())
+    device_id = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
+    if not 0 <= device_id < count:
+        raise ValueError(f"replay device cuda:{device_id} does not exist ({count} CUDA device(s) visible)")
+    return device_id
+
+
 class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
 
@@ -265,18 +292,9 @@ class DeviceReplay:
         seed: int | None = None,
         consumer_stream: Callable[[], int | None] | None = None,
     ) -> None:
-        name = getattr(selector, "name", type(selector).__name__)
-        if name not in DEVICE_SELECTORS:
-            raise ValueError(
-                f"device sampling supports the {' and '.join(DEVICE_SELECTORS)} selectors, "
-                f"not {name!r}: use device='cpu' for it"
-            )
-        kind.layout(storage.spec, 1)  # validates the kind against the spec before anything is allocated
+        name = _check_selector(storage, kind, selector)
         cp = require_cupy("replay.device=cuda") if cupy is None else cupy
-        count = int(cp.cuda.runtime.getDeviceCount())
-        device_id = int(cp.cuda.runtime.getDevice()) if device is None else int(device)
-        if not 0 <= device_id < count:
-            raise ValueError(f"replay device cuda:{device_id} does not exist ({count} CUDA device(s) visible)")
+        device_id = _device_id(cp, device)
         self.cupy, self.storage, self.kind, self.selector = cp, storage, kind, selector
         self.device_id = device_id
         self.prioritized = name == "prioritized"
@@ -307,9 +325,7 @@ class DeviceReplay:
                 self._length = cp.zeros(N, dtype=cp.int32)
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
         # per column: (name, device pointer of row 0, bytes per row)
-        self._columns = [
-            (c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec
-        ]
+        self._columns = [(c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec]
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
         self._buffers: list[DeviceBuffers] = []
@@ -322,11 +338,6 @@ class DeviceReplay:
     # applied in one batch (one scatter kernel, one record upload) before the next draw, so a scan
     # over many partitions costs a handful of launches, not a handful per partition. The queue
     # keeps the table's order; a slot's last entry wins, as in the selectors.
-    def _priorities(self, priorities: np.ndarray) -> np.ndarray:
-        """What goes into the mass vector: raw priorities (p ** alpha in the kernel), or 1.0 per
-        live item for the uniform selector."""
-        return np.asarray(priorities, dtype=np.float64) if self.prioritized else np.ones(len(priorities))
-
     def _alpha(self) -> float:
         return float(self.selector.alpha) if self.prioritized else 1.0
 
@@ -341,7 +352,7 @@ class DeviceReplay:
     def insert(self, slots: np.ndarray, priorities: np.ndarray, starts: np.ndarray, seqs: np.ndarray,
                lengths: np.ndarray) -> None:  # fmt: skip
         """Items ingested into ``slots`` (host int64) with their records."""
-        self._queue(slots, self._priorities(priorities), (starts, seqs, lengths))
+        self._queue(slots, _mass_input(self.prioritized, priorities), (starts, seqs, lengths))
 
     def remove(self, slots: np.ndarray) -> None:
         """Items evicted: their mass becomes 0 (their records stay until the slot is reused)."""
