@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.spec import TableSpec
+from gearflow.replay.storage import step_rows
 
 try:  # C row indices for sequence windows (setup.py builds it); numpy below is the reference
     from gearflow.replay import _hotpath
@@ -90,8 +91,7 @@ class Transition(ItemKind):
         return shapes
 
     def rows(self, parts, starts, lengths, S):
-        base = parts * S
-        return {"first": base + starts % S, "last": base + (starts + lengths - 1) % S}
+        return {"first": step_rows(parts, starts, S), "last": step_rows(parts, starts + lengths - 1, S)}
 
     def gather(self, tensors, out, rows, lengths):
         first = torch.from_numpy(rows["first"])
@@ -143,9 +143,9 @@ class Sequence(ItemKind):
             return {"window": rows}
         first = starts % S  # (B,)
         if (lengths == T).all() and (first <= S - T).all():  # common case: full windows, no ring wrap
-            return {"window": (parts * S + first)[:, None] + self._arange(T)}
+            return {"window": (parts * S + first)[:, None] + self._arange(T)}  # step_rows without a wrap
         offs = np.minimum(self._arange(T), (lengths - 1)[:, None])  # (B, T): padding repeats the last step
-        return {"window": (parts * S)[:, None] + (starts[:, None] + offs) % S}
+        return {"window": step_rows(parts[:, None], starts[:, None] + offs, S)}
 
     def _arange(self, T: int) -> np.ndarray:
         cached = self.__dict__.get("_arange_cache")

@@ -96,6 +96,12 @@ def _layout(spec: TableSpec, P: int, S: int, R: int, spec_len: int) -> tuple[dic
     return offsets, pos
 
 
+def step_rows(partitions: np.ndarray, steps: np.ndarray, S: int) -> np.ndarray:
+    """The row rule: absolute step ``t`` of partition ``p`` lives in row ``p * S + t % S``
+    (int64 arrays, broadcast). The C hot paths and the CUDA kernels apply the same rule."""
+    return partitions * S + steps % S
+
+
 class SharedStorage:
     """A table's steps and item records in one shared-memory segment.
 
@@ -230,9 +236,9 @@ class SharedStorage:
 
     # ------------------------------------------------------------------ helpers
     def rows(self, partition: np.ndarray | int, steps: np.ndarray | int) -> np.ndarray:
-        """Storage rows of absolute ``steps`` of ``partition``: ``p * S + t % S``."""
-        S = self.steps_per_partition
-        return np.asarray(partition, dtype=np.int64) * S + np.asarray(steps, dtype=np.int64) % S
+        """Storage rows of absolute ``steps`` of ``partition``: ``p * S + t % S`` (:func:`step_rows`)."""
+        return step_rows(np.asarray(partition, dtype=np.int64), np.asarray(steps, dtype=np.int64),
+                         self.steps_per_partition)  # fmt: skip
 
     def total_inserts(self) -> int:
         return int(self.counters[:, PUBLISHED].sum())

@@ -47,6 +47,7 @@ from gearflow.replay.storage import (
     RESERVE,
     SharedStorage,
     claim_partitions,
+    step_rows,
 )
 
 
@@ -142,7 +143,7 @@ class Writer:
             raise ValueError("append writes one step per stream: streams must be distinct")
         arrays, _ = self.storage.spec.check_batch(steps, n=s.size)
         parts, pos = self.partitions[s], self._pos[s]
-        rows = parts * self._S + pos % self._S
+        rows = step_rows(parts, pos, self._S)
         c = self.storage.counters
         c[parts, RESERVE] = pos + 1
         row_list = None
@@ -174,7 +175,7 @@ class Writer:
         c, columns = self.storage.counters, self.storage.columns
         r0 = pos % self._S
         first = min(n, self._S - r0)  # rows before the ring wraps
-        lo = p * self._S + r0
+        lo = p * self._S + r0  # step_rows of the first step, as scalars (slice copies follow)
         c[p, RESERVE] = pos + n
         if first == n:
             for name, arr in arrays.items():
@@ -390,7 +391,7 @@ class TrajectoryWriter:
         values = self._w.storage.spec.check_row(step)  # every column checked before a byte is stored
         w, c = self._w, self._counters
         pos = int(w._pos[0])
-        row = self._base + pos % self._S
+        row = self._base + pos % self._S  # step_rows for one step, as scalars (the per-step path)
         c[RESERVE] = pos + 1
         for col, v in zip(self._columns, values):
             col[row] = v
