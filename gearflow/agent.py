@@ -23,7 +23,7 @@ Acting and learning are separate: actors only call ``make_network`` and
 :class:`EpisodeAgent` declare what the sequence and episode actors call besides), so the same agent
 serves a serial run, actor processes and a distributed launch unchanged.
 
-``run.dry_run=true`` (:mod:`gearflow.dryrun`) builds the agent and calls
+``run.dry_run=true`` (:mod:`gearflow.tools.dryrun`) builds the agent and calls
 ``setup_learner`` on the meta device, so both must work on meta tensors (plain
 ``nn.Module`` and ``torch.optim`` code does). It measures activations by running
 ``learner_network()`` on a meta batch of ``obs``; an agent whose learner input is

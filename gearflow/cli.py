@@ -86,7 +86,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from gearflow.evaluate import evaluate
+    from gearflow.run.evaluate import evaluate
 
     result = evaluate(args.run_dir, episodes=args.episodes, video=args.video, seed=args.seed,
                       checkpoint=args.checkpoint)
@@ -95,7 +95,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from gearflow.plot import plot_runs
+    from gearflow.run.plot import plot_runs
 
     out = plot_runs(args.run_dirs, out=args.out)
     print(out)
@@ -103,7 +103,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from gearflow.info import collect, render
+    from gearflow.tools.info import collect, render
 
     print(render(collect()))
     return 0

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from gearflow.checkpoint import RunCheckpoints, rng_states
+from gearflow.run.checkpoint import RunCheckpoints, rng_states
 from gearflow.config import parse_period, to_yaml
 from gearflow.replay.protocols import SamplerLike
 

@@ -1,18 +1,25 @@
-"""``gearflow train``: the single-machine runner.
+"""``gearflow train``: the single-machine runner — wiring only.
 
 :meth:`Runner.connect_components` is the one place where the graph is wired::
 
-    EnvPool actor processes ──steps/items──▶ SharedStorage (one partition per env)
+    env spec → agent → Table (SharedStorage, selector, rate limiter; geometry.py)
+             → ParameterStore → Learner (learner.py: the loop, priorities, publishing)
+             → actors: LocalLauncher (launchers/local.py: one process per actor, each
+               make_actor(...) over a Writer of its partitions), or one serial actor
+               in this process (run.serial=true: SerialBatches, the same classes),
+               or none (run.mode=offline: the dataset is the replay)
+
+    EnvPool actors ──Adder → WriterLike──▶ SharedStorage (one partition per env)
             ▲                                     │ scan / sample (learner process)
-            │ weights (ParameterStore)            ▼
+            │ weights (ParameterSource)           ▼
             └──────────── Learner (agent.learn) ◀── Table ── priorities ──▶ Table
 
-Actors are spawned (``spawn`` start method) and watched by a supervisor that
-restarts a dead one up to ``actor.max_restarts`` times; its partitions and
+A dead actor is restarted up to ``actor.max_restarts`` times; its partitions and
 their data survive (the new writer continues after the old one's last step).
-``run.serial=true`` runs one actor and the learner in this process with the
-same classes. SIGINT/SIGTERM stop everything cleanly: no child process and no
-/dev/shm segment is left behind.
+SIGINT/SIGTERM stop everything cleanly: no child process and no /dev/shm segment
+is left behind. A network transport hands the learner a remote sampler and the
+actors a remote writer and parameter source; a cluster launcher replaces
+``LocalLauncher``: both plug in here.
 
 Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
 
@@ -42,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gearflow.actors.base import env_seed
 from gearflow.agent import make_agent, resolve_device
-from gearflow.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
+from gearflow.run.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
 from gearflow.config import save_config
 from gearflow.envs import make_vec_env
 from gearflow.errors import ConfigError, GearflowError
@@ -50,10 +57,10 @@ from gearflow.geometry import ReplayGeometry, replay_geometry
 from gearflow.launchers.local import ActorFailed, LocalLauncher
 from gearflow.learner import BetaSchedule, Learner, Prefetcher, Progress, SerialBatches
 from gearflow.log import DATEFMT, FORMAT
-from gearflow.metrics import MetricsLog
+from gearflow.run.metrics import MetricsLog
 from gearflow.native.device_replay import resolve_replay_device
 from gearflow.params import ParameterStore
-from gearflow.progress import make_display
+from gearflow.run.progress import make_display
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.checkpoint import restore_checkpoint
 from gearflow.replay.selectors import selector_kwargs
@@ -209,7 +216,7 @@ class Runner:
                                beta=beta, device=self.device, stop=self._stop)  # fmt: skip
 
         if cfg.run.mode == "offline":  # the dataset is the replay (a restored checkpoint already has it); no actors
-            from gearflow.offline import load_dataset
+            from gearflow.run.offline import load_dataset
 
             if self.table.size == 0:
                 load_dataset(cfg.run.dataset, self.table, agent, env_spec)
@@ -378,7 +385,7 @@ def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
     """Run ``cfg`` to completion (``resume``: from its run directory's latest checkpoint);
     returns the final summary."""
     if cfg.run.dry_run:  # memory plan only: no actors, no shared memory, no run directory
-        from gearflow.dryrun import dry_run
+        from gearflow.tools.dryrun import dry_run
 
         return dry_run(cfg)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gearflow.config import envpool_ids, load_config
-from gearflow.dryrun import memory_plan, render
+from gearflow.tools.dryrun import memory_plan, render
 from gearflow.envs import EnvSpec
 from gearflow.replay.storage import SHM_DIR
 

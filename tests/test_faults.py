@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from gearflow import cli
-from gearflow.checkpoint import RunCheckpoints, load_learner, rng_states
+from gearflow.run.checkpoint import RunCheckpoints, load_learner, rng_states
 from gearflow.params import ParameterStore
 from gearflow.replay import storage as storage_mod
 from gearflow.replay.checkpoint import CheckpointError, verify_checkpoint, write_manifest
@@ -553,7 +553,7 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     ckpts = RunCheckpoints(tmp_path)
     path = ckpts.save(1, {"agent": {}, "rng": rng_states()}, {})
     want = (torch.rand(3), np.random.rand(3), random.random())
-    from gearflow.checkpoint import set_rng_states
+    from gearflow.run.checkpoint import set_rng_states
 
     set_rng_states(load_learner(path / "learner.pt")["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random())
@@ -565,7 +565,7 @@ def test_a_checkpoint_written_before_rng_states_were_tensors_still_loads(tmp_pat
     is the one non-tensor global still allowed, and restores the same draws."""
     import random
 
-    from gearflow.checkpoint import set_rng_states
+    from gearflow.run.checkpoint import set_rng_states
 
     legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     ckpt = RunCheckpoints(tmp_path).save(1, {"agent": {"w": torch.ones(2)}, "rng": legacy}, {"value": 1})

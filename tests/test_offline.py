@@ -16,7 +16,7 @@ from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.offline import load_dataset, split_episodes
+from gearflow.run.offline import load_dataset, split_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).parent)
@@ -162,7 +162,7 @@ def test_minari_episode_groups_read_as_the_flat_layout(tmp_path):
     import h5py
     from helpers_offline import play_cartpole, write_hdf5
 
-    from gearflow.offline import read_hdf5, split_episodes
+    from gearflow.run.offline import read_hdf5, split_episodes
 
     flat = play_cartpole(5, seed=3)
     spans = split_episodes(flat["terminals"], flat["timeouts"])
@@ -187,7 +187,7 @@ def test_minari_episode_groups_read_as_the_flat_layout(tmp_path):
 
 
 def test_observations_that_do_not_convert_to_the_env_dtype_are_refused():
-    from gearflow.offline import check_dataset
+    from gearflow.run.offline import check_dataset
     from gearflow.replay import TableSpec
 
     frames = TableSpec.parse({"obs": "uint8[2]", "action": "int64"})

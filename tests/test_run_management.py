@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.checkpoint import RunCheckpoints, rng_states, set_rng_states
+from gearflow.run.checkpoint import RunCheckpoints, rng_states, set_rng_states
 from gearflow.errors import GearflowError
-from gearflow.metrics import MetricsLog, read_metrics
-from gearflow.progress import LiveDisplay, LogDisplay, log_line, make_display
+from gearflow.run.metrics import MetricsLog, read_metrics
+from gearflow.run.progress import LiveDisplay, LogDisplay, log_line, make_display
 from gearflow.replay.checkpoint import CheckpointError
 from gearflow.replay.storage import COMMIT, PREFIX, PUBLISHED, RESERVE, SharedStorage, list_segments
 

@@ -25,7 +25,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from gearflow.agent import make_agent
-from gearflow.checkpoint import RunCheckpoints
+from gearflow.run.checkpoint import RunCheckpoints
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
 from gearflow.errors import GearflowError

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gearflow.errors import GearflowError
-from gearflow.metrics import read_metrics
+from gearflow.run.metrics import read_metrics
 
 
 def _series(rows: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
