@@ -98,8 +98,12 @@ class GatherThreads:
     and with all of torch's, keeps a moving average of each per batch size, uses the
     cheaper, and re-tries the other now and then (every 32 samples while the two are
     within 1.5 ×, every 256 when one is clearly worse), so it follows the machine's load.
+    Each count's first gather is a warm-up (cold buffers) and is not counted; each is
+    measured ``WARMUP`` times, in turn, before the choice starts.
     ``fixed`` (``Table(num_threads=N)``) turns the choice off.
     """
+
+    WARMUP = 4  # gathers per count, taken in turn, before choosing (the first one not counted)
 
     def __init__(self, fixed: int | None = None, most: int | None = None):
         if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1):
@@ -107,15 +111,17 @@ class GatherThreads:
         self.fixed = fixed
         self.candidates = sorted({1, max(1, most or torch.get_num_threads())})
         self._cost: dict[tuple[int, int], float] = {}  # (batch size, threads) -> seconds per gather
+        self._seen: dict[tuple[int, int], int] = {}  # (batch size, threads) -> gathers timed
         self._calls = 0
 
     def pick(self, batch_size: int) -> int:
         if self.fixed is not None or len(self.candidates) == 1:
             return self.fixed or self.candidates[0]
         self._calls += 1
-        costs = [self._cost.get((batch_size, n)) for n in self.candidates]
-        if None in costs:  # measure each once first
-            return self.candidates[costs.index(None)]
+        seen = [self._seen.get((batch_size, n), 0) for n in self.candidates]
+        if min(seen) < self.WARMUP:  # measure each in turn first
+            return self.candidates[int(np.argmin(seen))]
+        costs = [self._cost[(batch_size, n)] for n in self.candidates]
         best = int(np.argmin(costs))
         period = 32 if max(costs) < 1.5 * min(costs) else 256
         if self._calls % period == 0:
@@ -124,15 +130,22 @@ class GatherThreads:
 
     def record(self, batch_size: int, threads: int, seconds: float) -> None:
         key = (batch_size, threads)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
         old = self._cost.get(key)
-        self._cost[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if seen <= 2:  # the first gather (cold buffers) is replaced by the second
+            self._cost[key] = seconds
+        elif seen <= self.WARMUP:  # the warm-up: a plain mean
+            self._cost[key] = old + (seconds - old) / (seen - 1)
+        else:
+            self._cost[key] = 0.8 * old + 0.2 * seconds
 
     def chosen(self, batch_size: int) -> int | None:
-        """The count in use for ``batch_size`` (None before both were measured)."""
+        """The count in use for ``batch_size`` (None while still measuring)."""
         if self.fixed is not None:
             return self.fixed
-        costs = [self._cost.get((batch_size, n)) for n in self.candidates]
-        return None if None in costs else self.candidates[int(np.argmin(costs))]
+        if min(self._seen.get((batch_size, n), 0) for n in self.candidates) < self.WARMUP:
+            return None
+        return self.candidates[int(np.argmin([self._cost[(batch_size, n)] for n in self.candidates]))]
 
 
 def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
