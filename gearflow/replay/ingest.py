@@ -71,15 +71,14 @@ class TableIngest:
         what :meth:`_scan_reference` does, and the selector is told in two calls."""
         if _hotpath is None:
             return self._scan_reference()
-        st, P, sel = self.storage, self._P, self.selector
+        P, sel = self._P, self.selector
         first_p, ingested = 0, 0
+        head, tail = self._scan_args()
         while True:
             fused = sel.scan_state()  # the selector's arrays, updated in the same pass (prioritized)
             total, next_p, n_new, n_gone, n_replaced, n_bad, count, changed = _hotpath.scan(
-                st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
-                self._seen_reserve, self._S, self._max_item_steps, self._seen_total, first_p, self._slot_rec,
-                self._slot_live, self._new_slots, self._new_prios, self._gone, *(fused or ()),
-            )  # fmt: skip
+                *head, self._seen_total, first_p, *tail, *(fused or ())
+            )
             if fused:
                 sel.scan_done(count, changed)
             if n_new:  # inserted before the evictions: an item can be both (a reader a lap behind)
@@ -108,6 +107,18 @@ class TableIngest:
             first_p = next_p
         self._seen_total = total
         return ingested
+
+    def _scan_args(self) -> tuple[tuple, tuple]:
+        """The C scan's fixed arguments (views of the segment and of this table's arrays), built
+        once; rebuilt when an array was replaced (``seen_reserve``, by the reference scan)."""
+        args = self.__dict__.get("_scan_args_cache")
+        if args is None or args[0][6] is not self._seen_reserve:
+            st = self.storage
+            head = (st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
+                    self._seen_reserve, self._S, self._max_item_steps)  # fmt: skip
+            tail = (self._slot_rec, self._slot_live, self._new_slots, self._new_prios, self._gone)
+            args = self._scan_args_cache = (head, tail)
+        return args
 
     def _scan_reference(self) -> int:
         """:meth:`scan` in numpy (the reference, and the path where the C module is not built)."""
