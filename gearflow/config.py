@@ -41,7 +41,12 @@ from gearflow.replay.selectors import SELECTORS
 
 ITEM_KINDS = ("transition", "sequence", "episode")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N" (a GPU by index): see _device_ok
+_CUDA_N = re.compile(r"cuda:[0-9]+")
+
+
+def _device_ok(name: str) -> bool:
+    return name in DEVICES or _CUDA_N.fullmatch(str(name)) is not None
 PROGRESS_MODES = ("auto", "live", "log")
 RUN_MODES = ("online", "offline")
 _PERIOD = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
@@ -135,7 +140,8 @@ class ReplayConfig:
     """Seconds a blocked insert or sample waits before raising instead of hanging."""
     device: str = "cpu"
     """Where selection and the batch gather run: ``cpu``; ``cuda`` (device priority vector, zero-copy gather
-    from the shared memory; CuPy + a GPU, prioritized/uniform selectors); ``auto`` (cuda when usable)."""
+    from the shared memory; CuPy + a GPU, prioritized/uniform selectors; the learner's GPU) or ``cuda:N``;
+    ``auto`` (cuda when usable)."""
 
 
 @dataclass
@@ -143,7 +149,7 @@ class LearnerConfig:
     batch_size: int = 256
     """Items per learner batch."""
     device: str = "auto"
-    """Device the learner trains on: ``cpu``, ``cuda`` or ``auto``."""
+    """Device the learner trains on: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``."""
     prefetch: int = 2
     """Batches sampled ahead in the background (≥ 1)."""
     publish_every: int = 10
@@ -461,8 +467,8 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(r.samples_per_insert >= 0, "replay.samples_per_insert", "must be ≥ 0 (0 disables)")
     check(r.error_buffer >= 0, "replay.error_buffer", "must be ≥ 0")
     check(r.timeout_s > 0, "replay.timeout_s", "must be > 0 seconds")
-    check(r.device in DEVICES, "replay.device", f"must be one of {', '.join(DEVICES)}")
-    check(r.device != "cuda" or r.selector in DEVICE_SELECTORS, "replay.device",
+    check(_device_ok(r.device), "replay.device", f"must be one of {', '.join(DEVICES)} or cuda:N")
+    check(not str(r.device).startswith("cuda") or r.selector in DEVICE_SELECTORS, "replay.device",
           f"samples on the GPU with the {' or '.join(DEVICE_SELECTORS)} selector only, not replay.selector={r.selector!r}")  # fmt: skip
     check(le.batch_size >= 1, "learner.batch_size", "must be ≥ 1")
     check(
@@ -470,7 +476,9 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
         "learner.batch_size",
         f"is larger than replay.capacity ({r.capacity})",
     )
-    check(le.device in DEVICES, "learner.device", f"must be one of {', '.join(DEVICES)}")
+    check(_device_ok(le.device), "learner.device", f"must be one of {', '.join(DEVICES)} or cuda:N")
+    check(not (str(r.device).startswith("cuda:") and str(le.device).startswith("cuda:") and r.device != le.device),
+          "replay.device", f"assembles batches on {r.device}, but the learner trains on {le.device}")  # fmt: skip
     check(le.prefetch >= 1, "learner.prefetch", "must be ≥ 1")
     check(le.publish_every >= 1, "learner.publish_every", "must be ≥ 1")
     check(e.num_envs >= 1, "env.num_envs", "must be ≥ 1")

@@ -185,11 +185,16 @@ class Runner:
         geom = replay_geometry(cfg, kind)
         spec = TableSpec.parse(agent.replay_columns())
         replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
-        if replay_device == "cuda" and self.device.type != "cuda":
+        if replay_device.startswith("cuda") and self.device.type != "cuda":
             raise ConfigError(
                 f"replay.device={cfg.replay.device!r} assembles batches on the GPU, but the learner runs on "
                 f"{self.device} (learner.device={cfg.learner.device!r}); use learner.device=cuda or replay.device=cpu"
             )
+        if replay_device == "cuda" and self.device.index is not None:
+            replay_device = f"cuda:{self.device.index}"  # the batches land on the learner's GPU
+        elif replay_device.startswith("cuda:") and replay_device != f"cuda:{torch.cuda.current_device() if self.device.index is None else self.device.index}":
+            raise ConfigError(f"replay.device={replay_device} assembles batches on another GPU than the learner's "
+                              f"({self.device}); give both the same index")  # fmt: skip
         if self.checkpoint is not None and self.checkpoint.replay_dir is not None:
             self.table = restore_table(cfg, self.checkpoint.replay_dir, kind, spec, geom, replay_device, self.run_tag)
         else:

@@ -164,6 +164,9 @@ VALIDATION_CASES = [
     (["learner.batch_size=0"], "learner.batch_size", "must be ≥ 1"),
     (["learner.batch_size=200000"], "learner.batch_size", "is larger than replay.capacity (100000)"),
     (["learner.device=tpu"], "learner.device", "must be one of auto, cpu, cuda"),
+    (["learner.device=cuda:x"], "learner.device", "must be one of auto, cpu, cuda or cuda:N"),
+    (["replay.device=cuda:1", "learner.device=cuda:0"], "replay.device",
+     "assembles batches on cuda:1, but the learner trains on cuda:0"),
     (["learner.prefetch=0"], "learner.prefetch", "must be ≥ 1"),
     (["learner.publish_every=0"], "learner.publish_every", "must be ≥ 1"),
     (["env.num_envs=0"], "env.num_envs", "must be ≥ 1"),
@@ -568,3 +571,8 @@ def test_shipped_config_loads(path):
 )
 def test_parse_period(text, want):
     assert config_mod.parse_period(text) == want
+
+
+def test_a_gpu_by_index_is_a_valid_device():
+    cfg = load_config(CARTPOLE, ["learner.device=cuda:1", "replay.device=cuda:1", "actor.device=cpu"])
+    assert (cfg.learner.device, cfg.replay.device) == ("cuda:1", "cuda:1")
