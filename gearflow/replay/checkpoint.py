@@ -9,7 +9,8 @@ renamed into place, so a reader sees the old checkpoint or the new one, never
 half of one)::
 
     meta.json        spec, sizes, item kind, selector name, rate limiter, counters
-    columns/<c>.npy  each column's rows [P * S, *shape]
+    columns/<c>.npy  each column's rows [P * S, *row_shape]
+    step_offset.npy  with stacked-frame columns: each step's offset in its episode (uint8[P * S])
     table.npz        per-slot records and per-partition ingest/evict positions
     selector.npz     the selector's state (priorities, order, RNG)
     MANIFEST.json    size and CRC-32 of every file above; written last
@@ -120,12 +121,14 @@ def save_checkpoint(table: Table, path: str | Path) -> Path:
     commit = st.counters[:, COMMIT].copy()
     for name, column in st.columns.items():
         np.save(tmp / "columns" / f"{name}.npy", column)
+    if st.step_offset is not None:  # stacked frames: each step's offset in its episode
+        np.save(tmp / "step_offset.npy", st.step_offset)
     reserve_after = st.counters[:, RESERVE].copy()
 
     state = table.state()
     live = state["slot_live"]
     slots = np.flatnonzero(live)
-    overwritten = state["slot_start"][slots] < reserve_after[slots // R] - S
+    overwritten = state["slot_start"][slots] < reserve_after[slots // R] - st.trusted_steps
     dropped = slots[overwritten]
     live[dropped] = False
     selector_state = table.selector.state_dict()
@@ -182,6 +185,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         columns = [f"columns/{c.name}.npy" for c in TableSpec.parse(meta["spec"])]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: meta.json has no valid spec: {exc}") from None
+    if TableSpec.parse(meta["spec"]).stacked:
+        columns.append("step_offset.npy")  # stacked frames: where each stack stops reaching back
     listed = json.loads((path / "MANIFEST.json").read_text())  # checked above: every entry verified
     if missing := [c for c in columns if c not in listed]:
         raise CheckpointError(f"{path}: MANIFEST.json is corrupt: it does not list {missing[0]}")
@@ -210,6 +215,8 @@ config); ``num_buffers`` is the fewest buffer sets the table keeps.
     try:
         for c in spec:
             storage.columns[c.name][:] = np.load(path / "columns" / f"{c.name}.npy", mmap_mode="r")
+        if storage.step_offset is not None:
+            storage.step_offset[:] = np.load(path / "step_offset.npy", mmap_mode="r")
         commit = np.asarray(meta["commit"], dtype=np.int64)
         storage.counters[:, RESERVE] = commit
         storage.counters[:, COMMIT] = commit

@@ -30,7 +30,7 @@ __all__ = ["EVICT_PROBE", "TableIngest"]
 
 class TableIngest:
     """Scan, ingest, evict, state and stats of a table (set up by :meth:`_init_ingest`; the
-    table provides ``storage``, ``kind``, ``selector``, ``_device``, ``_P``, ``_R``, ``_S``,
+    table provides ``storage``, ``kind``, ``selector``, ``_device``, ``_P``, ``_R``, ``_S``, ``_S_trust``,
     ``_max_item_steps`` and ``_publish_insert_limit``)."""
 
     def _init_ingest(self, P: int, R: int) -> None:
@@ -115,7 +115,7 @@ class TableIngest:
         if args is None or args[0][6] is not self._seen_reserve:
             st = self.storage
             head = (st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
-                    self._seen_reserve, self._S, self._max_item_steps)  # fmt: skip
+                    self._seen_reserve, self._S_trust, self._max_item_steps)  # fmt: skip
             tail = (self._slot_rec, self._slot_live, self._new_slots, self._new_prios, self._gone)
             args = self._scan_args_cache = (head, tail)
         return args
@@ -173,8 +173,9 @@ class TableIngest:
         return int(seqs.size)
 
     def _evict_overwritten(self, p: int, reserve: int) -> None:
-        """Evict the oldest items of ``p`` whose first step is older than ``reserve - S``."""
-        limit, R = reserve - self._S, self._R
+        """Evict the oldest items of ``p`` whose first step is older than ``reserve - S`` (less the
+        steps a stack reaches back before it: ``_S_trust``)."""
+        limit, R = reserve - self._S_trust, self._R
         lo, hi = int(self._live_lo[p]), int(self._ingested[p])
         while lo < hi:
             seqs = np.arange(lo, min(hi, lo + EVICT_PROBE), dtype=np.int64)

@@ -13,6 +13,12 @@ The kind decides which rows a sample gathers and the batch layout:
 * :class:`Episode` — a whole episode up to ``max_length`` steps, padded like a
   sequence.
 
+Stacked-frame columns (``TableSpec`` ``stack=k``): a row holds one frame; the kinds
+gather each step's stack from rows t-k+1..t of the item's own episode (the
+episode's first frame repeated before its start), one index computation
+(:func:`stack_rows`) and one ``index_select`` per output buffer, so the batch is
+``[B, k, *frame]`` / ``[B, T, k, *frame]`` exactly as with whole stacks stored.
+
 The writer side schedules sequence windows with :meth:`Sequence.due_on_append`
 and :meth:`Sequence.due_at_end`: windows start every ``period`` steps of an
 episode, never cross its boundary, and the short tail windows of an episode
@@ -56,6 +62,56 @@ def gatherable(t: torch.Tensor) -> torch.Tensor:
     return t if signed is None else t.view(signed)
 
 
+_BACK: dict[int, np.ndarray] = {}
+
+
+def stack_rows(parts: np.ndarray, steps: np.ndarray, depth: np.ndarray, k: int, S: int) -> np.ndarray:
+    """Rows of the ``k``-frame stacks of absolute ``steps`` (int64, any shape, ``parts``
+    broadcast against it): frame ``j`` of step t's stack is step ``t - min(k-1-j, depth)``,
+    ``depth`` = t's offset in its episode (broadcast), so frames before the episode's start
+    repeat its first frame. Returns int64 ``(*steps.shape, k)``, oldest frame first::
+
+        stack_rows(np.array([0]), np.array([[5, 9]]), np.array([[1, 5]]), 4, 100)
+        # [[[4, 4, 4, 5], [6, 7, 8, 9]]]: step 5 is its episode's step 1
+    """
+    back = _BACK.get(k)
+    if back is None:
+        back = _BACK[k] = np.arange(k - 1, -1, -1, dtype=np.int64)  # (k,) frames back, oldest first
+    frames = steps[..., None] - np.minimum(back, depth[..., None])  # (..., k) absolute steps
+    return step_rows(np.asarray(parts)[..., None], frames, S)
+
+
+@dataclass(frozen=True)
+class FrameStacks:
+    """What a kind needs to gather stacked-frame columns: the storage's per-step offsets in
+    their episodes (``uint8[P * S]``, capped at 255) and ``{column: k}``."""
+
+    offsets: np.ndarray
+    columns: dict
+
+    @classmethod
+    def of(cls, storage) -> "FrameStacks | None":
+        """The stacks of a :class:`~gearflow.replay.storage.SharedStorage` (None without any)."""
+        stacked = storage.spec.stacked
+        return cls(storage.step_offset, stacked) if stacked else None
+
+    def rows(self, parts: np.ndarray, first_rows: np.ndarray, steps: np.ndarray, rel: np.ndarray, S: int) -> dict:
+        """``{column: int64 (*rel.shape, k)}``: stack rows of ``steps`` (each item's first step
+        + ``rel``), the items' first steps at ``first_rows`` (shaped to broadcast with ``rel``)."""
+        depth = self.offsets[first_rows].astype(np.int64) + rel  # each step's offset in its episode
+        by_k: dict[int, np.ndarray] = {}
+        out = {}
+        for name, k in self.columns.items():
+            if k not in by_k:
+                by_k[k] = stack_rows(parts, steps, depth, k, S)
+            out[name] = by_k[k]
+        return out
+
+
+def _flat_index(rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(rows).reshape(-1))
+
+
 class ItemKind:
     """Base: the batch layout and the gather of a kind."""
 
@@ -90,17 +146,29 @@ class Transition(ItemKind):
             shapes["next_" + name] = shapes[name]
         return shapes
 
-    def rows(self, parts, starts, lengths, S):
-        return {"first": step_rows(parts, starts, S), "last": step_rows(parts, starts + lengths - 1, S)}
+    def rows(self, parts, starts, lengths, S, stacks=None):
+        rows = {"first": step_rows(parts, starts, S), "last": step_rows(parts, starts + lengths - 1, S)}
+        if stacks is not None:  # (2, B, k): the first step's stack, the last step's stack
+            rel = np.stack([np.zeros_like(lengths), lengths - 1])  # (2, B) steps after the first
+            rows["stacks"] = stacks.rows(parts, rows["first"][None, :], starts + rel, rel, S)
+        return rows
 
     def gather(self, tensors, out, rows, lengths):
         first = torch.from_numpy(rows["first"])
         last = torch.from_numpy(rows["last"])
+        stacks = rows.get("stacks") or {}
         for name, src in tensors.items():
-            torch.index_select(gatherable(src), 0, first, out=gatherable(out[name]))  # (B, *shape)
+            src, dst = gatherable(src), gatherable(out[name])
+            if name in stacks:  # (B, k, *frame) as (B*k, *frame)
+                torch.index_select(src, 0, _flat_index(stacks[name][0]), out=dst.view(-1, *src.shape[1:]))
+            else:
+                torch.index_select(src, 0, first, out=dst)  # (B, *shape)
         for name in self.next_columns:
-            dst = gatherable(out["next_" + name])
-            torch.index_select(gatherable(tensors[name]), 0, last, out=dst)
+            src, dst = gatherable(tensors[name]), gatherable(out["next_" + name])
+            if name in stacks:
+                torch.index_select(src, 0, _flat_index(stacks[name][1]), out=dst.view(-1, *src.shape[1:]))
+            else:
+                torch.index_select(src, 0, last, out=dst)
 
     def to_dict(self):
         return {"kind": self.name, "next_columns": list(self.next_columns)}
@@ -132,7 +200,15 @@ class Sequence(ItemKind):
         shapes["length"] = ((batch_size,), torch.int64)
         return shapes
 
-    def rows(self, parts, starts, lengths, S):
+    def rows(self, parts, starts, lengths, S, stacks=None):
+        rows = self._window_rows(parts, starts, lengths, S)
+        if stacks is not None:  # (B, T, k): each step's stack (padding repeats the last step's)
+            rel = np.minimum(self._arange(self.max_length), (lengths - 1)[:, None])  # (B, T)
+            p = np.asarray(parts)[:, None]
+            rows["stacks"] = stacks.rows(p, rows["window"][:, :1], starts[:, None] + rel, rel, S)
+        return rows
+
+    def _window_rows(self, parts, starts, lengths, S):
         T = self.max_length
         if _hotpath is not None:
             rows = np.empty((len(parts), T), dtype=np.int64)
@@ -165,10 +241,12 @@ class Sequence(ItemKind):
         else:  # full windows: no per-element work
             out["mask"].fill_(True)
             out["length"].fill_(T)
-        for src, flat, dst in self._plan(tensors, out, B, T):
-            torch.index_select(src, 0, idx, out=flat)  # (B*T, *shape) view of dst
+        stacks = rows.get("stacks") or {}
+        for name, src, flat, dst in self._plan(tensors, out, B, T):
+            # (B*T, *shape) view of dst; a stacked column: (B*T*k, *frame), each step's stack rows
+            torch.index_select(src, 0, _flat_index(stacks[name]) if name in stacks else idx, out=flat)
             if padded:
-                dst.masked_fill_(~out["mask"].view(B, T, *([1] * (src.dim() - 1))), 0)
+                dst.masked_fill_(~out["mask"].view(B, T, *([1] * (dst.dim() - 2))), 0)
 
     def _plan(self, tensors, out, B, T):
         """Per output buffer, once: (gatherable source, flat destination view, destination)."""
@@ -182,7 +260,7 @@ class Sequence(ItemKind):
             steps = []
             for name, src in tensors.items():
                 src, dst = gatherable(src), gatherable(out[name])
-                steps.append((src, dst.view(B * T, *src.shape[1:]), dst))
+                steps.append((name, src, dst.view(-1, *src.shape[1:]), dst))
             plan = plans[key] = (tensors, out, steps)
         return plan[2]
 

@@ -6,8 +6,18 @@
     spec.check_batch({"obs": obs, ...}, n=64)   # ValueError naming the column on a mismatch
 
 Storage is columnar (one array per column, one row per step), so the spec is
-also the storage layout: column ``c`` is an array ``[rows, *c.shape]`` of
+also the storage layout: column ``c`` is an array ``[rows, *c.row_shape]`` of
 ``c.dtype``.
+
+Stacked frames: ``"obs": "uint8[4,84,84] stack=4"`` is a column whose items are
+``uint8[4,84,84]`` (what the learner gets, exactly as before) but whose rows hold
+one ``uint8[84,84]`` frame per step (``row_shape``, 7 KiB instead of 28 KiB).
+Writers write only the newest frame of each step; a sample gathers the stack of
+step t from rows t-3..t of the item's own episode, the episode's first frame
+repeated before its start (what EnvPool's / AtariPreprocessing's stack shows).
+
+    spec = TableSpec.parse({"obs": "uint8[4,84,84] stack=4", "action": "int64"})
+    spec["obs"].shape, spec["obs"].row_shape, spec["obs"].nbytes   # (4, 84, 84) (84, 84) 7056
 """
 
 from __future__ import annotations
@@ -20,7 +30,10 @@ import numpy as np
 
 # dims: "[]" (a scalar) or comma-separated integers, e.g. "[4,84,84]" (a trailing comma is fine);
 # "[4,,84]" or "[4 84]" are errors, not silently different shapes
-_TYPE_RE = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\[\s*((?:[0-9]+\s*,\s*)*(?:[0-9]+\s*,?)?)\s*\])?\s*$")
+_TYPE_RE = re.compile(
+    r"^\s*([a-z0-9_]+)\s*(?:\[\s*((?:[0-9]+\s*,\s*)*(?:[0-9]+\s*,?)?)\s*\])?\s*(?:stack\s*=\s*([0-9]+))?\s*$"
+)
+MAX_STACK = 256  # a step's offset in its episode is stored as min(offset, MAX_STACK - 1) in one byte
 SUPPORTED_DTYPES = frozenset(
     np.dtype(t)
     for t in (
@@ -32,19 +45,39 @@ SUPPORTED_DTYPES = frozenset(
 
 @dataclass(frozen=True)
 class Column:
-    """One column: ``name``, per-step ``shape`` and ``dtype``."""
+    """One column: ``name``, per-item ``shape`` and ``dtype``; ``stack`` > 1: a stacked-frame
+    column (``shape[0] == stack``) whose rows hold one frame ``row_shape = shape[1:]`` per step."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    stack: int = 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of what one step stores (and a writer writes): one frame of a stacked column."""
+        return self.shape[1:] if self.stack > 1 else self.shape
 
     @property
     def nbytes(self) -> int:
-        """Bytes per step."""
+        """Bytes per step stored (one frame of a stacked column)."""
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def item_nbytes(self) -> int:
+        """Bytes of the column in one step of a batch (the whole stack of a stacked column)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def describe(self) -> str:
-        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+        desc = f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+        return f"{desc} stack={self.stack}" if self.stack > 1 else desc
+
+    def shape_hint(self) -> str:
+        """What a write of this column should look like, for error messages."""
+        if self.stack <= 1:
+            return ""
+        return (f" (column {self.name!r} is stacked, stack={self.stack}: write only the newest frame "
+                f"{list(self.row_shape)} of each step, e.g. obs[:, -1])")  # fmt: skip
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -95,6 +128,13 @@ class TableSpec:
                 raise ValueError(f"column {c.name!r}: unsupported dtype {c.dtype}")
             if any((not isinstance(d, int)) or d < 1 for d in c.shape):
                 raise ValueError(f"column {c.name!r}: shape {c.shape} must be positive ints")
+            if isinstance(c.stack, bool) or not isinstance(c.stack, int) or not 1 <= c.stack <= MAX_STACK:
+                raise ValueError(f"column {c.name!r}: stack must be an int in [1, {MAX_STACK}], got {c.stack!r}")
+            if c.stack > 1 and (len(c.shape) < 2 or c.shape[0] != c.stack):
+                raise ValueError(
+                    f"column {c.name!r}: stack={c.stack} needs a shape [{c.stack}, ...] (the stacked "
+                    f"frames first, then one frame's shape), got {list(c.shape)}"
+                )
             seen.add(c.name)
         self.columns = cols
         self._by_name = {c.name: c for c in cols}
@@ -102,23 +142,32 @@ class TableSpec:
     # ------------------------------------------------------------------ building
     @classmethod
     def parse(cls, columns: Mapping[str, Any]) -> "TableSpec":
-        """From ``{"obs": "uint8[4,84,84]", "action": "int64"}`` or ``{name: (shape, dtype)}``."""
+        """From ``{"obs": "uint8[4,84,84]", "action": "int64"}`` or ``{name: (shape, dtype)}``
+        (``(shape, dtype, stack)`` or ``"uint8[4,84,84] stack=4"`` for a stacked-frame column)."""
         out = []
         for name, desc in columns.items():
+            stack = 1
             if isinstance(desc, str):
                 m = _TYPE_RE.match(desc)
                 if not m:
-                    raise ValueError(f"column {name!r}: cannot parse type {desc!r} (e.g. 'uint8[4,84,84]')")
-                dtype_name, dims = m.groups()
+                    raise ValueError(
+                        f"column {name!r}: cannot parse type {desc!r} (e.g. 'uint8[4,84,84]' or "
+                        "'uint8[4,84,84] stack=4')"
+                    )
+                dtype_name, dims, stack_s = m.groups()
                 shape = tuple(int(d) for d in dims.split(",") if d.strip()) if dims else ()
+                stack = int(stack_s) if stack_s is not None else 1
             else:
-                shape, dtype_name = desc
+                if len(desc) == 3:
+                    shape, dtype_name, stack = desc
+                else:
+                    shape, dtype_name = desc
                 shape = tuple(int(d) for d in shape)
             try:
                 dtype = np.dtype(dtype_name)
             except TypeError as exc:
                 raise ValueError(f"column {name!r}: unknown dtype {dtype_name!r}") from exc
-            out.append(Column(str(name), shape, dtype))
+            out.append(Column(str(name), shape, dtype, stack))
         return cls(out)
 
     def to_dict(self) -> dict[str, str]:
@@ -149,7 +198,18 @@ class TableSpec:
 
     @property
     def step_nbytes(self) -> int:
+        """Bytes stored per step (one frame of each stacked column)."""
         return sum(c.nbytes for c in self.columns)
+
+    @property
+    def stacked(self) -> dict[str, int]:
+        """``{column: stack}`` of the stacked-frame columns (empty for a plain spec)."""
+        return {c.name: c.stack for c in self.columns if c.stack > 1}
+
+    @property
+    def stack_reach(self) -> int:
+        """Steps before an item's first step that its stacks may read (``max stack - 1``)."""
+        return max((c.stack for c in self.columns), default=1) - 1
 
     # ------------------------------------------------------------------ validation
     def check_batch(self, steps: Mapping[str, Any], n: int | None = None) -> tuple[dict[str, np.ndarray], int]:
@@ -164,7 +224,7 @@ class TableSpec:
             # fast path (the hot insert path): exact numpy arrays, nothing to convert
             for c in self.columns:
                 a = steps.get(c.name)
-                if type(a) is not np.ndarray or a.dtype != c.dtype or a.shape != (n, *c.shape):
+                if type(a) is not np.ndarray or a.dtype != c.dtype or a.shape != (n, *c.row_shape):
                     break
             else:
                 return steps, n  # read only by the callers
@@ -186,12 +246,12 @@ class TableSpec:
                     f"column {c.name!r}: expected dtype {c.dtype.name}, got {arr.dtype.name}"
                 )
             if n is None:
-                n = arr.shape[0] if arr.ndim > len(c.shape) else -1
-            if n < 0 or arr.shape != (n, *c.shape):
-                expected = f"[{n if n is not None and n >= 0 else 'n'}, {', '.join(map(str, c.shape))}]"
+                n = arr.shape[0] if arr.ndim > len(c.row_shape) else -1
+            if n < 0 or arr.shape != (n, *c.row_shape):
+                expected = f"[{n if n is not None and n >= 0 else 'n'}, {', '.join(map(str, c.row_shape))}]"
                 raise ValueError(
                     f"column {c.name!r}: expected shape {expected.replace(', ]', ']')}, "
-                    f"got {list(arr.shape)}"
+                    f"got {list(arr.shape)}{c.shape_hint()}"
                 )
             out[c.name] = arr
         assert n is not None
@@ -208,7 +268,7 @@ class TableSpec:
             try:
                 for c in cols:
                     v = step[c.name]
-                    if (type(v) is np.ndarray or isinstance(v, np.generic)) and v.dtype == c.dtype and v.shape == c.shape:
+                    if (type(v) is np.ndarray or isinstance(v, np.generic)) and v.dtype == c.dtype and v.shape == c.row_shape:
                         row.append(v)
                     else:
                         break
@@ -225,9 +285,9 @@ class TableSpec:
         for k, v in step.items():
             c = self._by_name.get(k)
             arr = _typed(v, c) if c is not None else _as_array(v)
-            if c is not None and arr.shape != c.shape:
+            if c is not None and arr.shape != c.row_shape:
                 raise ValueError(
-                    f"column {k!r}: expected shape {list(c.shape)}, got {list(arr.shape)}"
+                    f"column {k!r}: expected shape {list(c.row_shape)}, got {list(arr.shape)}{c.shape_hint()}"
                 )
             batched[k] = arr[None]
         return self.check_batch(batched, n=1)[0]

@@ -19,7 +19,10 @@ region as it is)::
     item_start    int64[P, R]       absolute step index of each item record's first step
     item_length   int32[P, R]       steps in the item
     item_priority float64[P, R]     initial priority
-    <column c>    c.dtype[P * S, *c.shape]   partition p owns rows [p*S, (p+1)*S)
+    step_offset   uint8[P * S]      only with stacked-frame columns: each step's offset in its
+                                    episode, min(offset, 255) (where a stack stops reaching back)
+    <column c>    c.dtype[P * S, *c.row_shape]   partition p owns rows [p*S, (p+1)*S)
+                                    (a stacked column's row is one frame: c.row_shape = c.shape[1:])
 
 Step ``t`` (absolute, per partition) of partition ``p`` lives in row
 ``p * S + t % S``: each partition is a ring, and an item's steps are
@@ -87,9 +90,11 @@ def _layout(spec: TableSpec, P: int, S: int, R: int, spec_len: int) -> tuple[dic
         ("item_start", P * R * 8),
         ("item_length", P * R * 4),
         ("item_priority", P * R * 8),
+        ("step_offset", P * S if spec.stacked else 0),
     ):
-        offsets[name] = pos
-        pos = _align(pos + nbytes)
+        if nbytes:
+            offsets[name] = pos
+            pos = _align(pos + nbytes)
     for c in spec:
         offsets["col:" + c.name] = pos
         pos = _align(pos + P * S * c.nbytes)
@@ -133,8 +138,11 @@ class SharedStorage:
         self.item_start = view("item_start", np.int64, (P, R))
         self.item_length = view("item_length", np.int32, (P, R))
         self.item_priority = view("item_priority", np.float64, (P, R))
+        # stacked-frame columns: the offset of each step in its episode (None without them)
+        self.step_offset = view("step_offset", np.uint8, (P * S,)) if "step_offset" in offsets else None
+        self.stack_reach = self.spec.stack_reach  # steps before an item's start its stacks read
         self.columns: dict[str, np.ndarray] = {
-            c.name: view("col:" + c.name, c.dtype, (P * S, *c.shape)) for c in self.spec
+            c.name: view("col:" + c.name, c.dtype, (P * S, *c.row_shape)) for c in self.spec
         }
         self.tensors: dict[str, torch.Tensor] = {k: torch.from_numpy(v) for k, v in self.columns.items()}
         self.column_offsets = {c.name: offsets["col:" + c.name] for c in self.spec}
@@ -170,6 +178,11 @@ class SharedStorage:
             raise ValueError(f"num_partitions must be ≥ 1, got {num_partitions}")
         if steps_per_partition < 2:
             raise ValueError(f"steps_per_partition must be ≥ 2, got {steps_per_partition}")
+        if steps_per_partition < 2 + spec.stack_reach:
+            raise ValueError(
+                f"steps_per_partition must be ≥ {2 + spec.stack_reach} for stacks of "
+                f"{spec.stack_reach + 1} frames, got {steps_per_partition}"
+            )
         R = items_per_partition or steps_per_partition
         if R < 1:
             raise ValueError(f"items_per_partition must be ≥ 1, got {R}")
@@ -200,7 +213,7 @@ class SharedStorage:
         """Drop this process's mapping (views handed out keep it alive until freed)."""
         for attr in ("columns", "tensors"):
             setattr(self, attr, {})
-        for attr in ("header", "counters", "item_start", "item_length", "item_priority"):
+        for attr in ("header", "counters", "item_start", "item_length", "item_priority", "step_offset"):
             setattr(self, attr, None)
         try:
             self._mm.close()
@@ -246,6 +259,13 @@ class SharedStorage:
     @property
     def capacity(self) -> int:
         return self.num_partitions * self.steps_per_partition
+
+    @property
+    def trusted_steps(self) -> int:
+        """Steps per partition behind RESERVE whose items a reader trusts: ``S`` less the
+        steps a stack reaches back before an item's start. An item is intact while its first
+        step is ``≥ RESERVE - trusted_steps`` (the eviction and the seqlock re-check rule)."""
+        return self.steps_per_partition - self.stack_reach
 
 
 def map_segment(name: str, what: str = "shared-memory segment") -> mmap.mmap:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.ingest import TableIngest
-from gearflow.replay.items import ItemKind, gatherable
+from gearflow.replay.items import FrameStacks, ItemKind, gatherable
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
 from gearflow.replay.storage import (
@@ -76,6 +76,11 @@ def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector
     if isinstance(device, str):
         if device == "cpu":
             return None
+        if storage.spec.stacked:
+            raise ValueError(
+                f"replay device {device!r}: stacked-frame columns {sorted(storage.spec.stacked)} are "
+                "gathered on the CPU path only so far (use device='cpu')"
+            )
         from gearflow.native import device_replay
 
         index = device_replay.cuda_device_index(device)  # ValueError for anything but cuda / cuda:N
@@ -199,6 +204,10 @@ class Table(TableIngest):
         self.gather_threads = GatherThreads(num_threads)  # CPU gathers: measured, or num_threads
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._P, self._R, self._S = P, R, storage.steps_per_partition
+        # an item is intact while its first step is ≥ RESERVE - _S_trust: S less the steps its
+        # stacks reach back (stacked-frame columns), so eviction and the re-check cover them
+        self._S_trust = storage.trusted_steps
+        self._stacks = FrameStacks.of(storage)  # None without stacked-frame columns
         kind.layout(storage.spec, 1)  # validates the kind against the spec
         # "cuda": selection and gather on the GPU (gearflow.native.device_replay), set up before the
         # table touches the storage, so a missing CuPy leaves the caller's storage as it was
@@ -351,8 +360,9 @@ class Table(TableIngest):
     def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
         parts = slots // self._R
         starts, lengths = rec[0], rec[2]
+        stack = {} if self._stacks is None else {"stacks": self._stacks}
         if only is None:
-            rows = self.kind.rows(parts, starts, lengths, self._S)
+            rows = self.kind.rows(parts, starts, lengths, self._S, **stack)
             B = slots.size
             n = self.gather_threads.pick(B)
             before = torch.get_num_threads()
@@ -369,20 +379,21 @@ class Table(TableIngest):
         # replacements: gather the few redrawn items, then place them (rare path)
         sub = {k: torch.empty((only.size, *v.shape[1:]), dtype=v.dtype) for k, v in out.items()}
         p, s, n = parts[only], starts[only], lengths[only]
-        self.kind.gather(self.storage.tensors, sub, self.kind.rows(p, s, n, self._S), n)
+        self.kind.gather(self.storage.tensors, sub, self.kind.rows(p, s, n, self._S, **stack), n)
         idx = torch.from_numpy(only)
         for k, v in out.items():
             gatherable(v).index_copy_(0, idx, gatherable(sub[k]))
 
     def _torn(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
-        """Positions whose first step may have been overwritten (seqlock check)."""
+        """Positions whose first step (or, with stacked frames, the oldest step its stacks reach
+        back to) may have been overwritten (seqlock check)."""
         if self._counter_total() == self._seen_total:  # read after the copy
             return _NONE  # no writer has moved since this sample's scan evicted the overwritten
         reserve = self.storage.counters[:, RESERVE]
         starts = rec[0]
-        if starts.min() >= reserve.max() - self._S:  # nothing can be torn (the usual case)
+        if starts.min() >= reserve.max() - self._S_trust:  # nothing can be torn (the usual case)
             return _NONE
-        return np.flatnonzero(starts < reserve[slots // self._R] - self._S)
+        return np.flatnonzero(starts < reserve[slots // self._R] - self._S_trust)
 
     def _sample_on_device(self, batch_size: int, timeout_s: float | None) -> Sample:
         """:meth:`sample` with selection and gather on the GPU (``device="cuda"``): the same

@@ -31,6 +31,7 @@ import numpy as np
 from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.selectors import check_priorities
+from gearflow.replay.spec import MAX_STACK
 
 try:  # C item records for one stream (setup.py builds it); the numpy code below is the reference
     from gearflow.replay import _hotpath
@@ -52,6 +53,7 @@ from gearflow.replay.storage import (
 
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
+OFFSET_MAX = MAX_STACK - 1  # a step's offset in its episode is stored capped (uint8)
 
 
 class InsertAborted(GearflowError):
@@ -95,6 +97,7 @@ class Writer:
         self._episode_start = self._pos.copy()
         self._last_item_start = self._pos.copy()
         self._all = np.arange(parts.size)
+        self._offsets = storage.step_offset  # uint8[P * S] with stacked-frame columns, else None
         self._record_rows: dict[int, tuple] = {}  # stream -> its partition's record rows (C item path)
 
     @property
@@ -155,6 +158,8 @@ class Writer:
                 row_list = rows.tolist() if row_list is None else row_list
                 for r, a in zip(row_list, arr):
                     col[r] = a
+        if self._offsets is not None:  # stacked frames: where each step's stack stops reaching back
+            self._offsets[rows] = np.minimum(pos - self._episode_start[s], OFFSET_MAX)
         c[parts, COMMIT] = pos + 1
         self._pos[s] = pos + 1
         return pos
@@ -185,6 +190,10 @@ class Writer:
             for name, arr in arrays.items():
                 columns[name][lo : lo + first] = arr[:first]
                 columns[name][base : base + n - first] = arr[first:]
+        if self._offsets is not None:  # stacked frames: each step's offset in its episode
+            off = np.minimum(np.arange(pos, pos + n) - self._episode_start[s], OFFSET_MAX)
+            self._offsets[lo : lo + first] = off[:first]
+            self._offsets[p * self._S : p * self._S + n - first] = off[first:]
         c[p, COMMIT] = pos + n
         self._pos[s] = pos + n
         return pos
@@ -395,6 +404,8 @@ class TrajectoryWriter:
         c[RESERVE] = pos + 1
         for col, v in zip(self._columns, values):
             col[row] = v
+        if w._offsets is not None:  # stacked frames: the step's offset in its episode
+            w._offsets[row] = min(pos - int(w._episode_start[0]), OFFSET_MAX)
         c[COMMIT] = pos + 1
         w._pos[0] = pos + 1
         return pos

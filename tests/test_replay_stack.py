@@ -1,0 +1,288 @@
+"""Stacked-frame columns (``obs: uint8[4,84,84] stack=4``): one frame stored per step, the
+stack gathered at sample time.
+
+Every test writes what a frame-stacking env returns (a gym/EnvPool-style stack: reset fills
+it with the first frame, each step pushes the newest), stores only the newest frame, and
+checks that every sampled ``obs`` / ``next_obs`` equals the stack the env returned at that
+step: transitions, R2D2 windows with burn-in, episodes, first steps of episodes, ring
+wrap-around, the one-stream writer, checkpoints; then the stamp stress with a writer process
+(a stack whose oldest frame was overwritten is never returned).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gearflow.replay import Episode, Sequence, SharedStorage, TableSpec, Transition, TrajectoryWriter, Writer
+from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+from gearflow.replay.items import stack_rows
+from gearflow.replay.spec import Column
+
+K = 4
+FRAME = (3, 5)
+SPEC = {"obs": f"uint8[{K},{FRAME[0]},{FRAME[1]}] stack={K}", "step": "int64", "action": "int64"}
+
+
+class StackEnv:
+    """``E`` streams of episodes with random lengths and random frames; ``stack`` is what a
+    frame-stacking env shows (reset: the first frame K times; step: the newest pushed)."""
+
+    def __init__(self, E: int, seed: int = 0, min_len: int = 1, max_len: int = 12):
+        self.rng = np.random.default_rng(seed)
+        self.E, self.min_len, self.max_len = E, min_len, max_len
+        self.stack = np.zeros((E, K, *FRAME), np.uint8)
+        self.left = np.zeros(E, np.int64)  # steps left in the current episode
+        self.first = np.ones(E, bool)
+
+    def step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(stacked obs (E, K, *FRAME), first (E,), last (E,)): the obs of this step."""
+        frames = self.rng.integers(0, 256, (self.E, *FRAME), dtype=np.uint8)
+        first = self.left == 0
+        self.left[first] = self.rng.integers(self.min_len, self.max_len + 1, first.sum())
+        self.stack[first] = frames[first][:, None]  # reset: the first frame, K times
+        self.stack[~first] = np.concatenate([self.stack[~first, 1:], frames[~first, None]], axis=1)
+        self.left -= 1
+        return self.stack.copy(), first, self.left == 0
+
+
+def _fill(writer: Writer, env: StackEnv, steps: int, log: dict, make_items) -> None:
+    """Run ``env`` for ``steps`` recvs: write the newest frame of each step (the stacked obs
+    sliced), remember the stack the env returned per (stream, step), create items."""
+    E = env.E
+    for _ in range(steps):
+        stacked, first, last = env.step()
+        pos = writer.positions
+        writer.append({"obs": stacked[:, -1], "step": pos, "action": np.zeros(E, np.int64)})
+        for e in range(E):
+            log[(e, int(pos[e]))] = stacked[e]
+        make_items(writer, last)
+        if last.any():
+            writer.end_episode(np.flatnonzero(last))
+
+
+def _expected(log, streams, steps) -> np.ndarray:
+    return np.stack([log[(int(e), int(t))] for e, t in zip(streams, steps)])
+
+
+# ---------------------------------------------------------------------- spec and layout
+
+
+def test_spec_round_trips_and_stores_one_frame():
+    spec = TableSpec.parse({"obs": "uint8[4,84,84] stack=4", "action": "int64"})
+    c = spec["obs"]
+    assert (c.shape, c.row_shape, c.stack, c.nbytes, c.item_nbytes) == ((4, 84, 84), (84, 84), 4, 7056, 28224)
+    assert spec.to_dict()["obs"] == "uint8[4,84,84] stack=4"
+    assert TableSpec.parse(spec.to_dict()) == spec
+    assert TableSpec.parse({"obs": ((4, 84, 84), "uint8", 4)}) == TableSpec([Column("obs", (4, 84, 84), np.dtype("uint8"), 4)])
+    plain = TableSpec.parse({"obs": "uint8[4,84,84]", "action": "int64"})
+    assert spec.step_nbytes / plain.step_nbytes <= 0.27
+    st = SharedStorage.create(spec, 2, 64)
+    try:
+        assert st.columns["obs"].shape == (128, 84, 84) and st.step_offset.shape == (128,)
+        other = SharedStorage.attach(st.name)  # the segment's JSON spec
+        assert other.spec == spec and other.spec["obs"].stack == 4
+        other.close()
+    finally:
+        st.close()
+        st.unlink()
+    plain_st = SharedStorage.create(plain, 2, 64)  # the old layout is unchanged
+    try:
+        assert plain_st.step_offset is None and plain_st.columns["obs"].shape == (128, 4, 84, 84)
+        assert plain_st.nbytes == SharedStorage.segment_nbytes(plain, 2, 64, 64)
+    finally:
+        plain_st.close()
+        plain_st.unlink()
+
+
+@pytest.mark.parametrize(
+    "desc, msg",
+    [
+        ("uint8[84,84] stack=4", "needs a shape [4, ...]"),
+        ("uint8[3,84,84] stack=4", "needs a shape [4, ...]"),
+        ("uint8 stack=4", "needs a shape [4, ...]"),
+        ("uint8[4,84,84] stack=0", "stack must be an int in [1, 256]"),
+        ("uint8[4,84,84] stack=x", "cannot parse type"),
+    ],
+)
+def test_bad_stack_options_are_named(desc, msg):
+    with pytest.raises(ValueError, match=r"column 'obs'.*" + msg.replace("[", r"\[").replace("]", r"\]")):
+        TableSpec.parse({"obs": desc})
+
+
+def test_writes_of_whole_stacks_or_wrong_frames_are_refused(make_table):
+    table = make_table(SPEC, P=2, S=16, kind=Transition())
+    w = Writer(table.storage, [0, 1])
+    stacked = np.zeros((2, K, *FRAME), np.uint8)
+    with pytest.raises(ValueError, match=r"column 'obs': expected shape \[2, 3, 5\], got \[2, 4, 3, 5\].*stack=4: write only the newest frame"):
+        w.append({"obs": stacked, "step": np.zeros(2, np.int64), "action": np.zeros(2, np.int64)})
+    tw_table = make_table(SPEC, P=1, S=16, kind=Transition())
+    tw = TrajectoryWriter(tw_table.storage, 0)
+    with pytest.raises(ValueError, match=r"column 'obs': expected shape \[3, 5\], got \[4, 3, 5\]"):
+        tw.append({"obs": stacked[0], "step": 0, "action": 0})
+    with pytest.raises(ValueError, match="steps_per_partition must be ≥ 5 for stacks of 4 frames"):
+        SharedStorage.create(TableSpec.parse(SPEC), 1, 4)
+
+
+def test_stack_rows_repeat_the_first_frame_and_wrap():
+    rows = stack_rows(np.array([0, 1]), np.array([5, 9]), np.array([1, 0]), 4, 8)
+    np.testing.assert_array_equal(rows, [[4, 4, 4, 5], [8 + 1, 8 + 1, 8 + 1, 8 + 1]])
+    rows = stack_rows(np.array([0]), np.array([9]), np.array([7]), 4, 8)  # wraps: steps 6..9
+    np.testing.assert_array_equal(rows, [[6, 7, 0, 1]])
+
+
+# ---------------------------------------------------------------------- every sampled stack
+
+
+def _transition_items(n):
+    def make(writer, last):
+        # a 1..n+1-step item ending at this step for every stream (never crossing its episode)
+        L = writer.episode_lengths()
+        m = np.minimum(L, n + 1)
+        ok = m >= 1
+        writer.create_items(np.ones(ok.sum()), m[ok], np.flatnonzero(ok))
+
+    return make
+
+
+@pytest.mark.parametrize("S", [16, 64])  # 16: the ring wraps many times over
+def test_transitions_sample_the_env_stacks(make_table, S):
+    E, n = 3, 3
+    table = make_table(SPEC, P=E, S=S, kind=Transition(next_columns=("obs", "step")), selector="uniform")
+    w = Writer(table.storage, list(range(E)))
+    env, log = StackEnv(E, seed=1, max_len=9), {}
+    checked = firsts = 0
+    for _ in range(12):
+        _fill(w, env, 11, log, _transition_items(n))
+        s = table.sample(64)
+        P = table.storage.num_partitions
+        streams = s.keys.numpy() % P
+        t, last = s.data["step"].numpy(), s.data["next_step"].numpy()
+        assert s.data["obs"].shape == (64, K, *FRAME) and s.data["obs"].dtype == torch.uint8
+        np.testing.assert_array_equal(s.data["obs"].numpy(), _expected(log, streams, t))
+        np.testing.assert_array_equal(s.data["next_obs"].numpy(), _expected(log, streams, last))
+        firsts += sum(bool((log[(int(e), int(x))] == log[(int(e), int(x))][:1]).all()) for e, x in zip(streams, t))
+        checked += 64
+    assert checked == 768 and firsts > 0  # episode starts (a repeated first frame) were sampled
+    assert int(table.storage.counters[:, 0].min()) > 2 * S  # the rings wrapped
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [Sequence(length=6, period=3, burn_in=2), Episode(max_episode_length=7)],
+    ids=["r2d2_window_burn_in", "episode"],
+)
+def test_windows_and_episodes_sample_the_env_stacks(make_table, kind):
+    E, S = 2, 40
+    table = make_table(SPEC, P=E, S=S, kind=kind, selector="uniform")
+    w = Writer(table.storage, list(range(E)))
+    env, log = StackEnv(E, seed=2, max_len=11), {}
+    T = kind.max_length
+    pads = 0
+    for _ in range(10):
+        _fill_windows(w, env, 13, log, kind)
+        s = table.sample(32)
+        P = table.storage.num_partitions
+        streams = s.keys.numpy() % P
+        obs, step, mask = s.data["obs"].numpy(), s.data["step"].numpy(), s.data["mask"].numpy()
+        assert obs.shape == (32, T, K, *FRAME)
+        for b in range(32):
+            n = int(s.data["length"][b])
+            assert mask[b].sum() == n
+            np.testing.assert_array_equal(obs[b, :n], _expected(log, [streams[b]] * n, step[b, :n]))
+            np.testing.assert_array_equal(np.diff(step[b, :n]), 1)
+            assert not obs[b, n:].any()  # padding is zeros
+            pads += T - n
+    assert pads > 0
+    assert int(table.storage.counters[:, 0].min()) > 2 * S
+
+
+def _fill_windows(writer: Writer, env: StackEnv, steps: int, log: dict, kind) -> None:
+    """As :func:`_fill`, with windows on the kind's schedule (the WindowAdder's)."""
+    E = env.E
+    for _ in range(steps):
+        stacked, first, last = env.step()
+        pos = writer.positions
+        writer.append({"obs": stacked[:, -1], "step": pos, "action": np.zeros(E, np.int64)})
+        for e in range(E):
+            log[(e, int(pos[e]))] = stacked[e]
+        L = writer.episode_lengths()
+        ends = writer.positions
+        items = []
+        for e in range(E):
+            l = int(L[e])
+            items += [(e, n, int(ends[e])) for n in kind.due_on_append(l)]
+            if last[e]:
+                items += [(e, n, int(ends[e])) for n in kind.due_at_end(l)]
+        if items:
+            a = np.array(items)
+            # a stream's items in order of their first step
+            a = a[np.lexsort((a[:, 2] - a[:, 1], a[:, 0]))]
+            writer.create_items(np.ones(len(a)), a[:, 1], a[:, 0], a[:, 2])
+        if last.any():
+            writer.end_episode(np.flatnonzero(last))
+
+
+def test_trajectory_writer_extend_and_checkpoint_keep_the_stacks(make_table, tmp_path):
+    """The one-stream writer (append and extend) stores the offsets too; a checkpoint restores
+    frames and offsets: the restored table samples the same stacks."""
+    table = make_table(SPEC, P=1, S=24, kind=Transition(next_columns=("obs", "step")), selector="uniform")
+    tw = TrajectoryWriter(table.storage, 0)
+    env, log = StackEnv(1, seed=3, max_len=8), {}
+    for i in range(60):
+        stacked, first, last = env.step()
+        step = {"obs": stacked[0, -1], "step": tw.position, "action": 0}
+        log[(0, tw.position)] = stacked[0]
+        if i % 2:
+            tw.append(step)
+        else:
+            tw.extend({k: np.asarray(v)[None] for k, v in step.items()})
+        tw.create_item(1.0, min(tw.episode_length, 4))
+        if last[0]:
+            tw.end_episode()
+    s = table.sample(40)
+    np.testing.assert_array_equal(s.data["obs"].numpy(), _expected(log, [0] * 40, s.data["step"].numpy()))
+    np.testing.assert_array_equal(s.data["next_obs"].numpy(), _expected(log, [0] * 40, s.data["next_step"].numpy()))
+    save_checkpoint(table, tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    assert meta["spec"]["obs"] == f"uint8[{K},3,5] stack={K}"
+    restored = restore_checkpoint(tmp_path / "ckpt")
+    try:
+        assert restored.storage.spec == table.storage.spec
+        np.testing.assert_array_equal(restored.storage.step_offset, table.storage.step_offset)
+        r = restored.sample(40)
+        np.testing.assert_array_equal(r.data["obs"].numpy(), _expected(log, [0] * 40, r.data["step"].numpy()))
+        assert restored.size == table.size
+    finally:
+        restored.close()
+    (tmp_path / "ckpt" / "step_offset.npy").unlink()
+    from gearflow.replay.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="step_offset.npy"):
+        restore_checkpoint(tmp_path / "ckpt")
+
+
+def test_eviction_covers_the_frames_a_stack_reaches_back_to(make_table):
+    """An item whose first step is intact but whose stack reaches back to an overwritten
+    step is evicted by the scan (and counted torn by the re-check)."""
+    table = make_table(SPEC, P=1, S=8, kind=Transition(next_columns=()), selector="uniform")
+    w = Writer(table.storage, [0])
+    for t in range(8):  # one long episode: every stack reaches 3 steps back
+        w.append({"obs": np.full((1, *FRAME), t, np.uint8), "step": [t], "action": [0]})
+        w.create_items([1.0], 1, [0])
+    table.scan()
+    # the rule is one bound per partition (first step ≥ RESERVE - S + K - 1): the first K - 1
+    # items are dropped although their stacks stop at their episode's start (K - 1 steps of
+    # each ring given up for a check without a per-item offset)
+    assert table.size == 8 - (K - 1)
+    # one more step overwrites step 0: item 3 (stack 0..3) is now torn, item 4 (1..4) is intact
+    w.append({"obs": np.full((1, *FRAME), 8, np.uint8), "step": [8], "action": [0]})
+    w.create_items([1.0], 1, [0])
+    table.scan()
+    s = table.sample(64)
+    steps = s.data["step"].numpy()
+    assert steps.min() >= 4
+    np.testing.assert_array_equal(s.data["obs"][:, 0, 0, 0].numpy(), steps - 3)
