@@ -286,3 +286,43 @@ def test_eviction_covers_the_frames_a_stack_reaches_back_to(make_table):
     steps = s.data["step"].numpy()
     assert steps.min() >= 4
     np.testing.assert_array_equal(s.data["obs"][:, 0, 0, 0].numpy(), steps - 3)
+
+
+# ---------------------------------------------------------------------- stamp stress (writer process)
+
+
+@pytest.mark.parametrize(
+    "kind, steps, batch",
+    [("transition", 256, 128), ("sequence", 4096, 32), ("episode", 4096, 32)],
+)
+def test_no_torn_stack_under_a_concurrent_writer(kind, steps, batch):
+    """A writer process laps small rings with stamped frames in episodes of 3..9 steps; every
+    frame of every sampled stack is the step its stamp and key name, with redraws happening."""
+    from gearflow.bench.replay_stack import check
+
+    res = check(kind, 1.5, steps=steps, batch_size=batch, min_redraws=1)
+    assert res["rows_checked"] >= batch
+    assert res["bad_keys"] == 0
+    assert res["torn_stacks"] == 0
+    assert res["redrawn_items"] >= 1
+
+
+def test_the_stress_sees_stacks_torn_by_the_old_rule():
+    """With the rule that ignores a stack's reach (first step ≥ RESERVE - S), transitions near
+    the ring's tail keep frames a later lap overwrote: the stress must report them."""
+    from gearflow.bench.replay_stack import check
+
+    res = check("transition", 1.5, steps=256, batch_size=128, trust_reach=False)
+    assert res["torn_stacks"] > 0
+
+
+def test_bench_w6_smoke_reports_every_figure_against_the_stacked_copy():
+    from gearflow.bench.replay import WORKLOADS
+
+    rows: list[dict] = []
+    WORKLOADS["W6"](rows.append, 0.01, 0)
+    by = {r["metric"]: r for r in rows}
+    assert by["bytes_per_step"]["ratio"] <= 0.27
+    assert by["ape_x_replay_GiB_frames"]["value"] <= 0.27 * by["ape_x_replay_GiB_stacked_copy"]["value"]
+    for metric in ("insert_steps_per_s", "sample_per_s", "actor_insert_steps_per_s"):
+        assert by[metric]["value"] > 0 and by[metric]["floor"] > 0, metric

@@ -13,6 +13,8 @@ Workloads (sizes at ``--scale 1``):
   zero torn rows, and at least one overwritten item caught and redrawn (else
   the run fails: the check proved nothing).
 * ``W4`` scale — cost of a batch-256 prioritized sample at 10^5, 10^6, 10^7 items.
+* ``W6`` stacked frames — one 84×84 frame stored per step against the whole stack
+  (``gearflow/bench/replay_stack.py``): bytes, inserts, samples.
 
 ``--device cuda`` runs the GPU workloads instead (``gearflow/bench/replay_cuda.py``).
 
@@ -32,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gearflow.bench import record
+from gearflow.bench import record, replay_stack
 from gearflow.errors import GearflowError
 from gearflow.replay import (
     RateLimiter,
@@ -411,7 +413,7 @@ def w5(emit: Emit, scale: float, seed: int) -> None:
     replay_hot.w5(emit, scale, seed)
 
 
-WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5}
+WORKLOADS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": replay_stack.w6}
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:

@@ -98,7 +98,15 @@ class Writer:
         self._last_item_start = self._pos.copy()
         self._all = np.arange(parts.size)
         self._offsets = storage.step_offset  # uint8[P * S] with stacked-frame columns, else None
+        self._frames = frozenset(storage.spec.stacked)  # stacked-frame columns
+        self._ramp = np.zeros(0, np.uint8)
         self._record_rows: dict[int, tuple] = {}  # stream -> its partition's record rows (C item path)
+
+    def _offset_ramp(self, n: int) -> np.ndarray:
+        """``min(i, OFFSET_MAX)`` for ``i < n`` as uint8 (grown on demand, kept)."""
+        if self._ramp.size < n:
+            self._ramp = np.minimum(np.arange(max(n, 2 * OFFSET_MAX)), OFFSET_MAX).astype(np.uint8)
+        return self._ramp
 
     @property
     def num_streams(self) -> int:
@@ -152,8 +160,10 @@ class Writer:
         row_list = None
         for name, arr in arrays.items():
             col = self.storage.columns[name]
-            if arr[0].nbytes < LARGE_ROW_BYTES:
-                col[rows] = arr  # one fancy assignment for small rows
+            if arr[0].nbytes < LARGE_ROW_BYTES or name in self._frames:
+                # one fancy assignment for small rows and for frames (a stacked column's 84×84
+                # rows: 6.7 µs for 16 streams against 11 µs one slice at a time, measured here)
+                col[rows] = arr
             else:  # numpy's fancy assignment moves big rows at ~0.5 GB/s; slice copies are memcpys
                 row_list = rows.tolist() if row_list is None else row_list
                 for r, a in zip(row_list, arr):
@@ -191,9 +201,14 @@ class Writer:
                 columns[name][lo : lo + first] = arr[:first]
                 columns[name][base : base + n - first] = arr[first:]
         if self._offsets is not None:  # stacked frames: each step's offset in its episode
-            off = np.minimum(np.arange(pos, pos + n) - self._episode_start[s], OFFSET_MAX)
-            self._offsets[lo : lo + first] = off[:first]
-            self._offsets[p * self._S : p * self._S + n - first] = off[first:]
+            o = pos - int(self._episode_start[s])
+            if o >= OFFSET_MAX:  # deep in an episode: every offset is the cap
+                self._offsets[lo : lo + first] = OFFSET_MAX
+                self._offsets[p * self._S : p * self._S + n - first] = OFFSET_MAX
+            else:
+                off = self._offset_ramp(o + n)[o : o + n]  # min(o + i, cap), precomputed
+                self._offsets[lo : lo + first] = off[:first]
+                self._offsets[p * self._S : p * self._S + n - first] = off[first:]
         c[p, COMMIT] = pos + n
         self._pos[s] = pos + n
         return pos
