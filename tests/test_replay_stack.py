@@ -326,3 +326,56 @@ def test_bench_w6_smoke_reports_every_figure_against_the_stacked_copy():
     assert by["ape_x_replay_GiB_frames"]["value"] <= 0.27 * by["ape_x_replay_GiB_stacked_copy"]["value"]
     for metric in ("insert_steps_per_s", "sample_per_s", "actor_insert_steps_per_s"):
         assert by[metric]["value"] > 0 and by[metric]["floor"] > 0, metric
+
+
+# ---------------------------------------------------------------------- the adders write frames
+
+ADDER_SPECS = {
+    "transition": {"obs": SPEC["obs"], "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"},
+    "sequence": {"obs": SPEC["obs"], "action": "int64", "reward": "float32", "discount": "float32",
+                 "first": "bool", "version": "int64"},
+    "episode": {"obs": SPEC["obs"], "action": "int64", "reward": "float32", "timestep": "int64"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["transition", "sequence", "episode"])
+def test_adders_write_the_newest_frame_and_batches_rebuild_the_env_stacks(make_table, name):
+    """Each adder fed an env's stacked observations (as the actors do) stores one frame per
+    row; every sampled stack is the env's stack of that row's observation."""
+    from gearflow.actors.adders import EpisodeAdder, TransitionAdder, WindowAdder
+
+    E, S = 3, 48
+    kind = {"transition": Transition(next_columns=("obs",)), "sequence": Sequence(length=6, period=3, burn_in=2),
+            "episode": Episode(max_episode_length=10)}[name]  # fmt: skip
+    table = make_table(ADDER_SPECS[name], P=E, S=S, kind=kind, selector="uniform")
+    w = Writer(table.storage, list(range(E)))
+    if name == "transition":
+        adder = TransitionAdder(w, n=3, gamma=0.9)
+    elif name == "sequence":
+        adder = WindowAdder(w, kind)
+    else:
+        adder = EpisodeAdder(w, kind, lambda ret, n: np.ones(len(n)))
+    env = StackEnv(E, seed=5, min_len=2, max_len=9)
+    rows: dict[int, list[np.ndarray]] = {e: [] for e in range(E)}  # the obs each row holds, in order
+    ids = np.arange(E)
+    for _ in range(3):
+        for _ in range(60):
+            stacked, first, last = env.step()  # `last`: this obs is the episode's final obs
+            for e in range(E):
+                if not (name == "episode" and last[e]):  # a DT episode stores no final obs
+                    rows[e].append(stacked[e])
+            adder.add(ids, stacked, np.zeros(E, np.float32), last, np.zeros(E, bool), first,
+                      np.zeros(E, np.int64), None, 0)  # fmt: skip
+        adder.finish()
+        s = table.sample(32)
+        keys = s.keys.numpy()
+        P, R = table.storage.num_partitions, table.storage.items_per_partition
+        slots = (keys % P) * R + (keys // P) % R
+        start, length = table._slot_rec[slots, 0], table._slot_rec[slots, 2]
+        for b, (e, t, n) in enumerate(zip((keys % P).tolist(), start.tolist(), length.tolist())):
+            if name == "transition":
+                np.testing.assert_array_equal(s.data["obs"][b].numpy(), rows[e][t])
+                np.testing.assert_array_equal(s.data["next_obs"][b].numpy(), rows[e][t + n - 1])
+            else:
+                np.testing.assert_array_equal(s.data["obs"][b, :n].numpy(), np.stack(rows[e][t : t + n]))
+    assert int(table.storage.counters[:, 0].max()) > S  # the rings wrapped

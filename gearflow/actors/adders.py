@@ -18,7 +18,8 @@ One adder per item kind, registered in :data:`ADDERS` by ``ItemKind.name``:
 * :class:`EpisodeAdder` — Decision Transformer episodes (``obs action reward timestep``).
 
 Every argument of ``add`` is per env of the batch: ``ids`` (b,) int64 env indices
-(= writer streams), ``obs`` (b, *obs), ``reward``/``terminated``/``truncated`` (b,),
+(= writer streams), ``obs`` (b, *obs) (with a stacked-frame ``obs`` column, ``stack=k``,
+the env's stacks ``(b, k, *frame)``, of which only the newest frame is written), ``reward``/``terminated``/``truncated`` (b,),
 ``first`` (b,) bool (``obs`` is an episode's step 0), ``actions`` (b, ...) the
 actions just sent, ``values`` (b, A) the Q-values acted with or ``None``,
 ``version`` the weights version acted with.
@@ -50,6 +51,14 @@ class Adder:
         self.writer = writer
         self.items = 0  # items published
         self._dt = {c.name: c.dtype for c in writer.spec}
+        # a stacked-frame obs column (``stack=k``) stores one frame per step: the adder stages
+        # and writes only the newest frame of each stacked observation (a view, obs[:, -1])
+        self._obs_frames = "obs" in writer.spec and writer.spec["obs"].stack > 1
+
+    def _frames(self, obs: np.ndarray) -> np.ndarray:
+        """What the ``obs`` column stores of a batch of observations ``(b, *obs)``: the whole
+        observation, or with stacked frames its newest frame ``(b, *frame)``, a view."""
+        return obs[:, -1] if self._obs_frames else obs
 
     @classmethod
     def check_kind(cls, kind: ItemKind, agent_name: str) -> None:
@@ -108,7 +117,7 @@ class TransitionAdder(Adder):
         E, obs_col = writer.num_streams, writer.spec["obs"]
         dt = self._dt
         # Staged steps: step t of env e sits in slot t % n until its row is appended.
-        self._obs = np.zeros((E, n, *obs_col.shape), dtype=obs_col.dtype)  # (E, n, *obs)
+        self._obs = np.zeros((E, n, *obs_col.row_shape), dtype=obs_col.dtype)  # (E, n, *obs) or (E, n, *frame)
         self._action = np.zeros((E, n), dtype=dt["action"])
         self._version = np.zeros((E, n), dtype=dt["version"])
         # running n-step return and γ^(rewards so far) of each staged step; disc 0 = empty slot
@@ -150,6 +159,7 @@ class TransitionAdder(Adder):
         one ``extend`` per env whose episode ended; items are queued for :meth:`flush_items`."""
         n = self.n
         b = ids.size
+        obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
         if values is None:  # an agent without Q-values: priorities fall back to |ret|
             qsa = max_q = np.zeros(b)
         else:
@@ -336,7 +346,7 @@ class WindowAdder(Adder):
         obs_col = writer.spec["obs"]
         # The staged step of each env (its row waits for the reward of its action).
         self._staged = np.zeros(E, dtype=bool)
-        self._s_obs = np.zeros((E, *obs_col.shape), dtype=obs_col.dtype)
+        self._s_obs = np.zeros((E, *obs_col.row_shape), dtype=obs_col.dtype)  # (E, *obs) or (E, *frame)
         self._s_action = np.zeros(E, dtype=np.int64)
         self._s_first = np.zeros(E, dtype=bool)
         self._s_version = np.zeros(E, dtype=np.int64)
@@ -366,6 +376,7 @@ class WindowAdder(Adder):
 
     def add(self, ids, obs, reward, terminated, truncated, first, actions, values, version: int) -> None:
         reward, terminated = np.asarray(reward), np.asarray(terminated)
+        obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
         if values is not None and self._r_values is None:
             A = values.shape[1]
             self._s_values = np.zeros((self.num_envs, A), dtype=np.float32)
@@ -478,7 +489,7 @@ class EpisodeAdder(Adder):
         self._t = np.zeros(E, dtype=np.int64)  # timestep of each env's next obs
         # The staged step of each env (its row waits for the reward of its action).
         self._staged = np.zeros(E, dtype=bool)
-        self._s_obs = np.zeros((E, *obs_col.shape), dtype=obs_col.dtype)
+        self._s_obs = np.zeros((E, *obs_col.row_shape), dtype=obs_col.dtype)  # (E, *obs) or (E, *frame)
         self._s_action = np.zeros((E, *act_col.shape), dtype=act_col.dtype)
         self._s_t = np.zeros(E, dtype=np.int64)
         # Rewards of each env's last T rows (by timestep % T): the item's return at the end.
@@ -502,6 +513,7 @@ class EpisodeAdder(Adder):
 
     def add(self, ids, obs, reward, terminated, truncated, first, actions, values, version: int) -> None:
         reward = np.asarray(reward, dtype=np.float64)
+        obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
         done = np.asarray(terminated) | np.asarray(truncated)
         w = self.writer
         self._t[ids[first]] = 0
