@@ -100,9 +100,10 @@ class GatherThreads:
     the other cores (actors next to the learner), the split waits on a descheduled thread
     and a 2-thread gather can take 30 × as long as a 1-thread one (measured here: 6.6 ms
     against 0.23 ms for 256 Atari frames). So the table times its gathers with 1 thread
-    and with all of torch's, keeps a moving average of each per batch size, uses the
-    cheaper, and re-tries the other now and then (every 32 samples while the two are
-    within 1.5 ×, every 256 when one is clearly worse), so it follows the machine's load.
+    and with all of torch's, keeps a moving average of the count in use per batch size,
+    uses the cheaper, and re-tries the other now and then (every 32 samples while the two
+    are within 1.5 ×, every 256 when one is clearly worse; a re-try's time replaces that
+    count's figure), so it follows the machine's load both ways.
     Each count's first gather is a warm-up (cold buffers) and is not counted; each is
     measured ``WARMUP`` times, in turn, before the choice starts.
     ``fixed`` (``Table(num_threads=N)``) turns the choice off.
@@ -141,6 +142,8 @@ class GatherThreads:
             self._cost[key] = seconds
         elif seen <= self.WARMUP:  # the warm-up: a plain mean
             self._cost[key] = old + (seconds - old) / (seen - 1)
+        elif threads != self.chosen(batch_size):
+            self._cost[key] = seconds  # a re-try of the other count: what it costs now
         else:
             self._cost[key] = 0.8 * old + 0.2 * seconds
 
