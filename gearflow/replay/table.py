@@ -126,9 +126,9 @@ class GatherThreads:
         self._calls += 1
         seen = [self._seen.get((batch_size, n), 0) for n in self.candidates]
         if min(seen) < self.WARMUP:  # measure each in turn first
-            return self.candidates[int(np.argmin(seen))]
+            return self.candidates[seen.index(min(seen))]
         costs = [self._cost[(batch_size, n)] for n in self.candidates]
-        best = int(np.argmin(costs))
+        best = costs.index(min(costs))  # plain Python: this runs every sample
         period = 32 if max(costs) < 1.5 * min(costs) else 256
         if self._calls % period == 0:
             return self.candidates[1 - best]
@@ -153,7 +153,8 @@ class GatherThreads:
             return self.fixed
         if min(self._seen.get((batch_size, n), 0) for n in self.candidates) < self.WARMUP:
             return None
-        return self.candidates[int(np.argmin([self._cost[(batch_size, n)] for n in self.candidates]))]
+        costs = [self._cost[(batch_size, n)] for n in self.candidates]
+        return self.candidates[costs.index(min(costs))]
 
 
 def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
