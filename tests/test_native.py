@@ -201,6 +201,8 @@ def exercise_every_kernel(g: CudaGather, s: CudaSelect) -> None:
                          dst, mask, num_rows=16)  # fmt: skip
         g.gather_rows(4096, row_bytes, [0, 5, 15], base[offset : offset + 3 * row_bytes].reshape(3, row_bytes),
                       num_rows=16)  # fmt: skip
+        g.gather_stacks(4096, row_bytes, 8, 2, 8192, [0, 1, 0], [0, 7, 30], np.array([4, 2, 0], np.int32), T,
+                        base[offset : offset + 2 * n].reshape(B, T, 2, row_bytes), num_rows=16)  # fmt: skip
     masses = dev(np.zeros(5000))
     sums = dev(np.zeros(num_chunks(5000)))
     s.sum_chunks(masses, sums)

@@ -22,6 +22,12 @@ from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
 from gearflow.replay.items import stack_rows
 from gearflow.replay.spec import Column
 
+try:  # the emulated CUDA tier (g++ on x86-64 Linux): test_native's CPU emulation of the kernels
+    from test_device_replay import emulated_device, emulated_kernels  # noqa: F401 (fixtures)
+    from test_native import needs_emulation
+except ImportError:  # pragma: no cover
+    needs_emulation = pytest.mark.skip(reason="the kernel emulation helpers are not importable")
+
 K = 4
 FRAME = (3, 5)
 SPEC = {"obs": f"uint8[{K},{FRAME[0]},{FRAME[1]}] stack={K}", "step": "int64", "action": "int64"}
@@ -379,3 +385,123 @@ def test_adders_write_the_newest_frame_and_batches_rebuild_the_env_stacks(make_t
             else:
                 np.testing.assert_array_equal(s.data["obs"][b, :n].numpy(), np.stack(rows[e][t : t + n]))
     assert int(table.storage.counters[:, 0].max()) > S  # the rings wrapped
+
+
+# ---------------------------------------------------------------------- the CUDA kernel (emulated on the CPU)
+
+
+@pytest.fixture(scope="module")
+def emulated_gather(tmp_path_factory):
+    from test_native import EmulatedModule, FakeCupy, compile_emulated
+
+    from gearflow.native.cuda_backend import KERNEL_DIR
+    from gearflow.native.gather import CudaGather
+
+    out = tmp_path_factory.mktemp("emu_stack")
+    return CudaGather(FakeCupy(), EmulatedModule(compile_emulated(KERNEL_DIR / "gather.cu", out)))
+
+
+def _naive_stacks(col, off, S, K, parts, starts, lengths, T):
+    """The stacks one step at a time, by walking back through the episode (no shared formula)."""
+    B = len(parts)
+    out = np.zeros((B, T, K, *col.shape[1:]), col.dtype)
+    for b in range(B):
+        for j in range(min(int(lengths[b]), T)):
+            t = int(starts[b]) + j
+            p = int(parts[b])
+            frames = [t]
+            for _ in range(K - 1):  # one step back while the step is not its episode's first
+                u = frames[0]
+                frames.insert(0, u - 1 if off[p * S + u % S] > 0 else u)
+            out[b, j] = col[[p * S + u % S for u in frames]]
+    return out
+
+
+@needs_emulation
+@pytest.mark.parametrize("row_bytes", [1, 12, 16, 33, 7056])
+def test_cuda_stack_kernel_and_its_cpu_reference_match_a_naive_walk(emulated_gather, row_bytes):
+    """gather_stacks (kernels/gather.cu, run by the CPU emulation) and its numpy reference
+    (native/gather.py) both equal a step-by-step walk back through each episode: ring wrap,
+    episode starts, offsets capped at 255, padding, device indices it cannot address."""
+    from test_native import column, dev
+
+    from gearflow.native.gather import gather_stacks
+
+    rng = np.random.default_rng(row_bytes)
+    P, S, K, T, B = 2, 24, 4, 5, 16
+    col = column(rng, P * S, row_bytes)
+    # episodes of 1..7 steps (partition 1: then one of 1000 steps, capped offsets), through the rings
+    off = np.zeros(P * S, np.uint8)
+    for p in range(P):
+        t, ep = 0, 0
+        while t < 16 * S:
+            L = 1000 if (p == 1 and ep == 2) else int(rng.integers(1, 8))
+            for i in range(min(L, 16 * S - t)):  # the rings end at step 16 S
+                off[p * S + (t + i) % S] = min(i, 255)
+            t, ep = t + L, ep + 1
+    assert off.max() == 255  # the capped offsets of the long episode are in partition 1's ring
+    top = 16 * S  # the rings' next step: items within the last S - K + 1 steps are intact
+    parts = rng.integers(0, P, B)
+    starts = top - (S - K + 1) + rng.integers(0, S - K - T, B)
+    lengths = rng.integers(0, T + 1, B).astype(np.int32)
+    want = _naive_stacks(col, off, S, K, parts, starts, lengths, T)
+    ref = np.full(want.shape, 7, col.dtype)
+    gather_stacks(col, row_bytes, S, K, off, parts, starts, lengths, T, ref)
+    assert ref.tobytes() == want.tobytes()
+    for offset in (0, 1):
+        raw = dev(np.full(want.nbytes + 16, 0xAB, np.uint8))
+        dst = raw[offset : offset + want.nbytes].reshape(B, T, K, row_bytes)
+        emulated_gather.gather_stacks(col.ctypes.data, row_bytes, S, K, off.ctypes.data, parts, starts, lengths, T,
+                                      dst, num_rows=P * S)  # fmt: skip
+        assert dst.tobytes() == want.tobytes()
+    # an item the kernel cannot address is padding; a torn (too large) offset stays in the ring
+    dst = dev(np.full((3, 1, K, row_bytes), 9, np.uint8))
+    emulated_gather.gather_stacks(col.ctypes.data, row_bytes, S, K, off.ctypes.data, dev(np.array([P, -1, 0])),
+                                  dev(np.array([0, 0, -5])), dev(np.array([1, 1, 1], np.int32)), 1, dst,
+                                  num_rows=P * S)  # fmt: skip
+    assert not dst.any()
+    bad = off.copy()
+    bad[:] = 255
+    dst = dev(np.zeros((1, 1, K, row_bytes), np.uint8))
+    emulated_gather.gather_stacks(col.ctypes.data, row_bytes, S, K, bad.ctypes.data, np.array([0]), np.array([1]),
+                                  np.array([1], np.int32), 1, dst, num_rows=P * S)  # fmt: skip
+    assert dst.tobytes() == col[[S - 2, S - 1, 0, 1]].tobytes()  # steps -2..1 wrapped into partition 0
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", ["transition", "sequence", "episode"])
+def test_emulated_device_table_samples_the_env_stacks(make_table, emulated_device, kind_name):
+    """Table(device=DeviceReplay) over a stacked-frame segment, with the .cu kernels run by the
+    CPU emulation: every batch's stacks are the env's; the torn rule covers the stack's reach."""
+    from gearflow.replay import Table
+
+    kind = {"transition": Transition(next_columns=("obs", "step")), "sequence": Sequence(length=6, period=3, burn_in=2),
+            "episode": Episode(max_episode_length=7)}[kind_name]  # fmt: skip
+    made = []
+
+    def table_cls(storage, kind, selector, limiter, **kw):
+        made.append(emulated_device(storage, kind, selector))
+        return Table(storage, kind, selector, limiter, device=made[-1], **kw)
+
+    E, S = 2, 40
+    table = make_table(SPEC, P=E, S=S, kind=kind, selector="prioritized", table_cls=table_cls)
+    assert table.device == "cuda" and made[0]._S_trust == S - (K - 1)
+    w = Writer(table.storage, list(range(E)))
+    env, log = StackEnv(E, seed=7, max_len=11), {}
+    for _ in range(4):
+        if kind_name == "transition":
+            _fill(w, env, 13, log, _transition_items(3))
+        else:
+            _fill_windows(w, env, 13, log, kind)
+        s = table.sample(16)
+        streams = s.keys.numpy() % E
+        obs, step = s.data["obs"].numpy(), s.data["step"].numpy()
+        if kind_name == "transition":
+            np.testing.assert_array_equal(obs, _expected(log, streams, step))
+            np.testing.assert_array_equal(s.data["next_obs"].numpy(), _expected(log, streams, s.data["next_step"].numpy()))
+        else:
+            for b in range(16):
+                n = int(s.data["length"][b])
+                np.testing.assert_array_equal(obs[b, :n], _expected(log, [streams[b]] * n, step[b, :n]))
+                assert not obs[b, n:].any()
+    assert int(table.storage.counters[:, 0].min()) > S

@@ -324,8 +324,13 @@ class DeviceReplay:
                 self._seq = cp.full(N, -1, dtype=cp.int64)
                 self._length = cp.zeros(N, dtype=cp.int32)
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
-        # per column: (name, device pointer of row 0, bytes per row)
+        # per column: (name, device pointer of row 0, bytes per row (one frame of a stacked column))
         self._columns = [(c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec]
+        # stacked-frame columns ({name: K}) and the device pointer of the steps' episode offsets
+        self._stacks = dict(storage.spec.stacked)
+        self._offsets = self._reg.device_pointer(storage.step_offset_position) if self._stacks else None
+        # an item is intact while its first step is >= RESERVE - (S less the steps its stacks reach back)
+        self._S_trust = storage.steps_per_partition - storage.spec.stack_reach
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
         self._buffers: list[DeviceBuffers] = []
@@ -512,19 +517,35 @@ class DeviceReplay:
         P, S = self._P, self._S
         g = self._gather
         parts, starts, lengths = draw.parts, draw.starts, draw.lengths
+        stacks, cp = self._stacks, self.cupy
         with self._on:
             if self._T is None:  # transitions: every column at the first step, next_<c> at the last
-                first, last = transition_rows(parts, starts, lengths.astype(self.cupy.int64), S)
+                first, last = transition_rows(parts, starts, lengths.astype(cp.int64), S)
+                if stacks:  # a stack per step: windows of one step at the first / last step
+                    one = cp.ones(parts.shape[0], dtype=cp.int32)
+                    at = {"first": starts, "last": starts + lengths.astype(cp.int64) - 1}
                 for name, ptr, row_bytes in self._columns:
-                    g.gather_rows(ptr, row_bytes, first, out.data[name][0], num_rows=P * S)
+                    if name in stacks:
+                        self._gather_stacks(name, ptr, row_bytes, parts, at["first"], one, 1, out.data[name][0])
+                    else:
+                        g.gather_rows(ptr, row_bytes, first, out.data[name][0], num_rows=P * S)
                 for name in self.kind.next_columns:
                     ptr, row_bytes = next((p, rb) for n, p, rb in self._columns if n == name)
-                    g.gather_rows(ptr, row_bytes, last, out.data["next_" + name][0], num_rows=P * S)
+                    if name in stacks:
+                        self._gather_stacks(name, ptr, row_bytes, parts, at["last"], one, 1, out.data["next_" + name][0])
+                    else:
+                        g.gather_rows(ptr, row_bytes, last, out.data["next_" + name][0], num_rows=P * S)
             else:  # windows of T steps, padded with zeros past each item's length, mask (B, T)
                 mask = out.data["mask"][0]
                 for name, ptr, row_bytes in self._columns:
-                    g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, self._T, out.data[name][0], mask,
-                                     num_rows=P * S)  # fmt: skip
+                    if name in stacks:
+                        self._gather_stacks(name, ptr, row_bytes, parts, starts, lengths, self._T, out.data[name][0])
+                    else:
+                        g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, self._T, out.data[name][0], mask,
+                                         num_rows=P * S)  # fmt: skip
+                if all(name in stacks for name, _, _ in self._columns):  # no windows kernel wrote the mask
+                    n = cp.clip(lengths, 0, self._T)
+                    mask[...] = cp.arange(self._T)[None, :] < n[:, None]
                 out.data["length"][0][...] = lengths
             out.keys[0][...] = draw.seqs * P + parts  # int64 (B,): the key of the record gathered
             out.weights[0][...] = draw.weights
@@ -534,6 +555,15 @@ class DeviceReplay:
             self._gathered.record(self.stream)
         self._gathered.synchronize()
         draw.num_invalid = int(self._status_host[0])
+
+    def _gather_stacks(self, name: str, ptr: int, row_bytes: int, parts: Any, starts: Any, lengths: Any, T: int,
+                       dst: Any) -> None:  # fmt: skip
+        """One stacked-frame column: ``dst`` (B, [T,] K, *frame) from the frames and the steps'
+        episode offsets (``gather_stacks_*``); a transition's (B, K, ...) is a window of one step."""
+        K, B = self._stacks[name], parts.shape[0]
+        view = dst.reshape(B, T, K, -1)  # (B, T, K, frame elements): the kernel's layout, no copy
+        self._gather.gather_stacks(ptr, row_bytes, self._S, K, self._offsets, parts, starts, lengths, T, view,
+                                   num_rows=self._P * self._S)  # fmt: skip
 
     def invalid(self, draw: DeviceDraw) -> np.ndarray:
         """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
@@ -561,7 +591,7 @@ class DeviceReplay:
         with self._on:
             parts = cp.where(draw.valid, draw.parts, 0)
             r = cp.asarray(np.ascontiguousarray(reserve, dtype=np.int64))
-            bad = draw.valid & torn_items(parts, draw.starts, r, self._S)
+            bad = draw.valid & torn_items(parts, draw.starts, r, self._S_trust)  # stacks: their reach too
             return cp.asnumpy(cp.flatnonzero(bad)).astype(np.int64)
 
     def batch(self, out: DeviceBuffers):

@@ -8,6 +8,11 @@ first step ``start``, ``length``); its window of ``T`` steps reads rows
 ``p * S + (start + j) % S`` for ``j < length`` (wrapping around the ring) and
 is padded with zeros, ``mask[b, j] = j < length``, for ``length <= j < T``.
 
+Stacked-frame columns (``stack=K``): a row is one frame, and the segment's
+``step_offset`` block (``uint8[P * S]``) holds each step's offset in its episode
+(capped at 255); the stack of step ``t`` is the frames of steps
+``t - min(K-1-f, offset[t])``, ``f < K``, oldest first (:func:`gather_stacks`).
+
 Two implementations with the same signatures:
 
 * module functions :func:`gather_windows`, :func:`gather_rows` — the numpy
@@ -62,13 +67,14 @@ from gearflow.native.cuda_backend import (
 
 THREADS = 256  # threads per block of every gather kernel (GF_GATHER_THREADS in gather.cu)
 WIDTHS = (16, 8, 4, 1)  # bytes per load/store of the kernel variants _v16, _v8, _v4, _v1
-KERNELS = tuple(f"gather_{kind}_v{w}" for kind in ("windows", "rows") for w in WIDTHS)
+KERNELS = tuple(f"gather_{kind}_v{w}" for kind in ("windows", "rows", "stacks") for w in WIDTHS)
 INT32_MAX = 2**31 - 1
 
 __all__ = [
     "CudaGather",
     "GatherPlan",
     "gather_rows",
+    "gather_stacks",
     "gather_windows",
     "plan_gather",
     "torn_items",
@@ -102,8 +108,8 @@ def plan_gather(kind: str, row_bytes: int, rows: int, src_ptr: int, dst_ptr: int
     >>> plan_gather("rows", 12, 256, 4096, 512).block   # 3 units per row: 4 threads, 64 rows per block
     (4, 64, 1)
     """
-    if kind not in ("windows", "rows"):
-        raise ValueError(f"kind must be 'windows' or 'rows', got {kind!r}")
+    if kind not in ("windows", "rows", "stacks"):
+        raise ValueError(f"kind must be 'windows', 'rows' or 'stacks', got {kind!r}")
     row_bytes = check_int("row_bytes", row_bytes, minimum=1)
     rows = check_int("rows", rows, minimum=0)
     width = next(w for w in WIDTHS if src_ptr % w == 0 and dst_ptr % w == 0 and row_bytes % w == 0)
@@ -283,6 +289,50 @@ def gather_rows(src_base, row_bytes, rows, dst, *, num_rows=None) -> None:
     np.take(src, rows, axis=0, out=out)
 
 
+def gather_stacks(src_base, row_bytes, S, K, offsets, parts, starts, lengths, T, dst, *, num_rows=None) -> None:
+    """CPU reference: ``dst[b, j, f] = frame f of the K-frame stack of step starts[b] + j`` for
+    ``j < lengths[b]``, zeros after. The stack of step ``t`` of partition ``p`` is the rows of
+    steps ``t - min(K-1-f, offsets[p*S + t % S])`` (oldest first): an episode's first frame
+    repeats before its start.
+
+    src_base  the column ``[P * S, *frame]`` (``row_bytes`` bytes per frame)
+    offsets   uint8[P * S]: each step's offset in its episode (the segment's step_offset)
+    parts     int64[B] in [0, P);  starts int64[B] >= 0;  lengths int32[B] in [0, min(T, S)]
+    dst       ``[B, T, K, ...]`` C-contiguous, ``B * T * K * row_bytes`` bytes
+
+    A transition's ``obs``: ``T = 1`` and lengths 1; its ``next_obs``: starts ``starts + lengths - 1``.
+
+    >>> col = np.arange(8, dtype=np.int32).reshape(8, 1)          # P=1 partition of S=8 frames
+    >>> off = np.array([0, 1, 2, 0, 1, 2, 3, 4], np.uint8)         # episodes start at steps 0 and 3
+    >>> out = np.empty((2, 1, 3, 1), np.int32)
+    >>> gather_stacks(col, 4, 8, 3, off, np.array([0, 0]), np.array([4, 6]), np.array([1, 1], np.int32), 1, out)
+    >>> out[:, 0, :, 0].tolist()                                    # step 4: [3, 3, 4]; step 6: [4, 5, 6]
+    [[3, 3, 4], [4, 5, 6]]
+    """
+    row_bytes, S, T = _check_sizes(row_bytes, S, T)
+    K = check_int("K", K, minimum=1)
+    src = _host_rows(src_base, row_bytes, num_rows)
+    if src.shape[0] % S:
+        raise ValueError(f"src_base has {src.shape[0]} rows, not a multiple of S={S}")
+    off = np.asarray(offsets)
+    if off.dtype != np.uint8 or off.shape != (src.shape[0],):
+        raise ValueError(f"offsets must be uint8[{src.shape[0]}] (one per row), got {off.dtype} {off.shape}")
+    parts = _host_index(parts, "parts", np.int64, None)
+    B = parts.shape[0]
+    starts = _host_index(starts, "starts", np.int64, B)
+    lengths = _host_index(lengths, "lengths", np.int32, B)
+    _check_window_indices(parts, starts, lengths, T, S, src.shape[0] // S)
+    out = _out_bytes(_host_out(dst, "dst"), "dst", (B, T, K), row_bytes)
+    j = np.arange(T, dtype=np.int64)
+    steps = starts[:, None] + j  # (B, T)
+    depth = off[parts[:, None] * S + steps % S].astype(np.int64)  # (B, T) each step's offset
+    back = np.arange(K - 1, -1, -1, dtype=np.int64)  # (K,)
+    frames = steps[..., None] - np.minimum(back, depth[..., None])  # (B, T, K)
+    rows = parts[:, None, None] * S + frames % S
+    np.take(src, rows.reshape(-1), axis=0, out=out)  # (B*T*K, row_bytes)
+    out.reshape(B, T, K, row_bytes)[~(j < lengths[:, None])] = 0
+
+
 # ---------------------------------------------------------------------------- CUDA
 def _check_pointer(name: str, ptr: Any) -> int:
     if is_device_array(ptr):
@@ -397,6 +447,48 @@ class CudaGather:
             args = (
                 ptr_arg(src), np.int64(row_bytes), np.int64(num_rows),
                 ptr_arg(rows.ptr), np.int64(N), ptr_arg(out.ptr),
+            )  # fmt: skip
+            self._kernels.launch(plan.kernel, plan.grid, plan.block, args)
+        return plan
+
+    def gather_stacks(
+        self, src_base, row_bytes, S, K, offsets, parts, starts, lengths, T, dst, *, num_rows=None, stream=None
+    ) -> GatherPlan | None:
+        """Queue the stack gather (see :func:`gather_stacks`); ``offsets`` is the device pointer
+        (int) of the segment's ``step_offset`` block. Returns the launch plan (None if B == 0)."""
+        row_bytes, S, T = _check_sizes(row_bytes, S, T)
+        K = check_int("K", K, minimum=1)
+        src = _check_pointer("src_base", src_base)
+        off = _check_pointer("offsets", offsets)
+        if num_rows is None:
+            raise ValueError("num_rows is required: src_base is a bare pointer, the kernel bounds it by num_rows")
+        num_rows = check_int("num_rows", num_rows, minimum=1)
+        if num_rows % S:
+            raise ValueError(f"num_rows={num_rows} is not a multiple of S={S}")
+        parts = self._index(parts, "parts", np.int64, None)
+        B = parts.shape[0]
+        starts = self._index(starts, "starts", np.int64, B)
+        lengths = self._index(lengths, "lengths", np.int32, B)
+        _check_window_indices(parts, starts, lengths, T, S, num_rows // S)
+        out = device_array(dst, "dst")
+        if out.shape[:3] != (B, T, K) or out.nbytes != B * T * K * row_bytes:
+            raise ValueError(
+                f"dst must be a ({B}, {T}, {K}, ...) device array of {row_bytes}-byte frames, "
+                f"got shape {out.shape} of {out.dtype} ({out.nbytes} bytes)"
+            )
+        if not out.contiguous:
+            raise ValueError("dst must be C-contiguous")
+        if B == 0:
+            return None
+        plan = plan_gather("stacks", row_bytes, B * T * K, src, out.ptr)
+        with stream_scope(stream):
+            parts, starts, lengths = (
+                self._upload(a, n) for a, n in ((parts, "parts"), (starts, "starts"), (lengths, "lengths"))
+            )
+            args = (
+                ptr_arg(src), np.int64(row_bytes), np.int64(S), np.int64(num_rows // S), ptr_arg(off),
+                np.int64(K), ptr_arg(parts.ptr), ptr_arg(starts.ptr), ptr_arg(lengths.ptr),
+                np.int64(B), np.int32(T), ptr_arg(out.ptr),
             )  # fmt: skip
             self._kernels.launch(plan.kernel, plan.grid, plan.block, args)
         return plan

@@ -140,6 +140,7 @@ class SharedStorage:
         self.item_priority = view("item_priority", np.float64, (P, R))
         # stacked-frame columns: the offset of each step in its episode (None without them)
         self.step_offset = view("step_offset", np.uint8, (P * S,)) if "step_offset" in offsets else None
+        self.step_offset_position = offsets.get("step_offset")  # its byte offset in the segment (GPU path)
         self.stack_reach = self.spec.stack_reach  # steps before an item's start its stacks read
         self.columns: dict[str, np.ndarray] = {
             c.name: view("col:" + c.name, c.dtype, (P * S, *c.row_shape)) for c in self.spec

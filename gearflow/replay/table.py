@@ -76,11 +76,6 @@ def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector
     if isinstance(device, str):
         if device == "cpu":
             return None
-        if storage.spec.stacked:
-            raise ValueError(
-                f"replay device {device!r}: stacked-frame columns {sorted(storage.spec.stacked)} are "
-                "gathered on the CPU path only so far (use device='cpu')"
-            )
         from gearflow.native import device_replay
 
         index = device_replay.cuda_device_index(device)  # ValueError for anything but cuda / cuda:N

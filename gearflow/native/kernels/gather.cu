@@ -141,6 +141,60 @@ __device__ __forceinline__ void gf_gather_rows(
     }
 }
 
+// Stacked-frame columns (gearflow/replay/spec.py, `uint8[4,84,84] stack=4`): a row of the
+// column is one frame (row_bytes = one frame's bytes) and the segment's step_offset block,
+// uint8[P * S], holds each step's offset in its episode, capped at 255. The K-frame stack of
+// step t is steps t - min(K-1-f, offsets[row of t]) for f < K (oldest first): before an
+// episode's start its first frame repeats. Each output frame reads its step's offset byte
+// (mapped host memory, like the frames) and one frame:
+//
+// dst[b, j, f, :] = frame f of the stack of step starts[b] + j   for j < min(lengths[b], T)
+// dst[b, j, f, :] = 0                                             otherwise (padding)
+//   src      device pointer of the column's row 0, row_bytes (one frame) per row
+//   offsets  device pointer of step_offset (uint8[num_parts * S]), 1-byte aligned
+//   parts    int64[B] in [0, num_parts);  starts int64[B] >= 0;  lengths int32[B]
+//   dst      [B, T, K, row_bytes] bytes, C-contiguous (a transition's obs: T = 1, lengths 1;
+//            its next_obs: starts + lengths - 1). No mask: the windows kernel of the
+//            item's other columns writes it (or the caller, when every column is stacked).
+// A step index made negative by a torn offset byte stays inside its partition's ring (the
+// item is then redrawn by the seqlock check): no index reads outside the column.
+template <typename V>
+__device__ __forceinline__ void gf_gather_stacks(
+    const unsigned char* __restrict__ src, i64 row_bytes, i64 S, i64 num_parts,
+    const unsigned char* __restrict__ offsets, i64 K, const i64* __restrict__ parts,
+    const i64* __restrict__ starts, const int* __restrict__ lengths, i64 B, int T,
+    unsigned char* __restrict__ dst)
+{
+    const i64 units = row_bytes / (i64)sizeof(V);
+    const int lane = threadIdx.x;
+    const int lanes = blockDim.x;
+    const i64 per_item = (i64)T * K;
+    const i64 rows = B * per_item;
+    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows;
+         r += (i64)gridDim.x * blockDim.y) {
+        const i64 b = r / per_item;
+        const i64 rem = r - b * per_item;
+        const int j = (int)(rem / K);
+        const i64 f = rem - (i64)j * K;
+        const i64 p = parts[b];
+        const i64 start = starts[b];
+        int n = lengths[b];
+        n = n < 0 ? 0 : (n > T ? T : n);
+        const bool valid = j < n && p >= 0 && p < num_parts && start >= 0 && K >= 1;
+        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
+        if (valid) {
+            const i64 t = start + j;
+            const i64 depth = offsets[p * S + t % S];     // the step's offset in its episode (capped)
+            const i64 back = K - 1 - f;                   // frames before the newest
+            i64 m = (t - (back < depth ? back : depth)) % S;
+            if (m < 0) m += S;                            // only a torn offset gets here
+            gf_copy_units(reinterpret_cast<const V*>(src + (p * S + m) * row_bytes), out, units, lane, lanes);
+        } else {
+            gf_zero_units(out, units, lane, lanes);
+        }
+    }
+}
+
 // extern "C" entry points, one per load width (see the header comment).
 #define GF_DEFINE_GATHER(SUFFIX, V)                                                          \
     extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
@@ -158,6 +212,16 @@ __device__ __forceinline__ void gf_gather_rows(
                          const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst) \
     {                                                                                        \
         gf_gather_rows<V>(src, row_bytes, num_rows, rows, N, dst);                           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
+    gather_stacks_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 S,      \
+                           i64 num_parts, const unsigned char* __restrict__ offsets, i64 K,  \
+                           const i64* __restrict__ parts, const i64* __restrict__ starts,    \
+                           const int* __restrict__ lengths, i64 B, int T,                    \
+                           unsigned char* __restrict__ dst)                                  \
+    {                                                                                        \
+        gf_gather_stacks<V>(src, row_bytes, S, num_parts, offsets, K, parts, starts, lengths, \
+                            B, T, dst);                                                      \
     }
 
 GF_DEFINE_GATHER(v16, uint4)
