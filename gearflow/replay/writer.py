@@ -240,20 +240,7 @@ class Writer:
             raise ValueError(f"{m} priorities for {s.size} streams")
         lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
         end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
-        start = end - lengths
-        check_priorities(prio)
-        if (lengths < 1).any() or (lengths > self._S).any():
-            bad = lengths[(lengths < 1) | (lengths > self._S)][0]
-            raise ValueError(f"num_steps must be in [1, {self._S}], got {bad}")
-        if (end > self._pos[s]).any():
-            raise ValueError("an item ends after the last appended step")
-        crosses = start < self._episode_start[s]
-        if crosses.any():
-            j = int(np.argmax(crosses))
-            raise ValueError(
-                f"item of {lengths[j]} steps crosses an episode boundary: stream {s[j]} has "
-                f"{int(end[j] - self._episode_start[s[j]])} steps in its current episode"
-            )
+        start = self._check_items(prio, lengths, end, s, self._pos[s], self._episode_start[s])
         c, st = self.storage.counters, self.storage
         order = np.lexsort((start, s))  # group by stream, starts ascending within a stream
         s, start, lengths, prio = s[order], start[order], lengths[order], prio[order]
@@ -308,30 +295,11 @@ class Writer:
             return
         m, S, R = prio.size, self._S, self._R
         pos, ep0 = int(self._pos[stream]), int(self._episode_start[stream])
-        if np.ndim(num_steps) == 0:
-            lengths = int(num_steps)
-            if not 1 <= lengths <= S:
-                raise ValueError(f"num_steps must be in [1, {S}], got {lengths}")
-        else:
-            lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
-            if lengths.min() < 1 or lengths.max() > S:
-                bad = lengths[(lengths < 1) | (lengths > S)][0]
-                raise ValueError(f"num_steps must be in [1, {S}], got {bad}")
+        lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
         end = np.full(m, pos, dtype=np.int64) if ends is None else np.asarray(ends, dtype=np.int64).reshape(-1)
         if end.size != m:
             raise ValueError(f"{m} priorities but {end.size} ends")
-        start = end - lengths
-        if not (prio.min() >= 0 and prio.max() < np.inf):  # a NaN fails both comparisons
-            check_priorities(prio)
-        if end.max() > pos:
-            raise ValueError("an item ends after the last appended step")
-        if start.min() < ep0:
-            j = int(np.argmax(start < ep0))
-            n = lengths if np.ndim(lengths) == 0 else int(lengths[j])
-            raise ValueError(
-                f"item of {n} steps crosses an episode boundary: stream {stream} has "
-                f"{int(end[j]) - ep0} steps in its current episode"
-            )
+        start = self._check_items(prio, lengths, end, np.full(m, stream), pos, ep0)
         if m > R:
             raise ValueError(f"more than {R} items for one stream in one call")
         if start[0] < self._last_item_start[stream] or (m > 1 and np.diff(start).min() < 0):
@@ -347,6 +315,27 @@ class Writer:
         st.item_priority[p, slot] = prio
         c[p, PUBLISHED] = seq0 + m  # publish after the records are written
         self._last_item_start[stream] = start[-1]
+
+    def _check_items(self, prio, lengths, end, streams, pos, ep0) -> np.ndarray:
+        """The item checks both numpy paths make (the C path makes them with the same
+        messages): priorities, lengths, ends not past each stream's last step, no episode
+        boundary crossed. Returns the items' first steps."""
+        check_priorities(prio)
+        bad = (lengths < 1) | (lengths > self._S)
+        if bad.any():
+            raise ValueError(f"num_steps must be in [1, {self._S}], got {lengths[bad][0]}")
+        if (end > pos).any():
+            raise ValueError("an item ends after the last appended step")
+        start = end - lengths
+        crosses = start < ep0
+        if crosses.any():
+            j = int(np.argmax(crosses))
+            e0 = ep0[j] if np.ndim(ep0) else ep0
+            raise ValueError(
+                f"item of {lengths[j]} steps crosses an episode boundary: stream {streams[j]} has "
+                f"{int(end[j] - e0)} steps in its current episode"
+            )
+        return start
 
     def _wait_for_insert(self, m: int) -> None:
         header, counters = self.storage.header, self.storage.counters
