@@ -138,6 +138,9 @@ class ReplayConfig:
     """Slack, in sampled items, around the samples-per-insert ratio before either side blocks."""
     timeout_s: float = 60.0
     """Seconds a blocked insert or sample waits before raising instead of hanging."""
+    frame_stack: bool = False
+    """Store one frame per step instead of the env's whole frame stack (``obs`` ``uint8[4,84,84]`` →
+    ``stack=4``: 7 KiB a step instead of 28 KiB); batches are unchanged (stacks gathered at sample time)."""
     device: str = "cpu"
     """Where selection and the batch gather run: ``cpu``; ``cuda`` (device priority vector, zero-copy gather
     from the shared memory; CuPy + a GPU, prioritized/uniform selectors; the learner's GPU) or ``cuda:N``;

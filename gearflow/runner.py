@@ -64,6 +64,7 @@ from gearflow.run.progress import make_display
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.checkpoint import restore_checkpoint
 from gearflow.replay.selectors import selector_kwargs
+from gearflow.replay.spec import replay_spec
 from gearflow.replay.storage import COMMIT, gc_segments, run_tag
 
 log = logging.getLogger("gearflow.runner")
@@ -183,7 +184,7 @@ class Runner:
         if kind.name != cfg.replay.item:
             raise ConfigError(f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items")
         geom = replay_geometry(cfg, kind)
-        spec = TableSpec.parse(agent.replay_columns())
+        spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)  # frame_stack: obs as frames
         replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
         if replay_device.startswith("cuda") and self.device.type != "cuda":
             raise ConfigError(

@@ -104,6 +104,21 @@ def test_spec_round_trips_and_stores_one_frame():
         plain_st.unlink()
 
 
+def test_replay_frame_stack_makes_the_obs_column_frames_or_names_the_problem():
+    from gearflow.errors import ConfigError
+    from gearflow.replay.spec import replay_spec
+
+    atari = {"obs": "uint8[4,84,84]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+    assert replay_spec(atari) == TableSpec.parse(atari)  # off: the agent's columns as they are
+    spec = replay_spec(atari, frame_stack=True)
+    assert spec.to_dict()["obs"] == "uint8[4,84,84] stack=4" and spec["action"] == TableSpec.parse(atari)["action"]
+    assert spec.stored_step_nbytes == 7056 + 24 + 1 and TableSpec.parse(atari).stored_step_nbytes == 28224 + 24
+    with pytest.raises(ConfigError, match=r"replay.frame_stack=true: column 'obs' is float32\[4\]: storing one frame"):
+        replay_spec({"obs": "float32[4]", "action": "int64"}, frame_stack=True)
+    with pytest.raises(ConfigError, match="have no 'obs'"):
+        replay_spec({"x": "uint8[4,84,84]"}, frame_stack=True)
+
+
 @pytest.mark.parametrize(
     "desc, msg",
     [

@@ -74,3 +74,19 @@ def test_apex_actor_on_pong_stores_frames_that_rebuild_envpools_stacks(make_tabl
     assert firsts > 0, "no episode start was sampled"
     assert actor.episodes >= E  # truncated episodes: starts inside the run
     assert int(table.storage.counters[:, 0].max()) > S  # the rings wrapped
+
+
+def test_dry_run_reports_the_frames_bytes_per_step_for_pong_apex():
+    from pathlib import Path
+
+    from gearflow.tools.dryrun import memory_plan, render
+
+    root = Path(__file__).resolve().parents[1]
+    frames = memory_plan(load_config(root / "configs" / "pong_apex.yaml", ["replay.frame_stack=true"]))
+    stacks = memory_plan(load_config(root / "configs" / "pong_apex.yaml", ["replay.frame_stack=false"]))
+    r, w = frames["replay"], stacks["replay"]
+    assert r["columns"]["obs"] == "uint8[4,84,84] stack=4" and w["columns"]["obs"] == "uint8[4,84,84]"
+    assert (r["bytes_per_step"], r["bytes_per_step_whole_stacks"], w["bytes_per_step"]) == (7081, 28248, 28248)
+    assert r["segment_bytes"] <= 0.27 * w["segment_bytes"]
+    assert frames["learner"]["batch_bytes"] == stacks["learner"]["batch_bytes"]  # the same batches
+    assert "(whole stacks: 27.59 KiB)" in render(frames)

@@ -28,6 +28,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from gearflow.errors import ConfigError
+
 # dims: "[]" (a scalar) or comma-separated integers, e.g. "[4,84,84]" (a trailing comma is fine);
 # "[4,,84]" or "[4 84]" are errors, not silently different shapes
 _TYPE_RE = re.compile(
@@ -202,6 +204,22 @@ class TableSpec:
         return sum(c.nbytes for c in self.columns)
 
     @property
+    def stored_step_nbytes(self) -> int:
+        """Bytes a step takes in the segment: its rows, plus with stacked frames its offset byte."""
+        return self.step_nbytes + (1 if self.stacked else 0)
+
+    def with_frames(self, name: str) -> "TableSpec":
+        """This spec with column ``name`` (stacked frames ``[k, *frame]``, k ≥ 2) stored as one
+        frame per step (``stack=k``): the batches are the same, the rows a k-th of the size."""
+        c = self[name]
+        if len(c.shape) < 2 or c.shape[0] < 2:
+            raise ValueError(
+                f"column {name!r} is {c.describe()}: storing one frame per step needs stacked frames "
+                "[k, ...] with k ≥ 2 (e.g. uint8[4,84,84])"
+            )
+        return TableSpec(Column(x.name, x.shape, x.dtype, x.shape[0]) if x.name == name else x for x in self.columns)
+
+    @property
     def stacked(self) -> dict[str, int]:
         """``{column: stack}`` of the stacked-frame columns (empty for a plain spec)."""
         return {c.name: c.stack for c in self.columns if c.stack > 1}
@@ -291,3 +309,18 @@ class TableSpec:
                 )
             batched[k] = arr[None]
         return self.check_batch(batched, n=1)[0]
+
+
+def replay_spec(columns: Mapping[str, Any], frame_stack: bool = False) -> TableSpec:
+    """A run's table spec: the agent's ``replay_columns``; with ``replay.frame_stack`` its ``obs``
+    column stored as one frame per step (:meth:`TableSpec.with_frames`). ConfigError when the
+    obs is not stacked frames."""
+    spec = TableSpec.parse(columns)
+    if not frame_stack:
+        return spec
+    if "obs" not in spec:
+        raise ConfigError(f"replay.frame_stack=true: the agent's replay columns {list(spec.names)} have no 'obs'")
+    try:
+        return spec.with_frames("obs")
+    except ValueError as exc:
+        raise ConfigError(f"replay.frame_stack=true: {exc}") from None

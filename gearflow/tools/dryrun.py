@@ -36,7 +36,9 @@ Where each figure comes from:
   ``memory_estimate(batch_size) -> {"activation_bytes": int, "activation_method": str}``,
   which replaces the measurement.
 * **actors**: one policy network per actor process, on ``actor.device``.
-* **replay**: the agent's ``replay_columns`` (bytes per step), the partition
+* **replay**: the agent's ``replay_columns`` (bytes per step; with ``replay.frame_stack`` the
+  obs is one stored frame per step plus its offset byte, and the bytes a step would take with
+  whole stacks are shown beside it), the partition
   geometry the runner would create (``P = actors × envs``, ``S = capacity // P``
   steps, ``R`` item records each) and the size of that shared-memory segment,
   item records and 4 KiB alignment included; plus the learner's batch buffers.
@@ -53,7 +55,7 @@ from torch import nn
 from gearflow.agent import make_agent
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import GearflowError
-from gearflow.replay import TableSpec
+from gearflow.replay.spec import replay_spec
 from gearflow.geometry import replay_geometry
 from gearflow.replay.items import ItemKind
 from gearflow.replay.storage import SharedStorage
@@ -138,7 +140,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
                            for name, o in optimizers.items()}  # fmt: skip
 
         kind: ItemKind = agent.item_kind()
-        table_spec = TableSpec.parse(agent.replay_columns())
+        table_spec = replay_spec(agent.replay_columns(), cfg.replay.get("frame_stack", False))
         layout = kind.layout(table_spec, B)  # {column: ((B, ...), dtype)}
         batch_bytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
                           for shape, dt in layout.values())  # fmt: skip
@@ -195,12 +197,13 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
     buffers = int(cfg.learner.prefetch) + 2  # the table's rotating batch buffers
     replay = {
         "columns": {c.name: c.describe() for c in table_spec},
-        "bytes_per_step": table_spec.step_nbytes,
+        "bytes_per_step": table_spec.stored_step_nbytes,  # stacked frames: one frame + its offset byte
+        "bytes_per_step_whole_stacks": sum(c.item_nbytes for c in table_spec),  # replay.frame_stack=false
         "capacity": int(cfg.replay.capacity),
         "partitions": P,
         "steps_per_partition": S,
         "items_per_partition": R,
-        "bytes_at_capacity": P * S * table_spec.step_nbytes,
+        "bytes_at_capacity": P * S * table_spec.stored_step_nbytes,
         "segment_bytes": segment,
         "batch_buffers": buffers,
         "batch_buffer_bytes": buffers * batch_bytes,
@@ -259,7 +262,9 @@ def render(plan: dict[str, Any]) -> str:
     rows.append(("learner total", "" if le["activation_bytes"] is not None else "without activations",
                  human(le["total_bytes"])))
     rows += [
-        ("replay / step", ", ".join(f"{k} {v}" for k, v in r["columns"].items()), human(r["bytes_per_step"])),
+        ("replay / step", ", ".join(f"{k} {v}" for k, v in r["columns"].items())
+         + (f" (whole stacks: {human(r['bytes_per_step_whole_stacks'])})"
+            if r["bytes_per_step_whole_stacks"] != r["bytes_per_step"] else ""), human(r["bytes_per_step"])),
         ("replay at capacity", (f"{r['capacity']:,} steps = {r['partitions']} partitions × "
                                 f"{r['steps_per_partition']:,}"), human(r["bytes_at_capacity"])),
         ("  shared-memory segment", f"+ item records ({r['items_per_partition']:,}/partition), alignment",
