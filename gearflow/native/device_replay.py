@@ -265,6 +265,43 @@ def _device_id(cp: Any, device: int | None) -> int:
     return device_id
 
 
+
+def _gather_columns(dev: "DeviceReplay", draw: DeviceDraw, data: dict[str, Any]) -> None:
+    """Every column of ``draw``'s items into the CuPy arrays ``data`` on ``dev``'s stream (inside
+    ``dev._on``): transitions as rows (first step, ``next_<c>`` at the last), windows of T steps
+    padded with zeros (mask (B, T), length (B,)); stacked-frame columns through ``gather_stacks``
+    (a transition's stack is a window of one step at its first / last step)."""
+    g, cp, P, S, T, stacks = dev._gather, dev.cupy, dev._P, dev._S, dev._T, dev._stacks
+    parts, starts, lengths = draw.parts, draw.starts, draw.lengths
+
+    def stack(name, ptr, row_bytes, at, n, steps, dst):  # dst (B, [T,] K, *frame) as (B, T, K, frame bytes)
+        K, B = stacks[name], parts.shape[0]
+        g.gather_stacks(ptr, row_bytes, S, K, dev._offsets, parts, at, n, steps, dst.reshape(B, steps, K, -1),
+                        num_rows=P * S)  # fmt: skip
+
+    if T is None:  # transitions: every column at the first step, next_<c> at the last
+        first, last = transition_rows(parts, starts, lengths.astype(cp.int64), S)
+        if stacks:  # one-step windows at the first / last step
+            one, at_last = cp.ones(parts.shape[0], dtype=cp.int32), starts + lengths.astype(cp.int64) - 1
+        columns = [(n, p, rb, n) for n, p, rb in dev._columns]
+        columns += [(n, p, rb, "next_" + n) for n, p, rb in dev._columns if n in dev.kind.next_columns]
+        for name, ptr, row_bytes, dst in columns:
+            nxt = dst != name
+            if name in stacks:
+                stack(name, ptr, row_bytes, at_last if nxt else starts, one, 1, data[dst])
+            else:
+                g.gather_rows(ptr, row_bytes, last if nxt else first, data[dst], num_rows=P * S)
+        return
+    mask = data["mask"]
+    for name, ptr, row_bytes in dev._columns:
+        if name in stacks:
+            stack(name, ptr, row_bytes, starts, lengths, T, data[name])
+        else:
+            g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, T, data[name], mask, num_rows=P * S)
+    if all(name in stacks for name, _, _ in dev._columns):  # no windows kernel wrote the mask
+        mask[...] = cp.arange(T)[None, :] < cp.clip(lengths, 0, T)[:, None]
+    data["length"][...] = lengths
+
 class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
 
@@ -326,11 +363,10 @@ class DeviceReplay:
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
         # per column: (name, device pointer of row 0, bytes per row (one frame of a stacked column))
         self._columns = [(c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec]
-        # stacked-frame columns ({name: K}) and the device pointer of the steps' episode offsets
-        self._stacks = dict(storage.spec.stacked)
+        # stacked-frame columns {name: K}, the device pointer of the steps' episode offsets, and the
+        # torn rule's bound: an item is intact while its first step is >= RESERVE - (S - stack reach)
+        self._stacks, self._S_trust = dict(storage.spec.stacked), storage.trusted_steps
         self._offsets = self._reg.device_pointer(storage.step_offset_position) if self._stacks else None
-        # an item is intact while its first step is >= RESERVE - (S less the steps its stacks reach back)
-        self._S_trust = storage.steps_per_partition - storage.spec.stack_reach
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
         self._buffers: list[DeviceBuffers] = []
@@ -514,39 +550,9 @@ class DeviceReplay:
         """Gather the drawn items' steps into ``out`` (zero-copy from the segment) from the draw's
         records, write its keys, weights and probabilities, then wait for it: the caller reads the
         RESERVE counters next, and they must postdate the copy. The sample's one host sync."""
-        P, S = self._P, self._S
-        g = self._gather
-        parts, starts, lengths = draw.parts, draw.starts, draw.lengths
-        stacks, cp = self._stacks, self.cupy
+        P, parts = self._P, draw.parts
         with self._on:
-            if self._T is None:  # transitions: every column at the first step, next_<c> at the last
-                first, last = transition_rows(parts, starts, lengths.astype(cp.int64), S)
-                if stacks:  # a stack per step: windows of one step at the first / last step
-                    one = cp.ones(parts.shape[0], dtype=cp.int32)
-                    at = {"first": starts, "last": starts + lengths.astype(cp.int64) - 1}
-                for name, ptr, row_bytes in self._columns:
-                    if name in stacks:
-                        self._gather_stacks(name, ptr, row_bytes, parts, at["first"], one, 1, out.data[name][0])
-                    else:
-                        g.gather_rows(ptr, row_bytes, first, out.data[name][0], num_rows=P * S)
-                for name in self.kind.next_columns:
-                    ptr, row_bytes = next((p, rb) for n, p, rb in self._columns if n == name)
-                    if name in stacks:
-                        self._gather_stacks(name, ptr, row_bytes, parts, at["last"], one, 1, out.data["next_" + name][0])
-                    else:
-                        g.gather_rows(ptr, row_bytes, last, out.data["next_" + name][0], num_rows=P * S)
-            else:  # windows of T steps, padded with zeros past each item's length, mask (B, T)
-                mask = out.data["mask"][0]
-                for name, ptr, row_bytes in self._columns:
-                    if name in stacks:
-                        self._gather_stacks(name, ptr, row_bytes, parts, starts, lengths, self._T, out.data[name][0])
-                    else:
-                        g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, self._T, out.data[name][0], mask,
-                                         num_rows=P * S)  # fmt: skip
-                if all(name in stacks for name, _, _ in self._columns):  # no windows kernel wrote the mask
-                    n = cp.clip(lengths, 0, self._T)
-                    mask[...] = cp.arange(self._T)[None, :] < n[:, None]
-                out.data["length"][0][...] = lengths
+            _gather_columns(self, draw, {name: a for name, (a, _) in out.data.items()})
             out.keys[0][...] = draw.seqs * P + parts  # int64 (B,): the key of the record gathered
             out.weights[0][...] = draw.weights
             out.probabilities[0][...] = draw.probabilities
@@ -555,15 +561,6 @@ class DeviceReplay:
             self._gathered.record(self.stream)
         self._gathered.synchronize()
         draw.num_invalid = int(self._status_host[0])
-
-    def _gather_stacks(self, name: str, ptr: int, row_bytes: int, parts: Any, starts: Any, lengths: Any, T: int,
-                       dst: Any) -> None:  # fmt: skip
-        """One stacked-frame column: ``dst`` (B, [T,] K, *frame) from the frames and the steps'
-        episode offsets (``gather_stacks_*``); a transition's (B, K, ...) is a window of one step."""
-        K, B = self._stacks[name], parts.shape[0]
-        view = dst.reshape(B, T, K, -1)  # (B, T, K, frame elements): the kernel's layout, no copy
-        self._gather.gather_stacks(ptr, row_bytes, self._S, K, self._offsets, parts, starts, lengths, T, view,
-                                   num_rows=self._P * self._S)  # fmt: skip
 
     def invalid(self, draw: DeviceDraw) -> np.ndarray:
         """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
