@@ -194,11 +194,20 @@ def test_gather_threads_measures_both_then_keeps_the_cheaper_and_retries():
         assert n == (1, 2)[i % 2] and g.chosen(256) is None
         g.record(256, n, 1.0 if i < 2 else (0.010 if n == 1 else 0.001))
     assert g.chosen(256) == 2
-    picks = [g.pick(256) for _ in range(512)]
-    assert picks.count(2) > 500 and picks.count(1) >= 1  # the other is re-tried now and then
+    picks = []
+    for _ in range(512):
+        picks.append(g.pick(256))
+        g.record(256, picks[-1], 0.010 if picks[-1] == 1 else 0.001)
+    assert picks.count(2) > 490 and picks.count(1) >= 3  # the other is re-tried now and then
     for _ in range(40):  # the load changed: 2 threads became slow
         g.record(256, 2, 0.050)
     assert g.chosen(256) == 1
+    # one thread must be clearly cheaper (MARGIN) to replace torch's own count
+    h = GatherThreads(most=2)
+    for i in range(2 * GatherThreads.WARMUP):
+        n = h.pick(64)
+        h.record(64, n, 0.0011 if n == 1 else 0.0012)
+    assert h.chosen(64) == 2
     assert g.chosen(64) is None  # per batch size
     assert GatherThreads(3).pick(256) == 3
     for bad in (0, -1, 1.5, True, "2"):

@@ -96,60 +96,85 @@ class GatherThreads:
     and a 2-thread gather can take 30 × as long as a 1-thread one (measured here: 6.6 ms
     against 0.23 ms for 256 Atari frames). So the table times its gathers with 1 thread
     and with all of torch's, keeps a moving average of the count in use per batch size,
-    uses the cheaper, and re-tries the other now and then (every 32 samples while the two
-    are within 1.5 ×, every 256 when one is clearly worse; a re-try's time replaces that
-    count's figure), so it follows the machine's load both ways.
+    uses torch's count unless one thread is clearly cheaper (``MARGIN``), and re-tries the
+    other now and then (``RETRY`` gathers in a row, every 32 samples while the two are within
+    1.2 ×, every 128 within 2 ×, every 256 beyond; the re-try's median replaces that count's
+    figure), so it follows the machine's load both ways.
     Each count's first gather is a warm-up (cold buffers) and is not counted; each is
     measured ``WARMUP`` times, in turn, before the choice starts.
     ``fixed`` (``Table(num_threads=N)``) turns the choice off.
     """
 
     WARMUP = 4  # gathers per count, taken in turn, before choosing (the first one not counted)
+    RETRY = 3  # gathers in a row when the other count is re-tried (its figure: their median)
+    MARGIN = 1.3  # one thread replaces torch's count only when this much cheaper
 
     def __init__(self, fixed: int | None = None, most: int | None = None):
         if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1):
             raise ValueError(f"num_threads must be an int ≥ 1 or None (chosen by measuring), got {fixed!r}")
         self.fixed = fixed
         self.candidates = sorted({1, max(1, most or torch.get_num_threads())})
-        self._cost: dict[tuple[int, int], float] = {}  # (batch size, threads) -> seconds per gather
-        self._seen: dict[tuple[int, int], int] = {}  # (batch size, threads) -> gathers timed
-        self._calls = 0
+        # per batch size: [cost of each count, gathers timed of each, best index, period, calls,
+        # the re-try's gathers so far];
+        # plain lists and ints, read and written every sample
+        self._state: dict[int, list] = {}
+
+    def _of(self, batch_size: int) -> list:
+        st = self._state.get(batch_size)
+        if st is None:
+            k = len(self.candidates)
+            st = self._state[batch_size] = [[0.0] * k, [0] * k, -1, 32, 0, []]
+        return st
 
     def pick(self, batch_size: int) -> int:
         if self.fixed is not None or len(self.candidates) == 1:
             return self.fixed or self.candidates[0]
-        self._calls += 1
-        seen = [self._seen.get((batch_size, n), 0) for n in self.candidates]
-        if min(seen) < self.WARMUP:  # measure each in turn first
+        st = self._of(batch_size)
+        best = st[2]
+        if best < 0:  # measure each in turn first
+            seen = st[1]
             return self.candidates[seen.index(min(seen))]
-        costs = [self._cost[(batch_size, n)] for n in self.candidates]
-        best = costs.index(min(costs))  # plain Python: this runs every sample
-        period = 32 if max(costs) < 1.5 * min(costs) else 256
-        if self._calls % period == 0:
-            return self.candidates[1 - best]
+        st[4] += 1
+        if st[4] % st[3] < self.RETRY:
+            return self.candidates[1 - best]  # a re-try of the other count (RETRY gathers in a row)
         return self.candidates[best]
 
     def record(self, batch_size: int, threads: int, seconds: float) -> None:
-        key = (batch_size, threads)
-        seen = self._seen[key] = self._seen.get(key, 0) + 1
-        old = self._cost.get(key)
-        if seen <= 2:  # the first gather (cold buffers) is replaced by the second
-            self._cost[key] = seconds
-        elif seen <= self.WARMUP:  # the warm-up: a plain mean
-            self._cost[key] = old + (seconds - old) / (seen - 1)
-        elif threads != self.chosen(batch_size):
-            self._cost[key] = seconds  # a re-try of the other count: what it costs now
+        if self.fixed is not None or len(self.candidates) == 1:
+            return
+        st = self._of(batch_size)
+        costs, seen = st[0], st[1]
+        i = self.candidates.index(threads)
+        seen[i] += 1
+        if seen[i] <= 2:  # the first gather (cold buffers) is replaced by the second
+            costs[i] = seconds
+        elif seen[i] <= self.WARMUP:  # the warm-up: a plain mean
+            costs[i] += (seconds - costs[i]) / (seen[i] - 1)
+        elif i != st[2]:  # a re-try of the other count: the middle of its RETRY gathers
+            burst = st[5]
+            burst.append(seconds)
+            if len(burst) >= self.RETRY:
+                costs[i] = sorted(burst)[len(burst) // 2]
+                burst.clear()
         else:
-            self._cost[key] = 0.8 * old + 0.2 * seconds
+            costs[i] = 0.8 * costs[i] + 0.2 * seconds
+        if min(seen) >= self.WARMUP:
+            # torch's own count (all threads) unless one thread is clearly cheaper: a split gather
+            # stalled by a busy core costs many times more, a noisy measurement only a little
+            d = len(costs) - 1
+            best = 0 if costs[0] * self.MARGIN < costs[d] else d
+            if best != st[2]:
+                st[5].clear()
+            st[2] = best
+            worse = costs[1 - best] / max(costs[best], 1e-12)
+            st[3] = 32 if worse < 1.2 else 128 if worse < 2 else 256  # a much worse count is re-tried rarely
 
     def chosen(self, batch_size: int) -> int | None:
         """The count in use for ``batch_size`` (None while still measuring)."""
-        if self.fixed is not None:
-            return self.fixed
-        if min(self._seen.get((batch_size, n), 0) for n in self.candidates) < self.WARMUP:
-            return None
-        costs = [self._cost[(batch_size, n)] for n in self.candidates]
-        return self.candidates[costs.index(min(costs))]
+        if self.fixed is not None or len(self.candidates) == 1:
+            return self.fixed or self.candidates[0]
+        best = self._of(batch_size)[2]
+        return None if best < 0 else self.candidates[best]
 
 
 def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
