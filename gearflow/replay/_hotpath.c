@@ -386,6 +386,45 @@ static int check_priorities(const Floats *pr) {
     return 0;
 }
 
+/* The slot that holds item ``key`` (seq * P + p lives in slot p * R + seq % R), or -1 when the
+ * slot no longer holds that very item (evicted, overwritten, never ingested). */
+static inline int64_t key_slot(int64_t k, Py_ssize_t P, Py_ssize_t R, const int64_t *rec, const char *live) {
+    if (k < 0) return -1;
+    const int64_t seq = k / P, s = (k % P) * R + seq % R;
+    return live[s] && rec[s * 3 + 1] == seq ? s : -1;
+}
+
+/* A selector's packed live list: add a dead slot at the end / remove a live one, the hole taking
+ * the list's last entry. Both return the new count. */
+static inline Py_ssize_t live_add(int64_t *pos, int64_t *live, Py_ssize_t count, int64_t s) {
+    if (pos[s] < 0) { live[count] = s; pos[s] = count++; }
+    return count;
+}
+
+static inline Py_ssize_t live_remove(int64_t *pos, int64_t *live, Py_ssize_t count, int64_t s) {
+    const int64_t hole = pos[s];
+    if (hole < 0) return count;
+    pos[s] = -1;
+    if (hole != --count) { const int64_t mover = live[count]; live[hole] = mover; pos[mover] = hole; }
+    return count;
+}
+
+/* update_by_key's work once its arguments are checked: priorities checked (ValueError, nothing
+ * changed), then each key still held takes p ** alpha. Returns the leaves set, or -1 on error. */
+static Py_ssize_t apply_by_key(const Levels *lv, Py_ssize_t fanout, const int64_t *keys, const Floats *pr,
+                               Py_ssize_t P, Py_ssize_t R, const int64_t *rec, const char *live, double alpha) {
+    if (check_priorities(pr) < 0) return -1;
+    const int shift = pow2_shift(fanout);
+    Py_ssize_t applied = 0;
+    for (Py_ssize_t i = 0; i < pr->n; i++) {
+        const int64_t s = key_slot(keys[i], P, R, rec, live);
+        if (s < 0) continue;
+        tree_put(lv, fanout, shift, s, mass_of(float_at(pr, i), alpha));
+        applied++;
+    }
+    return applied;
+}
+
 /* update_by_key(levels, fanout, keys: int64[n], P, R, slot_rec: int64[P*R, 3], slot_live: bool[P*R],
  *               priorities: float64|float32[n], alpha) -> applied
  * The learner's priority write-back in one pass: every priority checked first (a bad one
@@ -412,20 +451,9 @@ static PyObject *update_by_key(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "update_by_key: slot_rec int64[P*R, 3], slot_live bool[P*R], tree >= P*R leaves");
         goto done;
     }
-    if (check_priorities(&pr) < 0) goto done;
-    const int64_t *keys = (const int64_t *)kb.buf, *rec = (const int64_t *)rb.buf;
-    const char *live = (const char *)lb.buf;
-    const int shift = pow2_shift(fanout);
-    Py_ssize_t applied = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t k = keys[i];
-        if (k < 0) continue;
-        const int64_t seq = k / P, s = (k % P) * R + seq % R;
-        if (!live[s] || rec[s * 3 + 1] != seq) continue;  /* evicted or overwritten since the sample */
-        tree_put(&lv, fanout, shift, s, mass_of(float_at(&pr, i), alpha));
-        applied++;
-    }
-    result = PyLong_FromSsize_t(applied);
+    const Py_ssize_t applied = apply_by_key(&lv, fanout, (const int64_t *)kb.buf, &pr, P, R, (const int64_t *)rb.buf,
+                                            (const char *)lb.buf, alpha);
+    if (applied >= 0) result = PyLong_FromSsize_t(applied);
 done:
     release_levels(&lv);
 done_bufs:
@@ -459,20 +487,9 @@ static PyObject *update_by_key_raw(PyObject *self, PyObject *args) {
     }
     Floats pr = {.is_f32 = f32, .n = n};
     pr.view.buf = (void *)(uintptr_t)paddr;
-    if (check_priorities(&pr) < 0) goto done;
-    const int64_t *keys = (const int64_t *)(uintptr_t)kaddr, *rec = (const int64_t *)rb.buf;
-    const char *live = (const char *)lb.buf;
-    const int shift = pow2_shift(fanout);
-    Py_ssize_t applied = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t k = keys[i];
-        if (k < 0) continue;
-        const int64_t seq = k / P, s = (k % P) * R + seq % R;
-        if (!live[s] || rec[s * 3 + 1] != seq) continue;  /* evicted or overwritten since the sample */
-        tree_put(&lv, fanout, shift, s, mass_of(float_at(&pr, i), alpha));
-        applied++;
-    }
-    result = PyLong_FromSsize_t(applied);
+    const Py_ssize_t applied = apply_by_key(&lv, fanout, (const int64_t *)(uintptr_t)kaddr, &pr, P, R,
+                                            (const int64_t *)rb.buf, (const char *)lb.buf, alpha);
+    if (applied >= 0) result = PyLong_FromSsize_t(applied);
 done:
     release_levels(&lv);
 done_bufs:
@@ -554,12 +571,7 @@ static PyObject *make_live(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= N) { PyErr_SetString(PyExc_IndexError, "make_live: slot out of range"); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t s = slots[i];
-        if (pos[s] >= 0) continue;
-        live[count] = s;
-        pos[s] = count++;
-    }
+    for (Py_ssize_t i = 0; i < n; i++) count = live_add(pos, live, count, slots[i]);
     result = PyLong_FromSsize_t(count);
 done:
     PyBuffer_Release(&pb);
@@ -581,17 +593,7 @@ static PyObject *make_dead(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= N) { PyErr_SetString(PyExc_IndexError, "make_dead: slot out of range"); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t s = slots[i], hole = pos[s];
-        if (hole < 0) continue;
-        pos[s] = -1;
-        count--;
-        if (hole != count) {
-            const int64_t mover = live[count];
-            live[hole] = mover;
-            pos[mover] = hole;
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++) count = live_remove(pos, live, count, slots[i]);
     result = PyLong_FromSsize_t(count);
 done:
     PyBuffer_Release(&pb);
@@ -618,14 +620,8 @@ static PyObject *key_slots(PyObject *self, PyObject *args) {
     int64_t *out = (int64_t *)ob.buf;
     Py_ssize_t valid = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t k = keys[i];
-        int64_t slot = -1;
-        if (k >= 0) {
-            const int64_t seq = k / P, s = (k % P) * R + seq % R;
-            if (live[s] && rec[s * 3 + 1] == seq) slot = s;
-        }
-        out[i] = slot;
-        valid += slot >= 0;
+        out[i] = key_slot(keys[i], P, R, rec, live);
+        valid += out[i] >= 0;
     }
     result = PyLong_FromSsize_t(valid);
 done:
@@ -635,118 +631,6 @@ done:
     PyBuffer_Release(&ob);
     return result;
 }
-
-/* ingest(item_start: int64[R], item_length: int32[R], item_priority: float64[R],
- *        counters: int64[8] (the partition's, shared), lo, hi, p, max_len, published_field,
- *        rec_reserve_field, slot_rec: int64[P*R, 3], slot_live: bool[P*R],
- *        out_slots: int64[>= hi-lo], out_prios: float64[>= hi-lo]) -> (kept, replaced)
- * The item records of seqs [lo, hi) of partition p (hi - lo <= R), copied, then checked
- * against the record ring's seqlock: REC_RESERVE and PUBLISHED are read *after* the copy,
- * and records of seqs below max(them) - R may have been rewritten meanwhile, so they are
- * dropped. The rest become the table's records (slot_rec: start, seq, min(length, max_len);
- * slot_live) and are listed in out_* (slots, priorities) for the selector. A priority that
- * is not finite and >= 0 raises ValueError before anything changes. */
-static PyObject *ingest(PyObject *self, PyObject *args) {
-    Py_buffer stb, lnb, prb, cb, rb, lvb, osb, opb;
-    Py_ssize_t lo, hi, p, max_len, f_pub, f_rres;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*nnnnnnw*w*w*w*", &stb, &lnb, &prb, &cb, &lo, &hi, &p, &max_len,
-                          &f_pub, &f_rres, &rb, &lvb, &osb, &opb))
-        return NULL;
-    PyObject *result = NULL;
-    int64_t *starts = NULL;
-    int32_t *lengths = NULL;
-    const Py_ssize_t R = stb.len / 8, N = lvb.len, n = hi - lo;
-    if (lnb.len != R * 4 || prb.len != R * 8 || rb.len != N * 24 || N % R || p < 0 || p >= N / R
-        || n < 0 || n > R || osb.len < n * 8 || opb.len < n * 8 || cb.len < 64 || f_pub < 0 || f_pub > 7
-        || f_rres < 0 || f_rres > 7) {
-        PyErr_SetString(PyExc_ValueError, "ingest: record rows, counters or table arrays disagree");
-        goto done;
-    }
-    const int64_t *src_start = (const int64_t *)stb.buf;
-    const int32_t *src_len = (const int32_t *)lnb.buf;
-    const double *src_prio = (const double *)prb.buf;
-    const int64_t *counters = (const int64_t *)cb.buf;
-    int64_t *slot_rec = (int64_t *)rb.buf, *out_slots = (int64_t *)osb.buf;
-    char *slot_live = (char *)lvb.buf;
-    double *out_prios = (double *)opb.buf;
-    starts = (int64_t *)PyMem_Malloc((n + 1) * sizeof(int64_t));
-    lengths = (int32_t *)PyMem_Malloc((n + 1) * sizeof(int32_t));
-    if (!starts || !lengths) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {  /* copy: a writer may be rewriting these slots */
-        const Py_ssize_t r = (lo + i) % R;
-        starts[i] = src_start[r];
-        lengths[i] = src_len[r];
-        out_prios[i] = src_prio[r];
-    }
-    /* the counters are read after the copy: the fence keeps the record loads above it */
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    const int64_t rres = __atomic_load_n(&counters[f_rres], __ATOMIC_RELAXED);
-    const int64_t pub = __atomic_load_n(&counters[f_pub], __ATOMIC_RELAXED);
-    const int64_t valid_from = (rres > pub ? rres : pub) - R;
-    const Py_ssize_t k0 = valid_from > lo ? (valid_from - lo < n ? valid_from - lo : n) : 0;
-    for (Py_ssize_t i = k0; i < n; i++) {
-        const double pr = out_prios[i];
-        if (!(pr >= 0.0) || isinf(pr)) {
-            PyObject *v = PyFloat_FromDouble(pr);
-            PyErr_Format(PyExc_ValueError, "partition %zd item %zd: priority must be finite and %s 0, got %R "
-                         "(a writer bypassed its checks)", p, lo + i, GE, v);
-            Py_XDECREF(v);
-            goto done;
-        }
-    }
-    Py_ssize_t kept = 0, replaced = 0;
-    for (Py_ssize_t i = k0; i < n; i++) {
-        const int64_t seq = lo + i, s = p * R + seq % R;
-        int64_t len = lengths[i];
-        if (len > max_len) len = max_len;  /* an item longer than the kind's window is cut to it */
-        replaced += slot_live[s] != 0;
-        slot_rec[s * 3] = starts[i];
-        slot_rec[s * 3 + 1] = seq;
-        slot_rec[s * 3 + 2] = len;
-        slot_live[s] = 1;
-        out_slots[kept] = s;
-        out_prios[kept] = out_prios[i];
-        kept++;
-    }
-    result = Py_BuildValue("nn", kept, replaced);
-done:
-    PyMem_Free(starts);
-    PyMem_Free(lengths);
-    PyBuffer_Release(&stb); PyBuffer_Release(&lnb); PyBuffer_Release(&prb); PyBuffer_Release(&cb);
-    PyBuffer_Release(&rb); PyBuffer_Release(&lvb); PyBuffer_Release(&osb); PyBuffer_Release(&opb);
-    return result;
-}
-
-/* evict_before(slot_rec: int64[P*R, 3], slot_live: bool[P*R], p, R, lo, hi, limit, out: int64[]) -> (k, new_lo)
- * Walks partition p's seqs from lo while the item's first step is older than limit (starts
- * ascend with seq), marking the live ones dead and listing their slots in out. */
-static PyObject *evict_before(PyObject *self, PyObject *args) {
-    Py_buffer rb, lvb, ob;
-    Py_ssize_t p, R, lo, hi, limit;
-    if (!PyArg_ParseTuple(args, "y*w*nnnnnw*", &rb, &lvb, &p, &R, &lo, &hi, &limit, &ob)) return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t N = lvb.len, cap = ob.len / 8;
-    if (rb.len != N * 24 || R < 1 || p < 0 || (p + 1) * R > N) {
-        PyErr_SetString(PyExc_ValueError, "evict_before: slot_rec int64[P*R, 3], slot_live bool[P*R]");
-        goto done;
-    }
-    const int64_t *rec = (const int64_t *)rb.buf;
-    char *live = (char *)lvb.buf;
-    int64_t *out = (int64_t *)ob.buf;
-    Py_ssize_t k = 0, seq = lo;
-    for (; seq < hi && k < cap; seq++) {
-        const int64_t s = p * R + seq % R;
-        if (rec[s * 3] >= limit) break;
-        if (live[s]) { live[s] = 0; out[k++] = s; }
-    }
-    result = Py_BuildValue("nn", k, seq);
-done:
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&lvb);
-    PyBuffer_Release(&ob);
-    return result;
-}
-
 
 /* stream_items(item_start: int64[R], item_length: int32[R], item_priority: float64[R],
  *              counters: int64[8] (the partition's, shared), ends: int64[m], num_steps: int | int64[m],
@@ -962,7 +846,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 new_prios[n_new] = pr;
                 n_new++;
                 if (fused) {  /* the selector: live, with mass p ** alpha */
-                    if (sel_pos[s] < 0) { sel_live[sel_count] = s; sel_pos[s] = sel_count++; }
+                    sel_count = live_add(sel_pos, sel_live, sel_count, s);
                     tree_put(&lv, fanout, shift, s, mass_of(pr, alpha));
                     leaves_changed++;
                 }
@@ -981,10 +865,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 if (n_gone == cap) break;
                 live[s] = 0;
                 gone[n_gone++] = s;
-                if (fused && sel_pos[s] >= 0) {  /* the selector: dead (the hole takes the last entry), mass 0 */
-                    const int64_t hole = sel_pos[s];
-                    sel_pos[s] = -1;
-                    if (hole != --sel_count) { const int64_t mover = sel_live[sel_count]; sel_live[hole] = mover; sel_pos[mover] = hole; }
+                if (fused && sel_pos[s] >= 0) {  /* the selector: dead, mass 0 */
+                    sel_count = live_remove(sel_pos, sel_live, sel_count, s);
                     tree_put(&lv, fanout, shift, s, 0.0);
                     leaves_changed++;
                 }
@@ -1044,9 +926,6 @@ static PyMethodDef methods[] = {
      "seen_total, first_p, slot_rec, slot_live, new_slots, new_prios, gone) -> (total, next_p, new, gone, replaced, bad)"},
     {"counter_total", counter_total, METH_VARARGS, "counter_total(counters) -> sum of RESERVE, COMMIT, PUBLISHED"},
     {"key_slots", key_slots, METH_VARARGS, "key_slots(keys, P, R, slot_rec, slot_live, out) -> valid"},
-    {"ingest", ingest, METH_VARARGS, "ingest(start, length, priority, counters, lo, hi, p, max_len, "
-     "published_field, rec_reserve_field, slot_rec, slot_live, out_slots, out_prios) -> (kept, replaced)"},
-    {"evict_before", evict_before, METH_VARARGS, "evict_before(slot_rec, slot_live, p, R, lo, hi, limit, out) -> (k, lo)"},
     {NULL, NULL, 0, NULL},
 };
 
