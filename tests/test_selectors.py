@@ -597,3 +597,22 @@ def test_c_and_numpy_prioritized_draws_are_identical(monkeypatch):
         np.testing.assert_array_equal(a.slots, b.slots)
         np.testing.assert_allclose(a.probabilities, b.probabilities, rtol=1e-12)
         np.testing.assert_allclose(a.weights, b.weights, rtol=1e-6)
+
+
+def test_incremental_updates_are_resummed_exactly_every_four_times_the_size(tree_impl):
+    """Leaf changes carried up by adding drift by rounding; the tree re-sums exactly once
+    4 × size of them have accumulated, so parents equal their children's sums again."""
+    tree = SumTree(16, 4)
+    rng = np.random.default_rng(0)
+    for _ in range(70):  # 70 × 4 = 280 leaf changes > 4 × 16
+        slots = rng.integers(16, size=4)
+        tree.set_priorities(slots, rng.exponential(size=4) * 1e3 ** rng.random(4), alpha=0.7)
+    assert tree._incremental < 4 * 16 or not tree.native
+    if tree.native:  # the last re-sum was at most 4 × size changes ago; re-sum now and compare
+        before = [level.copy() for level in tree.levels]
+        tree.rebuild()
+        for a, b in zip(before, tree.levels, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+    for parent, children in zip(tree.levels[:-1], tree.levels[1:], strict=True):
+        sums = children.reshape(-1, 4).sum(axis=1)
+        np.testing.assert_allclose(parent[: len(sums)], sums, rtol=1e-12)

@@ -85,6 +85,17 @@ class KeyIndex:
     slot_rec: np.ndarray  # int64 [P * R, 3]: start, seq, length
     slot_live: np.ndarray  # bool [P * R]
 
+    def slots(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each int64 key, or -1 where the table no longer holds that item."""
+        if _hotpath is None:  # the reference
+            seq = keys // self.P
+            slots = (keys % self.P) * self.R + seq % self.R
+            ok = (keys >= 0) & self.slot_live[slots] & (self.slot_rec[slots, 1] == seq)
+            return np.where(ok, slots, -1)
+        out = np.empty(keys.size, np.int64)
+        _hotpath.key_slots(keys, self.P, self.R, self.slot_rec, self.slot_live, out)
+        return out
+
 
 @dataclass
 class Selection:
@@ -253,17 +264,7 @@ class Selector:
         """New priorities for the items named by ``keys`` (``index``: the table's key → slot
         records); keys of items the table no longer holds are skipped. Returns how many
         applied. Priorities are float32 or float64 arrays."""
-        if _hotpath is None:  # the reference
-            seq = keys // index.P
-            slots = (keys % index.P) * index.R + seq % index.R
-            ok = (keys >= 0) & index.slot_live[slots] & (index.slot_rec[slots, 1] == seq)
-            return self.update_known(np.where(ok, slots, -1), priorities)
-        if self._key_slots.size != keys.size:
-            self._key_slots = np.empty(keys.size, np.int64)
-        _hotpath.key_slots(keys, index.P, index.R, index.slot_rec, index.slot_live, self._key_slots)
-        return self.update_known(self._key_slots, priorities)
-
-    _key_slots = np.empty(0, np.int64)
+        return self.update_known(index.slots(keys), priorities)
 
     def update_by_key_tensors(self, keys: Any, priorities: Any, index: "KeyIndex") -> int | None:
         """The same from torch tensors without converting them, where a selector can (None here)."""
@@ -483,9 +484,7 @@ class SumTree:
         if self.native:
             pr = priorities if isinstance(priorities, np.ndarray) and priorities.dtype in (np.float32, np.float64) else np.asarray(priorities, dtype=np.float64)
             n = _hotpath.set_priorities(self.levels, self.fanout, self.size, slots, np.ascontiguousarray(pr), float(alpha), skip_negative)
-            self._incremental += n
-            if self._incremental > 4 * self.size:
-                self.rebuild()
+            self.note_incremental(n)
             return n
         pr = np.asarray(priorities, dtype=np.float64).reshape(-1)
         if pr.shape != slots.shape:
@@ -500,6 +499,12 @@ class SumTree:
         pr = pr[len(slots) - 1 - first_reversed]
         self.set(unique, np.where(pr > 0, pr ** float(alpha) if alpha else 1.0, 0.0))
         return int(slots.size)
+
+    def note_incremental(self, leaves: int) -> None:
+        """``leaves`` leaf changes were carried up by adding; re-sum exactly every ``4 * size``."""
+        self._incremental += leaves
+        if self._incremental > 4 * self.size:
+            self.rebuild()
 
     def rebuild(self) -> None:
         """Re-sum every parent from its children (exact)."""
@@ -608,10 +613,7 @@ class PrioritizedSelector(Selector):
 
     def scan_done(self, count, leaves_changed):
         self._count = count
-        tree = self.tree
-        tree._incremental += leaves_changed
-        if tree._incremental > 4 * tree.size:
-            tree.rebuild()
+        self.tree.note_incremental(leaves_changed)
 
     def update_by_key(self, keys: np.ndarray, priorities: np.ndarray, index: "KeyIndex") -> int:
         tree = self.tree
@@ -620,9 +622,7 @@ class PrioritizedSelector(Selector):
         # one C pass: priorities checked, keys mapped to the slots still holding them, leaves set
         n = _hotpath.update_by_key(tree.levels, tree.fanout, keys, index.P, index.R, index.slot_rec,
                                    index.slot_live, priorities, self.alpha)  # fmt: skip
-        tree._incremental += n
-        if tree._incremental > 4 * tree.size:
-            tree.rebuild()
+        tree.note_incremental(n)
         return n
 
     def update_by_key_tensors(self, keys: Any, priorities: Any, index: "KeyIndex") -> int | None:
@@ -646,9 +646,7 @@ class PrioritizedSelector(Selector):
             raise ValueError(f"{n} keys but {priorities.numel()} priorities")
         applied = _hotpath.update_by_key_raw(tree.levels, tree.fanout, keys.data_ptr(), priorities.data_ptr(), n, f32,
                                              index.P, index.R, index.slot_rec, index.slot_live, self.alpha)  # fmt: skip
-        tree._incremental += applied
-        if tree._incremental > 4 * tree.size:
-            tree.rebuild()
+        tree.note_incremental(applied)
         return applied
 
     def update_known(self, slots: np.ndarray, priorities: np.ndarray) -> int:

@@ -467,15 +467,12 @@ class Table(TableIngest):
         if self._device is None:  # one C pass where built: checked, mapped, applied
             return self.selector.update_by_key(keys, prios, self._key_index)
         check_priorities(prios)
-        p = keys % self._P
-        seq = keys // self._P
-        slots = p * self._R + seq % self._R
-        ok = (keys >= 0) & self._slot_live[slots] & (self._slot_seq[slots] == seq)
-        if not ok.all():
-            slots, prios = slots[ok], prios[ok]
+        slots = self._key_index.slots(keys)
+        held = slots >= 0
+        if not held.all():
+            slots, prios = slots[held], prios[held]
         self.selector.update(slots, prios)
-        if self._device is not None:
-            self._device.update(slots, prios)
+        self._device.update(slots, prios)  # the device path: its priority vector mirrors the selector's
         return int(slots.size)
 
     # ------------------------------------------------------------------ close
