@@ -34,17 +34,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gearflow.bench import record, replay_stack
+from gearflow.bench import record, replay_hot, replay_stack
+from gearflow.bench.common import copy_floor, prioritized_table, random_steps
 from gearflow.errors import GearflowError
 from gearflow.replay import (
-    RateLimiter,
     Sequence,
     SharedStorage,
     Table,
-    TableSpec,
     Transition,
     Writer,
-    make_selector,
 )
 
 Emit = Callable[[dict], None]
@@ -66,13 +64,6 @@ def _timed(fn: Callable[[], object], min_seconds: float, min_calls: int = 5) -> 
     return (time.perf_counter() - start) / calls
 
 
-def _make_table(spec: dict, P: int, S: int, kind, seed: int, R: int | None = None) -> Table:
-    """A table whose batches go to one reused output buffer, as the floor's do."""
-    storage = SharedStorage.create(TableSpec.parse(spec), P, S, R)
-    selector = make_selector("prioritized", P * storage.items_per_partition, seed=seed, alpha=0.6, beta=0.4)
-    return Table(storage, kind, selector, RateLimiter(min_size_to_sample=1), num_buffers=1)
-
-
 def _emit_rotating(emit: Emit, workload: str, table: Table, B: int, batch_gb: float, t_floor: float, min_s: float) -> None:
     """The same sampling with 3 rotating output buffers (what a prefetching learner uses):
     the floor keeps writing one buffer, so this ratio includes the colder output cache."""
@@ -80,18 +71,6 @@ def _emit_rotating(emit: Emit, workload: str, table: Table, B: int, batch_gb: fl
     t = _timed(lambda: table.sample(B), min_s)
     emit(_record(workload, "sample_GB_per_s_3_rotating_buffers", batch_gb / t, "GB/s", batch_gb / t_floor))
     table.num_buffers = 1
-
-
-def _chunk(spec: TableSpec, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    out = {}
-    for c in spec:
-        if c.dtype == np.uint8:
-            out[c.name] = rng.integers(0, 255, (n, *c.shape), dtype=np.uint8)
-        elif c.dtype == np.bool_:
-            out[c.name] = np.zeros((n, *c.shape), dtype=bool)
-        else:
-            out[c.name] = rng.standard_normal((n, *c.shape)).astype(c.dtype)
-    return out
 
 
 def _fill_transitions(writer: Writer, chunk: dict, steps: int, n_step: int, rng) -> float:
@@ -103,19 +82,6 @@ def _fill_transitions(writer: Writer, chunk: dict, steps: int, n_step: int, rng)
         ends = first + np.arange(1, n + 1)
         ends = ends[ends - (n_step + 1) >= writer.episode_starts()[0]]
         writer.create_items(rng.random(ends.size) + 0.01, n_step + 1, streams=0, ends=ends)
-    return time.perf_counter() - start
-
-
-def _floor_copy(chunk: dict, steps: int) -> float:
-    """Seconds for plain slice copies of the same chunks into preallocated (warm) arrays."""
-    n = len(next(iter(chunk.values())))
-    dst = {k: np.empty((steps, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()}
-    for k in dst:
-        dst[k][:] = 0  # fault the pages in, as the table's ring is after its first lap
-    start = time.perf_counter()
-    for i in range(steps // n):
-        for k, v in chunk.items():
-            dst[k][i * n : (i + 1) * n] = v
     return time.perf_counter() - start
 
 
@@ -156,16 +122,16 @@ def _floor_gather(sources: dict[str, torch.Tensor], rows_per_column: dict[str, i
 def w1(emit: Emit, scale: float, seed: int) -> None:
     steps = max(2048, int(100_000 * scale)) // 64 * 64
     rng = np.random.default_rng(seed)
-    table = _make_table(W1_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
+    table = prioritized_table(W1_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
     try:
         spec = table.storage.spec
         writer = Writer(table.storage, [0])
-        chunk = _chunk(spec, 64, rng)
+        chunk = random_steps(spec, 64, rng)
         _fill_transitions(writer, chunk, steps, 3, rng)  # first lap: pages fault in
         table.scan()
         # steady state (the ring overwrites), best of 3 on both sides
         t_insert = min(_fill_transitions(writer, chunk, steps, 3, rng) for _ in range(3))
-        t_floor = min(_floor_copy(chunk, steps) for _ in range(3))
+        t_floor = min(copy_floor(chunk, steps, shared=False) for _ in range(3))
         gb = steps * spec.step_nbytes / 1e9
         emit(_record("W1", "insert_GB_per_s", gb / t_insert, "GB/s", gb / t_floor))
         emit(_record("W1", "insert_steps_per_s", steps / t_insert, "steps/s", steps / t_floor))
@@ -200,7 +166,7 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
     rng = np.random.default_rng(seed)
     spec_d = {"obs": "float32[128]", "action": "int64", "reward": "float32"}
     kind = Sequence(length=T, period=period, burn_in=0)
-    table = _make_table(spec_d, P, steps, kind, seed, R=steps // period + 1)
+    table = prioritized_table(spec_d, P, steps, kind, seed, R=steps // period + 1)
     try:
         spec = table.storage.spec
         writer = Writer(table.storage, list(range(P)))
@@ -208,7 +174,7 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
         def fill(n: int) -> float:
             """Insert every partition's ring in calls of ``n`` steps, each call one whole
             episode with a window ending every ``period`` steps from step T on."""
-            chunk = _chunk(spec, n, rng)
+            chunk = random_steps(spec, n, rng)
             window_ends = np.arange(T, n + 1, period)
             prios = rng.random(window_ends.size) + 0.01
             start = time.perf_counter()
@@ -224,8 +190,8 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
         # 4,096 steps (2.1 MB) per call: about W1's 1.8 MB per 64-frame call
         for n, metric in ((4096, "insert_GB_per_s"), (1024, "insert_GB_per_s_1024_step_calls")):
             # best of 3 on both sides: this machine's noise only ever adds time
-            chunk = _chunk(spec, n, rng)
-            t_floor = min(_floor_copy(chunk, steps) for _ in range(3)) * P
+            chunk = random_steps(spec, n, rng)
+            t_floor = min(copy_floor(chunk, steps, shared=False) for _ in range(3)) * P
             t_fill = min(fill(n) for _ in range(3))
             emit(_record("W2", metric, gb / t_fill, "GB/s", gb / t_floor))
         # (1,024-step calls: the per-call overhead shows against 0.5 MB copies)
@@ -270,7 +236,7 @@ def _w3_writer(name: str, seconds: float, go, stop, q) -> None:
         pos0 = int(writer.positions[0])
         q.put(("base", pos0, int(storage.total_inserts())))
         rng = np.random.default_rng(1)
-        chunk = _chunk(storage.spec, 64, rng)
+        chunk = random_steps(storage.spec, 64, rng)
 
         def insert() -> None:
             pos = int(writer.positions[0])
@@ -316,7 +282,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
     torn item was detected and redrawn: then the check proved nothing."""
     steps = max(4096, int(100_000 * scale)) // 64 * 64
     seconds = max(1.5, 5.0 * scale)
-    table = _make_table(W3_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
+    table = prioritized_table(W3_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
     ctx = mp.get_context("spawn")
     procs = []
     # The writer process holds one core: the sampler gathers on one thread, as the
@@ -397,11 +363,11 @@ def w4(emit: Emit, scale: float, seed: int) -> None:
     for n in sizes:
         chunk_n = min(n, 65536)
         steps = -(-n // chunk_n) * chunk_n
-        table = _make_table({"action": "int64", "reward": "float32"}, 1, steps + 1, Transition(next_columns=()), seed)
+        table = prioritized_table({"action": "int64", "reward": "float32"}, 1, steps + 1, Transition(next_columns=()), seed)
         try:
             writer = Writer(table.storage, [0])
             rng = np.random.default_rng(seed)
-            chunk = _chunk(table.storage.spec, chunk_n, rng)
+            chunk = random_steps(table.storage.spec, chunk_n, rng)
             for _ in range(steps // chunk_n):
                 first = writer.extend(chunk)
                 writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
@@ -418,8 +384,6 @@ def w4(emit: Emit, scale: float, seed: int) -> None:
 
 def w5(emit: Emit, scale: float, seed: int) -> None:
     """The per-step hot paths (gearflow/bench/replay_hot.py)."""
-    from gearflow.bench import replay_hot
-
     replay_hot.w5(emit, scale, seed)
 
 

@@ -33,7 +33,8 @@ from functools import partial
 import numpy as np
 
 from gearflow.bench import record
-from gearflow.bench.replay import Emit, _chunk, _floor_gather, _stamp_obs, _timed, _verify
+from gearflow.bench.common import random_steps
+from gearflow.bench.replay import Emit, _floor_gather, _stamp_obs, _timed, _verify
 from gearflow.errors import GearflowError
 from gearflow.native import require_cupy
 from gearflow.native.device_replay import resolve_replay_device
@@ -121,7 +122,7 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
     try:
         writer = Writer(t.storage, [0])
         rng = np.random.default_rng(0)
-        chunk = _chunk(t.storage.spec, 64, rng)
+        chunk = random_steps(t.storage.spec, 64, rng)
         for _ in range(steps // 64):
             idx = np.arange(int(writer.positions[0]), int(writer.positions[0]) + 64)
             _stamp_obs(chunk["obs"], idx)
@@ -163,7 +164,7 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         try:
             writer = Writer(t.storage, [0])
             rng = np.random.default_rng(0)
-            chunk = _chunk(t.storage.spec, chunk_n, rng)
+            chunk = random_steps(t.storage.spec, chunk_n, rng)
             start = time.perf_counter()
             for _ in range(steps // chunk_n):
                 first = writer.extend(chunk)

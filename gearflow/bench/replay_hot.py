@@ -23,8 +23,6 @@ pages) is reported beside it.
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 from typing import Callable
 
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from gearflow.bench import record
+from gearflow.bench.common import copy_floor, prioritized_table, random_steps
 from gearflow.replay import (
     RateLimiter,
     Sequence,
@@ -43,7 +42,6 @@ from gearflow.replay import (
     Writer,
     make_selector,
 )
-from gearflow.replay.storage import SHM_DIR
 
 Emit = Callable[[dict], None]
 W1_SPEC = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool"}
@@ -52,24 +50,6 @@ SMALL_SPEC = {"obs": "float32[4]", "action": "int64", "reward": "float32", "done
 
 def _rec(metric: str, value: float, unit: str, floor: float | None = None) -> dict:
     return record("replay", "W5", metric, value, unit, floor)
-
-
-def _table(spec: dict, P: int, S: int, kind, seed: int, R: int | None = None) -> Table:
-    storage = SharedStorage.create(TableSpec.parse(spec), P, S, R)
-    selector = make_selector("prioritized", P * storage.items_per_partition, seed=seed, alpha=0.6, beta=0.4)
-    return Table(storage, kind, selector, RateLimiter(min_size_to_sample=1), num_buffers=1)
-
-
-def _chunk(spec: TableSpec, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    out = {}
-    for c in spec:
-        if c.dtype == np.uint8:
-            out[c.name] = rng.integers(0, 255, (n, *c.shape), dtype=np.uint8)
-        elif c.dtype == np.bool_:
-            out[c.name] = np.zeros((n, *c.shape), dtype=bool)
-        else:
-            out[c.name] = rng.standard_normal((n, *c.shape)).astype(c.dtype)
-    return out
 
 
 def _best(fn: Callable[[], float], rounds: int = 5) -> float:
@@ -85,50 +65,12 @@ def _per_call(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _shm_arrays(shapes: dict[str, tuple], dtypes: dict[str, np.dtype]) -> tuple[dict[str, np.ndarray], mmap.mmap]:
-    """Arrays in a /dev/shm mapping, like a table's columns (4 KiB shared pages; numpy's own
-    large arrays get transparent huge pages, which a shared segment here does not)."""
-    sizes = {k: int(np.prod(shape)) * np.dtype(dtypes[k]).itemsize for k, shape in shapes.items()}
-    total = sum(-(-n // 4096) * 4096 for n in sizes.values())
-    path = SHM_DIR / f"gearflow_benchfloor_{os.getpid()}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        mm = mmap.mmap(fd, total)
-    finally:
-        os.close(fd)
-        path.unlink()
-    out, off = {}, 0
-    for k, shape in shapes.items():
-        out[k] = np.frombuffer(mm, dtype=dtypes[k], count=int(np.prod(shape)), offset=off).reshape(shape)
-        off += -(-sizes[k] // 4096) * 4096
-    return out, mm
-
-
-def _copy_floor(chunk: dict[str, np.ndarray], steps: int, shared: bool = True) -> float:
-    """Seconds for slice copies of ``steps`` steps, in calls of len(chunk), into warm arrays:
-    in shared memory as the table's (``shared``), or numpy's own (huge-page) memory."""
-    n = len(next(iter(chunk.values())))
-    shapes = {k: (steps, *v.shape[1:]) for k, v in chunk.items()}
-    if shared:
-        dst, _ = _shm_arrays(shapes, {k: v.dtype for k, v in chunk.items()})
-    else:
-        dst = {k: np.empty(shapes[k], dtype=v.dtype) for k, v in chunk.items()}
-    for a in dst.values():
-        a.fill(0)  # fault the pages in, as the table's ring is after its first lap
-    start = time.perf_counter()
-    for i in range(steps // n):
-        for k, v in chunk.items():
-            dst[k][i * n : (i + 1) * n] = v
-    return time.perf_counter() - start  # the mapping goes with the last view of it
-
-
 # ----------------------------------------------------------------------------- priorities
 
 
 def priority_updates(emit: Emit, scale: float, seed: int) -> None:
     n, B = max(4096, int(100_000 * scale)), 256
-    table = _table({"action": "int64"}, 1, n, Transition(next_columns=()), seed)
+    table = prioritized_table({"action": "int64"}, 1, n, Transition(next_columns=()), seed)
     try:
         w = Writer(table.storage, [0])
         w.extend({"action": np.arange(n)})
@@ -181,11 +123,11 @@ def priority_updates(emit: Emit, scale: float, seed: int) -> None:
 def insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
     steps = max(2048, int(100_000 * scale)) // 64 * 64
     rng = np.random.default_rng(seed)
-    table = _table(W1_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
+    table = prioritized_table(W1_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
     try:
         spec = table.storage.spec
         writer = Writer(table.storage, [0])
-        chunk = _chunk(spec, 64, rng)
+        chunk = random_steps(spec, 64, rng)
         prios = rng.random(64) + 0.01
         offsets = np.arange(1, 65)
 
@@ -202,8 +144,8 @@ def insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
 
         fill()  # first lap: pages fault in
         t = _best(fill, 3)
-        t_floor = _best(lambda: _copy_floor(chunk, steps), 3)
-        t_floor_np = _best(lambda: _copy_floor(chunk, steps, shared=False), 3)
+        t_floor = _best(lambda: copy_floor(chunk, steps), 3)
+        t_floor_np = _best(lambda: copy_floor(chunk, steps, shared=False), 3)
         emit(_rec("insert_with_ingest_steps_per_s", steps / t, "steps/s", steps / t_floor))
         emit(_rec("insert_with_ingest_vs_numpy_memory_steps_per_s", steps / t, "steps/s", steps / t_floor_np))
     finally:
@@ -215,12 +157,12 @@ def sequence_insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
     steps = max(16384, int(262_144 * scale)) // L * L
     rng = np.random.default_rng(seed)
     kind = Sequence(length=T, period=period)
-    table = _table({"obs": "float32[128]", "action": "int64", "reward": "float32"}, P, steps, kind, seed,
+    table = prioritized_table({"obs": "float32[128]", "action": "int64", "reward": "float32"}, P, steps, kind, seed,
                    R=steps // period + 2)  # fmt: skip
     try:
         spec = table.storage.spec
         writer = Writer(table.storage, list(range(P)))
-        chunk = _chunk(spec, L, rng)
+        chunk = random_steps(spec, L, rng)
         window_ends = np.arange(T, L + 1, period)  # 32, 48, 64
         prios = rng.random(window_ends.size) + 0.01
 
@@ -236,7 +178,7 @@ def sequence_insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
 
         fill()
         t = _best(fill, 3)
-        t_floor = _best(lambda: _copy_floor(chunk, steps), 3) * P
+        t_floor = _best(lambda: copy_floor(chunk, steps), 3) * P
         emit(_rec("sequence_insert_with_ingest_steps_per_s", P * steps / t, "steps/s", P * steps / t_floor))
     finally:
         table.close()
@@ -245,11 +187,11 @@ def sequence_insert_with_ingest(emit: Emit, scale: float, seed: int) -> None:
 def single_stream(emit: Emit, scale: float, seed: int) -> None:
     steps = max(2000, int(50_000 * scale))
     rng = np.random.default_rng(seed)
-    table = _table(SMALL_SPEC, 1, 4096, Transition(next_columns=("obs",)), seed)
+    table = prioritized_table(SMALL_SPEC, 1, 4096, Transition(next_columns=("obs",)), seed)
     try:
         spec = table.storage.spec
         writer = TrajectoryWriter(table.storage, 0)
-        data = _chunk(spec, 64, rng)
+        data = random_steps(spec, 64, rng)
         rows = [{k: v[i] for k, v in data.items()} for i in range(64)]
 
         def loop() -> float:
@@ -304,7 +246,7 @@ def gather_threads(emit: Emit, scale: float, seed: int) -> None:
             t = tables[name] = Table(storage, Transition(next_columns=("obs",)), selector,
                                      RateLimiter(min_size_to_sample=1), num_buffers=1, num_threads=threads)  # fmt: skip
             w = Writer(storage, [0])
-            chunk = _chunk(storage.spec, 64, rng)
+            chunk = random_steps(storage.spec, 64, rng)
             for _ in range(steps // 64):
                 first = w.extend(chunk)
                 w.create_items(np.ones(64), 1, streams=0, ends=first + np.arange(1, 65))

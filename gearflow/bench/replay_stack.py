@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from gearflow.bench import record
+from gearflow.bench.common import prioritized_table
 from gearflow.replay import (
     Episode,
     RateLimiter,
@@ -58,12 +59,9 @@ def _rec(metric: str, value: float, unit: str, floor: float | None = None) -> di
 
 
 def _table(spec: dict, P: int, S: int, seed: int) -> Table:
-    storage = SharedStorage.create(TableSpec.parse(spec), P, S)
-    selector = make_selector("prioritized", P * storage.items_per_partition, seed=seed, alpha=0.6, beta=0.4)
     # one gather thread for both layouts: on this shared 2-core box the measured choice of
     # GatherThreads follows the other processes' load and would differ between the two tables
-    return Table(storage, Transition(next_columns=("obs",)), selector, RateLimiter(min_size_to_sample=1),
-                 num_buffers=1, num_threads=1)  # fmt: skip
+    return prioritized_table(spec, P, S, Transition(next_columns=("obs",)), seed, num_threads=1)
 
 
 def _episode_ends(steps: int, rng: np.random.Generator) -> np.ndarray:
