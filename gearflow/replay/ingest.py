@@ -110,9 +110,9 @@ class TableIngest:
 
     def _scan_args(self) -> tuple[tuple, tuple]:
         """The C scan's fixed arguments (views of the segment and of this table's arrays), built
-        once; rebuilt when an array was replaced (``seen_reserve``, by the reference scan)."""
+        once (every array in them is only ever written in place)."""
         args = self.__dict__.get("_scan_args_cache")
-        if args is None or args[0][6] is not self._seen_reserve:
+        if args is None:
             st = self.storage
             head = (st.counters, st.item_start, st.item_length, st.item_priority, self._ingested, self._live_lo,
                     self._seen_reserve, self._S_trust, self._max_item_steps)  # fmt: skip
@@ -135,7 +135,7 @@ class TableIngest:
             if published[p] > self._ingested[p]:
                 new += self._ingest(p, int(published[p]))
             self._evict_overwritten(p, int(reserve[p]))
-        self._seen_reserve = reserve
+        self._seen_reserve[:] = reserve  # in place: the C scan's arguments view this array
         return new
 
     def _ingest(self, p: int, published: int) -> int:
