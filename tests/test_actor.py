@@ -527,3 +527,33 @@ def test_actor_without_a_writer_only_acts():
         k = counts[env_index] = counts.get(env_index, -1) + 1
         assert length == expected_episode(env_index, k)[0]
         assert eps == 0.0 and ret == length * (length + 1) / 2
+
+
+def test_stop_while_the_last_flush_waits_on_the_rate_limiter(make_table):
+    """A stop that arrives while the final flush is held by the rate limiter ends the run
+    quietly (shutdown, not an actor error): the held items are dropped, episodes are closed."""
+    import threading
+
+    from gearflow.replay import RateLimiter
+
+    cfg = config()
+    agent, net = counting_agent(cfg)
+    E = cfg.env.num_envs
+    table = make_table(spec=agent.replay_columns(), P=E, S=1024, kind=agent.item_kind(),
+                       limiter=RateLimiter(1, samples_per_insert=1.0, error_buffer=1.0))  # fmt: skip
+    env = make_vec_env(cfg.env, seed=0)
+    actor = make_actor(cfg, 1, agent, env, table.storage, np.arange(E), None, network=net)
+    actor.adder.flush_every = 10**9  # every item waits for the final flush
+    stop = threading.Event()
+    timer = threading.Timer(0.5, stop.set)
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        done = actor.run(stop, max_steps=12)  # no env ends twice: the first flush is the last
+        waited = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        actor.close()
+    assert done == 12 and stop.is_set() and 0.4 < waited < 5.0  # it waited for the stop
+    assert int(table.storage.counters[:, PUBLISHED].sum()) == 0  # 2 allowed, more held: all dropped
+    assert int(table.storage.counters[:, EPISODES].sum()) == actor.episodes > 0

@@ -257,7 +257,10 @@ class ActorBase:
         except InsertAborted:
             stopped = True
         if self.adder is not None:
-            self.adder.finish(block=not stopped)
+            try:
+                self.adder.finish(block=not stopped)
+            except InsertAborted:  # told to stop while the last flush waited on the rate limiter
+                self.adder.finish(block=False)  # its items are dropped; close the ended episodes
         return done
 
     def counters(self) -> dict[str, Any]:
