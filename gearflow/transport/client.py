@@ -1,0 +1,330 @@
+"""The client end: one authenticated connection, driven by a background event-loop thread.
+
+    client = Client("127.0.0.1:7000", token="s3cret-token", timeout_s=10)
+    meta, buffers = client.call("replay.stats")                 # blocks, at most timeout_s
+    fut = client.submit("replay.write", meta, [rows], on_sent=release)   # pipelined
+    meta, buffers = fut.result(timeout=10)
+    client.close()
+
+Every blocking call has a timeout and raises a named error: :class:`ServiceUnavailable` (no
+service at the address, or the connection was lost with the call in flight),
+:class:`RequestTimeout` (no reply in time, or no free in-flight slot), :class:`AuthenticationError`
+(the service refused the secret, or could not prove it holds it), and for a handler's own
+error the same exception type where it is registered (:func:`register_error`: ``ValueError``,
+``TypeError``, ``KeyError``, ``IndexError``, and what modules add), else :class:`RemoteError` with
+the remote type and message. At most ``max_in_flight`` calls are unanswered at once.
+A lost connection is re-made by the next call, with exponential backoff between attempts
+(50 ms doubling to 2 s); ``generation`` counts the connections made, so a caller that keeps
+per-connection state on the service (a writer session) can tell it must re-open it.
+The buffers of a request must not change until ``on_sent`` is called (``writelines``, no copy);
+:meth:`call` returns only after the reply, so it may pass anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from gearflow.errors import GearflowError
+from gearflow.transport import auth
+from gearflow.transport.auth import AuthenticationError
+from gearflow.transport.framing import (
+    AUTH,
+    AUTH_OK,
+    CHALLENGE,
+    ERROR,
+    REPLY,
+    REQUEST,
+    FrameError,
+    FrameLimits,
+    FramedProtocol,
+    FrameReader,
+    encode,
+    new_event_loop,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AuthenticationError", "Client", "RemoteError", "RequestTimeout", "ServiceUnavailable", "parse_address",
+           "register_error"]  # fmt: skip
+
+
+class ServiceUnavailable(GearflowError, ConnectionError):
+    """No service answers at the address, or the connection was lost while a call was in flight."""
+
+
+class RequestTimeout(GearflowError, TimeoutError):
+    """A call got no reply (or no free in-flight slot) within its timeout."""
+
+
+class RemoteError(GearflowError):
+    """A handler on the service raised an error of a type this side does not map: ``remote_type``
+    and the message."""
+
+    def __init__(self, remote_type: str, message: str):
+        super().__init__(f"{remote_type}: {message}")
+        self.remote_type, self.message = remote_type, message
+
+
+_ERRORS: dict[str, type] = {c.__name__: c for c in (ValueError, TypeError, KeyError, IndexError, FrameError,
+                                                     AuthenticationError, ServiceUnavailable)}  # fmt: skip
+
+
+def register_error(cls: type) -> type:
+    """Raise a remote error named ``cls.__name__`` as ``cls(message)`` (usable as a decorator)."""
+    _ERRORS[cls.__name__] = cls
+    return cls
+
+
+def remote_exception(meta: dict) -> BaseException:
+    name, message = str(meta.get("type", "Error")), str(meta.get("message", ""))
+    cls = _ERRORS.get(name)
+    return cls(message) if cls is not None else RemoteError(name, message)
+
+
+def parse_address(address: Any) -> tuple[str, int]:
+    """``"host:port"`` or ``(host, port)`` → ``(host, port)``."""
+    if isinstance(address, (tuple, list)) and len(address) == 2:
+        return str(address[0]), int(address[1])
+    text = str(address)
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class _ClientProtocol(FramedProtocol):
+    def __init__(self, client: "Client"):
+        super().__init__(FrameReader(self._on_frame, client.limits, {CHALLENGE, ERROR}))
+        self.client = client
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.nonce = auth.new_nonce()
+        self.server_nonce = ""
+
+    def _fail_handshake(self, exc: BaseException) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _on_frame(self, kind, rid, op, meta, arrays, block) -> None:
+        secret = self.client._secret
+        if kind == CHALLENGE:
+            sn = meta.get("nonce")
+            if not auth.valid_nonce(sn):
+                return self._fail_handshake(AuthenticationError("the service sent a malformed challenge"))
+            self.server_nonce = sn
+            self.reader.kinds = frozenset({AUTH_OK, ERROR})
+            self.send(encode(AUTH, 0, "", {"nonce": self.nonce, "mac": auth.client_mac(secret, sn, self.nonce)}))
+        elif kind == AUTH_OK:
+            if not auth.check(auth.server_mac(secret, self.server_nonce, self.nonce), meta.get("mac")):
+                return self._fail_handshake(AuthenticationError(
+                    f"the service at {self.client.address_text} did not prove it holds the secret"))
+            self.reader.kinds = frozenset({REPLY, ERROR})
+            if not self.ready.done():
+                self.ready.set_result(True)
+        elif rid == 0 or rid not in self.pending:  # a connection-level error (auth, limits, framing)
+            exc = remote_exception(meta)
+            if isinstance(exc, RemoteError) or type(exc) is FrameError:
+                exc = ServiceUnavailable(f"the service at {self.client.address_text} closed the connection: {exc}")
+            self._fail_handshake(exc)
+            self._fail_all(exc)
+        else:
+            fut = self.pending.pop(rid)
+            if kind == REPLY:
+                fut.set_result((meta, arrays))
+            else:
+                fut.set_exception(remote_exception(meta))
+
+    def frame_error(self, exc: FrameError) -> None:
+        log.warning("transport: malformed frame from %s: %s", self.client.address_text, exc)
+        err = ServiceUnavailable(f"malformed frame from {self.client.address_text}: {exc}")
+        self._fail_handshake(err)
+        self._fail_all(err)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        err = ServiceUnavailable(f"connection to {self.client.address_text} lost" + (f": {exc}" if exc else ""))
+        self._fail_handshake(err)
+        self._fail_all(err)
+        self.client._lost(self)
+
+
+class Client:
+    """A connection to a :class:`~gearflow.transport.service.Service` (see the module docstring)."""
+
+    BACKOFF_S = (0.05, 2.0)  # first and longest wait between connection attempts
+
+    def __init__(self, address: Any, token: Optional[str] = None, *, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: Optional[FrameLimits] = None,
+                 loop: str = "auto"):  # fmt: skip
+        self.host, self.port = parse_address(address)
+        self.address_text = f"{self.host}:{self.port}"
+        self._secret = auth.resolve_token(token)
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.limits = limits or FrameLimits()
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be ≥ 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._ids = itertools.count(1)
+        self._loop = new_event_loop(loop)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gearflow-client-{self.address_text}",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        self._proto: Optional[_ClientProtocol] = None
+        self._connect_lock = threading.Lock()
+        self._backoff = 0.0
+        self._next_attempt = 0.0
+        self.generation = 0  # connections made so far
+        self.closed = False
+
+    # ----------------------------------------------------------------- connection
+    @property
+    def connected(self) -> bool:
+        p = self._proto
+        return p is not None and not p.closed
+
+    def connect(self, timeout_s: Optional[float] = None) -> None:
+        """Connect and authenticate now if not connected (with backoff after failures)."""
+        self._ensure(time.monotonic() + (self.connect_timeout_s if timeout_s is None else timeout_s))
+
+    def _ensure(self, deadline: float) -> _ClientProtocol:
+        p = self._proto
+        if p is not None and not p.closed:
+            return p
+        if self.closed:
+            raise ServiceUnavailable(f"client of {self.address_text} is closed")
+        with self._connect_lock:
+            while True:
+                p = self._proto
+                if p is not None and not p.closed:
+                    return p
+                now = time.monotonic()
+                wait = self._next_attempt - now
+                if wait > 0:
+                    if now + wait > deadline:
+                        raise ServiceUnavailable(f"no service at {self.address_text} (retrying with backoff, "
+                                                 f"next attempt in {wait:.2f} s)")  # fmt: skip
+                    time.sleep(wait)
+                try:
+                    fut = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
+                    self._proto = fut.result(timeout=max(0.05, min(self.connect_timeout_s, deadline - time.monotonic())))
+                    self._backoff = 0.0
+                    self.generation += 1
+                    return self._proto
+                except AuthenticationError:
+                    raise
+                except (concurrent.futures.TimeoutError, OSError, ServiceUnavailable) as exc:
+                    lo, hi = self.BACKOFF_S
+                    self._backoff = lo if self._backoff == 0 else min(hi, self._backoff * 2)
+                    self._next_attempt = time.monotonic() + self._backoff
+                    if time.monotonic() >= deadline:
+                        raise ServiceUnavailable(f"no service at {self.address_text}: {exc or type(exc).__name__}") from None
+
+    async def _open(self) -> _ClientProtocol:
+        loop = asyncio.get_running_loop()
+        proto_box: list[_ClientProtocol] = []
+
+        def factory():
+            proto_box.append(_ClientProtocol(self))
+            return proto_box[0]
+
+        try:
+            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port), self.connect_timeout_s)
+            await asyncio.wait_for(proto_box[0].ready, self.connect_timeout_s)
+        except BaseException:
+            if proto_box and proto_box[0].transport is not None:
+                proto_box[0].transport.abort()
+            raise
+        return proto_box[0]
+
+    def _lost(self, proto: _ClientProtocol) -> None:
+        if self._proto is proto:
+            log.info("transport: connection to %s lost", self.address_text)
+
+    # ----------------------------------------------------------------- calls
+    def submit(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), *,
+               timeout_s: Optional[float] = None, on_sent: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
+        """Send a request without waiting for its reply: a future of ``(meta, buffers)``. Waits (up
+        to ``timeout_s``) for a free in-flight slot and for the connection; ``on_sent()`` (loop
+        thread) once the request's buffers have left the transport, or failed to."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if not self._slots.acquire(timeout=max(0.0, timeout_s)):
+            raise RequestTimeout(f"{op}: {self.max_in_flight} calls to {self.address_text} still unanswered "
+                                 f"after {timeout_s:.1f} s")  # fmt: skip
+        try:
+            proto = self._ensure(deadline)
+            parts = encode(REQUEST, 0, op, meta, buffers, self.limits)  # request id set below
+        except BaseException:
+            self._slots.release()
+            if on_sent is not None:
+                on_sent()
+            raise
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.add_done_callback(lambda _: self._slots.release())
+        rid = next(self._ids)
+        parts[0] = parts[0][:8] + rid.to_bytes(8, "little") + parts[0][16:]  # the header's request id
+
+        def send():
+            if proto.closed:
+                fut.set_exception(ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent"))
+                if on_sent is not None:
+                    on_sent()
+                return
+            proto.pending[rid] = fut
+            proto.send(parts, on_sent)
+
+        self._loop.call_soon_threadsafe(send)
+        return fut
+
+    def call(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), timeout_s: Optional[float] = None):
+        """Send a request and wait for its reply ``(meta, buffers)``, at most ``timeout_s``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        fut = self.submit(op, meta, buffers, timeout_s=timeout_s)
+        return self.result(fut, op, max(0.0, deadline - time.monotonic()))
+
+    def result(self, fut: concurrent.futures.Future, op: str, timeout_s: float):
+        """``fut``'s reply, or its named error; :class:`RequestTimeout` after ``timeout_s``."""
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RequestTimeout(f"{op}: no reply from {self.address_text} in {timeout_s:.1f} s") from None
+
+    def close(self) -> None:
+        """Close the connection and stop the loop thread (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+
+        def shut():
+            if self._proto is not None and self._proto.transport is not None:
+                self._proto.transport.abort()
+
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(shut)
+            time.sleep(0.01)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,394 @@
+"""Wire format of the TCP data plane: a fixed header, a small JSON envelope, raw array buffers.
+
+One frame::
+
+    header   32 bytes, little-endian  "<4sHHQIIQ"
+             magic b"GFLW", version, kind, request id, envelope bytes,
+             number of buffers, buffer bytes (every buffer, with its padding)
+    envelope UTF-8 JSON object (never pickle): {"op": name, "meta": {...},
+             "bufs": [[dtype, [shape...]], ...]}
+    buffers  the raw bytes of each array, C order, each starting at a multiple of
+             ALIGN bytes from the start of the buffer block (zero padding between)
+
+Every length in the header is checked against :class:`FrameLimits` before a byte of
+the frame's body is allocated; the envelope's dtypes (an allow-list, :data:`DTYPES`),
+shapes (non-negative ints, at most ``max_dims`` of them) and the sum of their sizes
+(which must equal the header's buffer bytes) are checked before the buffer block is
+allocated. A violation raises :class:`FrameError` naming the problem.
+
+Receiving (:class:`FrameReader`, an ``asyncio.BufferedProtocol`` helper): small
+frames are read into one reused staging buffer and parsed out of it; a large buffer
+block is read straight into its destination (``alloc(nbytes)``, a pooled buffer on
+the service side), so uvloop's ``recv_into`` fills it without an intermediate copy.
+Sending (:func:`encode`): a list ``[header + envelope, buf0, pad, buf1, ...]`` of
+bytes and ``memoryview`` s of the arrays themselves, for ``transport.writelines``
+(uvloop: one ``writev``, no copy). The arrays must not change until the transport
+has drained them.
+
+    parts = encode(REQUEST, 7, "replay.stats", {"x": 1}, [np.arange(4)])
+    transport.writelines(parts)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from gearflow.errors import GearflowError
+
+__all__ = [
+    "ALIGN", "DTYPES", "HEADER", "KINDS", "MAGIC", "VERSION", "FrameError", "FrameLimits", "FrameReader",
+    "FramedProtocol", "encode", "as_array", "new_event_loop", "REQUEST", "REPLY", "ERROR", "CHALLENGE", "AUTH", "AUTH_OK",
+]  # fmt: skip
+
+MAGIC = b"GFLW"
+VERSION = 1
+HEADER = struct.Struct("<4sHHQIIQ")  # magic, version, kind, request id, envelope, buffers, buffer bytes
+ALIGN = 64  # each buffer starts at a multiple of this many bytes in the buffer block
+
+# frame kinds
+CHALLENGE, AUTH, AUTH_OK, REQUEST, REPLY, ERROR = 1, 2, 3, 4, 5, 6
+KINDS = {CHALLENGE: "challenge", AUTH: "auth", AUTH_OK: "auth_ok", REQUEST: "request", REPLY: "reply", ERROR: "error"}
+
+# the dtypes a buffer may have (little-endian, native on every machine gearflow runs on)
+DTYPES = {
+    name: np.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64")
+}  # fmt: skip
+_ZEROS = bytes(ALIGN)
+
+
+class FrameError(GearflowError, ValueError):
+    """A frame breaks the format or a limit (bad magic or version, a length over its limit,
+    a dtype not allowed, a malformed envelope); the message names which."""
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one frame may hold; checked before anything is allocated for it."""
+
+    max_frame_bytes: int = 256 << 20  # header + envelope + buffer block
+    max_meta_bytes: int = 64 << 10  # the JSON envelope
+    max_buffers: int = 64
+    max_dims: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "max_meta_bytes", "max_buffers", "max_dims"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"transport limit {name} must be ≥ 1, got {getattr(self, name)}")
+        if self.max_frame_bytes < HEADER.size + self.max_meta_bytes:
+            raise ValueError(
+                f"max_frame_bytes ({self.max_frame_bytes}) must hold a header ({HEADER.size}) and an "
+                f"envelope of max_meta_bytes ({self.max_meta_bytes})"
+            )
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def as_array(x: Any) -> np.ndarray:
+    """A C-contiguous numpy array of ``x`` (a numpy array, a CPU torch tensor, a list), without
+    a copy where it already is one; a dtype outside :data:`DTYPES` is a :class:`FrameError`."""
+    if type(x) is not np.ndarray:
+        if hasattr(x, "numpy") and hasattr(x, "is_cpu"):  # a torch tensor: CPU, detached
+            x = x.detach().numpy() if x.is_cpu else x.detach().cpu().numpy()
+        else:
+            x = np.asarray(x)
+    if x.dtype.name not in DTYPES or not x.dtype.isnative:
+        raise FrameError(f"buffer dtype {x.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def encode(kind: int, request_id: int, op: str, meta: Optional[dict], buffers: Sequence[Any] = (),
+           limits: Optional[FrameLimits] = None) -> list:
+    """The parts of one frame for ``transport.writelines``: the header and envelope as one bytes
+    object, then each buffer's bytes (a view of the array: no copy) and its padding.
+
+    Raises :class:`FrameError` for a frame the receiver's ``limits`` would refuse."""
+    arrays = [as_array(b) for b in buffers]
+    descr, total = [], 0
+    for a in arrays:
+        total = _align(total) + a.nbytes
+        descr.append([a.dtype.name, list(a.shape)])
+    envelope = json.dumps({"op": op, "meta": meta or {}, "bufs": descr}, separators=(",", ":"),
+                          allow_nan=False).encode()  # fmt: skip
+    if limits is not None:
+        _check_sizes(len(envelope), len(arrays), total, limits)
+    parts: list = [HEADER.pack(MAGIC, VERSION, kind, request_id, len(envelope), len(arrays), total) + envelope]
+    pos = 0
+    for a in arrays:
+        pad = _align(pos) - pos
+        if pad:
+            parts.append(_ZEROS[:pad])
+        if a.nbytes:
+            parts.append(memoryview(a.reshape(-1)).cast("B"))
+        pos += pad + a.nbytes
+    return parts
+
+
+def _check_sizes(meta_len: int, nbufs: int, buf_bytes: int, limits: FrameLimits) -> None:
+    if meta_len > limits.max_meta_bytes:
+        raise FrameError(f"envelope of {meta_len} bytes exceeds max_meta_bytes={limits.max_meta_bytes}")
+    if nbufs > limits.max_buffers:
+        raise FrameError(f"{nbufs} buffers exceed max_buffers={limits.max_buffers}")
+    if HEADER.size + meta_len + buf_bytes > limits.max_frame_bytes:
+        raise FrameError(
+            f"frame of {HEADER.size + meta_len + buf_bytes} bytes exceeds max_frame_bytes={limits.max_frame_bytes}"
+        )
+
+
+def parse_header(raw, limits: FrameLimits, kinds: frozenset) -> tuple[int, int, int, int, int]:
+    """(kind, request id, envelope bytes, buffers, buffer bytes) of a 32-byte header, every field
+    checked against ``limits`` and the ``kinds`` accepted now."""
+    magic, version, kind, rid, meta_len, nbufs, buf_bytes = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a gearflow peer")
+    if version != VERSION:
+        raise FrameError(f"protocol version {version} (this side speaks {VERSION})")
+    if kind not in kinds:
+        raise FrameError(f"frame kind {KINDS.get(kind, kind)!r} not accepted here (expected {sorted(KINDS[k] for k in kinds)})")
+    if meta_len < 2:
+        raise FrameError(f"envelope of {meta_len} bytes is too short for a JSON object")
+    _check_sizes(meta_len, nbufs, buf_bytes, limits)
+    return kind, rid, meta_len, nbufs, buf_bytes
+
+
+def _reject_constant(name: str):
+    raise FrameError(f"envelope holds the non-finite number {name}")
+
+
+def parse_envelope(raw, nbufs: int, buf_bytes: int, limits: FrameLimits) -> tuple[str, dict, list]:
+    """(op, meta, [(dtype, shape, offset)]) of an envelope; the buffers' dtypes, shapes and total
+    size are checked against the header and ``limits``."""
+    try:
+        env = json.loads(bytes(raw).decode("utf-8"), parse_constant=_reject_constant)
+    except FrameError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FrameError(f"envelope is not valid JSON: {str(exc)[:120]}") from None
+    if not isinstance(env, dict) or set(env) != {"op", "meta", "bufs"}:
+        raise FrameError("envelope must be a JSON object with exactly the keys op, meta, bufs")
+    op, meta, bufs = env["op"], env["meta"], env["bufs"]
+    if not isinstance(op, str) or len(op) > 128:
+        raise FrameError("envelope op must be a string of at most 128 characters")
+    if not isinstance(meta, dict):
+        raise FrameError(f"envelope meta must be a JSON object, got {type(meta).__name__}")
+    if not isinstance(bufs, list) or len(bufs) != nbufs:
+        raise FrameError(f"envelope describes {len(bufs) if isinstance(bufs, list) else '?'} buffers, header says {nbufs}")
+    layout, pos = [], 0
+    for i, d in enumerate(bufs):
+        if not (isinstance(d, list) and len(d) == 2 and isinstance(d[0], str) and isinstance(d[1], list)):
+            raise FrameError(f"buffer {i}: description must be [dtype, shape]")
+        dtype = DTYPES.get(d[0])
+        if dtype is None:
+            raise FrameError(f"buffer {i}: dtype {d[0][:32]!r} is not allowed (allowed: {', '.join(DTYPES)})")
+        shape = d[1]
+        if len(shape) > limits.max_dims:
+            raise FrameError(f"buffer {i}: {len(shape)} dimensions exceed max_dims={limits.max_dims}")
+        if not all(type(s) is int and 0 <= s <= limits.max_frame_bytes for s in shape):
+            raise FrameError(f"buffer {i}: shape must be non-negative ints, got {str(shape)[:80]}")
+        nbytes = math.prod(shape) * dtype.itemsize  # python ints: no overflow
+        pos = _align(pos)
+        if pos + nbytes > buf_bytes:
+            raise FrameError(f"buffer {i}: {nbytes} bytes at offset {pos} overrun the {buf_bytes} buffer bytes of the header")
+        layout.append((dtype, tuple(shape), pos))
+        pos += nbytes
+    if pos != buf_bytes:
+        raise FrameError(f"buffers take {pos} bytes, header says {buf_bytes}")
+    return op, meta, layout
+
+
+class FrameReader:
+    """Incremental frame parser behind an ``asyncio.BufferedProtocol``.
+
+    The protocol forwards ``get_buffer`` / ``buffer_updated`` here; each complete frame calls
+    ``on_frame(kind, request_id, op, meta, arrays, block)`` where ``arrays`` are numpy views of
+    ``block`` (the buffer block ``alloc(nbytes)`` returned: the caller's to keep or recycle).
+    A violation raises :class:`FrameError` out of ``buffer_updated`` (the protocol closes the
+    connection); no byte after it is parsed. ``kinds`` (mutable) are the kinds accepted now.
+    """
+
+    def __init__(self, on_frame: Callable, limits: FrameLimits, kinds, alloc: Optional[Callable[[int], Any]] = None,
+                 staging: int = 256 << 10):  # fmt: skip
+        self.on_frame, self.limits, self.kinds = on_frame, limits, frozenset(kinds)
+        self.alloc = alloc or (lambda n: np.empty(n, dtype=np.uint8))
+        self._stage = bytearray(max(staging, 2 * (HEADER.size + limits.max_meta_bytes)))
+        self._view = memoryview(self._stage)
+        self._lo = self._hi = 0  # unparsed bytes: _stage[_lo:_hi]
+        self._head: Optional[tuple] = None  # parsed header of the frame in progress
+        self._env: Optional[tuple] = None  # parsed envelope, once the header's envelope arrived
+        self._block = None  # the frame's buffer block (numpy uint8)
+        self._filled = 0  # bytes of _block received
+        self._direct = False  # reading straight into _block
+        self.frames = 0
+        self.failed = False
+        self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
+
+    # -------------------------------------------------------------- protocol side
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._direct:
+            return memoryview(self._block)[self._filled:]
+        if self._hi == len(self._stage):  # compact: move the unparsed tail to the front
+            n = self._hi - self._lo
+            self._stage[:n] = self._stage[self._lo:self._hi]
+            self._lo, self._hi = 0, n
+        return self._view[self._hi:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.failed:
+            return
+        try:
+            if self._direct:
+                self._filled += nbytes
+                if self._filled == self._block.nbytes:
+                    self._direct = False
+                    self._deliver()
+                return
+            self._hi += nbytes
+            self._parse()
+        except FrameError:
+            self.failed = True
+            raise
+
+    def resume(self) -> None:
+        """Parse the frames staged while :attr:`hold` was set (raises :class:`FrameError`)."""
+        self.hold = False
+        if not self._direct and not self.failed:
+            try:
+                self._parse()
+            except FrameError:
+                self.failed = True
+                raise
+
+    # -------------------------------------------------------------- parsing
+    def _parse(self) -> None:
+        while True:
+            avail = self._hi - self._lo
+            if self._head is None:
+                if self.hold or avail < HEADER.size:
+                    return
+                self._head = parse_header(self._view[self._lo:self._lo + HEADER.size], self.limits, self.kinds)
+                self._lo += HEADER.size
+                continue
+            kind, rid, meta_len, nbufs, buf_bytes = self._head
+            if self._env is None:
+                if avail < meta_len:
+                    return
+                self._env = parse_envelope(self._view[self._lo:self._lo + meta_len], nbufs, buf_bytes, self.limits)
+                self._lo += meta_len
+                self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
+                self._filled = 0
+                continue
+            need = self._block.nbytes - self._filled
+            take = min(need, avail)
+            if take:
+                self._block[self._filled:self._filled + take] = np.frombuffer(self._view[self._lo:self._lo + take], np.uint8)
+                self._filled += take
+                self._lo += take
+            if self._filled < self._block.nbytes:  # the rest goes straight into the block
+                self._lo = self._hi = 0
+                self._direct = True
+                return
+            self._deliver()
+            if self._lo == self._hi:
+                self._lo = self._hi = 0
+
+    def _deliver(self) -> None:
+        kind, rid, _, _, _ = self._head
+        op, meta, layout = self._env
+        block = self._block
+        arrays = [np.frombuffer(block, dtype=dt, count=math.prod(shape), offset=off).reshape(shape)
+                  if math.prod(shape) else np.empty(shape, dtype=dt) for dt, shape, off in layout]  # fmt: skip
+        self._head = self._env = self._block = None
+        self.frames += 1
+        self.on_frame(kind, rid, op, meta, arrays, block)
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class FramedProtocol(asyncio.BufferedProtocol):
+    """Base of both ends: frames in through a :class:`FrameReader`, frames out with
+    :meth:`send` (``writelines``), and ``on_sent`` callbacks run once the transport has
+    drained what was written before them (the write-buffer limits are ``high = low = 0``,
+    so ``pause_writing`` fires when anything is left buffered and ``resume_writing`` when
+    it is all gone): until then the arrays of a frame must stay as they are."""
+
+    def __init__(self, reader: FrameReader):
+        self.reader = reader
+        self.transport: Optional[asyncio.Transport] = None
+        self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
+        self.closed = False
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0, low=0)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self.reader.buffer_updated(nbytes)
+        except FrameError as exc:
+            self.frame_error(exc)
+
+    def frame_error(self, exc: FrameError) -> None:
+        raise NotImplementedError
+
+    def send(self, parts: list, on_sent: Optional[Callable[[], None]] = None) -> None:
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
+            if on_sent is not None:
+                on_sent()
+            return
+        t.writelines(parts)
+        if on_sent is not None:
+            if t.get_write_buffer_size() == 0:
+                on_sent()
+            else:
+                self._unsent.append(on_sent)
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        self._run_unsent()
+
+    def _run_unsent(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        for cb in unsent:
+            try:
+                cb()
+            except Exception:  # pragma: no cover - a callback's own bug must not kill the loop
+                logging.getLogger(__name__).exception("transport: on_sent callback failed")
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._run_unsent()  # the transport holds no reference to the buffers any more
+
+
+def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
+    """An event loop of ``kind``: ``uvloop``, ``asyncio``, or ``auto`` (uvloop when installed)."""
+    if kind not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"transport.loop must be auto, uvloop or asyncio, got {kind!r}")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                from gearflow.errors import MissingDependencyError
+
+                raise MissingDependencyError("transport.loop=uvloop needs uvloop: pip install uvloop") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()

@@ -1,0 +1,448 @@
+"""An authenticated asyncio service on one TCP port, in a background thread with its own loop.
+
+    service = Service(host="127.0.0.1", port=0, token="s3cret-token")
+    service.register("echo", lambda meta, buffers: (meta, buffers))
+    port = service.start()            # the bound port (port=0: the OS picks one)
+    ...
+    service.stop()
+
+Handlers. ``register(name, handler)``: a handler takes ``(meta: dict, buffers: list[np.ndarray])``
+(``with_connection=True``: also the :class:`Connection`) and returns ``(meta, buffers)``, or
+``(meta, buffers, on_sent)`` where ``on_sent()`` is called once the reply's buffers have left
+the transport (until then they must not change), or ``None`` (an empty reply). The request's
+buffers are views of a pooled receive buffer: valid only during the call (copy to keep).
+Sync handlers run in the service's thread pool (they may block: rate limiters, locks);
+``inline=True`` runs a quick one on the loop; a coroutine function is awaited on the loop.
+A handler's exception becomes an ERROR reply naming its type and message (the client
+raises it as that type where it knows it: :func:`gearflow.transport.client.register_error`).
+The requests of one connection are handled one after another, in order; several
+connections run concurrently.
+
+Limits (:class:`ServiceLimits`): frame sizes (:class:`~gearflow.transport.framing.FrameLimits`),
+connections, and requests in flight per connection: a request counts until its reply has
+drained, and a connection with ``max_in_flight`` of them is not read any further
+(``pause_reading``), so one client holds at most ``max_in_flight + 1`` receive buffers
+of at most ``max_frame_bytes`` each. A frame that breaks the format or a limit closes its
+connection with a logged reason; a failed handshake too; the service stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import inspect
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from gearflow.transport import auth
+from gearflow.transport.framing import (
+    AUTH,
+    AUTH_OK,
+    CHALLENGE,
+    ERROR,
+    HEADER,
+    REPLY,
+    REQUEST,
+    FrameError,
+    FrameLimits,
+    FramedProtocol,
+    FrameReader,
+    encode,
+    new_event_loop,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Connection", "Handler", "Service", "ServiceLimits"]
+
+# what a peer may send before it has authenticated: one small AUTH frame
+_AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """How much one client may make the service hold."""
+
+    frame: FrameLimits = field(default_factory=FrameLimits)
+    max_connections: int = 64
+    max_in_flight: int = 8  # requests of one connection not yet answered (and drained)
+    auth_timeout_s: float = 10.0  # a connection that has not authenticated by then is closed
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_in_flight < 1 or not self.auth_timeout_s > 0:
+            raise ValueError("max_connections and max_in_flight must be ≥ 1, auth_timeout_s > 0")
+
+
+@dataclass
+class Handler:
+    fn: Callable
+    inline: bool = False
+    with_connection: bool = False
+    is_async: bool = False
+
+
+class _Pool:
+    """Receive buffers of one connection, reused: at most ``keep`` free ones are kept. ``nbytes``
+    counts every buffer this pool has allocated and not dropped (the service's accounting)."""
+
+    def __init__(self, keep: int):
+        self.keep, self.free, self.nbytes = keep, [], 0
+
+    def get(self, n: int) -> np.ndarray:
+        best = None
+        for i, b in enumerate(self.free):
+            if b.nbytes >= n and (best is None or b.nbytes < self.free[best].nbytes):
+                best = i
+        if best is None:
+            base = np.empty(n, dtype=np.uint8)
+            self.nbytes += n
+        else:
+            base = self.free.pop(best)
+        return base[:n]
+
+    def put(self, block: np.ndarray) -> None:
+        base = block.base if isinstance(block.base, np.ndarray) else block
+        if base.nbytes == 0:
+            return
+        if len(self.free) < self.keep:
+            self.free.append(base)
+        else:
+            smallest = min(range(len(self.free)), key=lambda i: self.free[i].nbytes)
+            if self.free[smallest].nbytes < base.nbytes:
+                self.nbytes -= self.free[smallest].nbytes
+                self.free[smallest] = base
+            else:
+                self.nbytes -= base.nbytes
+
+    def clear(self) -> None:
+        self.nbytes -= sum(b.nbytes for b in self.free)
+        self.free = []
+
+
+class Connection:
+    """One authenticated client, as a ``with_connection`` handler sees it: ``id``, ``peer``,
+    ``state`` (a dict for the handlers' own per-connection data), ``closed``, and
+    :meth:`on_close` (called once, in the loop thread, when the connection ends)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, peer: str):
+        self.id, self.peer = next(self._ids), peer
+        self.state: dict[str, Any] = {}
+        self.closed = False
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        if self.closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for cb in self._on_close:
+            try:
+                cb()
+            except Exception:
+                log.exception("transport: on_close callback of connection %s failed", self.peer)
+
+
+class _ServerProtocol(FramedProtocol):
+    def __init__(self, service: "Service"):
+        self.service = service
+        limits = service.limits
+        self.pool = _Pool(keep=limits.max_in_flight + 1)
+        super().__init__(FrameReader(self._on_frame, limits.frame, {AUTH}, alloc=self.pool.get))
+        self.reader.limits = _AUTH_LIMITS
+        self.conn: Optional[Connection] = None
+        self.nonce = auth.new_nonce()
+        self.authed = False
+        self.in_flight = 0
+        self.queue: collections.deque = collections.deque()
+        self.wakeup: Optional[asyncio.Event] = None
+        self.task: Optional[asyncio.Task] = None
+        self.timer = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        svc = self.service
+        peer = transport.get_extra_info("peername")
+        self.conn = Connection(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
+        if len(svc._protocols) >= svc.limits.max_connections:
+            svc._refuse(self.conn.peer, f"connection limit ({svc.limits.max_connections}) reached")
+            self.send(encode(ERROR, 0, "", {"type": "ServiceUnavailable", "message": "the service is at its connection limit"}))
+            transport.close()
+            return
+        svc._protocols.add(self)
+        svc.counts["connections"] += 1
+        self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": 1}))
+        self.timer = asyncio.get_running_loop().call_later(svc.limits.auth_timeout_s, self._auth_timeout)
+
+    def _auth_timeout(self) -> None:
+        if not self.authed and not self.closed:
+            self.service._refuse(self.conn.peer, "no authentication before the timeout", auth_failure=True)
+            self.transport.abort()
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self.service._protocols.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.wakeup is not None:
+            self.queue.append(None)
+            self.wakeup.set()
+        if self.conn is not None:
+            self.conn._close()
+        self.pool.clear()
+
+    def frame_error(self, exc: FrameError) -> None:
+        self.service._refuse(self.conn.peer if self.conn else "?", f"malformed frame: {exc}", auth_failure=not self.authed)
+        self.send(encode(ERROR, 0, "", {"type": "FrameError", "message": str(exc)}))
+        self.transport.close()
+
+    # ----------------------------------------------------------------- frames
+    def _on_frame(self, kind, rid, op, meta, arrays, block) -> None:
+        if kind == AUTH:
+            self.pool.put(block)
+            return self._authenticate(meta)
+        self.in_flight += 1
+        self.queue.append((rid, op, meta, arrays, block))
+        self.wakeup.set()
+        if self.in_flight >= self.service.limits.max_in_flight and not self.reader.hold:
+            self.reader.hold = True
+            self.transport.pause_reading()
+
+    def _authenticate(self, meta: dict) -> None:
+        svc = self.service
+        cn, mac = meta.get("nonce"), meta.get("mac")
+        if not auth.valid_nonce(cn) or not auth.check(auth.client_mac(svc._secret, self.nonce, cn), mac):
+            svc._refuse(self.conn.peer, "authentication failed (wrong secret or replayed handshake)", auth_failure=True)
+            self.send(encode(ERROR, 0, "", {"type": "AuthenticationError", "message": "authentication failed"}))
+            self.transport.close()
+            self.reader.hold = True
+            return
+        self.authed = True
+        self.timer.cancel()
+        self.reader.kinds = frozenset({REQUEST})
+        self.reader.limits = svc.limits.frame
+        self.send(encode(AUTH_OK, 0, "", {"mac": auth.server_mac(svc._secret, self.nonce, cn)}))
+        self.wakeup = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    # ----------------------------------------------------------------- requests
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        svc = self.service
+        while True:
+            if not self.queue:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            item = self.queue.popleft()
+            if item is None or self.closed:
+                return
+            rid, op, meta, arrays, block = item
+            h = svc._handlers.get(op)
+            on_sent = None
+            try:
+                if h is None:
+                    raise KeyError(f"no handler for message type {op!r} (registered: {sorted(svc._handlers)[:20]})")
+                args = (meta, arrays, self.conn) if h.with_connection else (meta, arrays)
+                if h.is_async:
+                    result = await h.fn(*args)
+                elif h.inline:
+                    result = h.fn(*args)
+                else:
+                    result = await loop.run_in_executor(svc._pool, functools.partial(h.fn, *args))
+                if result is None:
+                    meta_out, bufs = {}, []
+                elif len(result) == 3:
+                    meta_out, bufs, on_sent = result
+                else:
+                    meta_out, bufs = result
+                parts = encode(REPLY, rid, op, meta_out, bufs)
+                svc.counts["requests"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the handler's error goes back to the caller
+                if on_sent is not None:
+                    on_sent()
+                    on_sent = None
+                name = type(exc).__name__
+                message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+                log.debug("transport: %s from %s failed: %s: %s", op, self.conn.peer, name, message)
+                parts = encode(ERROR, rid, op, {"type": name, "message": str(message)[:4000]})
+                svc.counts["errors"] += 1
+            finally:
+                del arrays
+                self.pool.put(block)
+            self.send(parts, functools.partial(self._replied, on_sent))
+
+    def _replied(self, on_sent: Optional[Callable[[], None]]) -> None:
+        """A reply has drained: its request no longer counts; reading resumes below the limit."""
+        if on_sent is not None:
+            on_sent()
+        self.in_flight -= 1
+        if self.reader.hold and self.in_flight < self.service.limits.max_in_flight and not self.closed:
+            try:
+                self.reader.resume()
+            except FrameError as exc:
+                return self.frame_error(exc)
+            if not self.reader.hold:
+                self.transport.resume_reading()
+
+
+class Service:
+    """The TCP service: handlers registered by name, served on ``host:port`` by a loop in a
+    background thread (see the module docstring)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None, *,
+                 limits: Optional[ServiceLimits] = None, loop: str = "auto", name: str = "gearflow"):  # fmt: skip
+        self.host, self.port, self.name = host, int(port), name
+        self._secret = auth.resolve_token(token)
+        self.limits = limits or ServiceLimits()
+        self.loop_kind = loop
+        new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
+        self._handlers: dict[str, Handler] = {}
+        self._protocols: set[_ServerProtocol] = set()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._server = None
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.stopping = False
+        self.counts = collections.Counter()  # connections, requests, errors, refused, auth_refused
+        self.register("ping", lambda meta, buffers: ({"pong": True, "service": self.name}, []), inline=True)
+
+    # ----------------------------------------------------------------- handlers
+    def register(self, name: str, handler: Callable, *, inline: bool = False, with_connection: bool = False) -> None:
+        """Serve message type ``name`` with ``handler`` (see the module docstring)."""
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ValueError(f"a message type is a non-empty string of at most 128 characters, got {name!r}")
+        if name in self._handlers:
+            raise ValueError(f"message type {name!r} already has a handler")
+        self._handlers[name] = Handler(handler, inline, with_connection, inspect.iscoroutinefunction(handler))
+
+    @property
+    def handlers(self) -> list[str]:
+        return sorted(self._handlers)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> int:
+        """Bind and serve in a background thread; returns the bound port. A stopped service
+        starts again on the same port."""
+        if self._thread is not None:
+            raise RuntimeError("the service is already running")
+        self.stopping = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.limits.max_connections + 2,
+                                                           thread_name_prefix=f"{self.name}-handler")  # fmt: skip
+        self._loop = new_event_loop(self.loop_kind)
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"{self.name}-service", daemon=True)
+        self._thread.start()
+        try:
+            self.port = ready.result(timeout=30)
+        except BaseException:
+            self._thread.join(timeout=5)
+            self._thread = None
+            raise
+        log.info("transport: %s serving on %s:%d (%s loop)", self.name, self.host, self.port, type(self._loop).__module__.split(".")[0])
+        return self.port
+
+    def _run(self, ready: concurrent.futures.Future) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+
+        async def serve():
+            self._server = await loop.create_server(lambda: _ServerProtocol(self), self.host, self.port,
+                                                    reuse_address=True)  # fmt: skip
+            return self._server.sockets[0].getsockname()[1]
+
+        try:
+            ready.set_result(loop.run_until_complete(serve()))
+        except BaseException as exc:
+            ready.set_exception(exc)
+            loop.close()
+            return
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def stop(self) -> None:
+        """Close the listening socket and every connection, stop the loop and its thread. A
+        handler still running is told by :attr:`stopping` (the shard's blocked inserts poll it)."""
+        if self._thread is None:
+            return
+        self.stopping = True
+        loop = self._loop
+
+        async def shutdown():
+            self._server.close()
+            for p in list(self._protocols):
+                if p.transport is not None:
+                    p.transport.abort()
+            await asyncio.sleep(0)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._server.wait_closed()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            log.warning("transport: %s did not shut down cleanly in 10 s", self.name)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._thread = self._loop = self._server = None
+        log.info("transport: %s on port %d stopped", self.name, self.port)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def __enter__(self) -> "Service":
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- accounting
+    def _refuse(self, peer: str, why: str, auth_failure: bool = False) -> None:
+        self.counts["auth_refused" if auth_failure else "refused"] += 1
+        log.warning("transport: %s refused %s: %s", self.name, peer, why)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of receive buffers the service holds now (pooled buffer blocks and each
+        connection's staging buffer): what clients can make it allocate."""
+        return sum(p.pool.nbytes + len(p.reader._stage) for p in list(self._protocols))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "transport/connections_open": len(self._protocols),
+            "transport/connections": self.counts["connections"],
+            "transport/requests": self.counts["requests"],
+            "transport/errors": self.counts["errors"],
+            "transport/refused": self.counts["refused"],
+            "transport/auth_refused": self.counts["auth_refused"],
+            "transport/buffer_bytes": self.buffer_bytes(),
+        }
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` in the service's loop thread (thread-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(fn, *args)
