@@ -35,6 +35,12 @@ import numpy as np
 from gearflow.replay.items import Episode, ItemKind, Sequence, Transition
 from gearflow.replay.protocols import WriterLike
 from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.writer import OFFSET_MAX, Writer
+
+try:  # the C adders (setup.py builds it); the numpy code below is the reference
+    from gearflow.replay import _hotpath
+except ImportError:  # pragma: no cover - depends on the build
+    _hotpath = None
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +113,17 @@ class TransitionAdder(Adder):
 
     Initial priorities (Ape-X, no max-priority): |ret + disc · max_a Q(s_last, a) − Q(s_t, a_t)|
     from the Q-values computed when acting.
+
+    With the C module built and a local :class:`~gearflow.replay.Writer`, ``add`` is one
+    ``_hotpath.nstep_add`` call per recv (staging, returns, rows written into the table,
+    items queued; ~1 µs plus ~0.1 µs per env) and ``flush_items`` one ``nstep_publish``; the
+    numpy code below (``native=False``, or any other writer) is the reference it is tested
+    against, row for row and item for item (tests/test_adders_native.py).
     """
 
     COLUMNS = ("obs", "action", "ret", "disc", "version")
 
-    def __init__(self, writer: WriterLike, n: int, gamma: float):
+    def __init__(self, writer: WriterLike, n: int, gamma: float, *, native: Optional[bool] = None):
         super().__init__(writer)
         self.n, self.gamma = n, gamma = int(n), float(gamma)
         E, obs_col = writer.num_streams, writer.spec["obs"]
@@ -137,6 +149,12 @@ class TransitionAdder(Adder):
         self._pending_items: list[tuple] = []
         self._end_pending = np.zeros(E, dtype=bool)
         self._recvs_since_flush = 0
+        self._native = None  # the C context (_hotpath.nstep_*), or None: the numpy reference below
+        why_not = self._native_unsupported(writer)
+        if native and why_not:
+            raise ValueError(f"TransitionAdder(native=True): {why_not}")
+        if native is not False and not why_not:
+            self._make_native(capacity=n * E * (2 * n + 1))
 
     @classmethod
     def check_kind(cls, kind, agent_name: str) -> None:
@@ -154,9 +172,100 @@ class TransitionAdder(Adder):
         return (f"steps_per_partition={steps} is too small for n_step={int(cfg.actor.n_step)}; "
                 f"need at least {cls.min_steps(cfg, kind)}")  # fmt: skip
 
+    # ------------------------------------------------------------------ the C path
+    def _native_unsupported(self, writer) -> str:
+        """Why the C path cannot serve ``writer`` ('' when it can)."""
+        if _hotpath is None or not hasattr(_hotpath, "nstep_add"):
+            return "the C module gearflow.replay._hotpath is not built (python setup.py build_ext --inplace)"
+        if not isinstance(writer, Writer):
+            return f"the C path writes into a local Writer's table, not a {type(writer).__name__}"
+        dt = self._dt
+        for col, kinds in (("action", ("int64", "int32")), ("version", ("int64", "int32")),
+                           ("ret", ("float32", "float64")), ("disc", ("float32", "float64"))):  # fmt: skip
+            if dt[col].name not in kinds:
+                return f"column {col!r} is {dt[col].name}; the C path takes {' or '.join(kinds)}"
+        return ""
+
+    def _make_native(self, capacity: int) -> None:
+        """(Re)build the C context over the staging arrays, a pending-item list of
+        ``capacity`` items (keeping the items already queued) and the writer's arrays."""
+        old = getattr(self, "_p", None)
+        self._p = {  # the items queued for the next flush: nstep_add fills them, nstep_publish empties them
+            "p_prio": np.zeros(capacity, np.float64), "p_len": np.zeros(capacity, np.int64),
+            "p_stream": np.zeros(capacity, np.int64), "p_end": np.zeros(capacity, np.int64),
+            "p_count": np.zeros(1, np.int64),
+        }  # fmt: skip
+        if old is not None:
+            k = int(old["p_count"][0])
+            for name in ("p_prio", "p_len", "p_stream", "p_end"):
+                self._p[name][:k] = old[name][:k]
+            self._p["p_count"][0] = k
+        self._p_count = self._p["p_count"]
+        w = self.writer.native_arrays()
+        cols = w.pop("columns")
+        arrays = {
+            "s_obs": self._obs, "s_action": self._action, "s_version": self._version, "acc": self._acc,
+            "qsa": self._qsa, "item_prio": self._item_prio, "t": self._t, "episode_row": self._episode_row,
+            "end_pending": self._end_pending, **self._p, **w,
+            "c_obs": cols["obs"], "c_action": cols["action"], "c_ret": cols["ret"], "c_disc": cols["disc"],
+            "c_version": cols["version"],
+        }  # fmt: skip
+        self._native = _hotpath.nstep_context(arrays, self.writer.num_streams, self.n, self.writer.steps_per_stream,
+                                              self.writer.storage.items_per_partition, self.gamma, OFFSET_MAX)  # fmt: skip
+
+    @property
+    def native(self) -> bool:
+        """Whether ``add`` runs in C (``_hotpath.nstep_add``)."""
+        return self._native is not None
+
     def add(self, ids, obs, reward, terminated, truncated, first, actions, values, version: int) -> None:
-        """Replay bookkeeping for one recv: a fixed number of numpy calls for the batch, plus
-        one ``extend`` per env whose episode ended; items are queued for :meth:`flush_items`."""
+        """Replay bookkeeping for one recv: one C call (or the numpy reference: a fixed number
+        of numpy calls for the batch, plus one ``extend`` per env whose episode ended); items
+        are queued for :meth:`flush_items`, every ``flush_every`` recvs."""
+        if self._native is None:
+            return self._add_reference(ids, obs, reward, terminated, truncated, actions, values, version)
+        obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
+        if obs.dtype != self._dt["obs"]:
+            raise ValueError(f"column 'obs': expected dtype {self._dt['obs'].name}, got {obs.dtype.name}")
+        try:
+            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
+        except (TypeError, ValueError, BufferError):  # not the exact arrays: convert, then its real errors
+            ids, reward, terminated, truncated, actions = (
+                np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(reward, np.float64),
+                np.ascontiguousarray(terminated, bool), np.ascontiguousarray(truncated, bool),
+                np.ascontiguousarray(actions, np.int64),
+            )  # fmt: skip
+            values = None if values is None else np.ascontiguousarray(values, np.float64)
+            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
+        while r < 0:  # nothing was changed: make room, then the same batch again
+            if r == -1:  # an env ends while its last episode end waits for the flush
+                self.flush_items()
+            else:  # -2: the pending list could overflow
+                self._make_native(capacity=2 * self._p["p_prio"].size + ids.size * (2 * self.n + 1))
+            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
+        self._recvs_since_flush += 1
+        if self._recvs_since_flush >= self.flush_every:
+            self.flush_items()
+
+    def _flush_native(self, block: bool) -> int:
+        m = int(self._p_count[0])
+        try:
+            published = _hotpath.nstep_publish(self._native, 0)
+            if published < 0:  # the rate limiter holds them
+                if block:
+                    self.writer.wait_for_insert(m)
+                    published = _hotpath.nstep_publish(self._native, 1)
+                else:
+                    log.debug("dropped %d items at shutdown (rate limiter)", m)
+                    published = _hotpath.nstep_publish(self._native, 2)
+        except BaseException:
+            self._p_count[0] = 0  # as the reference: the items of a failed flush are gone
+            raise
+        self.items += published
+        return published
+
+    # ------------------------------------------------------------------ the numpy reference
+    def _add_reference(self, ids, obs, reward, terminated, truncated, actions, values, version: int) -> None:
         n = self.n
         b = ids.size
         obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
@@ -167,6 +276,9 @@ class TransitionAdder(Adder):
             max_q = values.max(axis=1)  # max_a Q(s_t, a) (b,)
         t = self._t[ids]  # (b,) step index of obs in its episode
         slot = t % n
+        done = terminated | truncated
+        if done.any() and self._end_pending[ids[done]].any():  # a stream ends twice between two flushes
+            self.flush_items()  # (before this recv's items, as the C path does)
 
         # 1. the reward that came with obs_t belongs to every staged step of its env
         acc = self._acc[ids]  # (b, n, 2)
@@ -174,7 +286,6 @@ class TransitionAdder(Adder):
         acc[..., 1] *= self.gamma
         self._acc[ids] = acc
 
-        done = terminated | truncated
         if not done.any():
             self._queue_items(self._steady(ids, slot, t, obs, actions, qsa, max_q, version))
         else:
@@ -182,8 +293,6 @@ class TransitionAdder(Adder):
             self._queue_items(self._steady(ids[live], slot[live], t[live], obs[live], actions[live],
                                            qsa[live], max_q[live], version))  # fmt: skip
             ended = ids[done]
-            if self._end_pending[ended].any():  # a stream ends twice between two flushes
-                self.flush_items()
             self._queue_items(self._flush_ended(ended, obs[done], terminated[done], max_q[done], version))
             self._close_episodes(ended)
         self._recvs_since_flush += 1
@@ -199,8 +308,10 @@ class TransitionAdder(Adder):
         ended since the last flush. Returns the items published.
 
         ``block=False`` (shutdown) drops the items instead of waiting on the rate limiter."""
-        w = self.writer
         self._recvs_since_flush = 0
+        if self._native is not None:
+            return self._flush_native(block)
+        w = self.writer
         pending, self._pending_items = self._pending_items, []
         published = 0
         if pending:

@@ -32,6 +32,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_LEVELS 64
 #define GE "\xe2\x89\xa5"  /* "≥", UTF-8: PyErr_Format wants an ASCII format */
@@ -902,6 +903,393 @@ static PyObject *counter_total(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(total);
 }
 
+/* ------------------------------------------------------------------------------------------
+ * The Ape-X n-step adder (gearflow/actors/adders.py TransitionAdder; its numpy code is the
+ * reference and the fallback). One call per recv does the whole batch: every staged step of
+ * an env takes the new reward (ret += disc * r, disc *= gamma), the step that became complete
+ * is appended as a row straight into the table's columns under the writer's seqlock
+ * (RESERVE, row bytes, step offset, COMMIT), its item (or an ended episode's items) goes to
+ * a pending list, and the new step is staged. Items are published by nstep_publish with the
+ * record ring's protocol. The float arithmetic is the numpy path's, in its order, so rows,
+ * items and priorities are bit for bit the same (tests/test_adders_native.py).
+ *
+ *   ctx = nstep_context(arrays: dict, E, n, S, R, gamma, offset_max)
+ *       arrays (each C-contiguous, held by the context; lengths are checked):
+ *         staging  s_obs uint8[E, n, obs_bytes], s_action int64|int32[E, n], s_version int64|int32[E, n],
+ *                  acc float64[E, n, 2] (ret, disc; disc 0 = empty slot), qsa float64[E, n],
+ *                  item_prio float64[E, n], t int64[E], episode_row int64[E], end_pending bool[E]
+ *         pending  p_prio float64[C], p_len int64[C], p_stream int64[C], p_end int64[C], p_count int64[1]
+ *         writer   c_obs, c_action, c_ret (float32|float64), c_disc, c_version (P*S rows of the
+ *                  staging dtypes), partitions int64[E], counters int64[P, 8], pos int64[E],
+ *                  episode_start int64[E], last_start int64[E], offsets uint8[P*S] or None,
+ *                  rec_start int64[P, R], rec_len int32[P, R], rec_prio float64[P, R], header int64[16]
+ *   nstep_add(ctx, ids int64[b], obs (b, obs_bytes) rows (first axis may be strided),
+ *             reward float32|float64[b], terminated bool[b], truncated bool[b], actions int64[b],
+ *             values float32|float64[b, A] or None, version) -> pending items
+ *       -1: an env of the batch ends while its last episode end is still pending (publish
+ *       first); -2: the pending list could overflow (grow it). Both change nothing.
+ *   nstep_publish(ctx, mode) -> items published
+ *       mode 0: only if the rate limiter allows them now, else -1 (nothing changed);
+ *       mode 1: publish (the caller waited for the limiter); mode 2: drop the pending items.
+ *       Then (modes 0 when published, 1, 2) the ended episodes are closed in the writer.
+ * ---------------------------------------------------------------------------------------- */
+#define F_EPISODES 3
+#define H_INSERT_LIMIT_F 8
+#define NO_LIMIT_V INT64_MAX
+
+typedef struct {
+    PyObject *arrays;                      /* the dict of arrays (keeps every pointer alive) */
+    Py_ssize_t E, n, S, R, P, cap, obs_bytes, act8, ver8, ret8, disc8;
+    double gamma;
+    int64_t offset_max;
+    char *s_obs, *s_action, *s_version, *end_pending;
+    double *acc, *qsa, *item_prio;
+    int64_t *t, *episode_row;
+    double *p_prio;
+    int64_t *p_len, *p_stream, *p_end, *p_count;
+    char *c_obs, *c_action, *c_ret, *c_disc, *c_version;
+    const int64_t *parts;
+    int64_t *counters, *wpos, *ep_start, *last_start, *rec_start, *header;
+    uint8_t *offsets;
+    int32_t *rec_len;
+    double *rec_prio;
+} NStep;
+
+static void nstep_free(PyObject *capsule) {
+    NStep *c = (NStep *)PyCapsule_GetPointer(capsule, "gearflow.nstep");
+    if (c == NULL) return;
+    Py_XDECREF(c->arrays);
+    PyMem_Free(c);
+}
+
+/* The data pointer of arrays[name] (C-contiguous, writable), its length in bytes in *len. */
+static char *array_ptr(PyObject *arrays, const char *name, Py_ssize_t *len, int optional) {
+    PyObject *obj = PyDict_GetItemString(arrays, name);  /* borrowed */
+    if (obj == NULL || (optional && obj == Py_None)) {
+        if (!optional) PyErr_Format(PyExc_KeyError, "nstep_context: no array %s", name);
+        *len = 0;
+        return NULL;
+    }
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    char *p = (char *)v.buf;
+    *len = v.len;
+    PyBuffer_Release(&v);  /* the dict holds the array, whose data never moves */
+    return p;
+}
+
+static PyObject *nstep_context(PyObject *self, PyObject *args) {
+    PyObject *arrays;
+    Py_ssize_t E, n, S, R, offset_max;
+    double gamma;
+    if (!PyArg_ParseTuple(args, "O!nnnndn", &PyDict_Type, &arrays, &E, &n, &S, &R, &gamma, &offset_max)) return NULL;
+    if (E < 1 || n < 1 || S < 1 || R < 1) { PyErr_SetString(PyExc_ValueError, "nstep_context: E, n, S, R must be >= 1"); return NULL; }
+    NStep *c = PyMem_Calloc(1, sizeof(NStep));
+    if (c == NULL) return PyErr_NoMemory();
+    c->E = E; c->n = n; c->S = S; c->R = R; c->gamma = gamma; c->offset_max = offset_max;
+    Py_ssize_t L[32];
+    const Py_ssize_t En = E * n;
+    int bad = 0;
+#define GET(field, type, name, k, opt) do { \
+        c->field = (type)array_ptr(arrays, name, &L[k], opt); \
+        if (PyErr_Occurred()) goto fail; \
+    } while (0)
+    GET(s_obs, char *, "s_obs", 0, 0);
+    GET(s_action, char *, "s_action", 1, 0);
+    GET(s_version, char *, "s_version", 2, 0);
+    GET(acc, double *, "acc", 3, 0);
+    GET(qsa, double *, "qsa", 4, 0);
+    GET(item_prio, double *, "item_prio", 5, 0);
+    GET(t, int64_t *, "t", 6, 0);
+    GET(episode_row, int64_t *, "episode_row", 7, 0);
+    GET(end_pending, char *, "end_pending", 8, 0);
+    GET(p_prio, double *, "p_prio", 9, 0);
+    GET(p_len, int64_t *, "p_len", 10, 0);
+    GET(p_stream, int64_t *, "p_stream", 11, 0);
+    GET(p_end, int64_t *, "p_end", 12, 0);
+    GET(p_count, int64_t *, "p_count", 13, 0);
+    GET(c_obs, char *, "c_obs", 14, 0);
+    GET(c_action, char *, "c_action", 15, 0);
+    GET(c_ret, char *, "c_ret", 16, 0);
+    GET(c_disc, char *, "c_disc", 17, 0);
+    GET(c_version, char *, "c_version", 18, 0);
+    GET(parts, const int64_t *, "partitions", 19, 0);
+    GET(counters, int64_t *, "counters", 20, 0);
+    GET(wpos, int64_t *, "pos", 21, 0);
+    GET(ep_start, int64_t *, "episode_start", 22, 0);
+    GET(last_start, int64_t *, "last_start", 23, 0);
+    GET(offsets, uint8_t *, "offsets", 24, 1);
+    GET(rec_start, int64_t *, "rec_start", 25, 0);
+    GET(rec_len, int32_t *, "rec_len", 26, 0);
+    GET(rec_prio, double *, "rec_prio", 27, 0);
+    GET(header, int64_t *, "header", 28, 0);
+#undef GET
+    c->obs_bytes = L[0] / En;
+    c->act8 = L[1] == En * 8;
+    c->ver8 = L[2] == En * 8;
+    c->cap = L[9] / 8;
+    c->P = L[20] / 64;
+    const Py_ssize_t PS = c->P * S;
+    c->ret8 = L[16] == PS * 8;
+    c->disc8 = L[17] == PS * 8;
+    bad |= c->obs_bytes < 1 || L[0] != En * c->obs_bytes || (L[1] != En * 8 && L[1] != En * 4) || (L[2] != En * 8 && L[2] != En * 4);
+    bad |= L[3] != En * 16 || L[4] != En * 8 || L[5] != En * 8 || L[6] != E * 8 || L[7] != E * 8 || L[8] != E;
+    bad |= c->cap < 1 || L[10] != c->cap * 8 || L[11] != c->cap * 8 || L[12] != c->cap * 8 || L[13] != 8;
+    bad |= c->P < 1 || L[14] != PS * c->obs_bytes || L[15] != PS * (c->act8 ? 8 : 4) || L[18] != PS * (c->ver8 ? 8 : 4);
+    bad |= (L[16] != PS * 8 && L[16] != PS * 4) || (L[17] != PS * 8 && L[17] != PS * 4);
+    bad |= L[19] != E * 8 || L[21] != E * 8 || L[22] != E * 8 || L[23] != E * 8 || (c->offsets && L[24] != PS);
+    bad |= L[25] != c->P * R * 8 || L[26] != c->P * R * 4 || L[27] != c->P * R * 8 || L[28] < (H_INSERT_LIMIT_F + 1) * 8;
+    if (bad) { PyErr_SetString(PyExc_ValueError, "nstep_context: array sizes disagree with E, n, S, R"); goto fail; }
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (c->parts[e] < 0 || c->parts[e] >= c->P) { PyErr_SetString(PyExc_ValueError, "nstep_context: partition out of range"); goto fail; }
+    Py_INCREF(arrays);
+    c->arrays = arrays;
+    PyObject *cap = PyCapsule_New(c, "gearflow.nstep", nstep_free);
+    if (cap == NULL) { Py_DECREF(arrays); PyMem_Free(c); }
+    return cap;
+fail:
+    PyMem_Free(c);
+    return NULL;
+}
+
+/* Append one row to stream e (Writer.append / extend for one step): RESERVE, the row's bytes,
+ * its step offset (stacked frames), COMMIT, each store ordered after the one before. */
+static inline void nstep_row(NStep *c, Py_ssize_t e, const char *obs, const char *action, double ret, double disc,
+                             const char *version) {
+    const int64_t p = c->parts[e], pos = c->wpos[e];
+    int64_t *cnt = c->counters + p * 8;
+    const int64_t row = p * c->S + pos % c->S;
+    __atomic_store_n(&cnt[F_RESERVE], pos + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);  /* the reservation before the row changes */
+    memcpy(c->c_obs + row * c->obs_bytes, obs, c->obs_bytes);
+    memcpy(c->c_action + row * (c->act8 ? 8 : 4), action, c->act8 ? 8 : 4);
+    memcpy(c->c_version + row * (c->ver8 ? 8 : 4), version, c->ver8 ? 8 : 4);
+    if (c->ret8) ((double *)c->c_ret)[row] = ret; else ((float *)c->c_ret)[row] = (float)ret;
+    if (c->disc8) ((double *)c->c_disc)[row] = disc; else ((float *)c->c_disc)[row] = (float)disc;
+    if (c->offsets) {
+        const int64_t o = pos - c->ep_start[e];
+        c->offsets[row] = (uint8_t)(o < c->offset_max ? o : c->offset_max);
+    }
+    __atomic_store_n(&cnt[F_COMMIT], pos + 1, __ATOMIC_RELEASE);  /* commit after the row */
+    c->wpos[e] = pos + 1;
+}
+
+static inline void nstep_item(NStep *c, double prio, int64_t len, int64_t stream, int64_t end) {
+    const int64_t k = (*c->p_count)++;
+    c->p_prio[k] = prio; c->p_len[k] = len; c->p_stream[k] = stream; c->p_end[k] = end;
+}
+
+/* A strided (b, row) view of a batch: rows of `row_bytes` contiguous bytes, `stride` apart. */
+static int batch_rows(PyObject *obj, Py_buffer *v, Py_ssize_t b, Py_ssize_t row_bytes, const char *what) {
+    if (PyObject_GetBuffer(obj, v, PyBUF_STRIDED_RO) < 0) return -1;
+    Py_ssize_t inner = v->itemsize, ok = v->ndim >= 1 && v->shape[0] == b;
+    for (int d = v->ndim - 1; ok && d >= 1; d--) {  /* every axis but the first C-contiguous */
+        ok = v->strides[d] == inner;
+        inner *= v->shape[d];
+    }
+    if (!ok || inner != row_bytes) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd rows of %zd contiguous bytes", what, b, row_bytes);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *nstep_add(PyObject *self, PyObject *args) {
+    PyObject *cap, *obs_obj, *reward_obj, *values_obj;
+    Py_buffer ib, tb, ub, ab, ob = {0};
+    Floats rf = {{0}}, qf = {{0}};
+    long long version_ll;
+    if (!PyArg_ParseTuple(args, "Oy*OOy*y*y*OL", &cap, &ib, &obs_obj, &reward_obj, &tb, &ub, &ab, &values_obj,
+                          &version_ll))
+        return NULL;
+    PyObject *result = NULL;
+    NStep *c = (NStep *)PyCapsule_GetPointer(cap, "gearflow.nstep");
+    if (c == NULL) goto done;
+    const Py_ssize_t b = ib.len / 8, n = c->n, E = c->E, ob_bytes = c->obs_bytes;
+    if (tb.len != b || ub.len != b || ab.len != b * 8) {
+        PyErr_SetString(PyExc_ValueError, "nstep_add: ids (int64), terminated, truncated (bool) and actions (int64) "
+                                          "need one entry per env of the batch");
+        goto done;
+    }
+    if (get_floats(reward_obj, &rf, "reward") < 0) goto done;
+    if (rf.n != b) { PyErr_Format(PyExc_ValueError, "nstep_add: %zd rewards for %zd envs", rf.n, b); goto done; }
+    Py_ssize_t A = 0;
+    if (values_obj != Py_None) {
+        if (get_floats(values_obj, &qf, "values") < 0) goto done;
+        A = b ? qf.n / b : 0;
+        if (b && (A < 1 || A * b != qf.n)) { PyErr_Format(PyExc_ValueError, "nstep_add: values must be (%zd, A)", b); goto done; }
+    }
+    if (batch_rows(obs_obj, &ob, b, ob_bytes, "nstep_add: obs") < 0) goto done;
+    const int64_t *ids = (const int64_t *)ib.buf, *actions = (const int64_t *)ab.buf;
+    const char *term = (const char *)tb.buf, *trunc = (const char *)ub.buf;
+    /* checks first: nothing changes unless the whole batch can be taken */
+    Py_ssize_t ndone = 0;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        const int64_t e = ids[i];
+        if (e < 0 || e >= E) { PyErr_Format(PyExc_ValueError, "streams [%lld] out of range [0, %zd)", (long long)e, E); goto done; }
+        if (A && (actions[i] < 0 || actions[i] >= A)) {
+            PyErr_Format(PyExc_IndexError, "index %lld is out of bounds for axis 1 with size %zd", (long long)actions[i], A);
+            goto done;
+        }
+        if (term[i] || trunc[i]) {
+            ndone++;
+            if (c->end_pending[e]) { result = PyLong_FromLong(-1); goto done; }
+        }
+    }
+    if (*c->p_count + b + ndone * 2 * n > c->cap) { result = PyLong_FromLong(-2); goto done; }
+    const Py_ssize_t asz = c->act8 ? 8 : 4, vsz = c->ver8 ? 8 : 4;
+    const int64_t v64 = (int64_t)version_ll;
+    const int32_t v32 = (int32_t)version_ll;
+    const char *vbytes = c->ver8 ? (const char *)&v64 : (const char *)&v32;
+    const int64_t zero = 0;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        const int64_t e = ids[i], t = c->t[e], en = e * n;
+        const char *obs_i = (const char *)ob.buf + i * ob.strides[0];
+        double *acc = c->acc + en * 2;
+        /* 1. the reward that came with obs_t belongs to every staged step of its env */
+        const double r = float_at(&rf, i);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            acc[2 * k] = acc[2 * k] + acc[2 * k + 1] * r;
+            acc[2 * k + 1] = acc[2 * k + 1] * c->gamma;
+        }
+        double qsa = 0.0, mq = 0.0;  /* Q(s_t, a_t), max_a Q(s_t, a); 0 without values */
+        if (A) {
+            const Py_ssize_t q0 = i * A;
+            qsa = float_at(&qf, q0 + actions[i]);
+            mq = float_at(&qf, q0);
+            for (Py_ssize_t j = 1; j < A; j++) {
+                const double x = float_at(&qf, q0 + j);
+                if (x > mq || x != x) mq = x;  /* numpy's max: NaN wins */
+            }
+        }
+        if (!(term[i] || trunc[i])) {
+            /* 2. obs_t continues the episode: row t-n is complete (item t-2n has its last row) */
+            const Py_ssize_t s = t % n;
+            if (t >= n) {
+                const double ret = acc[2 * s], disc = acc[2 * s + 1];
+                const double prio = fabs(ret + disc * mq - c->qsa[en + s]);
+                nstep_row(c, e, c->s_obs + (en + s) * ob_bytes, c->s_action + (en + s) * asz, ret, disc,
+                          c->s_version + (en + s) * vsz);
+                if (t >= 2 * n) nstep_item(c, c->item_prio[en + s], n + 1, e, c->episode_row[e] + t - n + 1);
+                c->item_prio[en + s] = prio;  /* item t-n waits for row t */
+            }
+            /* stage step t: obs_t, the action taken, the weights' version, Q(s_t, a_t) */
+            memcpy(c->s_obs + (en + s) * ob_bytes, obs_i, ob_bytes);
+            if (c->act8) ((int64_t *)c->s_action)[en + s] = actions[i];
+            else ((int32_t *)c->s_action)[en + s] = (int32_t)actions[i];
+            memcpy(c->s_version + (en + s) * vsz, vbytes, vsz);
+            c->qsa[en + s] = qsa;
+            acc[2 * s] = 0.0;
+            acc[2 * s + 1] = 1.0;
+            c->t[e] = t + 1;
+            continue;
+        }
+        /* 3. obs_t is the final obs_L: the episode's outstanding items (steps L-2n .. L-1; the
+         * first n have rows, the last n are staged: ret truncated at L, disc 0 if terminated) */
+        const int64_t L = t, row0 = c->episode_row[e];
+        const int is_term = term[i] != 0;
+        for (Py_ssize_t j = 0; j < 2 * n; j++) {
+            const int64_t g = L - 2 * n + j;
+            if (g < 0) continue;
+            const Py_ssize_t sl = g % n;
+            if (j < n) {
+                nstep_item(c, c->item_prio[en + sl], n + 1, e, row0 + g + n + 1);
+            } else {
+                const double disc = is_term ? 0.0 : acc[2 * sl + 1];
+                nstep_item(c, fabs(acc[2 * sl] + disc * mq - c->qsa[en + sl]), L + 1 - g, e, row0 + L + 1);
+            }
+        }
+        /* rows: the staged steps max(0, L-n) .. L-1, then obs_L (action 0, ret 0, disc 0) */
+        for (int64_t g = L > n ? L - n : 0; g < L; g++) {
+            const Py_ssize_t sl = g % n;
+            nstep_row(c, e, c->s_obs + (en + sl) * ob_bytes, c->s_action + (en + sl) * asz, acc[2 * sl],
+                      is_term ? 0.0 : acc[2 * sl + 1], c->s_version + (en + sl) * vsz);
+        }
+        nstep_row(c, e, obs_i, (const char *)&zero, 0.0, 0.0, vbytes);
+        /* close: the writer's episode ends at the next publish, after its items */
+        c->end_pending[e] = 1;
+        c->episode_row[e] += L + 1;
+        c->t[e] = 0;
+        for (Py_ssize_t k = 0; k < 2 * n; k++) acc[k] = 0.0;  /* empty slots: the reset step's reward reaches nothing */
+    }
+    result = PyLong_FromLongLong(*c->p_count);
+done:
+    if (ob.buf) PyBuffer_Release(&ob);
+    if (rf.view.buf) PyBuffer_Release(&rf.view);
+    if (qf.view.buf) PyBuffer_Release(&qf.view);
+    PyBuffer_Release(&ib); PyBuffer_Release(&tb); PyBuffer_Release(&ub); PyBuffer_Release(&ab);
+    return result;
+}
+
+static PyObject *nstep_publish(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    int mode;
+    if (!PyArg_ParseTuple(args, "Oi", &cap, &mode)) return NULL;
+    NStep *c = (NStep *)PyCapsule_GetPointer(cap, "gearflow.nstep");
+    if (c == NULL) return NULL;
+    const Py_ssize_t m = *c->p_count, R = c->R, S = c->S;
+    if (mode == 0 && m) {  /* the rate limiter: the table's inserts + m within its limit */
+        const int64_t limit = __atomic_load_n(&c->header[H_INSERT_LIMIT_F], __ATOMIC_RELAXED);
+        if (limit != NO_LIMIT_V) {
+            int64_t total = 0;
+            for (Py_ssize_t p = 0; p < c->P; p++) total += __atomic_load_n(&c->counters[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
+            if (total + m > limit) return PyLong_FromLong(-1);
+        }
+    }
+    if (mode != 2 && m) {
+        /* Writer.create_items' checks, with its messages; nothing is written unless all pass */
+        Floats pf = {.is_f32 = 0, .n = m};
+        pf.view.buf = c->p_prio;
+        if (check_priorities(&pf) < 0) return NULL;
+        for (Py_ssize_t k = 0; k < m; k++) {
+            const int64_t s = c->p_stream[k], len = c->p_len[k], end = c->p_end[k];
+            if (len < 1 || len > S) return PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)len);
+            if (end > c->wpos[s]) { PyErr_SetString(PyExc_ValueError, "an item ends after the last appended step"); return NULL; }
+            if (end - len < c->ep_start[s])
+                return PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %lld has %lld "
+                                    "steps in its current episode", (long long)len, (long long)s, (long long)(end - c->ep_start[s]));
+        }
+        int64_t *last = PyMem_Malloc(c->E * sizeof(int64_t));
+        if (last == NULL) return PyErr_NoMemory();
+        memcpy(last, c->last_start, c->E * sizeof(int64_t));
+        for (Py_ssize_t k = 0; k < m; k++) {
+            const int64_t s = c->p_stream[k], start = c->p_end[k] - c->p_len[k];
+            if (start < last[s]) {
+                PyMem_Free(last);
+                PyErr_SetString(PyExc_ValueError, "items of a stream must be created in order of their first step");
+                return NULL;
+            }
+            last[s] = start;
+        }
+        PyMem_Free(last);
+        /* the record ring's protocol, item by item: REC_RESERVE, the record, PUBLISHED */
+        for (Py_ssize_t k = 0; k < m; k++) {
+            const int64_t s = c->p_stream[k], p = c->parts[s], start = c->p_end[k] - c->p_len[k];
+            int64_t *cnt = c->counters + p * 8;
+            const int64_t seq = __atomic_load_n(&cnt[F_PUBLISHED], __ATOMIC_RELAXED);
+            if (__atomic_load_n(&cnt[F_REC_RESERVE], __ATOMIC_RELAXED) < seq + 1)
+                __atomic_store_n(&cnt[F_REC_RESERVE], seq + 1, __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_RELEASE);  /* the announcement before the slot changes */
+            const Py_ssize_t r = p * R + seq % R;
+            c->rec_start[r] = start;
+            c->rec_len[r] = (int32_t)c->p_len[k];
+            c->rec_prio[r] = c->p_prio[k];
+            __atomic_store_n(&cnt[F_PUBLISHED], seq + 1, __ATOMIC_RELEASE);  /* publish after the record */
+            c->last_start[s] = start;
+        }
+    }
+    *c->p_count = 0;
+    /* the episodes that ended: later items cannot reach back into them (Writer.end_episode) */
+    for (Py_ssize_t e = 0; e < c->E; e++)
+        if (c->end_pending[e]) {
+            c->ep_start[e] = c->wpos[e];
+            c->counters[c->parts[e] * 8 + F_EPISODES] += 1;
+            c->end_pending[e] = 0;
+        }
+    return PyLong_FromSsize_t(mode == 2 ? 0 : m);
+}
+
 static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
@@ -926,6 +1314,10 @@ static PyMethodDef methods[] = {
      "seen_total, first_p, slot_rec, slot_live, new_slots, new_prios, gone) -> (total, next_p, new, gone, replaced, bad)"},
     {"counter_total", counter_total, METH_VARARGS, "counter_total(counters) -> sum of RESERVE, COMMIT, PUBLISHED"},
     {"key_slots", key_slots, METH_VARARGS, "key_slots(keys, P, R, slot_rec, slot_live, out) -> valid"},
+    {"nstep_context", nstep_context, METH_VARARGS, "nstep_context(arrays, E, n, S, R, gamma, offset_max) -> context"},
+    {"nstep_add", nstep_add, METH_VARARGS,
+     "nstep_add(ctx, ids, obs, reward, terminated, truncated, actions, values, version) -> pending items (-1, -2: see source)"},
+    {"nstep_publish", nstep_publish, METH_VARARGS, "nstep_publish(ctx, mode) -> items published (-1: held by the rate limiter)"},
     {NULL, NULL, 0, NULL},
 };
 

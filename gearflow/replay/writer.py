@@ -102,6 +102,28 @@ class Writer:
         self._ramp = np.zeros(0, np.uint8)
         self._record_rows: dict[int, tuple] = {}  # stream -> its partition's record rows (C item path)
 
+    def native_arrays(self) -> dict[str, Any]:
+        """The arrays a native (C) adder writes in place, under this writer's protocols: the
+        table's ``columns`` (by name, ``[P * S, *shape]``), ``partitions``, ``counters``
+        (``[P, 8]``), the item records ``rec_start`` / ``rec_len`` / ``rec_prio`` (``[P, R]``),
+        ``header``, ``offsets`` (stacked frames, else ``None``) and this writer's per-stream
+        state ``pos`` / ``episode_start`` / ``last_start`` (int64 ``[streams]``). A C path
+        that keeps these as the numpy methods do (seqlocks, record ring, episode starts)
+        leaves the writer exactly as :meth:`append` / :meth:`create_items` /
+        :meth:`end_episode` would; ``_hotpath.nstep_*`` is the one user."""
+        st = self.storage
+        return {
+            "columns": dict(st.columns), "partitions": self.partitions, "counters": st.counters,
+            "rec_start": st.item_start, "rec_len": st.item_length, "rec_prio": st.item_priority,
+            "header": st.header, "offsets": self._offsets, "pos": self._pos,
+            "episode_start": self._episode_start, "last_start": self._last_item_start,
+        }  # fmt: skip
+
+    def wait_for_insert(self, m: int) -> None:
+        """Block until the rate limiter takes ``m`` more items (``insert_timeout_s``, then
+        :class:`RateLimiterTimeout`; :class:`InsertAborted` once ``abort()`` says stop)."""
+        self._wait_for_insert(m)
+
     def _offset_ramp(self, n: int) -> np.ndarray:
         """``min(i, OFFSET_MAX)`` for ``i < n`` as uint8 (grown on demand, kept)."""
         if self._ramp.size < n:

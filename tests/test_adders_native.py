@@ -1,0 +1,198 @@
+"""The C n-step adder (``_hotpath.nstep_*``) against its numpy reference (``native=False``).
+
+Both adders get the same recvs (random batches of envs, rewards, terminations and
+truncations, Q-values, episodes as short as one step, rings that wrap) and write into
+two tables of the same layout; after every recv the two tables must hold the same bytes:
+every column, every item record, every counter but the heartbeat, the step offsets of a
+stacked-frame column. tests/test_actor.py checks the items themselves by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gearflow.actors.adders import TransitionAdder
+from gearflow.replay.rate_limiter import NO_LIMIT
+from gearflow.replay.storage import COMMIT, EPISODES, H_INSERT_LIMIT, PUBLISHED, REC_RESERVE, RESERVE
+from gearflow.replay.writer import Writer
+
+_hotpath = pytest.importorskip("gearflow.replay._hotpath", reason="the C module is not built")
+
+APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+WIDE = {"obs": "uint8[2,3]", "action": "int32", "ret": "float64", "disc": "float64", "version": "int32"}
+FRAMES = {"obs": "uint8[4,5,5] stack=4", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+COUNTER_FIELDS = [RESERVE, COMMIT, PUBLISHED, EPISODES, REC_RESERVE]
+
+
+def pair(storage_factory, spec, E, S, n, gamma=0.9, R=None):
+    """Two tables of one layout: the numpy reference adder on one, the C adder on the other."""
+    out = []
+    for native in (False, True):
+        st = storage_factory(spec, P=E, S=S, R=R)
+        adder = TransitionAdder(Writer(st, np.arange(E), prefault=False), n, gamma, native=native)
+        assert adder.native is native
+        out.append((st, adder))
+    return out
+
+
+def assert_same_tables(a, b, where=""):
+    for name in a.columns:
+        np.testing.assert_array_equal(a.columns[name].view(np.uint8), b.columns[name].view(np.uint8),
+                                      err_msg=f"column {name} {where}")  # fmt: skip
+    np.testing.assert_array_equal(a.counters[:, COUNTER_FIELDS], b.counters[:, COUNTER_FIELDS], err_msg=f"counters {where}")
+    np.testing.assert_array_equal(a.item_start, b.item_start, err_msg=f"item starts {where}")
+    np.testing.assert_array_equal(a.item_length, b.item_length, err_msg=f"item lengths {where}")
+    np.testing.assert_array_equal(a.item_priority.view(np.int64), b.item_priority.view(np.int64),
+                                  err_msg=f"item priorities {where}")  # fmt: skip
+    if a.step_offset is not None:
+        np.testing.assert_array_equal(a.step_offset, b.step_offset, err_msg=f"step offsets {where}")
+
+
+class Recvs:
+    """EnvPool-shaped recvs of E envs: a random subset of b envs each time; an env whose
+    previous recv ended its episode comes back with reward 0 and both flags False."""
+
+    def __init__(self, spec_obs, E, b, A, seed, p_end=0.08, with_values=True):
+        self.rng = np.random.default_rng(seed)
+        self.E, self.b, self.A, self.p_end, self.with_values = E, b, A, p_end, with_values
+        self.obs_shape, self.obs_dtype = spec_obs
+        self.reset = np.ones(E, dtype=bool)
+
+    def __call__(self, version):
+        rng, b, A = self.rng, self.b, self.A
+        ids = rng.choice(self.E, size=b, replace=False).astype(np.int64)
+        if self.obs_dtype == np.uint8:
+            obs = rng.integers(0, 256, (b, *self.obs_shape), dtype=np.uint8)
+        else:
+            obs = rng.standard_normal((b, *self.obs_shape)).astype(self.obs_dtype)
+        reward = rng.standard_normal(b).astype(np.float32)
+        end = rng.random(b) < self.p_end
+        terminated = end & (rng.random(b) < 0.5)
+        truncated = end & ~terminated
+        fresh = self.reset[ids]
+        reward[fresh] = 0.0
+        terminated[fresh] = truncated[fresh] = False
+        self.reset[ids] = terminated | truncated
+        actions = rng.integers(0, A, b, dtype=np.int64)
+        values = rng.standard_normal((b, A)).astype(np.float32) if self.with_values else None
+        return ids, obs, reward, terminated, truncated, fresh, actions, values, version
+
+
+@pytest.mark.parametrize(
+    "spec,E,b,n,S,flush_every,p_end,with_values",
+    [
+        (APEX, 8, 4, 3, 8, None, 0.08, True),  # S = min_steps: the ring wraps every few steps
+        (APEX, 6, 6, 1, 64, None, 0.2, True),  # one-step transitions, whole batches
+        (APEX, 5, 3, 5, 32, None, 0.3, False),  # no Q-values: priorities |ret|; episodes shorter than n
+        (APEX, 4, 2, 3, 64, 1, 0.15, True),  # a flush every recv; the C list starts with one entry and grows
+        (WIDE, 4, 3, 2, 16, None, 0.1, True),  # int32 actions and versions, float64 returns
+        (FRAMES, 4, 2, 3, 16, None, 0.1, True),  # stacked frames: the newest frame and its offset
+    ],
+)
+def test_native_adder_writes_what_the_reference_writes(storage_factory, spec, E, b, n, S, flush_every, p_end, with_values):
+    (sa, ref), (sb, nat) = pair(storage_factory, spec, E, S, n)
+    if flush_every is not None:
+        ref.flush_every = nat.flush_every = flush_every
+        nat._make_native(capacity=1)
+    col = sa.spec["obs"]
+    recvs = Recvs((col.shape, col.dtype), E, b, 4, seed=E * 100 + n, p_end=p_end, with_values=with_values)
+    for step in range(400):
+        batch = recvs(version=step // 7)
+        ref.add(*batch)
+        nat.add(*batch)
+        assert_same_tables(sa, sb, f"after recv {step}")
+        assert nat.items == ref.items
+        np.testing.assert_array_equal(nat.writer.positions, ref.writer.positions)
+        np.testing.assert_array_equal(nat.writer.episode_starts(), ref.writer.episode_starts())
+    ref.finish()
+    nat.finish()
+    assert_same_tables(sa, sb, "after finish")
+    assert nat.items == ref.items > 0
+    assert int(sb.counters[:, EPISODES].sum()) > 10
+
+
+def test_native_adder_refuses_nan_priorities_like_the_reference(storage_factory):
+    (sa, ref), (sb, nat) = pair(storage_factory, APEX, 2, 32, 1)
+    recvs = Recvs(((3,), np.float32), 2, 2, 3, seed=1, p_end=0.0)
+    errors = []
+    for adder in (ref, nat):
+        recvs.rng = np.random.default_rng(1)
+        adder.flush_every = 10**9
+        for step in range(4):
+            ids, obs, reward, term, trunc, first, actions, values, v = recvs(step)
+            if step == 1:
+                values[:, :] = np.nan
+            adder.add(ids, obs, reward, term, trunc, first, actions, values, v)
+        with pytest.raises(ValueError, match=r"priority must be finite and ≥ 0, got nan at index") as info:
+            adder.flush_items()
+        errors.append(str(info.value))
+        assert adder.flush_items() == 0  # the failed flush's items are gone, as in the reference
+    assert errors[0] == errors[1]
+    assert_same_tables(sa, sb)
+
+
+def test_native_adder_drops_items_held_by_the_rate_limiter_at_shutdown(storage_factory):
+    """finish(block=False) with the limiter closed: no item published, the ended episodes
+    still closed; once the limiter opens, items flow again."""
+    (sa, ref), (sb, nat) = pair(storage_factory, APEX, 4, 64, 3)
+    recvs = Recvs(((3,), np.float32), 4, 4, 2, seed=3, p_end=0.0)
+    for st in (sa, sb):
+        st.header[H_INSERT_LIMIT] = 0
+    for adder in (ref, nat):
+        adder.flush_every = 10**9  # one flush: at shutdown (no env ends twice before it)
+        adder.writer.insert_timeout_s = 0.05
+    for step in range(8):
+        ids, obs, reward, term, trunc, first, actions, values, v = recvs(step)
+        if step == 6:  # every env's episode ends: 6 steps, 2n items each
+            term[:] = True
+            recvs.reset[:] = True
+        ref.add(ids, obs, reward, term, trunc, first, actions, values, v)
+        nat.add(ids, obs, reward, term, trunc, first, actions, values, v)
+    assert nat._p_count[0] > 0
+    ref.finish(block=False)
+    nat.finish(block=False)
+    assert_same_tables(sa, sb)
+    assert int(sb.counters[:, PUBLISHED].sum()) == 0 and int(sb.counters[:, EPISODES].sum()) == 4
+    for st in (sa, sb):
+        st.header[H_INSERT_LIMIT] = NO_LIMIT
+    recvs.p_end = 0.1
+    for adder in (ref, nat):
+        adder.flush_every = adder.n
+    for step in range(8, 60):
+        batch = recvs(step)
+        ref.add(*batch)
+        nat.add(*batch)
+    ref.finish()
+    nat.finish()
+    assert_same_tables(sa, sb)
+    assert nat.items == ref.items > 0
+
+
+def test_native_adder_checks_its_batch_before_writing(storage_factory):
+    (sa, ref), (sb, nat) = pair(storage_factory, APEX, 2, 32, 2)
+    obs = np.zeros((2, 3), np.float32)
+    zeros, no = np.zeros(2, np.float32), np.zeros(2, bool)
+    with pytest.raises(ValueError, match=r"streams \[5\] out of range \[0, 2\)"):
+        nat.add(np.array([0, 5]), obs, zeros, no, no, no, np.zeros(2, np.int64), None, 0)
+    with pytest.raises(IndexError, match="index 7 is out of bounds for axis 1 with size 3"):
+        nat.add(np.array([0, 1]), obs, zeros, no, no, no, np.array([0, 7]), np.zeros((2, 3), np.float32), 0)
+    with pytest.raises(ValueError, match="column 'obs': expected dtype float32, got float64"):
+        nat.add(np.array([0, 1]), obs.astype(np.float64), zeros, no, no, no, np.zeros(2, np.int64), None, 0)
+    assert (nat._t == 0).all() and int(sb.counters[:, COMMIT].sum()) == 0
+    # lists and other dtypes are converted, as the reference takes them
+    nat.add([0, 1], obs, [0.5, 1.0], [False, False], [False, False], [True, True], [1, 0], None, 0)
+    ref.add(np.array([0, 1]), obs, np.array([0.5, 1.0]), no, no, ~no, np.array([1, 0]), None, 0)
+    assert_same_tables(sa, sb)
+    with pytest.raises(ValueError, match="native=True"):
+        TransitionAdder(ListWriter(ref.writer), 2, 0.9, native=True)
+
+
+class ListWriter:
+    """A WriterLike that is not a local Writer (a stand-in for a remote one): the C path refuses it."""
+
+    def __init__(self, w):
+        self._w = w
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
