@@ -52,6 +52,7 @@ class Adder:
 
     COLUMNS: tuple[str, ...] = ()
     WHAT = "items"
+    USES_FIRST = True  # whether ``add`` reads ``first`` (else the actor passes None)
 
     def __init__(self, writer: WriterLike):
         self.writer = writer
@@ -122,6 +123,7 @@ class TransitionAdder(Adder):
     """
 
     COLUMNS = ("obs", "action", "ret", "disc", "version")
+    USES_FIRST = False
 
     def __init__(self, writer: WriterLike, n: int, gamma: float, *, native: Optional[bool] = None):
         super().__init__(writer)

@@ -35,6 +35,11 @@ from gearflow.params.protocol import ParameterSource
 from gearflow.replay.protocols import WriterLike
 from gearflow.replay.writer import InsertAborted
 
+try:  # the per-recv episode statistics in C (setup.py builds it); _count_episodes is the reference
+    from gearflow.replay import _hotpath
+except ImportError:  # pragma: no cover - depends on the build
+    _hotpath = None
+
 log = logging.getLogger(__name__)
 
 STOP_CHECK_EVERY = 16  # recvs between looks at the stop event (it costs a lock)
@@ -196,25 +201,40 @@ class ActorBase:
 
     def _observe(self, ids, obs, reward, terminated, truncated, actions, values) -> None:
         """After ``send``: the adder writes; episode returns and lengths are counted (the reward
-        that comes with an episode's first obs is 0) and reported when an episode ends."""
+        that comes with an episode's first obs is 0) and reported when an episode ends.
+
+        The counting is one C call (``_hotpath.episode_stats``) where built, else
+        :meth:`_count_episodes` (the numpy reference)."""
         reward, terminated, truncated = np.asarray(reward), np.asarray(terminated), np.asarray(truncated)
-        done = terminated | truncated
         if self.adder is not None:
-            self.adder.add(ids, obs, reward, terminated, truncated, self._new_episode[ids], actions, values,
-                           self.version)  # fmt: skip
-        self._episode_return[ids] += reward
-        self._new_episode[ids] = done
-        if not done.any():
-            self._episode_length[ids] += 1
+            first = self._new_episode[ids] if self.adder.USES_FIRST else None
+            self.adder.add(ids, obs, reward, terminated, truncated, first, actions, values, self.version)
+        if _hotpath is None:
+            ended = self._count_episodes(ids, reward, terminated, truncated)
+        else:
+            try:
+                ended = _hotpath.episode_stats(ids, reward, terminated, truncated, self._episode_return,
+                                               self._episode_length, self._new_episode)  # fmt: skip
+            except (TypeError, ValueError, BufferError):  # not the exact arrays: the reference
+                ended = self._count_episodes(ids, reward, terminated, truncated)
+        if not ended:
             return
-        self._episode_length[ids[~done]] += 1
-        e = ids[done]
+        e = ids[terminated | truncated]
         self.episodes += e.size
         if self.on_episode is not None:
             for d, length, ret in zip(e.tolist(), self._episode_length[e].tolist(), self._episode_return[e].tolist()):
                 self.on_episode(int(self.global_env_index[d]), ret, int(length), float(self.epsilon[d]))
         self._episode_return[e] = 0.0
         self._episode_length[e] = 0
+
+    def _count_episodes(self, ids, reward, terminated, truncated) -> int:
+        """Returns += reward, lengths += 1 where the episode goes on, ``_new_episode`` = done;
+        returns how many episodes ended (the caller reports and zeroes them)."""
+        done = terminated | truncated
+        self._episode_return[ids] += reward
+        self._new_episode[ids] = done
+        self._episode_length[ids[~done]] += 1
+        return int(np.count_nonzero(done))
 
     def _count_steps(self, b: int) -> int:
         """Count ``b`` env steps; look for newer weights every ``actor.weight_sync_period``."""

@@ -1290,6 +1290,47 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(mode == 2 ? 0 : m);
 }
 
+/* episode_stats(ids int64[b], reward float32|float64[b], terminated bool[b], truncated bool[b],
+ *               ret float64[E], length int64[E], new_episode bool[E]) -> episodes that ended
+ * An actor's per-recv episode statistics (ActorBase._observe; its numpy code is the
+ * reference): ret[e] += r, new_episode[e] = done, length[e] += 1 unless done (an ended
+ * episode is reported, then zeroed, by the caller). */
+static PyObject *episode_stats(PyObject *self, PyObject *args) {
+    Py_buffer ib, tb, ub, rb, lb, nb;
+    PyObject *reward_obj;
+    Floats rf = {{0}};
+    if (!PyArg_ParseTuple(args, "y*Oy*y*w*w*w*", &ib, &reward_obj, &tb, &ub, &rb, &lb, &nb)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t b = ib.len / 8, E = nb.len;
+    if (get_floats(reward_obj, &rf, "reward") < 0) goto done;
+    if (rf.n != b || tb.len != b || ub.len != b || rb.len != E * 8 || lb.len != E * 8) {
+        PyErr_SetString(PyExc_ValueError, "episode_stats: one reward and flag per id; ret, length, new_episode per env");
+        goto done;
+    }
+    const int64_t *ids = (const int64_t *)ib.buf;
+    const char *term = (const char *)tb.buf, *trunc = (const char *)ub.buf;
+    for (Py_ssize_t i = 0; i < b; i++)
+        if (ids[i] < 0 || ids[i] >= E) { PyErr_Format(PyExc_ValueError, "env id %lld out of range [0, %zd)", (long long)ids[i], E); goto done; }
+    double *ret = (double *)rb.buf;
+    int64_t *len = (int64_t *)lb.buf;
+    char *fresh = (char *)nb.buf;
+    long ended = 0;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        const int64_t e = ids[i];
+        const int d = term[i] || trunc[i];
+        ret[e] = ret[e] + float_at(&rf, i);
+        fresh[e] = (char)d;
+        len[e] += !d;
+        ended += d;
+    }
+    result = PyLong_FromLong(ended);
+done:
+    if (rf.view.buf) PyBuffer_Release(&rf.view);
+    PyBuffer_Release(&ib); PyBuffer_Release(&tb); PyBuffer_Release(&ub); PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb); PyBuffer_Release(&nb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
@@ -1314,6 +1355,8 @@ static PyMethodDef methods[] = {
      "seen_total, first_p, slot_rec, slot_live, new_slots, new_prios, gone) -> (total, next_p, new, gone, replaced, bad)"},
     {"counter_total", counter_total, METH_VARARGS, "counter_total(counters) -> sum of RESERVE, COMMIT, PUBLISHED"},
     {"key_slots", key_slots, METH_VARARGS, "key_slots(keys, P, R, slot_rec, slot_live, out) -> valid"},
+    {"episode_stats", episode_stats, METH_VARARGS,
+     "episode_stats(ids, reward, terminated, truncated, ret, length, new_episode) -> episodes ended"},
     {"nstep_context", nstep_context, METH_VARARGS, "nstep_context(arrays, E, n, S, R, gamma, offset_max) -> context"},
     {"nstep_add", nstep_add, METH_VARARGS,
      "nstep_add(ctx, ids, obs, reward, terminated, truncated, actions, values, version) -> pending items (-1, -2: see source)"},
