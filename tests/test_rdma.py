@@ -11,9 +11,9 @@ step) checks every row. The pyverbs path is marked ``rdma`` and runs only where
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -30,7 +30,15 @@ from gearflow.native.rdma import (
     rdma_devices,
 )
 from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call, segment_base
-from gearflow.replay import Episode, Sequence, SharedStorage, Table, Transition, Writer, make_selector
+from gearflow.replay import (
+    Episode,
+    Sequence,
+    SharedStorage,
+    Table,
+    Transition,
+    Writer,
+    make_selector,
+)
 from gearflow.replay.storage import RESERVE, SHM_DIR
 
 SPEC = {"stamp": "int64", "obs": "float32[3]", "frame": "uint8[2,4]", "done": "bool"}
@@ -150,7 +158,7 @@ KINDS = {
 @pytest.mark.parametrize("name", list(KINDS))
 def test_rdma_gather_equals_the_table_gather(rig, name):
     kind, spec = KINDS[name]
-    table, w, shard, sampler = rig(kind, spec=spec, S=48)
+    table, w, _shard, sampler = rig(kind, spec=spec, S=48)
     write_steps(w, 100, kind, stacked=spec is STACKED)  # the ring wraps (S=48)
     P = table.storage.num_partitions
     for _ in range(5):
@@ -168,7 +176,7 @@ def test_rdma_gather_equals_the_table_gather(rig, name):
 
 def test_sampled_windows_are_padded_and_masked_like_the_table(rig):
     kind = Sequence(length=8, period=4)
-    table, w, shard, sampler = rig(kind, S=64)
+    table, w, _shard, sampler = rig(kind, S=64)
     write_steps(w, 30, kind, episode=6)  # episodes of 6 steps: only tail windows, shorter than 8
     batch = sampler.sample(8)
     assert_same_batch(table, batch)
@@ -178,7 +186,7 @@ def test_sampled_windows_are_padded_and_masked_like_the_table(rig):
 
 
 def test_priority_updates_reach_the_shard_by_key(rig):
-    table, w, shard, sampler = rig(Transition(next_columns=("obs",)))
+    table, w, _shard, sampler = rig(Transition(next_columns=("obs",)))
     write_steps(w, 20, Transition())
     batch = sampler.sample(4)
     keys = np.unique(batch.keys.numpy())
@@ -208,7 +216,7 @@ class WriteBeforeRead(LoopbackMemory):
 def test_items_overwritten_between_select_and_read_are_redrawn(rig):
     kind = Transition(next_columns=("obs",))
     memory = WriteBeforeRead()
-    table, (w0, w1), shard, sampler = rig(kind, S=32, memory=memory, writer_parts=[[0], [1]])
+    table, (w0, w1), _shard, sampler = rig(kind, S=32, memory=memory, writer_parts=[[0], [1]])
     write_steps(w0, 40, kind)
     write_steps(w1, 40, kind)
     S = table.storage.steps_per_partition
@@ -241,7 +249,7 @@ def test_the_counters_are_read_after_the_rows_in_the_same_chain(rig):
     """The chain's last read is the fenced counter re-read: a writer that moves between the
     rows and the counters makes the read torn (detected), never the other way round."""
     kind = Transition(next_columns=("obs",))
-    table, w, shard, sampler = rig(kind)
+    table, w, _shard, sampler = rig(kind)
     write_steps(w, 40, kind)
     sampler.sample(8)
     reads = sampler.reads_per_batch
@@ -359,7 +367,7 @@ def test_a_wrong_rkey_or_an_out_of_region_read_is_refused(storage_factory):
 
 def test_a_sampler_with_a_wrong_rkey_raises(rig):
     kind = Transition(next_columns=("obs",))
-    table, w, shard, sampler = rig(kind)
+    _table, w, _shard, sampler = rig(kind)
     write_steps(w, 20, kind)
     sampler.region = type(sampler.region)(sampler.region.addr, sampler.region.length, sampler.region.rkey ^ 0xFF)
     with pytest.raises(RemoteAccessError, match="is not a region the peer registered"):
@@ -376,7 +384,7 @@ def _naive_runs(rows: np.ndarray) -> int:
 
 def test_the_chain_is_one_read_per_contiguous_run_per_column(rig):
     kind = Sequence(length=8, period=2)  # overlapping windows: neighbouring items share rows
-    table, w, shard, sampler = rig(kind, P=1, S=256)
+    table, w, _shard, sampler = rig(kind, P=1, S=256)
     write_steps(w, 120, kind, episode=1000)
     C = len(table.storage.spec)
     for _ in range(4):
@@ -387,10 +395,57 @@ def test_the_chain_is_one_read_per_contiguous_run_per_column(rig):
         assert sampler.memory.last_chain == C * runs + 1  # + the counter re-read
         assert runs < len(np.unique(rows))  # coalesced: fewer reads than rows
     # every item of one contiguous stretch: a single read per column
-    table2, w2, shard2, sampler2 = rig(Sequence(length=8, period=8), P=1, S=256, selector="fifo")
+    _table2, w2, _shard2, sampler2 = rig(Sequence(length=8, period=8), P=1, S=256, selector="fifo")
     write_steps(w2, 16, Sequence(length=8, period=8), episode=1000)  # two windows: rows 0..15
     sampler2.sample(2)
     assert sampler2.memory.last_chain in (C + 1, 2 * C + 1)  # one run (both windows) or a repeat
+
+
+# ---------------------------------------------------------------------------------- over TCP
+
+TOKEN = "rdma-test-token-0123456789"
+
+
+def test_end_to_end_over_a_real_loopback_socket(rig):
+    """rdma.connect / rdma.select / rdma.update served by the transport's Service on 127.0.0.1,
+    the learner's control channel a real authenticated Client; the reads go through the loopback
+    double. The batch equals the Table's gather for the same keys; the queue pair is released when
+    the learner's connection closes."""
+    from gearflow.transport.client import Client
+    from gearflow.transport.service import Service
+
+    kind = Transition(next_columns=("obs",))
+    table, (w0, w1), shard, _ = rig(kind, S=32, writer_parts=[[0], [1]])
+    write_steps(w0, 40, kind)
+    write_steps(w1, 40, kind)
+    service = Service(host="127.0.0.1", port=0, token=TOKEN)
+    shard.register_handlers(service)
+    port = service.start()
+    client = Client(("127.0.0.1", port), token=TOKEN, timeout_s=10)
+    memory = WriteBeforeRead()
+    try:
+        sampler = RdmaSampler(client.call, memory, timeout_s=10)
+        assert len(shard.export.connected) == 2  # the rig's in-process sampler and this one
+        for _ in range(3):
+            batch = sampler.sample(16)
+            assert_same_batch(table, batch)
+        # a torn batch over TCP: partition 1 lapped between the select and the read
+        memory.write = lambda: write_steps(w1, 32, kind)
+        batch = sampler.sample(16)
+        rec = assert_same_batch(table, batch)
+        assert sampler.torn > 0 and table.torn == sampler.torn
+        np.testing.assert_array_equal(batch.data["stamp"].numpy(), stamp_of(batch.keys.numpy() % 2, rec[0]))
+        keys = np.unique(batch.keys.numpy())
+        assert sampler.update_priorities(keys, np.full(keys.size, 7.0)) == keys.size
+        assert table.selector.tree.leaves[table._key_index.slots(keys)] == pytest.approx(7.0 ** table.selector.alpha)
+        sampler.memory.close()
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while len(shard.export.connected) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the service notices the closed connection in its loop
+    service.stop()
+    assert len(shard.export.connected) == 1  # this learner's queue pair went with its connection
 
 
 # ---------------------------------------------------------------------------------- transport choice
@@ -442,7 +497,7 @@ def test_parse_ibv_devices_output():
 def test_importing_gearflow_and_the_rdma_modules_never_imports_pyverbs():
     code = ("import sys, gearflow, gearflow.native.rdma, gearflow.native.rdma_replay; "
             "assert 'pyverbs' not in sys.modules, 'pyverbs imported'; print('ok')")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -458,7 +513,7 @@ def test_verbs_gather_equals_the_table_gather(rig):  # pragma: no cover - needs 
     from gearflow.native.rdma import VerbsExport, VerbsMemory
 
     kind = Transition(next_columns=("obs",))
-    table, w, shard, sampler = rig(kind)
+    table, w, _shard, _sampler = rig(kind)
     write_steps(w, 60, kind)
     verbs_shard = RdmaShard(table, VerbsExport())
     verbs = RdmaSampler(direct_call(verbs_shard), VerbsMemory(), timeout_s=5.0)

@@ -94,7 +94,7 @@ class Region:
         return {"addr": self.addr, "length": self.length, "rkey": self.rkey}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Region":
+    def from_dict(cls, d: dict[str, Any]) -> Region:
         return cls(int(d["addr"]), int(d["length"]), int(d["rkey"]))
 
 
@@ -137,7 +137,7 @@ def rdma_devices() -> tuple[list[str], str]:
     tool = shutil.which("ibv_devices")
     if tool is not None:
         try:
-            out = subprocess.run([tool], capture_output=True, text=True, timeout=10)
+            out = subprocess.run([tool], check=False, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError) as exc:
             return [], f"ibv_devices failed: {exc}"
         names = parse_ibv_devices(out.stdout)
@@ -289,6 +289,9 @@ class RegionExport(Protocol):
     def accept(self, peer: dict[str, Any]) -> dict[str, Any]:
         """A queue pair for the learner at ``peer``, connected; returns its endpoint."""
 
+    def release(self, endpoint: dict[str, Any]) -> None:
+        """Close the queue pair :meth:`accept` returned ``endpoint`` for (its learner left)."""
+
     def close(self) -> None: ...
 
 
@@ -308,6 +311,7 @@ class LoopbackExport:
         self.base = int(base)
         self._regions: list[Region] = []
         self._qps = 0
+        self.connected: set[int] = set()  # queue pairs accepted and not released
 
     def register(self, address: int, length: int) -> Region:
         size = os.stat(self.path).st_size
@@ -324,11 +328,16 @@ class LoopbackExport:
         if peer.get("fabric") != "loopback":
             raise ValueError(f"a loopback region cannot connect to a {peer.get('fabric')!r} endpoint")
         self._qps += 1
+        self.connected.add(self._qps)
         return {"fabric": "loopback", "qp_num": self._qps, "path": self.path, "base": self.base,
                 "regions": [[r.rkey, r.addr, r.length] for r in self._regions]}  # fmt: skip
 
+    def release(self, endpoint: dict[str, Any]) -> None:
+        self.connected.discard(int(endpoint["qp_num"]))
+
     def close(self) -> None:
         self._regions = []
+        self.connected.clear()
 
 
 class LoopbackMemory:
@@ -531,6 +540,16 @@ class VerbsExport:
         self._port.to_rts(qp, psn, peer)
         self._qps.append((qp, cq))
         return self._port.endpoint(qp, psn)
+
+    def release(self, endpoint: dict[str, Any]) -> None:
+        keep = []
+        for qp, cq in self._qps:
+            if int(qp.qp_num) == int(endpoint["qp_num"]):
+                qp.close()
+                cq.close()
+            else:
+                keep.append((qp, cq))
+        self._qps = keep
 
     def close(self) -> None:
         for qp, cq in self._qps:

@@ -25,8 +25,9 @@ redrawn, the whole batch read and checked again, never returned. The kind's own 
 then fills the batch from the staged rows, so a batch is laid out exactly as
 ``Table.sample`` lays it out::
 
-    shard = RdmaShard(table, LoopbackExport(...))          # or VerbsExport() on an RDMA host
-    sampler = RdmaSampler(direct_call(shard), LoopbackMemory())   # or VerbsMemory(), TCP call
+    shard = RdmaShard(table, VerbsExport())                 # RdmaShard.loopback(table): the double
+    shard.register_handlers(service)                        # a gearflow.transport Service
+    sampler = RdmaSampler(Client(address, token).call, VerbsMemory())   # or direct_call(shard), LoopbackMemory()
     batch = sampler.sample(256)                            # Sample: data, keys, weights, probabilities
     sampler.update_priorities(batch.keys, new_priorities)
 
@@ -48,13 +49,14 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from gearflow.native.gather import torn_items
-from gearflow.native.rdma import RegionExport, RemoteAccessError, RemoteMemory, Region, plan_reads
+from gearflow.native.rdma import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 from gearflow.replay.items import FrameStacks, kind_from_dict
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
@@ -84,7 +86,7 @@ def unpack(meta: dict, buffers: list) -> dict[str, np.ndarray]:
     return dict(zip(names, buffers))
 
 
-def direct_call(shard: "RdmaShard") -> Call:
+def direct_call(shard: RdmaShard) -> Call:
     """The control channel in-process (tests, a learner next to its shard): each request's
     metadata round-trips through JSON and its buffers are copied, as over a socket."""
 
@@ -143,7 +145,7 @@ class RdmaShard:
         self.layout["kind"] = table.kind.to_dict()
 
     @classmethod
-    def loopback(cls, table, lock: threading.Lock | None = None) -> "RdmaShard":
+    def loopback(cls, table, lock: threading.Lock | None = None) -> RdmaShard:
         """A shard whose region the loopback double reads (the segment's file in SHM_DIR)."""
         from gearflow.native.rdma import LoopbackExport
 
@@ -154,12 +156,17 @@ class RdmaShard:
         return {"rdma.connect": self.connect, "rdma.select": self.select, "rdma.update": self.update}
 
     def register_handlers(self, service) -> None:
-        """Serve the handlers on a transport service (``service.register(name, handler)``)."""
-        for name, handler in self.handlers().items():
-            service.register(name, handler)
+        """Serve the handlers on a :class:`~gearflow.transport.service.Service`: ``rdma.connect``
+        with the connection, so the learner's queue pair is released when it disconnects."""
+        service.register("rdma.connect", self.connect, with_connection=True)
+        service.register("rdma.select", self.select)
+        service.register("rdma.update", self.update)
 
-    def connect(self, meta: dict, buffers: list) -> tuple[dict, list]:
+    def connect(self, meta: dict, buffers: list, connection=None) -> tuple[dict, list]:
+        """A queue pair for the learner's endpoint; the region and the segment's layout."""
         endpoint = self.export.accept(meta["endpoint"])
+        if connection is not None:
+            connection.on_close(lambda: self.export.release(endpoint))
         return {"endpoint": endpoint, "region": self.region.to_dict(), "layout": self.layout}, []
 
     def select(self, meta: dict, buffers: list) -> tuple[dict, list]:
@@ -326,7 +333,7 @@ class RdmaSampler:
         names, bufs = pack(arrays)
         reply, buffers = self._call("rdma.select", {**meta, "arrays": names}, bufs)
         got = unpack(reply, buffers)
-        return reply, {k: np.asarray(v) for k, v in got.items()}
+        return reply, {k: np.array(v) for k, v in got.items()}  # owned copies: a reply's buffers may be reused
 
     def _redraw(self, arrays: dict, meta: dict, bad: np.ndarray, timeout_s: float) -> dict:
         """Torn rows replaced by a fresh draw (their keys evicted at the shard first); with a
