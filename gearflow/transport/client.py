@@ -300,10 +300,11 @@ class Client:
 
     def result(self, fut: concurrent.futures.Future, op: str, timeout_s: float):
         """``fut``'s reply, or its named error; :class:`RequestTimeout` after ``timeout_s``."""
-        try:
-            return fut.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise RequestTimeout(f"{op}: no reply from {self.address_text} in {timeout_s:.1f} s") from None
+        # not fut.result(timeout): a remote TimeoutError (RateLimiterTimeout) is also a
+        # concurrent.futures.TimeoutError, and must not read as this call's own timeout
+        if not concurrent.futures.wait([fut], timeout=timeout_s).done:
+            raise RequestTimeout(f"{op}: no reply from {self.address_text} in {timeout_s:.1f} s")
+        return fut.result()
 
     def close(self) -> None:
         """Close the connection and stop the loop thread (idempotent)."""

@@ -1,0 +1,650 @@
+"""Remote writer, sampler and parameter source: the seams of replay over a shard service.
+
+    writer = RemoteWriter("10.0.0.5:7000", num_streams=16, token=token)   # WriterLike
+    adder = TransitionAdder(writer, n=3, gamma=0.99)                         # unchanged
+    sampler = RemoteSampler(["10.0.0.5:7000", "10.0.0.6:7000"], token=token)  # SamplerLike
+    batch = sampler.sample(256); sampler.update_priorities(batch.keys, prios)
+    params = RemoteParams("10.0.0.5:7000", token=token)                      # ParameterSource
+
+**RemoteWriter.** Every check a local :class:`~gearflow.replay.Writer` makes is made here,
+at the same call and with the same message (spec, streams, sizes, priorities, episode
+boundaries, item order), against a mirror of the session's positions; the writes are
+then staged (one copy into reused per-column buffers) and sent as one ``replay.write``
+per ``create_items`` (or ``flush``, or every ``batch_bytes``), without waiting for the
+reply: at most ``max_in_flight`` batches are unanswered, and the next send waits for the
+oldest reply (the rate limiter holds it on the shard: bounded in-flight data is the
+back-pressure). So what can only fail on the shard — the rate limiter's timeout, a lost
+connection — is raised at the writer's next call (or ``flush``, which waits for every
+reply), with its own type (:class:`~gearflow.replay.RateLimiterTimeout`,
+:class:`~gearflow.transport.client.ServiceUnavailable`, ...). ``create_items`` with
+``insert_timeout_s <= 0`` (an adder's non-blocking flush at shutdown) waits for its own
+reply, so its ``RateLimiterTimeout`` comes from that call as locally. Every wait has a
+timeout and polls ``abort``. After a lost connection the next call re-opens the session
+(same partitions, positions from the shard: as a restarted local writer continues) and
+raises :class:`SessionLost` once, since the steps staged meanwhile are gone; an adder
+over it should be rebuilt (an actor process restarts).
+
+**RemoteSampler.** Keys of shard ``i`` carry ``i`` in bits 56..62 (``key | i << 56``;
+shard 0's keys are the shard's own), so ``update_priorities`` routes each key to its
+shard with no map. Draws over several shards: ``b_i ~ Multinomial(B, T_i / Σ T)`` with
+``T_i`` the shards' priority totals (sum-tree mass; item counts for uniform selectors),
+then each shard's own stratified draw of ``b_i``: item ``k`` of shard ``i`` is drawn with
+probability ``T_i/ΣT · m_k/T_i = m_k / ΣT``, as from one table. Probabilities and IS
+weights are recomputed from the global total and count (``w = (N·P)^-β / max``); the
+totals used for the split are those the last replies reported (one batch old). One
+shard's batch is passed through as the shard drew it. ``prefetch`` rounds are requested
+ahead, from every shard in parallel.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+import queue
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from gearflow.replay.items import kind_from_dict
+from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.selectors import check_priorities
+from gearflow.replay.spec import TableSpec
+from gearflow.replay.table import Sample
+from gearflow.replay.writer import InsertAborted
+from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
+from gearflow.transport.shard import SHARD_SHIFT, SessionLost
+
+__all__ = ["RemoteParams", "RemoteSampler", "RemoteWriter", "SHARD_SHIFT", "SessionLost"]
+
+_POLL_S = 0.05  # how often a wait polls ``abort``
+
+
+def _client(address_or_client: Any, token: Optional[str], timeout_s: float, loop: str) -> tuple[Client, bool]:
+    if isinstance(address_or_client, Client):
+        return address_or_client, False
+    return Client(address_or_client, token, timeout_s=timeout_s, loop=loop), True
+
+
+class _Stage:
+    """One batch of writer calls being built: ops, ints, floats and the rows of every column,
+    in buffers reused from batch to batch (grown by doubling)."""
+
+    def __init__(self, spec: TableSpec):
+        self.cols = {c.name: np.empty((64, *c.row_shape), dtype=c.dtype) for c in spec}
+        self.ints = np.empty(256, dtype=np.int64)
+        self.floats = np.empty(64, dtype=np.float64)
+        self.ops: list = []
+        self.rows = self.ni = self.nf = 0
+        self.nbytes = 0
+        self.row_bytes = sum(c.nbytes for c in spec)
+
+    def clear(self) -> None:
+        self.ops, self.rows, self.ni, self.nf, self.nbytes = [], 0, 0, 0, 0
+
+    def add_rows(self, arrays: Mapping[str, np.ndarray], n: int) -> None:
+        if self.rows + n > len(next(iter(self.cols.values()))):
+            cap = max(2 * (self.rows + n), 64)
+            for name, a in self.cols.items():
+                b = np.empty((cap, *a.shape[1:]), dtype=a.dtype)
+                b[: self.rows] = a[: self.rows]
+                self.cols[name] = b
+        for name, a in arrays.items():
+            self.cols[name][self.rows:self.rows + n] = a
+        self.rows += n
+        self.nbytes += n * self.row_bytes
+
+    def add_ints(self, *arrays) -> int:
+        o = self.ni
+        n = sum(np.size(a) for a in arrays)
+        if o + n > self.ints.size:
+            self.ints = np.concatenate([self.ints[:o], np.empty(max(o + n, 2 * self.ints.size), np.int64)])
+        for a in arrays:
+            k = np.size(a)
+            self.ints[self.ni:self.ni + k] = a
+            self.ni += k
+        return o
+
+    def add_floats(self, a: np.ndarray) -> int:
+        o = self.nf
+        if o + a.size > self.floats.size:
+            self.floats = np.concatenate([self.floats[:o], np.empty(max(o + a.size, 2 * self.floats.size))])
+        self.floats[o:o + a.size] = a
+        self.nf += a.size
+        return o
+
+    def buffers(self) -> list[np.ndarray]:
+        cols = [a[: self.rows] for a in self.cols.values()] if self.rows else []
+        return [self.ints[: self.ni], self.floats[: self.nf], *cols]
+
+
+class RemoteWriter:
+    """A :class:`~gearflow.replay.protocols.WriterLike` over a shard's ``replay.write`` (see the
+    module docstring). ``partitions``: ask for these (a restarted actor gets its own back);
+    default: any free ones."""
+
+    def __init__(self, address: Any, num_streams: int, token: Optional[str] = None, *,
+                 partitions: Optional[Sequence[int]] = None, insert_timeout_s: float = 60.0,
+                 timeout_s: float = 30.0, max_in_flight: int = 4, batch_bytes: int = 1 << 20, loop: str = "auto"):  # fmt: skip
+        self._client, self._own_client = _client(address, token, timeout_s, loop)
+        self.insert_timeout_s = float(insert_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.abort: Optional[Callable[[], bool]] = None
+        self.max_in_flight, self.batch_bytes = int(max_in_flight), int(batch_bytes)
+        self._num_streams = int(num_streams)
+        self._want = None if partitions is None else [int(p) for p in partitions]
+        self._inflight: collections.deque = collections.deque()  # futures, oldest first
+        self._error: Optional[BaseException] = None
+        self._session = None
+        self._reported = False  # a lost connection was already raised to the caller
+        self._open()
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(self.max_in_flight + 1):
+            self._free.put(_Stage(self._spec))
+        self._stage: _Stage = self._free.get()
+        self._all = np.arange(self._num_streams)
+
+    # ----------------------------------------------------------------- session
+    def _open(self) -> None:
+        meta, _ = self._client.call("replay.open_writer", {
+            "num_streams": self._num_streams, "partitions": self._want, "insert_timeout_s": self.insert_timeout_s,
+        }, timeout_s=self.timeout_s)  # fmt: skip
+        self._session, self._gen = meta["session"], self._client.generation
+        self.partitions = np.asarray(meta["partitions"], dtype=np.int64)
+        self._want = meta["partitions"]  # a re-opened session asks for the same partitions
+        self._spec = TableSpec.parse(meta["spec"])
+        self._S, self._R = int(meta["steps_per_stream"]), int(meta["items_per_stream"])
+        self._pos = np.asarray(meta["positions"], dtype=np.int64)
+        self._episode_start = np.asarray(meta["episode_starts"], dtype=np.int64)
+        self._last_item_start = self._pos.copy()  # a new shard Writer's (Writer.__init__)
+
+    def _check_session(self) -> None:
+        """Raise a deferred error; re-open the session after a lost connection (raising SessionLost once)."""
+        err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, ServiceUnavailable):
+                self._stage.clear()  # those steps are gone; the caller is told now
+                self._inflight.clear()
+                self._reported = True
+            raise err
+        if self._client.connected and self._client.generation == self._gen:
+            return
+        lost = self._stage.rows
+        self._stage.clear()
+        self._inflight.clear()
+        try:
+            self._client.connect(self.timeout_s)
+        except ServiceUnavailable:
+            self._reported = True
+            raise
+        self._open()
+        if self._reported and not lost:  # the caller already saw the outage: continue quietly
+            self._reported = False
+            return
+        self._reported = False
+        raise SessionLost(f"the connection to {self._client.address_text} was re-made: writer session re-opened on "
+                          f"partitions {self._want} ({lost} staged steps lost); streams continue from the shard's positions")
+
+    # ----------------------------------------------------------------- WriterLike
+    @property
+    def spec(self) -> TableSpec:
+        return self._spec
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    @property
+    def steps_per_stream(self) -> int:
+        return self._S
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._pos.copy()
+
+    def episode_starts(self, streams=None) -> np.ndarray:
+        return self._episode_start[self._streams(streams)].copy()
+
+    def episode_lengths(self, streams=None) -> np.ndarray:
+        s = self._streams(streams)
+        return self._pos[s] - self._episode_start[s]
+
+    def _streams(self, streams) -> np.ndarray:
+        if streams is None:
+            return self._all
+        s = np.asarray(streams, dtype=np.int64).reshape(-1)
+        if s.size and (s.min() < 0 or s.max() >= self._num_streams):
+            raise ValueError(f"streams {s.tolist()} out of range [0, {self._num_streams})")
+        return s
+
+    def append(self, steps: Mapping[str, Any], streams=None) -> np.ndarray:
+        self._check_session()
+        s = self._streams(streams)
+        if np.unique(s).size != s.size:
+            raise ValueError("append writes one step per stream: streams must be distinct")
+        arrays, _ = self._spec.check_batch(steps, n=s.size)
+        st = self._stage
+        st.add_rows(arrays, s.size)
+        st.ops.append(["a", int(s.size), st.add_ints(s)])
+        pos = self._pos[s]
+        self._pos[s] = pos + 1
+        self._maybe_send()
+        return pos
+
+    def extend(self, steps: Mapping[str, Any], stream: int = 0) -> int:
+        self._check_session()
+        first_col = steps.get(self._spec.columns[0].name)
+        arrays, n = self._spec.check_batch(steps, n=len(first_col) if hasattr(first_col, "__len__") else None)
+        if n > self._S:
+            raise ValueError(f"extend of {n} steps exceeds the partition's {self._S} steps")
+        if not 0 <= stream < self._num_streams:
+            raise ValueError(f"streams [{stream}] out of range [0, {self._num_streams})")
+        st = self._stage
+        st.add_rows(arrays, n)
+        st.ops.append(["x", int(stream), int(n)])
+        pos = int(self._pos[stream])
+        self._pos[stream] = pos + n
+        self._maybe_send()
+        return pos
+
+    def create_items(self, priorities, num_steps, streams=None, ends=None) -> None:
+        """As :meth:`Writer.create_items` (same checks and messages, here); the items are
+        published on the shard when this batch arrives (the rate limiter's wait happens there)."""
+        self._check_session()
+        prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        m = prio.size
+        if m == 0:
+            return
+        one = isinstance(streams, (int, np.integer)) or (streams is not None and np.ndim(streams) == 0)
+        if one:
+            stream = int(streams)
+            if not 0 <= stream < self._num_streams:
+                raise ValueError(f"streams [{stream}] out of range [0, {self._num_streams})")
+            s = np.full(m, stream, dtype=np.int64)
+            end = np.full(m, self._pos[stream]) if ends is None else np.asarray(ends, dtype=np.int64).reshape(-1)
+            if end.size != m:
+                raise ValueError(f"{m} priorities but {end.size} ends")
+        else:
+            if streams is None and m != self._num_streams:
+                raise ValueError(f"{m} priorities for {self._num_streams} streams (pass streams=)")
+            s = self._streams(streams)
+            if s.size != m:
+                raise ValueError(f"{m} priorities for {s.size} streams")
+            end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
+        lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
+        start = self._check_items(prio, lengths, end, s)
+        if one:
+            if m > self._R:
+                raise ValueError(f"more than {self._R} items for one stream in one call")
+            if start[0] < self._last_item_start[stream] or (m > 1 and np.diff(start).min() < 0):
+                raise ValueError("items of a stream must be created in order of their first step")
+            self._last_item_start[stream] = start[-1]
+        else:
+            order = np.lexsort((start, s))
+            so, sto = s[order], start[order]
+            first = np.r_[True, so[1:] != so[:-1]]
+            if (sto[first] < self._last_item_start[so[first]]).any():
+                raise ValueError("items of a stream must be created in order of their first step")
+            group = np.flatnonzero(first)
+            rank = np.arange(m) - np.repeat(group, np.diff(np.r_[group, m]))
+            if rank.max() >= self._R:
+                raise ValueError(f"more than {self._R} items for one stream in one call")
+            last = np.r_[group[1:] - 1, m - 1]
+            self._last_item_start[so[last]] = sto[last]
+        st = self._stage
+        o = st.add_ints(lengths, *(() if one else (s,)), *(() if ends is None else (end,)))
+        fo = st.add_floats(prio)
+        st.ops.append(["i", m, o, fo, stream if one else -1, int(ends is not None), self.insert_timeout_s])
+        if not (self.insert_timeout_s > 0):  # a non-blocking insert: its error belongs to this call
+            self._send()
+            self._wait_all()
+        else:
+            self._send()
+
+    def _check_items(self, prio, lengths, end, streams) -> np.ndarray:
+        """:meth:`Writer._check_items`' checks, with its messages."""
+        check_priorities(prio)
+        bad = (lengths < 1) | (lengths > self._S)
+        if bad.any():
+            raise ValueError(f"num_steps must be in [1, {self._S}], got {lengths[bad][0]}")
+        if (end > self._pos[streams]).any():
+            raise ValueError("an item ends after the last appended step")
+        start = end - lengths
+        ep0 = self._episode_start[streams]
+        crosses = start < ep0
+        if crosses.any():
+            j = int(np.argmax(crosses))
+            raise ValueError(
+                f"item of {lengths[j]} steps crosses an episode boundary: stream {streams[j]} has "
+                f"{int(end[j] - ep0[j])} steps in its current episode"
+            )
+        return start
+
+    def end_episode(self, streams=None) -> None:
+        self._check_session()
+        if streams is not None and np.ndim(streams) == 0:
+            s = int(streams)
+            if not 0 <= s < self._num_streams:
+                raise ValueError(f"streams [{s}] out of range [0, {self._num_streams})")
+            s = np.asarray([s])
+        else:
+            s = np.unique(self._streams(streams))
+        self._episode_start[s] = self._pos[s]
+        st = self._stage
+        st.ops.append(["e", int(s.size), st.add_ints(s)])
+
+    def flush(self) -> None:
+        """Send what is staged with a heartbeat and wait for every reply: errors of earlier
+        batches are raised here."""
+        self._check_session()
+        self._stage.ops.append(["f"])
+        self._send()
+        self._wait_all()
+
+    # ----------------------------------------------------------------- sending
+    def _maybe_send(self) -> None:
+        if self._stage.nbytes >= self.batch_bytes:
+            self._send()
+
+    def _send(self) -> None:
+        st = self._stage
+        if not st.ops:
+            return
+        while len(self._inflight) >= self.max_in_flight:
+            self._wait_oldest()
+        nxt = self._take_stage()
+        meta = {"session": self._session, "ops": st.ops}
+        free = self._free
+
+        def on_sent(stage=st):
+            stage.clear()
+            free.put(stage)
+
+        fut = self._client.submit("replay.write", meta, st.buffers(), timeout_s=self._reply_timeout(), on_sent=on_sent)
+        fut.add_done_callback(self._done)
+        self._inflight.append(fut)
+        self._stage = nxt
+
+    def _take_stage(self) -> _Stage:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._free.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._poll_abort("sending")
+                if time.monotonic() > deadline:
+                    raise RequestTimeout(f"replay.write: buffers not sent to {self._client.address_text} in {self.timeout_s:.1f} s")
+
+    def _done(self, fut: concurrent.futures.Future) -> None:
+        exc = fut.exception()
+        if exc is not None and self._error is None:
+            self._error = exc
+
+    def _reply_timeout(self) -> float:
+        return self.timeout_s + max(0.0, self.insert_timeout_s)
+
+    def _poll_abort(self, what: str) -> None:
+        if self.abort is not None and self.abort():
+            raise InsertAborted(f"remote write abandoned while {what}: the writer was asked to stop")
+
+    def _wait_oldest(self) -> None:
+        fut = self._inflight[0]
+        deadline = time.monotonic() + self._reply_timeout()
+        while not concurrent.futures.wait([fut], timeout=_POLL_S).done:  # its error: recorded by _done
+            self._poll_abort("its batch waited on the shard's rate limiter")
+            if time.monotonic() > deadline:
+                raise RequestTimeout(f"replay.write: no reply from {self._client.address_text} in "
+                                     f"{self._reply_timeout():.1f} s")  # fmt: skip
+        self._inflight.popleft()
+        err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, ServiceUnavailable):  # every batch in flight is gone with it
+                self._stage.clear()
+                self._inflight.clear()
+                self._reported = True
+            raise err
+
+    def _wait_all(self) -> None:
+        while self._inflight:
+            self._wait_oldest()
+
+    def close(self) -> None:
+        """Send what is staged (waiting up to the timeout), end the session, close the connection."""
+        try:
+            if self._client.connected and self._client.generation == self._gen:
+                self._send()
+                self._wait_all()
+                self._client.call("replay.close_writer", {"session": self._session}, timeout_s=self.timeout_s)
+        except (ServiceUnavailable, RequestTimeout, RateLimiterTimeout, InsertAborted):
+            pass
+        finally:
+            if self._own_client:
+                self._client.close()
+
+
+# ---------------------------------------------------------------------- sampler
+
+
+class _Weights:
+    """``sampler.selector.beta``: the IS exponent a learner anneals (None: each shard's own)."""
+
+    importance_sampled = True
+
+    def __init__(self):
+        self.beta: Optional[float] = None
+
+
+class RemoteSampler:
+    """A :class:`~gearflow.replay.protocols.SamplerLike` over one or several shard services
+    (see the module docstring). ``seed`` seeds the split of a batch over shards."""
+
+    def __init__(self, shards: Sequence[Any], token: Optional[str] = None, *, prefetch: int = 1,
+                 timeout_s: float = 60.0, num_buffers: int = 3, seed: Optional[int] = None, loop: str = "auto"):  # fmt: skip
+        if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
+            shards = [shards]
+        if not shards or len(shards) > 127:
+            raise ValueError(f"a sampler reads 1 to 127 shards, got {len(shards)}")
+        pairs = [_client(s, token, timeout_s, loop) for s in shards]
+        self._clients = [c for c, _ in pairs]
+        self._own = [own for _, own in pairs]
+        self.timeout_s, self.prefetch, self.num_buffers = float(timeout_s), int(prefetch), int(num_buffers)
+        self.selector = _Weights()
+        self._rng = np.random.default_rng(seed)
+        infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
+        self.spec = TableSpec.parse(infos[0]["spec"])
+        self.kind = kind_from_dict(infos[0]["kind"])
+        for i, info in enumerate(infos[1:], 1):
+            if info["spec"] != infos[0]["spec"] or info["kind"] != infos[0]["kind"]:
+                raise ValueError(f"shard {i} ({self._clients[i].address_text}) holds another spec or item kind than shard 0")
+        n = len(self._clients)
+        self._totals = np.ones(n)  # priority totals (sum-tree mass or item counts) last reported
+        self._counts = np.zeros(n, dtype=np.int64)
+        self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
+        self._buffers: list[dict[str, torch.Tensor]] = []
+        self._buffer_batch, self._next = -1, 0
+        if n > 1:
+            self._refresh_totals()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._clients)
+
+    def _refresh_totals(self) -> None:
+        futs = [c.submit("replay.stats", timeout_s=self.timeout_s) for c in self._clients]
+        for i, (c, f) in enumerate(zip(self._clients, futs)):
+            meta, _ = c.result(f, "replay.stats", self.timeout_s)
+            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+
+    # ----------------------------------------------------------------- draws
+    def _request(self, batch_size: int, timeout_s: float) -> list:
+        n = len(self._clients)
+        if n == 1:
+            split = np.array([batch_size])
+        else:
+            t = np.maximum(self._totals, 0.0)
+            split = (self._rng.multinomial(batch_size, t / t.sum()) if t.sum() > 0
+                     else np.bincount(np.arange(batch_size) % n, minlength=n))  # fmt: skip
+        meta = {"timeout_s": timeout_s}
+        if self.selector.beta is not None:
+            meta["beta"] = float(self.selector.beta)
+        return [(i, int(b), self._clients[i].submit("replay.sample", {**meta, "batch_size": int(b)},
+                                                    timeout_s=timeout_s + self.timeout_s))
+                for i, b in enumerate(split.tolist()) if b > 0]  # fmt: skip
+
+    def sample(self, batch_size: int, timeout_s: Optional[float] = None) -> Sample:
+        """A batch of ``batch_size`` items over every shard; blocks while the shards' rate
+        limiters say so (up to ``timeout_s``, then :class:`RateLimiterTimeout`)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        while self._ahead and self._ahead[0][0] != batch_size:
+            self._ahead.popleft()  # drawn for another batch size: dropped
+        rnd = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
+        while len(self._ahead) < self.prefetch:
+            self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
+        replies = []
+        try:
+            for i, b, fut in rnd:
+                meta, bufs = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
+                self._totals[i], self._counts[i] = meta["total"], meta["count"]
+                replies.append((i, b, meta, bufs))
+        except BaseException:
+            self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
+            raise
+        if len(replies) == 1 and replies[0][0] == 0:
+            _, _, meta, bufs = replies[0]
+            keys, probs, weights, *data = bufs
+            return Sample(data={n: torch.from_numpy(a) for n, a in zip(meta["names"], data)},
+                          keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
+                          probabilities=torch.from_numpy(probs))  # fmt: skip
+        return self._combine(batch_size, replies)
+
+    def _out(self, batch_size: int, meta: dict, bufs: list) -> dict[str, torch.Tensor]:
+        if batch_size != self._buffer_batch:
+            names = ["keys", "probabilities", "weights", *meta["names"]]
+            self._buffers = [{n: torch.empty((batch_size, *a.shape[1:]), dtype=torch.from_numpy(a[:0]).dtype)
+                              for n, a in zip(names, bufs)} for _ in range(self.num_buffers)]  # fmt: skip
+            self._buffer_batch = batch_size
+        out = self._buffers[self._next]
+        self._next = (self._next + 1) % self.num_buffers
+        return out
+
+    def _combine(self, batch_size: int, replies: list) -> Sample:
+        out = self._out(batch_size, replies[0][2], replies[0][3])
+        names = ["keys", "probabilities", "weights", *replies[0][2]["names"]]
+        T = float(np.sum(self._totals))
+        N = int(np.sum(self._counts))
+        row = 0
+        masses = np.empty(batch_size)
+        for i, b, meta, bufs in replies:
+            for n, a in zip(names, bufs):
+                out[n][row:row + b] = torch.from_numpy(a)
+            keys = out["keys"][row:row + b]
+            if int(keys.max()) >> SHARD_SHIFT:
+                raise ValueError(f"shard {i} returned a key ≥ 2^{SHARD_SHIFT}: cannot tag it with the shard")
+            keys |= i << SHARD_SHIFT
+            masses[row:row + b] = bufs[1] * float(meta["total"])
+            row += b
+        probs = masses / T
+        beta = self.selector.beta if self.selector.beta is not None else replies[0][2].get("beta")
+        if beta is not None:
+            w = (N * probs) ** -float(beta)
+            out["weights"].copy_(torch.from_numpy(w / w.max()))
+        else:  # no importance sampling (uniform, FIFO, ...): the shards' weights stand
+            pass
+        out["probabilities"].copy_(torch.from_numpy(probs))
+        return Sample(data={n: out[n] for n in names[3:]}, keys=out["keys"], weights=out["weights"],
+                      probabilities=out["probabilities"])  # fmt: skip
+
+    # ----------------------------------------------------------------- priorities, stats
+    def update_priorities(self, keys, priorities) -> int:
+        """New priorities by key, each key sent to the shard in its bits 56..62; returns how
+        many were applied (keys of evicted items are ignored, as locally)."""
+        keys = np.ascontiguousarray(torch.as_tensor(keys).cpu().numpy(), dtype=np.int64).reshape(-1)
+        if isinstance(priorities, torch.Tensor):
+            p = priorities.detach()
+            p = (p.float() if p.dtype in (torch.bfloat16, torch.float16) else p).cpu().numpy()
+        else:
+            p = np.asarray(priorities)
+        # float32 and float64 go as they are (the shard's table converts as a local one does)
+        prios = np.ascontiguousarray(p.reshape(-1), dtype=p.dtype if p.dtype in (np.float32, np.float64) else np.float64)
+        if keys.shape != prios.shape:
+            raise ValueError(f"{keys.size} keys but {prios.size} priorities")
+        check_priorities(prios)
+        shard = keys >> SHARD_SHIFT
+        if (shard < 0).any() or (shard >= len(self._clients)).any():
+            raise ValueError(f"keys name shards outside [0, {len(self._clients)})")
+        futs = []
+        for i in np.unique(shard).tolist():
+            sel = shard == i
+            local = keys[sel] & ((1 << SHARD_SHIFT) - 1)
+            futs.append((i, self._clients[i].submit("replay.update_priorities", {}, [local, prios[sel]],
+                                                    timeout_s=self.timeout_s)))  # fmt: skip
+        applied = 0
+        for i, f in futs:
+            meta, _ = self._clients[i].result(f, "replay.update_priorities", self.timeout_s)
+            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+            applied += int(meta["applied"])
+        return applied
+
+    SUMMED = ("replay/size", "replay/inserts", "replay/samples", "replay/evictions", "replay/torn_resampled",
+              "replay/steps", "replay/bytes", "replay/remote_partitions")  # fmt: skip
+
+    def stats(self) -> dict[str, float]:
+        """Every shard's stats summed (counts) or averaged (fill), and ``replay/shards``."""
+        futs = [c.submit("replay.stats", timeout_s=self.timeout_s) for c in self._clients]
+        per = []
+        for i, (c, f) in enumerate(zip(self._clients, futs)):
+            meta, _ = c.result(f, "replay.stats", self.timeout_s)
+            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+            per.append(meta["stats"])
+        out: dict[str, float] = {"replay/shards": float(len(per))}
+        for k in per[0]:
+            vals = [s.get(k, 0.0) for s in per]
+            out[k] = float(sum(vals)) if (k in self.SUMMED or k.startswith("transport/")) else (
+                float(min(vals)) if k.endswith("_min") else float(np.mean(vals)))
+        return out
+
+    def close(self) -> None:
+        self._ahead.clear()
+        for c, own in zip(self._clients, self._own):
+            if own:
+                c.close()
+
+
+# ---------------------------------------------------------------------- parameters
+
+
+class RemoteParams:
+    """A :class:`~gearflow.params.protocol.ParameterSource` over a shard's ``params.get``: one
+    round trip when nothing is newer, the weights only when the version changed."""
+
+    def __init__(self, address: Any, token: Optional[str] = None, *, timeout_s: float = 30.0, loop: str = "auto"):
+        self._client, self._own = _client(address, token, timeout_s, loop)
+        self.timeout_s = float(timeout_s)
+        self.fetches = 0  # replies that carried weights
+
+    def load_into(self, module: Any, min_version: int = 0) -> Optional[int]:
+        meta, bufs = self._client.call("params.get", {"min_version": int(min_version)}, timeout_s=self.timeout_s)
+        if meta.get("version") is None:
+            return None
+        state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)
+        names = meta["names"]
+        if missing := [k for k in names if k not in state]:
+            raise ValueError(f"parameter {missing[0]!r} is not in the module (the store has it)")
+        if extra := [k for k in state if k not in names]:
+            raise ValueError(f"parameter {extra[0]!r} is missing from the published weights")
+        for k, a in zip(names, bufs):  # every shape checked before anything is copied
+            if tuple(state[k].shape) != a.shape:
+                raise ValueError(f"parameter {k!r} is {list(a.shape)} in the store, {list(state[k].shape)} here")
+        with torch.no_grad():
+            for k, a in zip(names, bufs):
+                state[k].copy_(torch.from_numpy(a))
+        self.fetches += 1
+        return int(meta["version"])
+
+    def close(self) -> None:
+        if self._own:
+            self._client.close()

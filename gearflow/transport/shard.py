@@ -1,0 +1,353 @@
+"""The shard service: one machine's replay table (and parameter store) served over TCP.
+
+    table = Table(storage, Transition(next_columns=("obs",)), make_selector("prioritized", P * R))
+    shard = ShardService(table, params=store, host="0.0.0.0", port=7000, token=token)
+    shard.start()                                  # the bound port
+    ...                                            # remote actors write, learners sample
+    shard.stop()                                   # the table and store stay the caller's
+
+Message types (:class:`~gearflow.transport.service.Service` handlers):
+
+* ``replay.info`` — the spec, geometry, item kind and selector.
+* ``replay.open_writer`` — a session for one remote writer: ``num_streams`` partitions out
+  of the shard's assignable ones (or the ``partitions`` it asks for, when free), written by
+  a :class:`~gearflow.replay.Writer` of this process; replies with their positions. The
+  session ends with its connection (or ``replay.close_writer``), freeing the partitions.
+* ``replay.write`` — a batch of writer calls, applied in order by the session's Writer:
+  ``append`` / ``extend`` / ``create_items`` / ``end_episode`` / ``flush`` with the local
+  writer's semantics and errors. A ``create_items`` the rate limiter holds holds the
+  reply, and the client has at most ``max_in_flight`` requests unanswered: back-pressure
+  is bounded in-flight data, never a queue. A held insert gives up when its connection
+  closes or the service stops (:class:`~gearflow.replay.writer.InsertAborted`).
+* ``replay.sample`` — the shard's own draw: keys, probabilities, IS weights, the data, and
+  the shard's priority total and item count at the draw (what a several-shard sampler
+  needs to draw like one table). The batch goes out of the table's own buffers (no copy);
+  sample ``j`` waits until the reply of sample ``j - num_buffers`` has left the socket,
+  since it reuses that buffer set.
+* ``replay.update_priorities``, ``replay.stats``, ``replay.checkpoint`` (into the shard's
+  ``checkpoint_dir``, by a plain name).
+* ``params.get`` — the latest weights if newer than ``min_version``, else only
+  ``{"version": null}``: one round trip when nothing is new.
+
+Batch layout of a ``replay.write`` request (``meta = {"session", "ops"}``; buffers
+``[ints int64, floats float64, <one per column, in spec order>]``): each column buffer holds
+the rows of every ``append``/``extend`` of the batch, in op order; an op names how many
+rows it takes and where its ints/floats are::
+
+    ["a", k, o]              append: streams ints[o:o+k], the next k rows
+    ["x", stream, n]         extend: the next n rows of one stream
+    ["i", m, o, fo, s, e, t] create_items: priorities floats[fo:fo+m], num_steps ints[o:o+m],
+                             streams ints[o+m:o+2m] (s = -1) or the one stream s, then
+                             (when e) the m ends, insert timeout t seconds
+    ["e", k, o]              end_episode(ints[o:o+k]); k = -1: every stream
+    ["f"]                    flush (heartbeat)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.storage import PartitionOwned
+from gearflow.replay.writer import InsertAborted, Writer
+from gearflow.transport.client import ServiceUnavailable, register_error
+from gearflow.transport.service import Connection, Service, ServiceLimits
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SHARD_SHIFT", "SessionLost", "ShardService", "priority_total"]
+
+SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bits 56..62
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+@register_error
+class SessionLost(ServiceUnavailable):
+    """A writer session is gone (its connection was lost, or the service restarted): the writer
+    must open a new one."""
+
+
+for _cls in (RateLimiterTimeout, InsertAborted, PartitionOwned):
+    register_error(_cls)
+
+
+def priority_total(table) -> tuple[float, int]:
+    """(total sampling mass, live items) of ``table``'s selector: the sum tree's total for a
+    prioritized selector, the item count for the others (uniform mass 1 per item)."""
+    count = int(table.size)
+    tree = getattr(table.selector, "tree", None)
+    return (float(tree.total) if tree is not None else float(count)), count
+
+
+def _int(op: list, i: int) -> int:
+    v = op[i] if i < len(op) else None
+    if type(v) is not int:
+        raise ValueError(f"replay.write: op {op[:1]} field {i} must be an int, got {v!r}")
+    return v
+
+
+class ShardService:
+    """Serves ``table`` (and ``params``, a :class:`~gearflow.params.ParameterStore`) over a
+    :class:`Service` (see the module docstring). ``partitions``: those remote writers may be
+    given (default all). The table must be sampled only through this object (or
+    :meth:`sample`): it counts samples to know when a buffer set is free."""
+
+    def __init__(self, table, *, params=None, partitions: Optional[Sequence[int]] = None,
+                 host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
+                 limits: Optional[ServiceLimits] = None, loop: str = "auto",
+                 checkpoint_dir: Optional[str] = None, service: Optional[Service] = None):  # fmt: skip
+        self.table, self.params = table, params
+        P = table.storage.num_partitions
+        parts = list(range(P)) if partitions is None else [int(p) for p in partitions]
+        if any(not 0 <= p < P for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
+        self.assignable = parts
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.service = service or Service(host, port, token, limits=limits, loop=loop, name="shard")
+        self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
+        self._owner: dict[int, int] = {}  # partition -> session
+        self._owners_lock = threading.Lock()
+        self._sessions = itertools.count(1)
+        self._samples = 0  # samples drawn through this object (buffer-set reuse)
+        self._unsent: set[int] = set()  # samples whose reply has not left the socket
+        self._names = [c.name for c in table.storage.spec]
+        s = self.service
+        s.register("replay.info", self._info, inline=True)
+        s.register("replay.open_writer", self._open_writer, with_connection=True)
+        s.register("replay.close_writer", self._close_writer, with_connection=True)
+        s.register("replay.write", self._write, with_connection=True)
+        s.register("replay.sample", self._sample)
+        s.register("replay.update_priorities", self._update_priorities)
+        s.register("replay.stats", self._stats)
+        s.register("replay.checkpoint", self._checkpoint)
+        s.register("params.get", self._params_get)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> int:
+        return self.service.start()
+
+    def stop(self) -> None:
+        self.service.stop()
+
+    @property
+    def port(self) -> int:
+        return self.service.port
+
+    def __enter__(self) -> "ShardService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- info
+    def _info(self, meta, bufs):
+        st, t = self.table.storage, self.table
+        return {
+            "spec": st.spec.to_dict(), "num_partitions": st.num_partitions,
+            "steps_per_partition": st.steps_per_partition, "items_per_partition": st.items_per_partition,
+            "kind": t.kind.to_dict(), "selector": t.selector.name,
+            "importance_sampled": bool(t.selector.importance_sampled), "assignable": self.assignable,
+            "params": self.params is not None,
+        }, []  # fmt: skip
+
+    # ----------------------------------------------------------------- writers
+    def _open_writer(self, meta: dict, bufs, conn: Connection):
+        k = meta.get("num_streams")
+        want = meta.get("partitions")
+        timeout = float(meta.get("insert_timeout_s", 60.0))
+        session = next(self._sessions)
+        with self._owners_lock:
+            if want is not None:
+                if not isinstance(want, list) or not all(type(p) is int for p in want) or (k is not None and len(want) != k):
+                    raise ValueError(f"partitions must be a list of {k} ints, got {want!r}")
+                bad = [p for p in want if p not in self.assignable]
+                if bad:
+                    raise ValueError(f"partitions {bad} are not assignable to remote writers here ({self.assignable})")
+                taken = [p for p in want if p in self._owner]
+                if taken:
+                    raise PartitionOwned(f"partitions {taken} are written by another remote writer")
+                parts = want
+            else:
+                if type(k) is not int or k < 1:
+                    raise ValueError(f"num_streams must be an int ≥ 1, got {k!r}")
+                free = [p for p in self.assignable if p not in self._owner]
+                if len(free) < k:
+                    raise ValueError(f"{k} streams asked for, {len(free)} of the shard's {len(self.assignable)} "
+                                     f"assignable partitions are free")  # fmt: skip
+                parts = free[:k]
+            for p in parts:
+                self._owner[p] = session
+        try:
+            w = Writer(self.table.storage, parts, insert_timeout_s=timeout)
+        except BaseException:
+            self._release(session, parts)
+            raise
+        w.abort = lambda: conn.closed or self.service.stopping
+        conn.state.setdefault("writers", {})[session] = w
+        conn.on_close(lambda: self._release(session, parts))
+        log.info("shard: writer session %d from %s: partitions %s", session, conn.peer, parts)
+        return {
+            "session": session, "partitions": parts, "positions": w.positions.tolist(),
+            "episode_starts": w.episode_starts().tolist(), "spec": self.table.storage.spec.to_dict(),
+            "steps_per_stream": w.steps_per_stream, "items_per_stream": self.table.storage.items_per_partition,
+        }, []  # fmt: skip
+
+    def _release(self, session: int, parts: list[int]) -> None:
+        with self._owners_lock:
+            for p in parts:
+                if self._owner.get(p) == session:
+                    del self._owner[p]
+
+    def _session(self, conn: Connection, meta: dict) -> Writer:
+        w = conn.state.get("writers", {}).get(meta.get("session"))
+        if w is None:
+            raise SessionLost(f"no writer session {meta.get('session')!r} on this connection (reopen it)")
+        return w
+
+    def _close_writer(self, meta: dict, bufs, conn: Connection):
+        w = conn.state.get("writers", {}).pop(meta.get("session"), None)
+        if w is not None:
+            self._release(meta["session"], w.partitions.tolist())
+        return {}, []
+
+    def _write(self, meta: dict, bufs: list, conn: Connection):
+        w = self._session(conn, meta)
+        ops = meta.get("ops")
+        if not isinstance(ops, list) or len(bufs) < 2:
+            raise ValueError("replay.write: meta.ops must be a list and the buffers [ints, floats, columns...]")
+        ints, floats, cols = bufs[0], bufs[1], bufs[2:]
+        if ints.dtype != np.int64 or floats.dtype != np.float64 or ints.ndim != 1 or floats.ndim != 1:
+            raise ValueError("replay.write: buffers 0 and 1 must be 1-D int64 and float64")
+        if cols and len(cols) != len(self._names):
+            raise ValueError(f"replay.write: {len(cols)} column buffers for {len(self._names)} columns")
+        row = 0
+
+        def rows(n: int) -> dict:
+            if not cols:
+                raise ValueError("replay.write: rows written but no column buffers sent")
+            return {name: c[row:row + n] for name, c in zip(self._names, cols)}
+
+        for op in ops:
+            code = op[0] if isinstance(op, list) and op else None
+            if code == "a":
+                k, o = _int(op, 1), _int(op, 2)
+                w.append(rows(k), streams=ints[o:o + k])
+                row += k
+            elif code == "x":
+                stream, n = _int(op, 1), _int(op, 2)
+                w.extend(rows(n), stream=stream)
+                row += n
+            elif code == "i":
+                m, o, fo, s, e = (_int(op, i) for i in range(1, 6))
+                t = op[6] if len(op) > 6 and isinstance(op[6], (int, float)) else None
+                if t is None or m < 0 or o < 0 or fo < 0:
+                    raise ValueError(f"replay.write: malformed create_items op {op[:7]}")
+                streams = ints[o + m:o + 2 * m] if s < 0 else s
+                e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
+                ends = ints[e0:e0 + m] if e else None
+                w.insert_timeout_s = float(t)
+                w.create_items(floats[fo:fo + m], ints[o:o + m], streams, ends)
+            elif code == "e":
+                k, o = _int(op, 1), _int(op, 2)
+                w.end_episode(None if k < 0 else ints[o:o + k])
+            elif code == "f":
+                w.flush()
+            else:
+                raise ValueError(f"replay.write: unknown op {str(op)[:40]}")
+        return {}, []
+
+    # ----------------------------------------------------------------- learners
+    def sample(self, batch_size: int, timeout_s: Optional[float] = None, beta: Optional[float] = None):
+        """Draw a batch under the table lock; returns ``(sample, total, count, release)``: call
+        ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule)."""
+        t = self.table
+        timeout_s = t.sample_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            j = self._samples
+            while (j - t.num_buffers) in self._unsent:  # its buffer set is still being sent
+                left = deadline - time.monotonic()
+                if left <= 0 or self.service.stopping:
+                    raise RateLimiterTimeout(f"sample of {batch_size}: the batch {t.num_buffers} samples ago is "
+                                             f"still being sent after {timeout_s:.1f} s")  # fmt: skip
+                self.lock.wait(min(left, 0.1))
+                j = self._samples
+            if beta is not None and t.selector.importance_sampled:
+                t.selector.beta = float(beta)
+            batch = t.sample(batch_size, timeout_s=max(0.0, deadline - time.monotonic()))
+            total, count = priority_total(t)
+            self._samples = j + 1
+            self._unsent.add(j)
+
+        def release():
+            with self.lock:
+                self._unsent.discard(j)
+                self.lock.notify_all()
+
+        return batch, total, count, release
+
+    def _sample(self, meta: dict, bufs):
+        b = meta.get("batch_size")
+        if type(b) is not int or b < 1:
+            raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
+        beta = meta.get("beta")
+        timeout = meta.get("timeout_s")
+        batch, total, count, release = self.sample(b, timeout if isinstance(timeout, (int, float)) else None,
+                                                   beta if isinstance(beta, (int, float)) else None)  # fmt: skip
+        names = list(batch.data)
+        out = [batch.keys, batch.probabilities, batch.weights, *(batch.data[n] for n in names)]
+        beta_now = getattr(self.table.selector, "beta", None)
+        return {"names": names, "total": total, "count": count, "beta": beta_now}, out, release
+
+    def _update_priorities(self, meta: dict, bufs):
+        if len(bufs) != 2:
+            raise ValueError("replay.update_priorities takes two buffers: keys (int64), priorities")
+        with self.lock:
+            applied = self.table.update_priorities(bufs[0], bufs[1])
+            total, count = priority_total(self.table)
+        return {"applied": int(applied), "total": total, "count": count}, []
+
+    def _stats(self, meta: dict, bufs):
+        with self.lock:
+            stats = self.table.stats()
+            total, count = priority_total(self.table)
+        with self._owners_lock:
+            writing = len(self._owner)
+        stats.update(self.service.stats())
+        stats["replay/remote_partitions"] = writing
+        return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count}, []
+
+    def _checkpoint(self, meta: dict, bufs):
+        from gearflow.replay.checkpoint import save_checkpoint
+
+        name = meta.get("name")
+        if self.checkpoint_dir is None:
+            raise ValueError("this shard has no checkpoint_dir: remote checkpoints are off")
+        if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+            raise ValueError(f"a checkpoint name is 1-128 characters of [A-Za-z0-9_.-], got {str(name)[:40]!r}")
+        with self.lock:
+            path = save_checkpoint(self.table, self.checkpoint_dir / name)
+        return {"path": str(path)}, []
+
+    # ----------------------------------------------------------------- parameters
+    def _params_get(self, meta: dict, bufs):
+        if self.params is None:
+            raise ValueError("this shard serves no parameters")
+        have = meta.get("min_version", 0)
+        if type(have) is not int:
+            raise ValueError(f"min_version must be an int, got {have!r}")
+        if self.params.latest_version() <= have:
+            return {"version": None}, []
+        version, state = self.params.read()
+        names = list(state)
+        return {"version": version, "names": names}, [state[n] for n in names]
+
