@@ -526,3 +526,28 @@ def test_verbs_gather_equals_the_table_gather(rig):  # pragma: no cover - needs 
     finally:
         verbs.close()
         verbs_shard.close()
+
+
+@pytest.mark.rdma
+@needs_rdma
+def test_verbs_read_chain_and_a_wrong_rkey():  # pragma: no cover - needs an RDMA device
+    from gearflow.native.rdma import VerbsExport, VerbsMemory
+
+    remote = np.arange(4096, dtype=np.int64)  # the "shard's" memory: 32 KiB
+    export, mem = VerbsExport(), VerbsMemory()
+    try:
+        region = export.register(remote.ctypes.data, remote.nbytes)
+        mem.connect(export.accept(mem.endpoint()))
+        local = np.zeros(1024, np.int64)
+        mem.register(local)
+        reads = plan_reads(np.array([1, 2, 3, 100]), np.array([[region.addr, 8, 0]]),
+                           tail=np.array([[region.addr + 8 * 4000, 64, 8 * 512]]))  # fmt: skip
+        mem.read_chain(reads, region.rkey)
+        assert mem.last_chain == 3 and mem.chains_posted == 1
+        np.testing.assert_array_equal(local[:4], [1, 2, 3, 100])
+        np.testing.assert_array_equal(local[512:520], np.arange(4000, 4008))
+        with pytest.raises(RemoteAccessError):
+            mem.read_chain(reads, region.rkey ^ 0xFF)
+    finally:
+        mem.close()
+        export.close()
