@@ -61,7 +61,7 @@ from gearflow.replay.items import FrameStacks, kind_from_dict
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
-from gearflow.replay.table import Sample
+from gearflow.replay.table import GatherThreads, Sample
 
 log = logging.getLogger(__name__)
 
@@ -266,15 +266,18 @@ class RdmaSampler:
     rows read with one-sided READs through ``memory`` (a
     :class:`~gearflow.native.rdma.RemoteMemory`), checked with the seqlock rule, laid out by
     the kind's own gather. Batches view ``num_buffers`` reusable buffer sets, as
-    :meth:`Table.sample`'s do.
+    :meth:`Table.sample`'s do, and the staged rows are gathered on the torch thread count
+    the table's :class:`GatherThreads` measures fastest (``num_threads`` fixes it).
 
     ``reads_per_batch`` / ``torn`` count the work requests of the last batch's chains and
     the rows redrawn so far.
     """
 
-    def __init__(self, call: Call, memory: RemoteMemory, *, num_buffers: int = 3, timeout_s: float = 60.0):
+    def __init__(self, call: Call, memory: RemoteMemory, *, num_buffers: int = 3, timeout_s: float = 60.0,
+                 num_threads: int | None = None):  # fmt: skip
         self._call, self.memory = call, memory
         self.timeout_s = timeout_s
+        self.gather_threads = GatherThreads(num_threads)  # staged rows → batch: Table's measured choice
         meta, _ = call("rdma.connect", {"endpoint": memory.endpoint()}, [])
         memory.connect(meta["endpoint"])
         self.region = Region.from_dict(meta["region"])
@@ -370,7 +373,18 @@ class RdmaSampler:
         reads = plan_reads(unique, cols, tail)
         self.memory.read_chain(reads, self.region.rkey, fence_last=True)
         self.reads_per_batch += reads.shape[0]
-        self.kind.gather(staging.tensors, out, _renumber(rows, unique), lengths)
+        B = parts.size
+        n = self.gather_threads.pick(B)  # the table's rule: one torch thread when that is clearly cheaper
+        before = torch.get_num_threads()
+        if n != before:
+            torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        try:
+            self.kind.gather(staging.tensors, out, _renumber(rows, unique), lengths)
+        finally:
+            if n != before:
+                torch.set_num_threads(before)
+        self.gather_threads.record(B, n, time.perf_counter() - t0)
         return staging.counters[:, self._reserve_field].copy()
 
     def _staging_for(self, entries: int) -> _Staging:
