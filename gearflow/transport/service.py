@@ -92,8 +92,8 @@ class _Pool:
     """Receive buffers of one connection, reused: at most ``keep`` free ones are kept. ``nbytes``
     counts every buffer this pool has allocated and not dropped (the service's accounting)."""
 
-    def __init__(self, keep: int):
-        self.keep, self.free, self.nbytes = keep, [], 0
+    def __init__(self, keep: int, service: "Service"):
+        self.keep, self.free, self.nbytes, self.service = keep, [], 0, service
 
     def get(self, n: int) -> np.ndarray:
         best = None
@@ -103,27 +103,31 @@ class _Pool:
         if best is None:
             base = np.empty(n, dtype=np.uint8)
             self.nbytes += n
+            self.service._allocated(n)
         else:
             base = self.free.pop(best)
         return base[:n]
 
     def put(self, block: np.ndarray) -> None:
         base = block.base if isinstance(block.base, np.ndarray) else block
-        if base.nbytes == 0:
+        if base.nbytes == 0 or self.keep == 0:  # keep 0: cleared (its connection is gone)
             return
         if len(self.free) < self.keep:
             self.free.append(base)
         else:
             smallest = min(range(len(self.free)), key=lambda i: self.free[i].nbytes)
             if self.free[smallest].nbytes < base.nbytes:
+                self.service._allocated(-self.free[smallest].nbytes)
                 self.nbytes -= self.free[smallest].nbytes
                 self.free[smallest] = base
             else:
+                self.service._allocated(-base.nbytes)
                 self.nbytes -= base.nbytes
 
     def clear(self) -> None:
-        self.nbytes -= sum(b.nbytes for b in self.free)
-        self.free = []
+        """The connection is gone: its buffers are dropped (those in use go with their requests)."""
+        self.service._allocated(-self.nbytes)
+        self.nbytes, self.free, self.keep = 0, [], 0
 
 
 class Connection:
@@ -160,7 +164,7 @@ class _ServerProtocol(FramedProtocol):
     def __init__(self, service: "Service"):
         self.service = service
         limits = service.limits
-        self.pool = _Pool(keep=limits.max_in_flight + 1)
+        self.pool = _Pool(limits.max_in_flight + 1, service)
         super().__init__(FrameReader(self._on_frame, limits.frame, {AUTH}, alloc=self.pool.get))
         self.reader.limits = _AUTH_LIMITS
         self.conn: Optional[Connection] = None
@@ -321,6 +325,8 @@ class Service:
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.stopping = False
         self.counts = collections.Counter()  # connections, requests, errors, refused, auth_refused
+        self.block_bytes = 0  # receive buffer blocks allocated and not dropped, all connections
+        self.peak_block_bytes = 0  # the most block_bytes has been
         self.register("ping", lambda meta, buffers: ({"pong": True, "service": self.name}, []), inline=True)
 
     # ----------------------------------------------------------------- handlers
@@ -426,6 +432,11 @@ class Service:
         self.counts["auth_refused" if auth_failure else "refused"] += 1
         log.warning("transport: %s refused %s: %s", self.name, peer, why)
 
+    def _allocated(self, n: int) -> None:
+        self.block_bytes += n
+        if self.block_bytes > self.peak_block_bytes:
+            self.peak_block_bytes = self.block_bytes
+
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers the service holds now (pooled buffer blocks and each
         connection's staging buffer): what clients can make it allocate."""
@@ -440,6 +451,7 @@ class Service:
             "transport/refused": self.counts["refused"],
             "transport/auth_refused": self.counts["auth_refused"],
             "transport/buffer_bytes": self.buffer_bytes(),
+            "transport/peak_block_bytes": self.peak_block_bytes,
         }
 
     def call_soon(self, fn: Callable, *args) -> None:
