@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native.rdma import (
@@ -69,9 +71,8 @@ def write_steps(w: Writer, steps: int, kind, stacked=False, episode=11, priority
         prio = np.full(w.num_streams, 1.0) if priority is None else priority(w.positions)
         if isinstance(kind, Transition):
             w.create_items(prio, np.minimum(L, NSTEP))
-        elif isinstance(kind, Sequence) and not isinstance(kind, Episode):
-            due = kind.due_on_append(int(L[0]))
-            for n in due:
+        else:  # sequence windows and episodes (chunks of a long episode) due after this step
+            for n in kind.due_on_append(int(L[0])):
                 w.create_items(prio, np.full(w.num_streams, n))
         if L[0] == episode:
             if isinstance(kind, Sequence):  # tail windows (shorter, padded) end at the episode's end
@@ -144,6 +145,32 @@ def test_plan_reads_one_read_per_contiguous_run_per_column():
     np.testing.assert_array_equal(plan[:, 2], [0, 24, 48, 72])
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 300), min_size=1, max_size=60, unique=True),
+    row_bytes=st.sampled_from([1, 8, 24, 7056]),
+    max_rows=st.integers(1, 40),
+)
+def test_plan_reads_covers_each_row_once_with_maximal_runs(rows, row_bytes, max_rows):
+    rows = np.sort(np.array(rows, dtype=np.int64))
+    cols = np.array([[10_000, row_bytes, 64], [10**9, 3, 0]])  # far apart: each read names its column
+    max_bytes = max_rows * row_bytes
+    plan = plan_reads(rows, cols, max_bytes=max_bytes)
+    runs = np.diff(np.flatnonzero(np.diff(np.concatenate(([-2], rows, [10**6]))) != 1))  # lengths of runs
+    for remote0, nbytes, local0 in cols.tolist():
+        mine = plan[(plan[:, 0] >= remote0) & (plan[:, 0] < remote0 + 301 * nbytes)]
+        most = max(1, max_bytes // nbytes)  # rows one read may carry
+        got_remote, got_local = [], []
+        for addr, length, local in mine.tolist():
+            assert length % nbytes == 0 and 0 < length <= most * nbytes
+            n = length // nbytes
+            got_remote += [(addr - remote0) // nbytes + k for k in range(n)]
+            got_local += [(local - local0) // nbytes + k for k in range(n)]
+        assert got_remote == rows.tolist()  # every row once, in order
+        assert got_local == list(range(rows.size))  # row i of rows lands at staging row i
+        assert mine.shape[0] == int((-(-runs // most)).sum())  # runs are maximal: cut only at max_bytes
+
+
 # ---------------------------------------------------------------------------------- the gather
 
 
@@ -152,6 +179,7 @@ KINDS = {
     "sequence": (Sequence(length=6, period=3), SPEC),
     "stacked_transition": (Transition(next_columns=("frame",)), STACKED),
     "stacked_sequence": (Sequence(length=5, period=2), STACKED),
+    "episode": (Episode(max_episode_length=12), SPEC),
 }
 
 
