@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -31,7 +32,7 @@ from gearflow.native.rdma import (
     plan_reads,
     rdma_devices,
 )
-from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call, segment_base
+from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call, segment_base, unpack
 from gearflow.replay import (
     Episode,
     Sequence,
@@ -474,6 +475,81 @@ def test_end_to_end_over_a_real_loopback_socket(rig):
         time.sleep(0.01)  # the service notices the closed connection in its loop
     service.stop()
     assert len(shard.export.connected) == 1  # this learner's queue pair went with its connection
+
+
+def test_remote_actor_to_shard_service_to_an_rdma_learner(storage_factory):
+    """The whole remote path: an actor writes through a RemoteWriter into a ShardService (real
+    sockets), RdmaShard.serve adds the rdma.* handlers to that service (its table lock), and a
+    learner reads batches with the loopback double; each equals the Table's gather for its
+    keys, and each row's stamp is the step its key names."""
+    from gearflow.transport.client import Client
+    from gearflow.transport.remote import RemoteWriter
+    from gearflow.transport.shard import ShardService
+
+    st = storage_factory(SPEC, P=3, S=32)
+    kind = Transition(next_columns=("obs",))
+    table = Table(SharedStorage.attach(st.name), kind, make_selector("prioritized", 3 * 32, seed=0), sample_timeout_s=10)
+    service = ShardService(table, token=TOKEN)
+    shard = RdmaShard.serve(service, LoopbackExport(SHM_DIR / st.name, segment_base(table.storage)))
+    port = service.start()
+    remote = RemoteWriter(("127.0.0.1", port), num_streams=3, token=TOKEN, timeout_s=10)
+    client = Client(("127.0.0.1", port), token=TOKEN, timeout_s=10)
+    try:
+        sampler = RdmaSampler(client.call, LoopbackMemory(), timeout_s=10)
+        for _ in range(3):  # write a lap, read a few batches, write on: the ring wraps in between
+            write_steps(remote, 20, kind)
+            remote.flush()
+            for _ in range(3):
+                batch = sampler.sample(24)
+                rec = assert_same_batch(table, batch)
+                keys = batch.keys.numpy()
+                np.testing.assert_array_equal(batch.data["stamp"].numpy(), stamp_of(keys % 3, rec[0]))
+                np.testing.assert_array_equal(batch.data["next_obs"].numpy()[:, 1], rec[0] + rec[2] - 1)
+        assert table.samples == 9 * 24
+        sampler.memory.close()
+    finally:
+        client.close()
+        remote.close()
+        service.stop()
+        shard.close()
+        table.storage.close()
+
+
+def test_a_select_waits_for_the_rate_limiter_without_holding_the_table_lock(storage_factory):
+    from gearflow.replay import RateLimiter
+    from gearflow.replay.rate_limiter import RateLimiterTimeout
+
+    st = storage_factory(SPEC, P=2, S=32)
+    kind = Transition(next_columns=("obs",))
+    table = Table(SharedStorage.attach(st.name), kind, make_selector("uniform", 64, seed=0),
+                  RateLimiter(min_size_to_sample=20), sample_timeout_s=10)  # fmt: skip
+    shard = RdmaShard.loopback(table)
+    w = Writer(SharedStorage.attach(st.name), np.arange(2))
+    try:
+        with pytest.raises(RateLimiterTimeout, match="blocked"):
+            shard.select({"n": 4, "timeout_s": 0.05}, [])
+        got, scans, waiting = {}, [], threading.Event()
+        scan = table.scan
+
+        def counted_scan():  # the select's second try: it is in its wait loop
+            scans.append(1)
+            if len(scans) >= 2:
+                waiting.set()
+            return scan()
+
+        table.scan = counted_scan
+        thread = threading.Thread(target=lambda: got.update(r=shard.select({"n": 4, "timeout_s": 20}, [])))
+        thread.start()
+        assert waiting.wait(20)
+        with shard.lock:  # the waiting select does not hold the lock (held, this would wait 20 s and fail)
+            write_steps(w, 12, kind)  # 24 items: the limiter lets the select through
+        thread.join(30)
+        meta, bufs = got["r"]
+        assert meta["n"] == 4 and len(unpack(meta, bufs)["keys"]) == 4
+    finally:
+        shard.close()
+        w.storage.close()
+        table.storage.close()
 
 
 # ---------------------------------------------------------------------------------- transport choice

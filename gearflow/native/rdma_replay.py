@@ -58,7 +58,7 @@ import torch
 from gearflow.native.gather import torn_items
 from gearflow.native.rdma import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 from gearflow.replay.items import FrameStacks, kind_from_dict
-from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
 from gearflow.replay.table import GatherThreads, Sample
@@ -152,6 +152,14 @@ class RdmaShard:
         st = table.storage
         return cls(table, LoopbackExport(SHM_DIR / st.name, segment_base(st)), lock)
 
+    @classmethod
+    def serve(cls, shard_service, export: RegionExport) -> RdmaShard:
+        """RDMA beside a :class:`~gearflow.transport.shard.ShardService`: its table, its table
+        lock, its service (the rdma.* handlers registered there)."""
+        shard = cls(shard_service.table, export, lock=shard_service.lock)
+        shard.register_handlers(shard_service.service)
+        return shard
+
     def handlers(self) -> dict[str, Callable]:
         return {"rdma.connect": self.connect, "rdma.select": self.select, "rdma.update": self.update}
 
@@ -177,42 +185,62 @@ class RdmaShard:
         n = int(meta["n"])
         if not 1 <= n <= MAX_SELECT:
             raise ValueError(f"select needs 1 ≤ n ≤ {MAX_SELECT}, got {n}")
-        timeout_s = meta.get("timeout_s")
-        arrays = unpack(meta, buffers)
         t = self.table
-        with self.lock:
-            if meta.get("redraw"):
-                keys = np.ascontiguousarray(arrays["evict"], dtype=np.int64)
+        timeout_s = t.sample_timeout_s if meta.get("timeout_s") is None else float(meta["timeout_s"])
+        arrays = unpack(meta, buffers)
+        redraw = bool(meta.get("redraw"))
+        if redraw:  # the torn items go first (the table's torn-item path, counted in replay/torn_resampled)
+            keys = np.ascontiguousarray(arrays["evict"], dtype=np.int64)
+            with self.lock:
                 slots = t._key_index.slots(keys)
-                t._evict_torn(slots[slots >= 0], None, timeout_s, "the learner's RDMA reads")
-            else:
+                try:
+                    t._evict_torn(slots[slots >= 0], None, 0.0, "the learner's RDMA reads")
+                except RateLimiterTimeout:
+                    pass  # not enough items right now: waited for below, without the lock
+        deadline, delay = time.monotonic() + timeout_s, 1e-4
+        while True:  # the rate limiter's wait, the lock released between tries (writers, priority updates)
+            with self.lock:
                 t.scan()
-                t.wait_until_ready(n, timeout_s)
-            sel = t.selector.sample(n)
-            rec = t._records(sel.slots)  # (3, n): start, seq, length
-            parts = sel.slots // t._R
-            out = {
-                "keys": rec[1] * t._P + parts,
-                "parts": parts,
-                "starts": rec[0].copy(),
-                "lengths": rec[2].copy(),
-                "probabilities": np.asarray(sel.probabilities, np.float64),
-                "weights": np.asarray(sel.weights, np.float32),
-            }
-            if meta.get("redraw") and "masses" in arrays and sel.total is not None:
-                masses = np.array(arrays["masses"], dtype=np.float64)
-                masses[np.asarray(arrays["positions"], np.int64)] = sel.probabilities * sel.total
-                reweighed = t.selector.reweigh(masses)
-                if reweighed is not None:
-                    out["batch_probabilities"], out["batch_weights"] = reweighed
-            if self.storage.step_offset is not None:  # stacked frames: the first step's offset in its episode
-                out["depth"] = self.storage.step_offset[self.storage.rows(parts, rec[0])].astype(np.int64)
-            out["reserve"] = self.storage.counters[:, RESERVE].copy()
-            if not meta.get("redraw"):
-                t.samples += n
-                t._publish_insert_limit()
+                if t.can_sample(n):
+                    out, total = self._draw(n, arrays if redraw else None)
+                    break
+                if time.monotonic() > deadline:
+                    t.wait_until_ready(n, 0.0)  # raises RateLimiterTimeout saying why (or it just became ready)
+                    out, total = self._draw(n, arrays if redraw else None)
+                    break
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
         names, bufs = pack(out)
-        return {"n": n, "total": sel.total, "arrays": names}, bufs
+        return {"n": n, "total": total, "arrays": names}, bufs
+
+    def _draw(self, n: int, redraw: dict | None) -> tuple[dict[str, np.ndarray], float | None]:
+        """The selector's draw of ``n`` items and their records (under the lock); a redraw's
+        masses reweighed with the batch's others; the RESERVE counters after the draw."""
+        t = self.table
+        sel = t.selector.sample(n)
+        rec = t._records(sel.slots)  # (3, n): start, seq, length
+        parts = sel.slots // t._R
+        out = {
+            "keys": rec[1] * t._P + parts,
+            "parts": parts,
+            "starts": rec[0].copy(),
+            "lengths": rec[2].copy(),
+            "probabilities": np.asarray(sel.probabilities, np.float64),
+            "weights": np.asarray(sel.weights, np.float32),
+        }
+        if redraw is not None and "masses" in redraw and sel.total is not None:
+            masses = np.array(redraw["masses"], dtype=np.float64)
+            masses[np.asarray(redraw["positions"], np.int64)] = sel.probabilities * sel.total
+            reweighed = t.selector.reweigh(masses)
+            if reweighed is not None:
+                out["batch_probabilities"], out["batch_weights"] = reweighed
+        if self.storage.step_offset is not None:  # stacked frames: the first step's offset in its episode
+            out["depth"] = self.storage.step_offset[self.storage.rows(parts, rec[0])].astype(np.int64)
+        out["reserve"] = self.storage.counters[:, RESERVE].copy()
+        if redraw is None:  # a redraw replaces rows of a batch already counted
+            t.samples += n
+            t._publish_insert_limit()
+        return out, sel.total
 
     def update(self, meta: dict, buffers: list) -> tuple[dict, list]:
         arrays = unpack(meta, buffers)
