@@ -106,6 +106,9 @@ class ActorConfig:
     """Device the actors' policy runs on."""
     nice: int = 5
     """Niceness added to actor processes, so that a contended CPU goes to the learner first."""
+    remote_actors: int = 0
+    """How many of the ``num_actors`` actors run on other machines: the learner serves its replay
+    and weights on ``transport.host:port`` and waits for them (``gearflow actor --connect``)."""
 
 
 @dataclass
@@ -204,6 +207,20 @@ class RunConfig:
 
 
 @dataclass
+class TransportConfig:
+    host: str = "127.0.0.1"
+    """Address the learner's service binds (remote actors); 0.0.0.0 to accept other machines."""
+    port: int = 0
+    """TCP port of that service; 0 picks a free one (logged)."""
+    token: str = ""
+    """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``."""
+    loop: str = "auto"
+    """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
+    kind: str = "auto"
+    """Data plane between machines: ``auto`` (RDMA where pyverbs and a device exist, else TCP), ``tcp`` or ``rdma``."""
+
+
+@dataclass
 class GearflowConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environments the actors step."""
@@ -217,6 +234,8 @@ class GearflowConfig:
     """The agent: ``name`` is its import path, the other keys its ``Config`` dataclass."""
     run: RunConfig = field(default_factory=RunConfig)
     """Stopping, logging, checkpoints and run directory."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """The network data plane (remote actors, shard services)."""
 
 
 GROUPS = {
@@ -225,6 +244,7 @@ GROUPS = {
     "replay": ReplayConfig,
     "learner": LearnerConfig,
     "run": RunConfig,
+    "transport": TransportConfig,
 }
 DEFAULT_AGENT = "agents.apex_dqn"
 
@@ -495,6 +515,13 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(a.weight_sync_period >= 1, "actor.weight_sync_period", "must be ≥ 1")
     check(a.max_restarts >= 0, "actor.max_restarts", "must be ≥ 0")
     check(0 <= a.nice <= 19, "actor.nice", "must be in [0, 19]")
+    check(0 <= a.remote_actors <= a.num_actors, "actor.remote_actors", f"must be in [0, actor.num_actors={a.num_actors}]")
+    check(a.remote_actors == 0 or not (run.serial or run.mode == "offline"), "actor.remote_actors",
+          "needs actor processes (not run.serial=true or run.mode=offline)")  # fmt: skip
+    t = cfg.transport
+    check(0 <= t.port <= 65535, "transport.port", "must be in [0, 65535] (0: any free port)")
+    check(t.loop in ("auto", "uvloop", "asyncio"), "transport.loop", "must be one of auto, uvloop, asyncio")
+    check(t.kind in ("auto", "tcp", "rdma"), "transport.kind", "must be one of auto, tcp, rdma")
     geom = replay_geometry(cfg)
     need = min_steps_per_partition(cfg)
     check(
