@@ -182,6 +182,13 @@ VALIDATION_CASES = [
     (["actor.max_restarts=-1"], "actor.max_restarts", "must be ≥ 0"),
     (["actor.nice=20"], "actor.nice", "must be in [0, 19]"),
     (["actor.nice=-1"], "actor.nice", "must be in [0, 19]"),
+    (["actor.remote_actors=3"], "actor.remote_actors", "must be in [0, actor.num_actors=2]"),
+    (["actor.remote_actors=-1"], "actor.remote_actors", "must be in [0, actor.num_actors=2]"),
+    (["actor.remote_actors=1", "run.serial=true"], "actor.remote_actors",
+     "needs actor processes (not run.serial=true or run.mode=offline)"),
+    (["transport.port=70000"], "transport.port", "must be in [0, 65535]"),
+    (["transport.loop=tokio"], "transport.loop", "must be one of auto, uvloop, asyncio"),
+    (["transport.kind=udp"], "transport.kind", "must be one of auto, tcp, rdma"),
     (
         ["replay.capacity=100", "learner.batch_size=1"],
         "replay.capacity",
