@@ -393,7 +393,8 @@ class RdmaSampler:
             stack = {"stacks": self._stacks}
         rows = self.kind.rows(parts, starts, lengths, self.S, **stack)
         flat = _flat(rows)
-        unique = np.unique(np.concatenate(flat))  # (U,) sorted storage rows
+        rows_sorted = np.sort(np.concatenate(flat))  # a sort, not np.unique (its hash path: 1 ms for 5k rows)
+        unique = rows_sorted[np.concatenate(([True], rows_sorted[1:] != rows_sorted[:-1]))]  # (U,) sorted rows
         staging = self._staging_for(sum(a.size for a in flat))
         cols = np.array([[self.region.addr + off, nbytes, staging.offsets[name]]
                          for name, (off, nbytes) in self.layout["columns"].items()], dtype=np.int64)  # fmt: skip
