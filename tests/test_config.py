@@ -186,7 +186,7 @@ VALIDATION_CASES = [
     (["actor.remote_actors=-1"], "actor.remote_actors", "must be in [0, actor.num_actors=2]"),
     (["actor.remote_actors=1", "run.serial=true"], "actor.remote_actors",
      "needs actor processes (not run.serial=true or run.mode=offline)"),
-    (["transport.port=70000"], "transport.port", "must be in [0, 65535]"),
+    (["transport.port=70000"], "transport.port", "must be in [0, 65535] (0: any free port)"),
     (["transport.loop=tokio"], "transport.loop", "must be one of auto, uvloop, asyncio"),
     (["transport.kind=udp"], "transport.kind", "must be one of auto, tcp, rdma"),
     (
