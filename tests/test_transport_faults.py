@@ -85,7 +85,7 @@ def test_insert_held_by_the_rate_limiter_fails_when_the_service_stops(make_table
     shard = ShardService(table, token=TOKEN)
     port = shard.start()
     w = RemoteWriter(("127.0.0.1", port), num_streams=1, token=TOKEN, timeout_s=2.0, insert_timeout_s=60.0,
-                     max_in_flight=1)  # fmt: skip
+                     max_in_flight=1, max_delay_s=0.0)  # every create_items is sent at once  # fmt: skip
     try:
         for i in range(3):
             write_step(w, i)

@@ -257,7 +257,7 @@ def test_create_items_held_by_the_rate_limiter_holds_the_remote_writer(make_tabl
     table = make_table(spec=APEX, P=E, S=256, limiter=lim)
     _, port = shard_of(table)
     w = RemoteWriter(("127.0.0.1", port), num_streams=1, token=TOKEN, timeout_s=5, insert_timeout_s=0.5,
-                     max_in_flight=2)  # fmt: skip
+                     max_in_flight=2, max_delay_s=0.0)  # every create_items is sent at once  # fmt: skip
 
     def step(i):
         w.append({"obs": np.full((1, 3), i, np.float32), "action": np.array([i]), "ret": np.zeros(1, np.float32),

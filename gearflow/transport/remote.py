@@ -10,8 +10,8 @@
 at the same call and with the same message (spec, streams, sizes, priorities, episode
 boundaries, item order), against a mirror of the session's positions; the writes are
 then staged (one copy into reused per-column buffers) and sent as one ``replay.write``
-per ``create_items`` (or ``flush``, or every ``batch_bytes``), without waiting for the
-reply: at most ``max_in_flight`` batches are unanswered, and the next send waits for the
+by the first ``create_items`` at least ``max_delay_s`` after the previous send (or by
+``flush``, or once ``batch_bytes`` are staged), without waiting for the reply: at most ``max_in_flight`` batches are unanswered, and the next send waits for the
 oldest reply (the rate limiter holds it on the shard: bounded in-flight data is the
 back-pressure). So what can only fail on the shard — the rate limiter's timeout, a lost
 connection — is raised at the writer's next call (or ``flush``, which waits for every
@@ -127,12 +127,14 @@ class RemoteWriter:
 
     def __init__(self, address: Any, num_streams: int, token: Optional[str] = None, *,
                  partitions: Optional[Sequence[int]] = None, insert_timeout_s: float = 60.0,
-                 timeout_s: float = 30.0, max_in_flight: int = 4, batch_bytes: int = 1 << 20, loop: str = "auto"):  # fmt: skip
+                 timeout_s: float = 30.0, max_in_flight: int = 4, batch_bytes: int = 1 << 20,
+                 max_delay_s: float = 0.002, loop: str = "auto"):  # fmt: skip
         self._client, self._own_client = _client(address, token, timeout_s, loop)
         self.insert_timeout_s = float(insert_timeout_s)
         self.timeout_s = float(timeout_s)
         self.abort: Optional[Callable[[], bool]] = None
-        self.max_in_flight, self.batch_bytes = int(max_in_flight), int(batch_bytes)
+        self.max_in_flight, self.batch_bytes, self.max_delay_s = int(max_in_flight), int(batch_bytes), float(max_delay_s)
+        self._last_send = time.monotonic()
         self._num_streams = int(num_streams)
         self._want = None if partitions is None else [int(p) for p in partitions]
         self._inflight: collections.deque = collections.deque()  # futures, oldest first
@@ -300,7 +302,7 @@ class RemoteWriter:
         if not (self.insert_timeout_s > 0):  # a non-blocking insert: its error belongs to this call
             self._send()
             self._wait_all()
-        else:
+        elif st.nbytes >= self.batch_bytes or time.monotonic() - self._last_send >= self.max_delay_s:
             self._send()
 
     def _check_items(self, prio, lengths, end, streams) -> np.ndarray:
@@ -362,6 +364,7 @@ class RemoteWriter:
             stage.clear()
             free.put(stage)
 
+        self._last_send = time.monotonic()
         fut = self._client.submit("replay.write", meta, st.buffers(), timeout_s=self._reply_timeout(), on_sent=on_sent)
         fut.add_done_callback(self._done)
         self._inflight.append(fut)

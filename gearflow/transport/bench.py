@@ -1,0 +1,250 @@
+"""Transport measurements, each with its floor measured in the same run (for ``gearflow bench transport``).
+
+    from gearflow.transport import bench
+    for row in bench.run_all(seconds=2.0):
+        print(json.dumps(row))
+
+The shard runs in its own process (as on another machine: its own GIL).
+
+* ``insert``: an Ape-X actor's writes (a TransitionAdder over 16 env streams, pre-made recvs,
+  no env) through a RemoteWriter into a shard on loopback, against the same adder writing
+  the shared-memory table directly (with its C n-step path, and with the numpy reference
+  path a remote writer gets): env steps/s and the ratios.
+* ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, against a raw
+  TCP socket moving the same bytes per request (request → that many bytes back): batches/s,
+  GB/s and the ratio.
+* ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
+  with the raw socket's round trip of the same bytes as floor.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Iterator
+
+import numpy as np
+
+from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
+from gearflow.replay.items import Transition
+from gearflow.transport.remote import RemoteSampler, RemoteWriter
+from gearflow.transport.shard import ShardService
+
+TOKEN = "gearflow-bench-token"
+
+
+def _table(spec: dict, P: int, S: int, selector: str = "uniform") -> Table:
+    st = SharedStorage.create(TableSpec.parse(spec), P, S)
+    return Table(st, Transition(next_columns=("obs",)), make_selector(selector, P * S, seed=0), RateLimiter(1))
+
+
+def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    out, reset = [], np.ones(E, dtype=bool)
+    for t in range(n):
+        ids = np.sort(rng.choice(E, size=b, replace=False)).astype(np.int64)
+        obs = rng.standard_normal((b, *obs_shape)).astype(np.float32)
+        end = rng.random(b) < 0.01
+        fresh = reset[ids]
+        reward = np.where(fresh, 0.0, rng.standard_normal(b)).astype(np.float32)
+        term = end & ~fresh
+        reset[ids] = term
+        out.append((ids, obs, reward, term, np.zeros(b, bool), fresh, rng.integers(0, 2, b), rng.standard_normal((b, 2)).astype(np.float32), t))
+    return out
+
+
+def _serve_shard(spec: dict, P: int, S: int, selector: str, conn) -> None:
+    """Child process: a table and its shard service; sends the port, serves until told to stop."""
+    table = _table(spec, P, S, selector)
+    shard = ShardService(table, token=TOKEN)
+    conn.send(shard.start())
+    try:
+        conn.recv()
+    finally:
+        shard.stop()
+        table.close()
+
+
+class ShardProcess:
+    """A shard service in its own process (as on another machine: its own GIL)."""
+
+    def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform"):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, child), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("the shard process did not start")
+        self.port = self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+
+
+def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
+    from gearflow.actors.adders import TransitionAdder
+
+    spec = {"obs": f"float32[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
+            "version": "int64"}  # fmt: skip
+    recvs = _recvs(E, b, 2000, obs)
+    rates = {}
+    for where in ("local", "local_numpy", "remote"):
+        table = _table(spec, E, 4096) if where.startswith("local") else None
+        shard = None
+        try:
+            if where.startswith("local"):
+                w = Writer(table.storage, np.arange(E))
+            else:
+                shard = ShardProcess(spec, E, 4096)
+                w = RemoteWriter(("127.0.0.1", shard.port), num_streams=E, token=TOKEN)
+            adder = TransitionAdder(w, 3, 0.99, **({"native": False} if where == "local_numpy" else {}))
+            steps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                for r in recvs[:200]:
+                    adder.add(*r)
+                    steps += b
+                recvs = recvs[200:] + recvs[:200]
+            adder.finish()
+            w.flush()
+            rates[where] = steps / (time.perf_counter() - t0)
+            if where == "remote":
+                w.close()
+        finally:
+            if shard is not None:
+                shard.close()
+            if table is not None:
+                table.close()
+    return {"bench": "transport/insert", "envs": E, "recv_batch": b, "obs": list(obs),
+            "local_steps_per_s": rates["local"], "local_numpy_adder_steps_per_s": rates["local_numpy"],
+            "remote_steps_per_s": rates["remote"], "ratio": rates["remote"] / rates["local"],
+            "ratio_same_adder": rates["remote"] / rates["local_numpy"]}  # fmt: skip
+
+
+class _RawServer:
+    """Floor: a TCP server that answers each 8-byte request (a byte count) with that many bytes."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.payload = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.sock.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(self.payload)
+        try:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                conn.sendall(view[: int.from_bytes(head, "little")])
+        finally:
+            conn.close()
+
+    def client(self):
+        c = socket.create_connection(("127.0.0.1", self.port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(64 << 20)
+
+        def call(n: int):
+            c.sendall(n.to_bytes(8, "little"))
+            view, got = memoryview(buf), 0
+            while got < n:
+                got += c.recv_into(view[got:n])
+
+        return c, call
+
+    def close(self):
+        self.sock.close()
+
+
+def _timed(fn, seconds: float, min_calls: int = 5) -> list[float]:
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < min_calls:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096) -> dict:
+    spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
+            "version": "int64"}  # fmt: skip
+    shard = ShardProcess(spec, 4, items // 4 + 8)
+    port = shard.port
+    raw = _RawServer()
+    try:
+        w = RemoteWriter(("127.0.0.1", port), num_streams=4, token=TOKEN)
+        k = items // 4
+        rng = np.random.default_rng(0)
+        for s in range(4):
+            w.extend({"obs": rng.integers(0, 255, (k, *obs), dtype=np.uint8), "action": np.arange(k),
+                      "ret": np.zeros(k, np.float32), "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)},
+                     stream=s)  # fmt: skip
+            w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
+        w.close()
+        sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=1)
+        b0 = sampler.sample(batch)
+        nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
+        remote = _timed(lambda: sampler.sample(batch), seconds)
+        sampler.close()
+        c, call = raw.client()
+        floor = _timed(lambda: call(nbytes), seconds)
+        c.close()
+    finally:
+        raw.close()
+        shard.close()
+    r, f = len(remote) / sum(remote), len(floor) / sum(floor)
+    return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "remote_batches_per_s": r,
+            "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f, "raw_socket_gb_per_s": f * nbytes / 1e9,
+            "ratio": r / f}  # fmt: skip
+
+
+def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
+    spec = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+    shard = ShardProcess(spec, 2, 4096, selector="prioritized")
+    port = shard.port
+    raw = _RawServer()
+    try:
+        w = RemoteWriter(("127.0.0.1", port), num_streams=2, token=TOKEN)
+        k = 4000
+        for s in range(2):
+            w.extend({"obs": np.zeros((k, 4), np.float32), "action": np.arange(k), "ret": np.zeros(k, np.float32),
+                      "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=s)  # fmt: skip
+            w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
+        w.close()
+        sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=0)
+        c, call = raw.client()
+        for b in batches:
+            b0 = sampler.sample(b)
+            nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
+            lat = np.array(_timed(lambda: sampler.sample(b), seconds)) * 1e6
+            fl = np.array(_timed(lambda: call(nbytes), seconds)) * 1e6
+            yield {"bench": "transport/latency", "batch": b, "bytes": nbytes,
+                   "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
+                   "raw_socket_p50_us": float(np.percentile(fl, 50)), "raw_socket_p99_us": float(np.percentile(fl, 99))}  # fmt: skip
+        c.close()
+        sampler.close()
+    finally:
+        raw.close()
+        shard.close()
+
+
+def run_all(seconds: float = 2.0) -> Iterator[dict]:
+    yield insert(seconds)
+    yield sample(seconds)
+    yield from latency(seconds / 2)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    for row in run_all(float(sys.argv[1]) if len(sys.argv) > 1 else 2.0):
+        print(json.dumps(row), flush=True)
