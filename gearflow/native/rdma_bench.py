@@ -108,6 +108,8 @@ def workload(case: str, spec: dict, kind, P: int, S: int, B: int, steps: int, ba
     finally:
         writer.storage.close()
         table.close()
+        st.close()
+        st.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:
