@@ -12,7 +12,9 @@ Handlers. ``register(name, handler)``: a handler takes ``(meta: dict, buffers: l
 the transport (until then they must not change), or ``None`` (an empty reply). The request's
 buffers are views of a pooled receive buffer: valid only during the call (copy to keep).
 Sync handlers run in the service's thread pool (they may block: rate limiters, locks);
-``inline=True`` runs a quick one on the loop; a coroutine function is awaited on the loop.
+``inline=True`` runs a quick one on the loop (no thread hop) — one that finds it would block
+raises :class:`Defer` and is called again in the pool with ``deferred=True``; a coroutine
+function is awaited on the loop.
 A handler's exception becomes an ERROR reply naming its type and message (the client
 raises it as that type where it knows it: :func:`gearflow.transport.client.register_error`).
 The requests of one connection are handled one after another, in order; several
@@ -60,7 +62,7 @@ from gearflow.transport.framing import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "Handler", "Service", "ServiceLimits"]
+__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits"]
 
 # what a peer may send before it has authenticated: one small AUTH frame
 _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
@@ -78,6 +80,14 @@ class ServiceLimits:
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_in_flight < 1 or not self.auth_timeout_s > 0:
             raise ValueError("max_connections and max_in_flight must be ≥ 1, auth_timeout_s > 0")
+
+
+class Defer(Exception):
+    """Raised by an ``inline`` handler that would block now: the service calls it again in its
+    thread pool, with ``deferred=True``."""
+
+
+_DEFERRED = object()
 
 
 @dataclass
@@ -264,10 +274,16 @@ class _ServerProtocol(FramedProtocol):
                 args = (meta, arrays, self.conn) if h.with_connection else (meta, arrays)
                 if h.is_async:
                     result = await h.fn(*args)
-                elif h.inline:
-                    result = h.fn(*args)
                 else:
-                    result = await loop.run_in_executor(svc._pool, functools.partial(h.fn, *args))
+                    result = _DEFERRED
+                    if h.inline:
+                        try:
+                            result = h.fn(*args)
+                        except Defer:  # it would block: run it off the loop instead
+                            pass
+                    if result is _DEFERRED:
+                        result = await loop.run_in_executor(svc._pool, functools.partial(h.fn, *args, deferred=True)
+                                                            if h.inline else functools.partial(h.fn, *args))  # fmt: skip
                 if result is None:
                     meta_out, bufs = {}, []
                 elif len(result) == 3:

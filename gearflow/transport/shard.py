@@ -59,7 +59,7 @@ from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import PartitionOwned
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import ServiceUnavailable, register_error
-from gearflow.transport.service import Connection, Service, ServiceLimits
+from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,10 @@ class ShardService:
         s.register("replay.open_writer", self._open_writer, with_connection=True)
         s.register("replay.close_writer", self._close_writer, with_connection=True)
         s.register("replay.write", self._write, with_connection=True)
-        s.register("replay.sample", self._sample)
-        s.register("replay.update_priorities", self._update_priorities)
-        s.register("replay.stats", self._stats)
+        # on the loop when the table is free and can answer at once (no thread hop), else in the pool
+        s.register("replay.sample", self._sample, inline=True)
+        s.register("replay.update_priorities", self._update_priorities, inline=True)
+        s.register("replay.stats", self._stats, inline=True)
         s.register("replay.checkpoint", self._checkpoint)
         s.register("params.get", self._params_get)
 
@@ -266,14 +267,28 @@ class ShardService:
         return {}, []
 
     # ----------------------------------------------------------------- learners
-    def sample(self, batch_size: int, timeout_s: Optional[float] = None, beta: Optional[float] = None):
+    def _locked(self, deferred: bool) -> None:
+        """Take the table lock: on the loop (not ``deferred``) only if it is free now."""
+        if deferred:
+            self.lock.acquire()
+        elif not self.lock.acquire(blocking=False):
+            raise Defer
+
+    def sample(self, batch_size: int, timeout_s: Optional[float] = None, beta: Optional[float] = None,
+               deferred: bool = True):  # fmt: skip
         """Draw a batch under the table lock; returns ``(sample, total, count, release)``: call
-        ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule)."""
+        ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule).
+        ``deferred=False`` (on the service's loop): raise :class:`Defer` rather than wait."""
         t = self.table
         timeout_s = t.sample_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout_s
-        with self.lock:
+        self._locked(deferred)
+        try:
             j = self._samples
+            if not deferred:
+                t.scan()
+                if (j - t.num_buffers) in self._unsent or not t.can_sample(batch_size):
+                    raise Defer
             while (j - t.num_buffers) in self._unsent:  # its buffer set is still being sent
                 left = deadline - time.monotonic()
                 if left <= 0 or self.service.stopping:
@@ -283,10 +298,18 @@ class ShardService:
                 j = self._samples
             if beta is not None and t.selector.importance_sampled:
                 t.selector.beta = float(beta)
-            batch = t.sample(batch_size, timeout_s=max(0.0, deadline - time.monotonic()))
+            if deferred:
+                batch = t.sample(batch_size, timeout_s=max(0.0, deadline - time.monotonic()))
+            else:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
+                try:
+                    batch = t.sample(batch_size, timeout_s=0.0)
+                except RateLimiterTimeout:
+                    raise Defer from None
             total, count = priority_total(t)
             self._samples = j + 1
             self._unsent.add(j)
+        finally:
+            self.lock.release()
 
         def release():
             with self.lock:
@@ -295,31 +318,37 @@ class ShardService:
 
         return batch, total, count, release
 
-    def _sample(self, meta: dict, bufs):
+    def _sample(self, meta: dict, bufs, deferred: bool = False):
         b = meta.get("batch_size")
         if type(b) is not int or b < 1:
             raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
         beta = meta.get("beta")
         timeout = meta.get("timeout_s")
         batch, total, count, release = self.sample(b, timeout if isinstance(timeout, (int, float)) else None,
-                                                   beta if isinstance(beta, (int, float)) else None)  # fmt: skip
+                                                   beta if isinstance(beta, (int, float)) else None, deferred)  # fmt: skip
         names = list(batch.data)
         out = [batch.keys, batch.probabilities, batch.weights, *(batch.data[n] for n in names)]
         beta_now = getattr(self.table.selector, "beta", None)
         return {"names": names, "total": total, "count": count, "beta": beta_now}, out, release
 
-    def _update_priorities(self, meta: dict, bufs):
+    def _update_priorities(self, meta: dict, bufs, deferred: bool = False):
         if len(bufs) != 2:
             raise ValueError("replay.update_priorities takes two buffers: keys (int64), priorities")
-        with self.lock:
+        self._locked(deferred)
+        try:
             applied = self.table.update_priorities(bufs[0], bufs[1])
             total, count = priority_total(self.table)
+        finally:
+            self.lock.release()
         return {"applied": int(applied), "total": total, "count": count}, []
 
-    def _stats(self, meta: dict, bufs):
-        with self.lock:
+    def _stats(self, meta: dict, bufs, deferred: bool = False):
+        self._locked(deferred)
+        try:
             stats = self.table.stats()
             total, count = priority_total(self.table)
+        finally:
+            self.lock.release()
         with self._owners_lock:
             writing = len(self._owner)
         stats.update(self.service.stats())
