@@ -123,6 +123,9 @@ def encode(kind: int, request_id: int, op: str, meta: Optional[dict], buffers: S
                           allow_nan=False).encode()  # fmt: skip
     if limits is not None:
         _check_sizes(len(envelope), len(arrays), total, limits)
+        deep = [a.ndim for a in arrays if a.ndim > limits.max_dims]
+        if deep:
+            raise FrameError(f"a buffer of {deep[0]} dimensions exceeds max_dims={limits.max_dims}")
     parts: list = [HEADER.pack(MAGIC, VERSION, kind, request_id, len(envelope), len(arrays), total) + envelope]
     pos = 0
     for a in arrays:
