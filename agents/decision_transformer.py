@@ -50,6 +50,7 @@ from torch import nn
 
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kv_cache import KVCache, hop_length
 from gearflow.replay.items import Episode
 
 
@@ -89,6 +90,13 @@ class Config:
     """Continuous actions: initial entropy temperature λ."""
     target_entropy: float | None = None
     """Continuous actions: entropy target of λ's update; None: −(action dimensions), as in ODT."""
+    kv_cache: bool = True
+    """Actors cache each env's keys and values and run the network on a step's new tokens only
+    (a_{t−1}, R̂_t, s_t), re-encoding the context when it hops and when the weights change (false:
+    re-run the last ``context`` steps every step)."""
+    context_hop: int = 0
+    """With ``kv_cache``: steps a full context drops at once (0: ``context // 2``); the actor's context
+    is then ``context − hop + 1`` to ``context`` steps, the same steps a recompute attends over."""
 
 
 # ----------------------------------------------------------------------------- returns-to-go and windows
@@ -158,14 +166,23 @@ class Block(nn.Module):
                                  nn.Dropout(dropout))  # fmt: skip
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x, kv_old=None, allowed=None):
+        """``x`` (B, N, D), causal. With ``kv_old`` (B, 2, nh, S, hs) cached keys and values, the N
+        tokens attend to them and each other as ``allowed`` (B, 1, N, S + N) bool says, and this
+        block's keys and values of the N tokens (B, 2, nh, N, hs) are returned as well."""
         B, N, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)  # 3 × (B, N, D)
         q, k, v = (z.view(B, N, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, N, hs)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, N, hs)
+        if kv_old is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, N, hs)
+        else:
+            kv = torch.stack([k, v], dim=1)  # (B, 2, nh, N, hs)
+            k, v = torch.cat([kv_old, kv], dim=3).unbind(1)  # (B, nh, S+N, hs)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p)  # (B, nh, N, hs)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, N, D)))
-        return x + self.mlp(self.ln2(x))  # (B, N, D)
+        x = x + self.mlp(self.ln2(x))  # (B, N, D)
+        return x if kv_old is None else (x, kv)
 
 
 class DecisionTransformer(nn.Module):
@@ -204,6 +221,31 @@ class DecisionTransformer(nn.Module):
         x = self.ln(x).view(B, K, 3, -1)[:, :, 1]  # (B, K, D): outputs at the s_t tokens
         return self.head(x)  # (B, K, H)
 
+    def extend(self, rtg, obs, action, timestep, first_token, kv_old, allowed, n_new):
+        """The cached step (:class:`gearflow.kv_cache.KVCache`). ``rtg``/``obs``/``action``/
+        ``timestep`` (k, Ts, ...): context steps from step ``first_token // 3`` on (inputs as in
+        :meth:`forward`); the new tokens of row r are its tokens ``first_token[r]`` ..
+        ``first_token[r] + n_new[r] − 1`` of the context's sequence R̂_0, s_0, a_0, R̂_1, ...,
+        (its cached tokens come before them), the last one an s_t. ``kv_old`` (k, L, 2, nh, S,
+        hs), ``allowed`` (k, Tn, S + Tn) from ``KVCache.attention_bias``. Returns the head's
+        output at each row's last new token (k, H) and the new keys/values (k, L, 2, nh, Tn, hs)."""
+        B, Ts = rtg.shape
+        time = self.embed_time(timestep.long().clamp(0, self.max_timestep - 1))  # (k, Ts, D)
+        a = self.embed_action(action.long()) if self.discrete else self.embed_action(action.float())
+        tokens = torch.stack([self.embed_rtg(rtg.float()[..., None]) + time,
+                              self.embed_obs(obs.float().flatten(2)) + time, a + time], dim=2)  # (k, Ts, 3, D)
+        x = self.ln_in(tokens.reshape(B, 3 * Ts, -1))  # (k, 3Ts, D)
+        Tn = allowed.shape[1]
+        local = np.minimum((first_token % 3)[:, None] + np.arange(Tn)[None, :], 3 * Ts - 1)  # (k, Tn)
+        x = x[torch.arange(B)[:, None], torch.from_numpy(local)].to(x.device)  # (k, Tn, D) the new tokens
+        mask = torch.from_numpy(np.ascontiguousarray(allowed[:, None])).to(x.device)  # (k, 1, Tn, S+Tn)
+        kv_new = []
+        for layer, block in enumerate(self.blocks):
+            x, kv = block(x, kv_old[:, layer], mask)
+            kv_new.append(kv)
+        x = x[torch.arange(B, device=x.device), torch.as_tensor(n_new - 1, device=x.device)]  # (k, D)
+        return self.head(self.ln(x)), torch.stack(kv_new, dim=1)
+
 
 # ----------------------------------------------------------------------------- action heads
 
@@ -236,6 +278,8 @@ class Agent:
             raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
         if cfg.context < 1:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 1")
+        if cfg.context_hop < 0:
+            raise ConfigError(f"agent.context_hop={cfg.context_hop}: must be ≥ 0 (0: half the context)")
         if cfg.priority not in ("return", "length"):
             raise ConfigError(f"agent.priority={cfg.priority!r}: must be 'return' or 'length'")
         if cfg.rtg_scale <= 0:
@@ -322,7 +366,11 @@ class Agent:
         rtg = torch.as_tensor(rtg, device=self.device, dtype=torch.float32) / self.cfg.rtg_scale
         out = network(rtg, obs, a, torch.as_tensor(timesteps, device=self.device))  # (k, K, H)
         last = torch.as_tensor(np.full(k, K) if lengths is None else lengths, device=self.device) - 1
-        out = out[torch.arange(k, device=self.device), last]  # (k, H)
+        return self._choose(out[torch.arange(k, device=self.device), last], epsilon, rng)  # (k, H)
+
+    def _choose(self, out: torch.Tensor, epsilon, rng) -> ActOutput:
+        """Actions from the head's output at s_t (k, H): sampled with probability ε, else the mode."""
+        k = out.shape[0]
         explore = torch.as_tensor(rng.random(k) < np.asarray(epsilon), device=self.device)
         seed = int(rng.integers(2**62))
         g = torch.Generator(device=self.device).manual_seed(seed)  # exploration follows the actor's rng
@@ -336,6 +384,45 @@ class Agent:
         sampled = torch.tanh(mean + log_std.clamp(-5.0, 2.0).exp() * noise)
         unit = torch.where(explore[:, None], sampled, torch.tanh(mean))
         return ActOutput(actions=self._to_env(unit).cpu().numpy().astype(np.float32), values=None)
+
+    # ---- acting with a key/value cache (gearflow.kv_cache; the episode actor calls these when
+    # make_kv_cache returns a cache)
+    def make_kv_cache(self, num_envs: int) -> KVCache | None:
+        """A cache of a full context's tokens (3K − 1: up to s_t) per env, or None when
+        ``agent.kv_cache`` is false."""
+        if not self.cfg.kv_cache:
+            return None
+        d, nh = self.cfg.d_model, self.cfg.num_heads
+        return KVCache(num_envs, self.cfg.num_layers, nh, d // nh, 3 * self.context_length() - 1, self.device)
+
+    def context_hop(self) -> int:
+        """Steps a full context drops at once when acting with a cache (``agent.context_hop``)."""
+        return hop_length(self.context_length(), self.cfg.context_hop)
+
+    def act_cached(self, network, cache: KVCache, ids, obs, epsilon, rng=None, lengths=None, rtg=None,
+                   actions=None, timesteps=None) -> ActOutput:  # fmt: skip
+        """:meth:`act` over the same contexts (``obs``/``rtg``/``actions``/``timesteps`` (k, K, ...)
+        of envs ``ids``, left-aligned, ``lengths`` (k,) steps), running the network only on each
+        context's tokens after its ``cache.length`` cached ones: a_{t−1}, R̂_t, s_t per env step;
+        all ``3n − 1`` tokens up to s_t after ``cache.clear``."""
+        rng = self.rng if rng is None else rng
+        lengths = np.asarray(lengths, dtype=np.int64)
+        cached = cache.length[ids]
+        n_new = 3 * lengths - 1 - cached  # (k,) tokens up to s_t not in the cache
+        first_step = cached // 3
+        Ts = int((lengths - first_step).max())
+        steps = np.minimum(first_step[:, None] + np.arange(Ts)[None, :], (lengths - 1)[:, None])  # (k, Ts)
+        r = np.arange(len(ids))[:, None]
+        a = torch.as_tensor(actions[r, steps], device=self.device)
+        if not self.discrete:
+            a = self._to_unit(a)
+        rtg_t = torch.as_tensor(rtg[r, steps], device=self.device, dtype=torch.float32) / self.cfg.rtg_scale
+        allowed, _ = cache.attention_bias(ids, n_new, int(n_new.max()))
+        out, kv_new = network.extend(rtg_t, torch.as_tensor(obs[r, steps], device=self.device), a,
+                                     torch.as_tensor(timesteps[r, steps], device=self.device), cached,
+                                     cache.gather(ids), allowed, n_new)  # fmt: skip
+        cache.append(ids, kv_new, n_new)
+        return self._choose(out, epsilon, rng)
 
     # ---- learning
     def setup_learner(self) -> None:

@@ -49,6 +49,7 @@ from torch import nn
 from agents.apex_dqn import NatureCNN
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kv_cache import KVCache, hop_length
 from gearflow.replay.items import Sequence
 
 
@@ -64,6 +65,13 @@ class Config:
     """Hidden width of each block's MLP, in multiples of ``d_model``."""
     context: int = 0
     """Observations an actor attends over (its rolling window per env); 0: ``replay.sequence_length``."""
+    kv_cache: bool = True
+    """Actors cache each env's keys and values and run the network on one new step per env step,
+    re-encoding the context when it hops and when the weights change (false: re-run the last
+    ``context`` steps every step)."""
+    context_hop: int = 0
+    """With ``kv_cache``: steps a full context drops at once (0: ``context // 2``); the actor's context
+    is then ``context − hop + 1`` to ``context`` steps, the same steps a recompute attends over."""
     torso: str = "auto"
     """Per-step token embedding: ``linear`` (vector observations), ``cnn`` (Nature CNN over uint8
     frames, then a linear map to ``d_model``), or ``auto`` (cnn for 3-D observations, else linear)."""
@@ -114,13 +122,20 @@ class Block(nn.Module):
         self.proj = nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d))
 
-    def forward(self, x, bias):
+    def forward(self, x, bias, kv_old=None):
+        """``x`` (B, T, D), ``bias`` (nh, T, T) or, with ``kv_old`` (B, 2, nh, S, hs) cached keys and
+        values, (B, nh, T, S + T) over the cached then the new keys. Returns the new x and, with
+        ``kv_old``, this block's keys and values of the T tokens (B, 2, nh, T, hs), else None."""
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)  # 3 × (B, T, D)
         q, k, v = (z.view(B, T, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        kv = None
+        if kv_old is not None:
+            kv = torch.stack([k, v], dim=1)  # (B, 2, nh, T, hs)
+            k, v = torch.cat([kv_old, kv], dim=3).unbind(1)  # (B, nh, S+T, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, nh, T, hs)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp(self.ln2(x))  # (B, T, D)
+        return x + self.mlp(self.ln2(x)), kv  # (B, T, D)
 
 
 class FrameEmbedding(nn.Module):
@@ -170,6 +185,8 @@ class TransformerQNetwork(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, num_actions)
         self.register_buffer("slopes", alibi_slopes(cfg.num_heads), persistent=False)  # (nh,)
+        H = cfg.num_heads  # the same slopes in numpy, for extend's bias (never a meta tensor)
+        self._neg_slopes = -np.array([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], np.float32)[None, :, None, None]
         self._bias: torch.Tensor | None = None
 
     def attention_bias(self, T: int, device) -> torch.Tensor:
@@ -185,8 +202,24 @@ class TransformerQNetwork(nn.Module):
         x = self.embed(obs)  # (B, T, D)
         bias = self.attention_bias(x.shape[1], x.device)
         for block in self.blocks:
-            x = block(x, bias)
+            x, _ = block(x, bias)
         return self.head(self.ln(x))  # (B, T, A)
+
+    def extend(self, obs, kv_old, allowed, dist, last):
+        """The cached step (:class:`gearflow.kv_cache.KVCache`): ``obs`` (k, Tn, *obs_shape) each
+        row's new steps, ``kv_old`` (k, L, 2, nh, S, hs) its cached keys and values, ``allowed`` /
+        ``dist`` (k, Tn, S + Tn) from ``KVCache.attention_bias``, ``last`` (k,) the new step to
+        read. Returns Q-values (k, A) at ``last`` and the new keys/values (k, L, 2, nh, Tn, hs).
+        ALiBi depends on distances only, so a step's bias is the same as in :meth:`forward`."""
+        x = self.embed(obs)  # (k, Tn, D)
+        bias = np.where(allowed[:, None], self._neg_slopes * dist[:, None], -np.inf).astype(np.float32)
+        bias = torch.from_numpy(bias).to(x.device)  # (k, nh, Tn, S+Tn)
+        kv_new = []
+        for layer, block in enumerate(self.blocks):
+            x, kv = block(x, bias, kv_old[:, layer])
+            kv_new.append(kv)
+        x = x[torch.arange(x.shape[0], device=x.device), torch.as_tensor(last, device=x.device)]  # (k, D)
+        return self.head(self.ln(x)), torch.stack(kv_new, dim=1)  # (k, A), (k, L, 2, nh, Tn, hs)
 
 
 # ----------------------------------------------------------------------------- TD errors and priorities
@@ -261,6 +294,8 @@ class Agent:
         self.kind = Sequence(length=int(r.sequence_length), period=int(r.sequence_period), burn_in=int(r.burn_in))
         if cfg.context < 0:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
+        if cfg.context_hop < 0:
+            raise ConfigError(f"agent.context_hop={cfg.context_hop}: must be ≥ 0 (0: half the context)")
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
         self.gamma = float(full_cfg.actor.gamma)
@@ -301,11 +336,42 @@ class Agent:
         last = torch.as_tensor(np.full(k, C) if lengths is None else lengths, device=self.device) - 1
         q = network(obs)  # (k, C, A)
         values = q[torch.arange(k, device=self.device), last].float().cpu().numpy()  # (k, A)
+        return self._epsilon_greedy(values, epsilon, rng)
+
+    def _epsilon_greedy(self, values: np.ndarray, epsilon, rng) -> ActOutput:
+        k = len(values)
         actions = values.argmax(axis=1)
         explore = rng.random(k) < epsilon
         if explore.any():
             actions = np.where(explore, rng.integers(self.num_actions, size=k), actions)
         return ActOutput(actions=actions.astype(np.int64, copy=False), values=values)
+
+    # ---- acting with a key/value cache (gearflow.kv_cache; the sequence actor calls these when
+    # make_kv_cache returns a cache)
+    def make_kv_cache(self, num_envs: int) -> KVCache | None:
+        """A cache of ``context_length()`` steps per env, or None when ``agent.kv_cache`` is false."""
+        if not self.cfg.kv_cache:
+            return None
+        d, nh = self.cfg.d_model, self.cfg.num_heads
+        return KVCache(num_envs, self.cfg.num_layers, nh, d // nh, self.context_length(), self.device)
+
+    def context_hop(self) -> int:
+        """Steps a full context drops at once when acting with a cache (``agent.context_hop``)."""
+        return hop_length(self.context_length(), self.cfg.context_hop)
+
+    def act_cached(self, network, cache: KVCache, ids, obs, n_new, epsilon, rng=None) -> ActOutput:
+        """ε-greedy at each env's newest step, running the network on its new steps only.
+
+        ``obs`` (k, Tn, *obs_shape): row r's first ``n_new[r]`` are env ``ids[r]``'s context steps
+        after its ``cache.length`` cached ones (1 per env step; the whole context after
+        ``cache.clear``); the rest is padding. Q-values equal :meth:`act` over the same context."""
+        rng = self.rng if rng is None else rng
+        n_new = np.asarray(n_new, dtype=np.int64)
+        allowed, dist = cache.attention_bias(ids, n_new, obs.shape[1])
+        q, kv_new = network.extend(torch.as_tensor(obs, device=self.device), cache.gather(ids), allowed, dist,
+                                   n_new - 1)  # fmt: skip
+        cache.append(ids, kv_new, n_new)
+        return self._epsilon_greedy(q.float().cpu().numpy(), epsilon, rng)
 
     def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
         """Actor-side R2D2 priorities of windows (k,) from the Q-values acted with: ``values``

@@ -216,7 +216,9 @@ def test_episode_actor_writes_the_episodes_the_env_produced(make_table, env_kind
     from helpers_envs import AsyncCountingVecEnv, expected_episode
 
     E, T = 4, 5
-    cfg = config([f"env.num_envs={E}", "env.factory=helpers_envs:make", f"replay.max_episode_length={T}"])
+    # the spy sees the whole context in act (the cached actor's contexts: tests/test_kv_cache.py)
+    cfg = config([f"env.num_envs={E}", "env.factory=helpers_envs:make", f"replay.max_episode_length={T}",
+                  "agent.kv_cache=false"])  # fmt: skip
     env = make_vec_env(cfg.env, seed=0) if env_kind == "gymnasium" else AsyncCountingVecEnv(E, 2, seed=3)
     agent = Spy(discrete_agent(cfg))
     S = 1024
@@ -228,6 +230,7 @@ def test_episode_actor_writes_the_episodes_the_env_produced(make_table, env_kind
     actor.run(max_steps=E * 40)
 
     # contexts: the last min(t+1, K) steps of the episode; R̂ = target − rewards so far; a_<t
+    assert len(agent.calls) > 20
     for call in agent.calls:
         for obs, n, rtg, act, ts in zip(call["obs"], call["lengths"], call["rtg"], call["actions"], call["timesteps"]):
             t = int(obs[n - 1, 0])

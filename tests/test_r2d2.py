@@ -225,6 +225,12 @@ class Spy:
         out.values = q_of(obs[np.arange(len(obs)), lengths - 1])
         return out
 
+    def act_cached(self, network, cache, ids, obs_new, n_new, epsilon, rng=None):
+        out = self._agent.act_cached(network, cache, ids, obs_new, n_new, epsilon, rng)
+        self.calls.append(None)  # the cached actor's contexts: tests/test_kv_cache.py
+        out.values = q_of(obs_new[np.arange(len(ids)), n_new - 1])  # the newest step of each context
+        return out
+
 
 def expected_windows(rows: int) -> list[tuple[int, int]]:
     """(start, length) of the windows of an episode of ``rows`` rows (final obs included)."""
@@ -236,12 +242,13 @@ def expected_windows(rows: int) -> list[tuple[int, int]]:
     return out
 
 
+@pytest.mark.parametrize("kv_cache", [False, True], ids=["recompute", "kv_cache"])
 @pytest.mark.parametrize("env_kind", ["gymnasium", "async"])
-def test_sequence_actor_writes_the_windows_the_env_produced(make_table, env_kind):
+def test_sequence_actor_writes_the_windows_the_env_produced(make_table, env_kind, kv_cache):
     from helpers_envs import AsyncCountingVecEnv, expected_episode
 
     E = 4
-    cfg = config([f"env.num_envs={E}", "env.factory=helpers_envs:make"])
+    cfg = config([f"env.num_envs={E}", "env.factory=helpers_envs:make", f"agent.kv_cache={str(kv_cache).lower()}"])
     env = make_vec_env(cfg.env, seed=0) if env_kind == "gymnasium" else AsyncCountingVecEnv(E, 2, seed=3)
     agent = Spy(agent_for(cfg))
     S = 1024
@@ -254,7 +261,8 @@ def test_sequence_actor_writes_the_windows_the_env_produced(make_table, env_kind
     st, cols = table.storage, table.storage.columns
 
     # contexts: each env's last min(t+1, C) observations of its episode, ending with this obs
-    for ctx, lengths in agent.calls:
+    assert len(agent.calls) >= 40 and (actor.cache is not None) == kv_cache
+    for ctx, lengths in [c for c in agent.calls if c is not None]:
         for c, n in zip(ctx, lengths):
             t, ep, e = c[n - 1]
             assert n == min(int(t) + 1, CONTEXT)

@@ -12,6 +12,18 @@ Per ``recv`` of a batch of ``b`` envs::
 
 ε here is the probability of sampling from the policy instead of taking its mode
 (:class:`~gearflow.agent.EpisodeAgent`).
+
+**Key/value cache.** An agent may offer ``make_kv_cache(E)`` (a
+:class:`~gearflow.kv_cache.KVCache` of token keys/values, or None when switched
+off), ``context_hop()`` and ``act_cached(network, cache, ids, ...)`` with
+:meth:`act`'s context arguments (``agents.decision_transformer`` does,
+``agent.kv_cache``). Each step then runs the network on a_{t−1}, R̂_t and s_t
+only; a full context drops its oldest ``H = agent.context_hop()`` steps at once
+and the cache is cleared there, at an episode's start and when the weights
+change, so that the next step re-encodes the whole context. The context is
+``K − H + 1`` to ``K`` steps; over the same steps the actions equal a full
+recompute (see :mod:`gearflow.actors.sequence` for why a cache cannot slide by
+one step exactly).
 """
 
 from __future__ import annotations
@@ -53,6 +65,10 @@ class EpisodeActor(ActorBase):
         self._ctx_len = np.zeros(E, dtype=np.int64)
         self._rtg = np.zeros(E, dtype=np.float64)  # R̂ of each env's next step
         self._t = np.zeros(E, dtype=np.int64)  # timestep of each env's next obs
+        make_cache = getattr(self.agent, "make_kv_cache", None)
+        self.cache = make_cache(E) if make_cache is not None else None  # KVCache | None
+        self.hop = int(self.agent.context_hop()) if self.cache is not None else 1  # steps a full context drops
+        self._cache_version = -1  # weights version of the cached keys
 
     def step(self) -> int:
         """One recv → R̂ and context → act → send → rows and items. Returns the env steps done."""
@@ -66,10 +82,17 @@ class EpisodeActor(ActorBase):
         if live.any():
             el = ids[live]
             self._push_context(el, obs[live], first[live])
+            ctx = dict(lengths=self._ctx_len[el], rtg=self._ctx_rtg[el], actions=self._ctx_action[el],
+                       timesteps=self._ctx_t[el])  # fmt: skip
             with torch.no_grad():
-                out = self.agent.act(self.network, self._ctx_obs[el], self.epsilon[el], self.rng,
-                                     lengths=self._ctx_len[el], rtg=self._ctx_rtg[el],
-                                     actions=self._ctx_action[el], timesteps=self._ctx_t[el])  # fmt: skip
+                if self.cache is None:
+                    out = self.agent.act(self.network, self._ctx_obs[el], self.epsilon[el], self.rng, **ctx)
+                else:
+                    if self._cache_version != self.version:  # new weights: every cached key is stale
+                        self.cache.clear()
+                        self._cache_version = self.version
+                    out = self.agent.act_cached(self.network, self.cache, el, self._ctx_obs[el], self.epsilon[el],
+                                                self.rng, **ctx)  # fmt: skip
             actions[live] = out.actions
         self.env.send(actions, env_ids)  # the envs step while we write replay (done envs reset)
         self._observe(ids, obs, reward, terminated, truncated, actions, None)
@@ -81,19 +104,22 @@ class EpisodeActor(ActorBase):
 
     def _push_context(self, e, obs, first) -> None:
         """Append (R̂, obs, placeholder action, t) to each env's context (emptied at an
-        episode's first step; the oldest step dropped when full)."""
+        episode's first step; when full, the oldest ``hop`` steps are dropped: 1 without a
+        cache, ``agent.context_hop()`` with one, whose entries for the env are then cleared)."""
         if first.any():
             n = e[first]
             self._ctx_len[n] = 0
             self._t[n] = 0
             self._rtg[n] = self.agent.initial_rtg()
-        K = self.context
+        K, H = self.context, self.hop
         full = self._ctx_len[e] >= K
         if full.any():
             f = e[full]
             for buf in (self._ctx_obs, self._ctx_action, self._ctx_rtg, self._ctx_t):
-                buf[f, :-1] = buf[f, 1:]
-            self._ctx_len[f] = K - 1
+                buf[f, : K - H] = buf[f, H:]
+            self._ctx_len[f] = K - H
+        if self.cache is not None:
+            self.cache.clear(e[first | full])
         i = self._ctx_len[e]
         self._ctx_obs[e, i] = obs
         self._ctx_action[e, i] = 0  # a_t is what we are about to choose; the model never sees it at s_t

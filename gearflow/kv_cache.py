@@ -1,0 +1,116 @@
+"""Per-env key/value caches for the causal transformer actors (R2D2, Decision Transformer).
+
+An actor steps ``E`` envs; each keeps a context of recent tokens that its policy
+attends over. Re-running the whole context every step costs ``O(context)`` per
+env step; with a cache each step runs the network on the step's new tokens
+only, attending to the keys and values cached for that env::
+
+    cache = KVCache(E, num_layers=2, num_heads=4, head_dim=16, slots=40, device="cpu")
+    kv_old = cache.gather(ids)                      # (k, L, 2, nh, S, hs) the envs of this recv
+    allowed, dist = cache.attention_bias(ids, n_new, Tn)  # (k, Tn, S + Tn): mask, query − key position
+    out, kv_new = network.extend(x_new, kv_old, allowed, dist)  # kv_new (k, L, 2, nh, Tn, hs)
+    cache.append(ids, kv_new, n_new)                # slots length .. length + n_new − 1
+    cache.clear(ids)                                # episode start, context hop, new weights
+
+Slots are linear, not a ring: slot ``j`` holds the ``j``-th token of the env's
+current context, so a cache and its context always describe the same tokens
+and a token's position in the context is its slot. ``clear`` empties an env;
+its next step re-encodes (prefills) the whole context in the same batched call
+as the other envs' one-token steps (rows of one call may bring different
+numbers of new tokens: ``n_new``, padded to ``Tn``).
+
+Why the actors clear and re-encode instead of sliding a ring: in a transformer
+of two or more layers the keys of a token in layer ``l ≥ 2`` depend on what that
+token attended to, so once the oldest token leaves a context the cached keys of
+the others are no longer what a recompute over the shortened context gives.
+Exact equality with a recompute needs the re-encode; the actors do it when the
+context *hops* (drops its oldest ``hop`` steps at once, :func:`hop_context`)
+and when the weights change, so its cost is spread over ``hop`` steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["KVCache", "hop_length"]
+
+
+def hop_length(context: int, hop: int = 0) -> int:
+    """Steps a full context drops at once (``hop``; 0: half the context, at least 1).
+
+    >>> hop_length(40), hop_length(1), hop_length(40, 30)
+    (20, 1, 30)
+    """
+    h = int(hop) or int(context) // 2
+    return max(1, min(h, int(context)))
+
+
+class KVCache:
+    """Keys and values of ``E`` envs' contexts: ``kv`` (E, L, 2, nh, S, hs) float32 on ``device``;
+    ``length`` (E,) int64 numpy: tokens cached per env (slots 0 .. length−1 valid)."""
+
+    def __init__(self, num_envs: int, num_layers: int, num_heads: int, head_dim: int, slots: int,
+                 device="cpu", dtype=torch.float32):  # fmt: skip
+        self.num_envs, self.slots = int(num_envs), int(slots)
+        self.kv = torch.zeros(num_envs, num_layers, 2, num_heads, slots, head_dim, dtype=dtype, device=device)
+        self.length = np.zeros(num_envs, dtype=np.int64)
+        self.device = torch.device(device)
+
+    def clear(self, ids=None) -> None:
+        """Empty the caches of envs ``ids`` (all when None); their slots are never read again
+        before they are rewritten (the attention bias masks slots ≥ length)."""
+        if ids is None:
+            self.length[:] = 0
+        else:
+            self.length[ids] = 0
+
+    def gather(self, ids: np.ndarray) -> torch.Tensor:
+        """The caches of envs ``ids`` (k,): (k, L, 2, nh, S, hs), one ``index_select``."""
+        return self.kv.index_select(0, torch.as_tensor(ids, device=self.device))
+
+    def attention_bias(self, ids: np.ndarray, n_new: np.ndarray, Tn: int):
+        """Which keys each new token may attend to, and how far back each is.
+
+        Keys are the ``S`` cached slots followed by the ``Tn`` new tokens (the layout of
+        ``torch.cat([kv_old, kv_new], dim=-2)``). Row ``r``'s new token ``i < n_new[r]``
+        sees cached slots ``< length[r]`` and new tokens ``≤ i`` (causal); a padding query
+        (``i ≥ n_new[r]``) sees the same plus itself, never an empty row, so its output (never
+        read, never cached) stays finite. Returns
+        ``(allowed, distance)``: (k, Tn, S + Tn) bool and float32 (query position − key
+        position, for ALiBi-style biases; 0 where not allowed)."""
+        S, length = self.slots, self.length[ids]  # (k,)
+        n_new = np.asarray(n_new, dtype=np.int64)
+        if (length + n_new > S).any():
+            r = int(np.argmax(length + n_new > S))
+            raise ValueError(f"env {int(ids[r])}: {int(length[r])} cached + {int(n_new[r])} new tokens "
+                             f"exceed the cache's {S} slots")  # fmt: skip
+        if Tn == 1:  # the one-token step: cached slots < length, then itself
+            j = np.arange(S + 1)
+            allowed = (j[None, :] < length[:, None]) | (j == S)[None, :]  # (k, S+1)
+            dist = np.where(allowed, length[:, None] - np.minimum(j, length[:, None]), 0).astype(np.float32)
+            return allowed[:, None], dist[:, None]  # (k, 1, S+1)
+        i = np.arange(Tn)
+        q_pos = length[:, None] + i[None, :]  # (k, Tn)
+        k_pos = np.concatenate([np.broadcast_to(np.arange(S), (len(ids), S)), q_pos], axis=1)  # (k, S+Tn)
+        cached = np.arange(S)[None, None, :] < length[:, None, None]  # (k, 1, S)
+        new = (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] < n_new[:, None, None])  # (k, Tn, Tn)
+        new |= np.eye(Tn, dtype=bool)[None]  # padding queries see themselves
+        allowed = np.concatenate([np.broadcast_to(cached, (len(ids), Tn, S)), new], axis=2)  # (k, Tn, S+Tn)
+        dist = np.where(allowed, q_pos[:, :, None] - k_pos[:, None, :], 0).astype(np.float32)
+        return allowed, dist
+
+    def append(self, ids: np.ndarray, kv_new: torch.Tensor, n_new: np.ndarray) -> None:
+        """Write the first ``n_new[r]`` of each row's new tokens ``kv_new`` (k, L, 2, nh, Tn, hs)
+        into env ``ids[r]``'s slots ``length .. length + n_new − 1``; advance ``length``."""
+        n_new = np.asarray(n_new, dtype=np.int64)
+        Tn = kv_new.shape[4]
+        if Tn == 1 and (n_new == 1).all():  # the one-token step: one index_put
+            rows, cols = np.arange(len(ids)), np.zeros(len(ids), dtype=np.int64)
+        else:
+            rows, cols = np.nonzero(np.arange(Tn)[None, :] < n_new[:, None])  # valid new tokens (N,)
+        slot = self.length[ids][rows] + cols
+        dev = self.device
+        src = kv_new[torch.as_tensor(rows, device=dev), :, :, :, torch.as_tensor(cols, device=dev)]  # (N, L, 2, nh, hs)
+        self.kv[torch.as_tensor(ids[rows], device=dev), :, :, :, torch.as_tensor(slot, device=dev)] = src
+        self.length[ids] += n_new
