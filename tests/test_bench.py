@@ -63,3 +63,21 @@ def test_bench_actors_random_policy_against_bare_envpool():
     (row,) = rows
     assert row["workload"] == "random" and row["metric"].startswith("env_steps_per_s[CartPole-v1")
     assert row["value"] > 0 and row["floor"] > 0
+
+
+def test_bench_actors_transformer_full_recompute_against_kv_cache():
+    """Each context: the full recompute (the floor), the cached actor with ratio = cached / full,
+    both policies' time per recv and the episode length, for the R2D2 and DT actors."""
+    rows = bench("actors", "--workloads", "transformer,dt", "--scale", "0.05")
+    for workload, contexts in (("transformer", (10, 40, 80)), ("dt", (10, 40))):
+        mine = [r for r in rows if r["workload"] == workload]
+        assert len(mine) == 5 * len(contexts)
+        for C in contexts:
+            at = [r for r in mine if f",context={C}" in r["metric"]]
+            by = {r["metric"].split("[")[0] + ("/kv" if "kv_cache=true" in r["metric"] else ""): r for r in at}
+            assert set(by) == {"env_steps_per_s", "env_steps_per_s/kv", "act_us_per_recv", "act_us_per_recv/kv",
+                               "episode_length_mean"}  # fmt: skip
+            full, cached = by["env_steps_per_s"], by["env_steps_per_s/kv"]
+            assert full["floor"] is None and cached["floor"] == full["value"] > 0 and cached["value"] > 0
+            assert by["act_us_per_recv"]["value"] > 0 and by["act_us_per_recv/kv"]["value"] > 0
+            assert by["episode_length_mean"]["value"] >= 8  # CartPole episodes are at least 8 steps

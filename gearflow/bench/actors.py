@@ -10,6 +10,17 @@ Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex
   ε-greedily over the Ape-X ladder.
 * ``learner`` — a short real run of the config (actor processes + learner):
   the learner's fraction of time spent waiting for a batch.
+* ``transformer`` — the R2D2 transformer actor of ``configs/cartpole_masked_r2d2.yaml``
+  writing sequence windows, at contexts 10, 40 (the config's) and 80: re-running the
+  whole context every step (``agent.kv_cache=false``, the floor) against the
+  key/value-cached actor, in the same run; ``ratio`` = cached / full recompute. Each
+  context also reports the policy's own time per recv (``act_us_per_recv``) and the
+  mean length of the episodes that ended (a context longer than the episodes never
+  hops; with none ended, the steps per env: a lower bound).
+* ``transformer_long`` — the same on ``Acrobot-v1`` (500-step episodes), where every
+  context fills and hops.
+* ``dt`` — the Decision Transformer actor of ``configs/cartpole_dt.yaml`` at contexts
+  10 (the config's) and 40, full recompute against cached.
 """
 
 from __future__ import annotations
@@ -31,7 +42,16 @@ from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import SharedStorage
 
 Emit = Callable[[dict], None]
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cartpole_apex.yaml"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = CONFIGS / "cartpole_apex.yaml"
+WORKLOADS = ("random", "policy", "learner", "transformer", "transformer_long", "dt")
+# transformer workloads: (config, overrides, contexts, metric label)
+TRANSFORMER_WORKLOADS = {
+    "transformer": ("cartpole_masked_r2d2.yaml", [], (10, 40, 80), "CartPole-v1 masked"),
+    "transformer_long": ("cartpole_masked_r2d2.yaml", ["env.id=Acrobot-v1", "env.obs_transform=null"], (10, 40, 80),
+                         "Acrobot-v1"),
+    "dt": ("cartpole_dt.yaml", [], (10, 40), "CartPole-v1"),
+}  # fmt: skip
 
 
 def _record(workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
@@ -96,19 +116,70 @@ def _bare_loop(cfg, seconds: float) -> float:
         env.close()
 
 
-def _actor_rate(cfg, seconds: float, random_policy: bool) -> float:
+class TimedPolicy:
+    """Wraps an agent and adds up the seconds spent in ``act`` / ``act_cached``."""
+
+    def __init__(self, agent):
+        self._agent, self.seconds, self.calls = agent, 0.0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+    def act(self, *args, **kwargs):
+        return self._timed(self._agent.act, *args, **kwargs)
+
+    def act_cached(self, *args, **kwargs):
+        return self._timed(self._agent.act_cached, *args, **kwargs)
+
+
+def _actor_rate(cfg, seconds: float, random_policy: bool, stats: dict | None = None) -> float:
+    """Env steps/s of the config's actor writing a scratch table; ``stats`` (if given) gets the
+    policy's seconds per recv (``act_s``) and the mean episode length."""
     env = make_vec_env(cfg.env, seed=0)
     agent = make_agent(cfg, env.env_spec, "cpu")
-    if random_policy:
-        agent = RandomPolicy(agent, env.num_actions)
-    E = env.num_envs
-    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E)) as actor:
+    agent = RandomPolicy(agent, env.num_actions) if random_policy else TimedPolicy(agent)
+    E, lengths = env.num_envs, []
+    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E),
+                       on_episode=lambda env_index, ret, length, eps: lengths.append(length)) as actor:  # fmt: skip
         for _ in range(20):
             actor.step()  # warm up: first episodes, first items
+        if not random_policy:
+            agent.seconds, agent.calls = 0.0, 0
         steps, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             steps += actor.step()
-        return steps / (time.perf_counter() - start)
+        rate = steps / (time.perf_counter() - start)
+        if stats is not None and not random_policy:
+            stats["act_s"] = agent.seconds / max(1, agent.calls)
+            # of the episodes that ended; without one, the steps per env (a lower bound: none ended)
+            stats["episode_length"] = float(np.mean(lengths)) if lengths else steps / E
+        return rate
+
+
+def _transformer(workload: str, seconds: float, seed: int, emit: Emit) -> None:
+    """Full recompute (``agent.kv_cache=false``, the floor) vs the cached actor at each context."""
+    name, overrides, contexts, label = TRANSFORMER_WORKLOADS[workload]
+    for C in contexts:
+        rates, act_us, lengths = {}, {}, {}
+        for kv in (False, True):
+            cfg = load_config(CONFIGS / name, [*overrides, f"agent.context={C}", f"agent.kv_cache={str(kv).lower()}",
+                                               f"run.seed={seed}"])  # fmt: skip
+            stats: dict = {}
+            rates[kv] = _actor_rate(cfg, seconds, False, stats)
+            act_us[kv], lengths[kv] = 1e6 * stats["act_s"], stats["episode_length"]
+        shape = f"{label},num_envs={cfg.env.num_envs},batch_size={cfg.env.batch_size},context={C}"
+        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=false]", rates[False], "steps/s"))
+        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=true]", rates[True], "steps/s", rates[False]))
+        for kv in (False, True):
+            emit(_record(workload, f"act_us_per_recv[{shape},kv_cache={str(kv).lower()}]", act_us[kv], "us"))
+        emit(_record(workload, f"episode_length_mean[{shape}]", (lengths[False] + lengths[True]) / 2, "steps"))
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:
@@ -119,12 +190,12 @@ def run(args, wanted: list[str], emit: Emit) -> int:
     torch.set_num_threads(1)
     cfg = load_config(args.config or DEFAULT_CONFIG, [f"run.seed={args.seed}"])
     seconds = max(1.0, 5.0 * args.scale)
-    todo = wanted or ["random", "policy", "learner"]
-    unknown = set(todo) - {"random", "policy", "learner"}
+    todo = wanted or list(WORKLOADS)
+    unknown = set(todo) - set(WORKLOADS)
     if unknown:
         from gearflow.errors import GearflowError
 
-        raise GearflowError(f"unknown workload(s) {sorted(unknown)}; choose from random, policy, learner")
+        raise GearflowError(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     shape = f"num_envs={cfg.env.num_envs},batch_size={cfg.env.batch_size or max(1, cfg.env.num_envs // 2)}"
     if "random" in todo or "policy" in todo:
         bare = _bare_loop(cfg, seconds)
@@ -143,4 +214,7 @@ def run(args, wanted: list[str], emit: Emit) -> int:
         emit(_record("learner", "batch_wait_fraction", summary["learner/wait_fraction"], "fraction"))
         emit(_record("learner", "updates_per_s", summary["learner/updates"] / summary["time/elapsed_s"], "updates/s"))
         emit(_record("learner", "env_steps_per_s", summary["actor/env_steps"] / summary["time/elapsed_s"], "steps/s"))
+    for workload in TRANSFORMER_WORKLOADS:
+        if workload in todo:
+            _transformer(workload, seconds, args.seed, emit)
     return 0
