@@ -16,8 +16,9 @@ the remote type and message. At most ``max_in_flight`` calls are unanswered at o
 A lost connection is re-made by the next call, with exponential backoff between attempts
 (50 ms doubling to 2 s); ``generation`` counts the connections made, so a caller that keeps
 per-connection state on the service (a writer session) can tell it must re-open it.
-The buffers of a request must not change until ``on_sent`` is called (``writelines``, no copy);
-:meth:`call` returns only after the reply, so it may pass anything.
+Requests are written from the calling thread (``sendmsg`` of the arrays themselves, on a
+duplicate of the socket; the loop thread only reads and handshakes), so ``submit`` returns
+once the request has left: its buffers may then change.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
+import select
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -106,6 +110,7 @@ class _ClientProtocol(FramedProtocol):
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.nonce = auth.new_nonce()
         self.server_nonce = ""
+        self.wsock: Optional[socket.socket] = None  # the calling threads' duplicate, for sending
 
     def _fail_handshake(self, exc: BaseException) -> None:
         if not self.ready.done():
@@ -186,6 +191,7 @@ class Client:
         self._thread.start()
         self._proto: Optional[_ClientProtocol] = None
         self._connect_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._backoff = 0.0
         self._next_attempt = 0.0
         self.generation = 0  # connections made so far
@@ -219,6 +225,8 @@ class Client:
                         raise ServiceUnavailable(f"no service at {self.address_text} (retrying with backoff, "
                                                  f"next attempt in {wait:.2f} s)")  # fmt: skip
                     time.sleep(wait)
+                if p is not None:
+                    self._drop_wsock(p)
                 try:
                     fut = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
                     self._proto = fut.result(timeout=max(0.05, min(self.connect_timeout_s, deadline - time.monotonic())))
@@ -249,7 +257,17 @@ class Client:
             if proto_box and proto_box[0].transport is not None:
                 proto_box[0].transport.abort()
             raise
-        return proto_box[0]
+        proto = proto_box[0]
+        # requests are sent from the calling threads on a duplicate of the socket (see _write);
+        # the loop only reads. The duplicate shares the non-blocking flag and TCP_NODELAY.
+        proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
+        return proto
+
+    def _drop_wsock(self, proto: _ClientProtocol) -> None:
+        with self._send_lock:
+            if proto.wsock is not None:
+                proto.wsock.close()
+                proto.wsock = None
 
     def _lost(self, proto: _ClientProtocol) -> None:
         if self._proto is proto:
@@ -259,8 +277,8 @@ class Client:
     def submit(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), *,
                timeout_s: Optional[float] = None, on_sent: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
         """Send a request without waiting for its reply: a future of ``(meta, buffers)``. Waits (up
-        to ``timeout_s``) for a free in-flight slot and for the connection; ``on_sent()`` (loop
-        thread) once the request's buffers have left the transport, or failed to."""
+        to ``timeout_s``) for a free in-flight slot and for the connection; the request is sent
+        from this thread before it returns (``on_sent()`` is then called: the buffers are free)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         if not self._slots.acquire(timeout=max(0.0, timeout_s)):
@@ -278,18 +296,66 @@ class Client:
         fut.add_done_callback(lambda _: self._slots.release())
         rid = next(self._ids)
         parts[0] = parts[0][:8] + rid.to_bytes(8, "little") + parts[0][16:]  # the header's request id
-
-        def send():
-            if proto.closed:
-                fut.set_exception(ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent"))
-                if on_sent is not None:
-                    on_sent()
-                return
-            proto.pending[rid] = fut
-            proto.send(parts, on_sent)
-
-        self._loop.call_soon_threadsafe(send)
+        proto.pending[rid] = fut  # before the first byte leaves: the reply can come at once
+        try:
+            self._write(proto, parts, deadline, op)
+        except BaseException as exc:
+            proto.pending.pop(rid, None)
+            if not fut.done():
+                fut.set_exception(exc)
+            raise
+        finally:
+            if on_sent is not None:
+                on_sent()
+        if proto.closed and not fut.done():  # lost while we sent: connection_lost may have missed it
+            proto.pending.pop(rid, None)
+            fut.set_exception(ServiceUnavailable(f"connection to {self.address_text} lost while {op} was sent"))
         return fut
+
+    def _write(self, proto: _ClientProtocol, parts: list, deadline: float, op: str) -> None:
+        """Send one whole frame from the calling thread (``sendmsg`` of the parts: the arrays go
+        to the kernel without a copy here, and no hand-off to the loop thread), under the send lock
+        so frames never interleave. The socket is a duplicate of the transport's (non-blocking:
+        a full send buffer is waited on with ``poll``). A frame cut short poisons the stream, so a
+        timeout mid-frame closes the connection."""
+        with self._send_lock:
+            sock = proto.wsock
+            if proto.closed or sock is None:
+                raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
+            views = [memoryview(p) for p in parts]
+            started = False
+            while views:
+                try:
+                    n = sock.sendmsg(views[:512])
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as exc:
+                    raise ServiceUnavailable(f"connection to {self.address_text} lost sending {op}: {exc}") from None
+                started = started or n > 0
+                while n and views:
+                    if n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0], n = views[0][n:], 0
+                if not views:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poll_out(sock, left):
+                    if started:
+                        self._loop.call_soon_threadsafe(self._abort, proto)
+                    raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
+
+    @staticmethod
+    def _poll_out(sock, timeout_s: float) -> bool:
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLOUT)
+        return bool(p.poll(max(1, int(timeout_s * 1000))))
+
+    @staticmethod
+    def _abort(proto: _ClientProtocol) -> None:
+        if proto.transport is not None:
+            proto.transport.abort()
 
     def call(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), timeout_s: Optional[float] = None):
         """Send a request and wait for its reply ``(meta, buffers)``, at most ``timeout_s``."""
@@ -316,6 +382,8 @@ class Client:
             if self._proto is not None and self._proto.transport is not None:
                 self._proto.transport.abort()
 
+        if self._proto is not None:
+            self._drop_wsock(self._proto)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(shut)
             time.sleep(0.01)
