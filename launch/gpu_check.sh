@@ -9,7 +9,7 @@
 #   pip install -e '.[gpu,dev]'            # CuPy for CUDA 12 ('.[gpu-cu13,dev]' for CUDA 13)
 #   pip install 'cupy-cuda12x[ctk]'        # only without a system CUDA toolkit (no NVRTC)
 #
-# Steps, each under its own time limit (at most 9 min 10 s in all; about 3 min
+# Steps, each under its own time limit (at most 14 min 50 s in all; about 8 min
 # expected on an H200):
 #   1. prerequisites (90 s): pytest, a CUDA build of torch that sees a GPU, and
 #      CuPy compiling (NVRTC) and running a test kernel. The first one missing
@@ -26,6 +26,18 @@
 #   4. cuda benchmark (180 s): gearflow bench replay --device cuda --json
 #      (zero-copy gather GB/s vs pinned cudaMemcpy vs CPU gather + H2D; device
 #      sampling at 10^6 and 10^7; Table(device="cuda") end to end, rows verified).
+#   5. e2e pong_apex (170 s): configs/pong_apex.yaml for 120 s, learner and replay
+#      on CUDA (device priority vector, zero-copy gather from the shared segment),
+#      learner.bf16=true, actors on the CPU (launch/e2e_check.py).
+#   6. e2e r2d2 transformer (170 s): configs/paper/mat_2m.yaml (R2D2 with a causal
+#      transformer over Nature-CNN frame tokens, Pong, 80-step windows) for 120 s,
+#      learner and replay on CUDA, bf16, actors on the CPU with the key/value cache,
+#      replay.capacity=200000 and replay.min_size_to_sample=500 so that learning
+#      starts within seconds.
+#   Each e2e step prints one line "gpu_check: e2e {json}" (into the log, and again at
+#   the end on the terminal): updates/s, tokens/s (steps learned from), samples/s,
+#   env steps/s, the learner's wait fraction (over the run and in steady state),
+#   the GPU's peak used memory (all processes) and the learner's torch allocator peak.
 # Exit status: 0 when every step passed. Set PYTHON to choose the interpreter.
 set -euo pipefail
 
@@ -129,4 +141,10 @@ if command -v nvidia-smi >/dev/null; then
 fi
 step "cuda tests" 240 "$PY" "$work/cuda_tests.py" || true
 step "cuda benchmark" 180 "$PY" -m gearflow bench replay --device cuda --json || true
+E2E_CUDA=(learner.device=cuda replay.device=cuda learner.bf16=true actor.device=cpu)
+step "e2e pong_apex" 170 "$PY" launch/e2e_check.py pong_apex configs/pong_apex.yaml --seconds 120 \
+  "${E2E_CUDA[@]}" || true
+step "e2e r2d2 transformer" 170 "$PY" launch/e2e_check.py r2d2_transformer configs/paper/mat_2m.yaml \
+  --seconds 120 "${E2E_CUDA[@]}" replay.capacity=200000 replay.min_size_to_sample=500 || true
+grep '^gpu_check: e2e ' "$LOG" || echo "gpu_check: no end-to-end report (see the log)"
 [ "$failed" = 0 ]
