@@ -257,6 +257,12 @@ def test_weight_sync_records_the_version_acted_with(make_table):
         actor.close()
         assert actor.version == 1
         torch.testing.assert_close(net.q.bias, newer.q.bias)
+        from gearflow.actors.transition import TracedPolicy
+
+        assert isinstance(actor.policy, TracedPolicy)  # it acted with the trace, on the new weights
+        x = torch.randn(5, 3)
+        with torch.no_grad():
+            assert torch.equal(actor.policy(x), net(x)) and torch.equal(actor.policy(x), newer(x))
         S, cols = table.storage.steps_per_partition, table.storage.columns
         for p in range(4):
             rows = int(table.storage.counters[p, COMMIT])
@@ -557,3 +563,80 @@ def test_stop_while_the_last_flush_waits_on_the_rate_limiter(make_table):
     assert done == 12 and stop.is_set() and 0.4 < waited < 5.0  # it waited for the stop
     assert int(table.storage.counters[:, PUBLISHED].sum()) == 0  # 2 allowed, more held: all dropped
     assert int(table.storage.counters[:, EPISODES].sum()) == actor.episodes > 0
+
+
+# --------------------------------------------------------------------------- the C paths' references
+
+
+def test_episode_statistics_in_c_match_the_reference():
+    """_hotpath.episode_stats against ActorBase._count_episodes over random batches."""
+    from types import SimpleNamespace
+
+    from gearflow.actors.base import ActorBase
+
+    hot = pytest.importorskip("gearflow.replay._hotpath", reason="the C module is not built")
+    E, rng = 6, np.random.default_rng(0)
+    ref, nat = ({"ret": np.zeros(E), "len": np.zeros(E, np.int64), "new": np.ones(E, bool)} for _ in range(2))
+    ns = SimpleNamespace(_episode_return=ref["ret"], _episode_length=ref["len"], _new_episode=ref["new"])
+    total = 0
+    for _ in range(300):
+        ids = rng.choice(E, size=rng.integers(1, E + 1), replace=False).astype(np.int64)
+        reward = rng.standard_normal(ids.size).astype(np.float32)
+        term, trunc = rng.random(ids.size) < 0.1, rng.random(ids.size) < 0.05
+        a = ActorBase._count_episodes(ns, ids, reward, term, trunc)
+        b = hot.episode_stats(ids, reward, term, trunc, nat["ret"], nat["len"], nat["new"])
+        assert a == b == int((term | trunc).sum())
+        total += b
+        for d in (ref, nat):  # the caller zeroes the ended episodes
+            done = ids[term | trunc]
+            d["ret"][done], d["len"][done] = 0.0, 0
+        for k in ref:
+            np.testing.assert_array_equal(ref[k], nat[k])
+    assert total > 20
+    with pytest.raises(ValueError, match=r"env id 9 out of range \[0, 6\)"):
+        hot.episode_stats(np.array([9]), np.zeros(1, np.float32), np.zeros(1, bool), np.zeros(1, bool),
+                          nat["ret"], nat["len"], nat["new"])  # fmt: skip
+
+
+def test_traced_policy_computes_what_the_network_computes():
+    """The trace acts like the module at every batch size, follows in-place weight changes,
+    forwards attributes; modules whose trace would differ (randomness) or that cannot be
+    traced are used as they are."""
+    from gearflow.actors.transition import TracedPolicy, traced_policy
+    from gearflow.envs import EnvSpec
+
+    cfg = load_config(Path(TESTS).parent / "configs" / "cartpole_apex.yaml", [])  # the dueling MLP
+    agent = make_agent(cfg, EnvSpec((4,), np.dtype(np.float32), 2), torch.device("cpu"))
+    net = agent.make_network().eval()
+    policy = traced_policy(net, (4,), np.float32, batch=4)
+    assert isinstance(policy, TracedPolicy) and policy.shares_parameters()
+    assert policy.training is False and policy.module is net  # attributes are the module's
+    with torch.no_grad():
+        for b in (1, 4, 17):
+            x = torch.randn(b, 4)
+            assert torch.equal(policy(x), net(x))
+        for p in net.parameters():
+            p.mul_(-0.5)  # a weight sync copies in place
+        x = torch.randn(4, 4)
+        assert torch.equal(policy(x), net(x))
+    obs = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    with torch.no_grad():
+        acted = agent.act(policy, obs, np.zeros(4), np.random.default_rng(1))
+        eager = agent.act(net, obs, np.zeros(4), np.random.default_rng(1))
+    np.testing.assert_array_equal(acted.actions, eager.actions)
+    np.testing.assert_array_equal(acted.values, eager.values)
+
+    noisy = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.5)).train()
+    assert traced_policy(noisy, (4,), np.float32, batch=4) is noisy  # its trace differs run to run
+
+    class DictOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return {"q": self.l(x)}
+
+    odd = DictOut()
+    assert traced_policy(odd, (4,), np.float32, batch=4) is odd
+    assert traced_policy(torch.nn.Identity(), (4,), np.float32, batch=4).__class__ is torch.nn.Identity

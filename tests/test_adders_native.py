@@ -196,3 +196,37 @@ class ListWriter:
 
     def __getattr__(self, name):
         return getattr(self._w, name)
+
+
+# --------------------------------------------------------------------------- R2D2 windows
+
+WINDOWS = {"obs": "float32[3]", "action": "int64", "reward": "float32", "discount": "float32", "first": "bool",
+           "version": "int64"}  # fmt: skip
+
+
+@pytest.mark.parametrize("length,period,burn_in", [(5, 2, 1), (4, 4, 0), (6, 1, 2)])
+def test_window_adder_batch_rule_creates_the_windows_of_the_kinds_own_rule(storage_factory, length, period, burn_in):
+    """WindowAdder finds the windows due after an append over the whole batch for a Sequence;
+    a Sequence subclass goes through its own due_on_append per env (the reference). Both
+    tables must end up the same, item for item."""
+    from dataclasses import dataclass
+
+    from gearflow.actors.adders import WindowAdder
+    from gearflow.replay.items import Sequence
+
+    @dataclass(frozen=True)
+    class OwnRule(Sequence):  # the same windows, through the per-env path
+        pass
+
+    E, b, S = 5, 3, 64
+    tables = []
+    for kind in (OwnRule(length, period, burn_in), Sequence(length, period, burn_in)):
+        st = storage_factory(WINDOWS, P=E, S=S)
+        tables.append((st, WindowAdder(Writer(st, np.arange(E), prefault=False), kind)))
+    recvs = Recvs(((3,), np.float32), E, b, 2, seed=length * 10 + period, p_end=0.1)
+    for step in range(300):
+        batch = recvs(step // 5)
+        for _, adder in tables:
+            adder.add(*batch)
+        assert_same_tables(tables[0][0], tables[1][0], f"after recv {step}")
+    assert tables[0][1].items == tables[1][1].items > 50

@@ -230,3 +230,46 @@ def test_non_discrete_action_space_is_named_for_dqn():
         ConfigError, match=r"apex_dqn needs a discrete action space.*Pendulum-v1.*Box"
     ):
         make_agent(cfg, spec, torch.device("cpu"))
+
+
+def _envpool(env_id, fast, num_envs=4, batch_size=2, seed=5, **kw):
+    import envpool
+
+    from gearflow.envs import EnvPoolVecEnv
+
+    raw = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, seed=seed, **kw)
+    return EnvPoolVecEnv(raw, env_id, fast=fast)
+
+
+@pytest.mark.parametrize("action", [0, 1])
+def test_envpool_fast_path_steps_exactly_like_envpools_own_api(action):
+    """recv/send straight on EnvPool's C++ (fast) and through its Python layer give each env
+    the same observations, rewards and flags, bit for bit (terminations and truncations)."""
+    runs = []
+    for fast in (True, False):
+        with _envpool("CartPole-v1", fast, max_episode_steps=9) as env:
+            assert env.fast is fast
+            runs.append(run_constant(env, action=action, recvs=200))
+    fast_run, own_run = runs
+    assert set(fast_run) == set(own_run) == {0, 1, 2, 3}
+    for i in fast_run:
+        n = min(len(fast_run[i]), len(own_run[i]))
+        assert n > 60
+        for (o1, r1, te1, tr1), (o2, r2, te2, tr2) in zip(fast_run[i][:n], own_run[i][:n]):
+            assert o1.tobytes() == o2.tobytes() and (r1, te1, tr1) == (r2, te2, tr2)
+    flags = [f for steps in fast_run.values() for f in steps]
+    assert any(te for _, _, te, _ in flags) and any(tr for _, _, _, tr in flags)
+
+
+def test_envpool_fast_path_layouts():
+    """Atari (obs, several info keys) takes the fast path; a send with one action too few is a
+    clear error, not a C++ read past the array."""
+    with _envpool("Pong-v5", True, num_envs=2, batch_size=2) as env:
+        assert env.fast
+        env.async_reset()
+        obs, rew, term, trunc, ids = env.recv()
+        assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8 and ids.dtype == np.int32
+        with pytest.raises(ValueError, match=r"one action per env id: actions \(1,\), env_ids \(2,\)"):
+            env.send(np.zeros(1, np.int64), ids)
+        env.send(np.zeros(2, np.int64), ids)
+        assert env.recv()[0].shape == (2, 4, 84, 84)

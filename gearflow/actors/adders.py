@@ -546,8 +546,15 @@ class WindowAdder(Adder):
         if values is not None and self._r_values is not None:
             self._r_values[e, slot] = values
         lengths = self.writer.episode_lengths(e)  # rows in each episode so far
-        for stream, L, p in zip(e.tolist(), lengths.tolist(), pos.tolist()):
-            self._pending += [(stream, n, p + 1) for n in self.kind.due_on_append(L)]
+        k = self.kind
+        if type(k) is Sequence:  # Sequence.due_on_append over the batch: one window or none per env
+            due = (lengths >= k.length) & ((lengths - k.length) % k.period == 0)
+            if due.any():
+                m = int(np.count_nonzero(due))
+                self._pending.extend(zip(e[due].tolist(), [k.length] * m, (pos[due] + 1).tolist()))
+            return
+        for stream, L, p in zip(e.tolist(), lengths.tolist(), pos.tolist()):  # any other kind: its own rule
+            self._pending += [(stream, n, p + 1) for n in k.due_on_append(L)]
 
     def _create_windows(self) -> None:
         """Publish the windows queued in this recv with one ``create_items`` call."""
