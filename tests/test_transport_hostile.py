@@ -29,7 +29,17 @@ from hypothesis import strategies as st
 from gearflow.replay.items import Transition
 from gearflow.transport import auth
 from gearflow.transport.client import Client
-from gearflow.transport.framing import AUTH, AUTH_OK, CHALLENGE, HEADER, MAGIC, REQUEST, VERSION, FrameLimits, encode
+from gearflow.transport.framing import (
+    AUTH,
+    AUTH_OK,
+    CHALLENGE,
+    HEADER,
+    MAGIC,
+    REQUEST,
+    VERSION,
+    FrameLimits,
+    encode,
+)
 from gearflow.transport.remote import RemoteWriter
 from gearflow.transport.service import ServiceLimits
 from gearflow.transport.shard import ShardService
@@ -118,7 +128,7 @@ broken = st.one_of(
     st.builds(lambda b: _with_envelope(b), st.binary(min_size=2, max_size=200)),  # not JSON / not an envelope
     st.builds(lambda e: _with_envelope(json.dumps(e).encode()),
               st.sampled_from([[], {"op": 1, "meta": {}, "bufs": []}, {"op": "x"}, {"op": "x", "meta": [], "bufs": []},
-                               {"op": "x", "meta": {}, "bufs": [], "more": 1}])),  # fmt: skip
+                               {"op": "x", "meta": {}, "bufs": [], "more": 1}])),
     st.builds(lambda raw: header(meta_len=len(raw)) + raw, st.just(b'{"op": "x", "meta": {"a": NaN}, "bufs": []}')),
     st.builds(lambda b: b if b[:4] != MAGIC else b"X" + b[1:], st.binary(min_size=32, max_size=512)),  # random bytes
 )
@@ -287,7 +297,7 @@ def test_connection_and_in_flight_limits(shard):
     svc, port, _ = shard
     socks = [raw_connect(port) for _ in range(LIMITS.max_connections)]
     extra = socket.create_connection(("127.0.0.1", port), timeout=10)
-    kind, meta = recv_frame(extra)
+    _, meta = recv_frame(extra)
     assert meta["type"] == "ServiceUnavailable" and "connection limit" in meta["message"]
     _expect_closed(extra)
     for s in socks[1:]:

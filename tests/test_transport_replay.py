@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from gearflow.actors.adders import TransitionAdder
+from gearflow.params.protocol import ParameterSource
 from gearflow.params.store import ParameterStore
 from gearflow.replay import RateLimiter
+from gearflow.replay.items import Transition
 from gearflow.replay.protocols import SamplerLike, WriterLike
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE
 from gearflow.replay.writer import Writer
-from gearflow.replay.items import Transition
-from gearflow.params.protocol import ParameterSource
 from gearflow.transport.remote import SHARD_SHIFT, RemoteParams, RemoteSampler, RemoteWriter
 from gearflow.transport.shard import ShardService
 
@@ -96,7 +96,7 @@ def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shar
     kw = dict(spec=APEX, P=E, S=S, selector="prioritized", kind=Transition(next_columns=("obs",)),
               selector_kwargs={"alpha": 0.6, "beta": 0.4})  # fmt: skip
     local, served = make_table(**kw), make_table(**kw)
-    shard, port = shard_of(served)
+    _, port = shard_of(served)
     remote = RemoteWriter(("127.0.0.1", port), num_streams=E, token=TOKEN, timeout_s=10, max_in_flight=2)
     assert isinstance(remote, WriterLike)
     assert remote.partitions.tolist() == list(range(E))

@@ -20,7 +20,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gearflow.transport.client import Client, RemoteError, RequestTimeout, ServiceUnavailable, parse_address
+from gearflow.transport.client import (
+    Client,
+    RemoteError,
+    RequestTimeout,
+    ServiceUnavailable,
+    parse_address,
+)
 from gearflow.transport.framing import (
     ALIGN,
     REPLY,
@@ -36,7 +42,8 @@ from gearflow.transport.service import Defer, Service
 TOKEN = "service-test-token-1"
 
 
-def parse(stream: bytes, chunks: list[int], limits=FrameLimits(), alloc=None) -> list:
+def parse(stream: bytes, chunks: list[int], limits: FrameLimits | None = None, alloc=None) -> list:
+    limits = limits or FrameLimits()
     out = []
     r = FrameReader(lambda *f: out.append(f), limits, {REQUEST, REPLY}, alloc=alloc, staging=4096)
     pos, i = 0, 0

@@ -17,11 +17,10 @@ import hashlib
 import hmac
 import os
 import secrets
-from typing import Optional
 
 from gearflow.errors import GearflowError
 
-__all__ = ["AuthenticationError", "NONCE_BYTES", "TOKEN_ENV", "client_mac", "new_nonce", "resolve_token", "server_mac"]
+__all__ = ["NONCE_BYTES", "TOKEN_ENV", "AuthenticationError", "client_mac", "new_nonce", "resolve_token", "server_mac"]
 
 TOKEN_ENV = "GEARFLOW_TOKEN"
 NONCE_BYTES = 32
@@ -33,7 +32,7 @@ class AuthenticationError(GearflowError, PermissionError):
     service that is not the one configured)."""
 
 
-def resolve_token(token: Optional[str] = None) -> bytes:
+def resolve_token(token: str | None = None) -> bytes:
     """The shared secret: ``token`` if given, else ``$GEARFLOW_TOKEN``; a missing or short one is a
     ``ValueError`` saying how to set it."""
     value = token if token else os.environ.get(TOKEN_ENV, "")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -224,8 +224,8 @@ def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
         for b in batches:
             b0 = sampler.sample(b)
             nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
-            lat = np.array(_timed(lambda: sampler.sample(b), seconds)) * 1e6
-            fl = np.array(_timed(lambda: call(nbytes), seconds)) * 1e6
+            lat = np.array(_timed(lambda b=b: sampler.sample(b), seconds)) * 1e6
+            fl = np.array(_timed(lambda n=nbytes: call(n), seconds)) * 1e6
             yield {"bench": "transport/latency", "batch": b, "bytes": nbytes,
                    "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
                    "raw_socket_p50_us": float(np.percentile(fl, 50)), "raw_socket_p99_us": float(np.percentile(fl, 99))}  # fmt: skip

@@ -32,7 +32,8 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from gearflow.errors import GearflowError
 from gearflow.transport import auth
@@ -44,9 +45,9 @@ from gearflow.transport.framing import (
     ERROR,
     REPLY,
     REQUEST,
+    FramedProtocol,
     FrameError,
     FrameLimits,
-    FramedProtocol,
     FrameReader,
     encode,
     new_event_loop,
@@ -103,14 +104,14 @@ def parse_address(address: Any) -> tuple[str, int]:
 
 
 class _ClientProtocol(FramedProtocol):
-    def __init__(self, client: "Client"):
+    def __init__(self, client: Client):
         super().__init__(FrameReader(self._on_frame, client.limits, {CHALLENGE, ERROR}))
         self.client = client
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.nonce = auth.new_nonce()
         self.server_nonce = ""
-        self.wsock: Optional[socket.socket] = None  # the calling threads' duplicate, for sending
+        self.wsock: socket.socket | None = None  # the calling threads' duplicate, for sending
 
     def _fail_handshake(self, exc: BaseException) -> None:
         if not self.ready.done():
@@ -172,8 +173,8 @@ class Client:
 
     BACKOFF_S = (0.05, 2.0)  # first and longest wait between connection attempts
 
-    def __init__(self, address: Any, token: Optional[str] = None, *, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: Optional[FrameLimits] = None,
+    def __init__(self, address: Any, token: str | None = None, *, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: FrameLimits | None = None,
                  loop: str = "auto"):  # fmt: skip
         self.host, self.port = parse_address(address)
         self.address_text = f"{self.host}:{self.port}"
@@ -189,7 +190,7 @@ class Client:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gearflow-client-{self.address_text}",
                                         daemon=True)  # fmt: skip
         self._thread.start()
-        self._proto: Optional[_ClientProtocol] = None
+        self._proto: _ClientProtocol | None = None
         self._connect_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._backoff = 0.0
@@ -203,7 +204,7 @@ class Client:
         p = self._proto
         return p is not None and not p.closed
 
-    def connect(self, timeout_s: Optional[float] = None) -> None:
+    def connect(self, timeout_s: float | None = None) -> None:
         """Connect and authenticate now if not connected (with backoff after failures)."""
         self._ensure(time.monotonic() + (self.connect_timeout_s if timeout_s is None else timeout_s))
 
@@ -274,8 +275,8 @@ class Client:
             log.info("transport: connection to %s lost", self.address_text)
 
     # ----------------------------------------------------------------- calls
-    def submit(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), *,
-               timeout_s: Optional[float] = None, on_sent: Optional[Callable[[], None]] = None) -> concurrent.futures.Future:
+    def submit(self, op: str, meta: dict | None = None, buffers: Sequence[Any] = (), *,
+               timeout_s: float | None = None, on_sent: Callable[[], None] | None = None) -> concurrent.futures.Future:
         """Send a request without waiting for its reply: a future of ``(meta, buffers)``. Waits (up
         to ``timeout_s``) for a free in-flight slot and for the connection; the request is sent
         from this thread before it returns (``on_sent()`` is then called: the buffers are free)."""
@@ -357,7 +358,7 @@ class Client:
         if proto.transport is not None:
             proto.transport.abort()
 
-    def call(self, op: str, meta: Optional[dict] = None, buffers: Sequence[Any] = (), timeout_s: Optional[float] = None):
+    def call(self, op: str, meta: dict | None = None, buffers: Sequence[Any] = (), timeout_s: float | None = None):
         """Send a request and wait for its reply ``(meta, buffers)``, at most ``timeout_s``."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -392,7 +393,7 @@ class Client:
         if not self._loop.is_running():
             self._loop.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

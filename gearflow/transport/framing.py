@@ -36,16 +36,34 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
 from gearflow.errors import GearflowError
 
 __all__ = [
-    "ALIGN", "DTYPES", "HEADER", "KINDS", "MAGIC", "VERSION", "FrameError", "FrameLimits", "FrameReader",
-    "FramedProtocol", "encode", "as_array", "new_event_loop", "REQUEST", "REPLY", "ERROR", "CHALLENGE", "AUTH", "AUTH_OK",
+    "ALIGN",
+    "AUTH",
+    "AUTH_OK",
+    "CHALLENGE",
+    "DTYPES",
+    "ERROR",
+    "HEADER",
+    "KINDS",
+    "MAGIC",
+    "REPLY",
+    "REQUEST",
+    "VERSION",
+    "FrameError",
+    "FrameLimits",
+    "FrameReader",
+    "FramedProtocol",
+    "as_array",
+    "encode",
+    "new_event_loop",
 ]  # fmt: skip
 
 MAGIC = b"GFLW"
@@ -108,8 +126,8 @@ def as_array(x: Any) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
-def encode(kind: int, request_id: int, op: str, meta: Optional[dict], buffers: Sequence[Any] = (),
-           limits: Optional[FrameLimits] = None) -> list:
+def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequence[Any] = (),
+           limits: FrameLimits | None = None) -> list:
     """The parts of one frame for ``transport.writelines``: the header and envelope as one bytes
     object, then each buffer's bytes (a view of the array: no copy) and its padding.
 
@@ -220,15 +238,15 @@ class FrameReader:
     connection); no byte after it is parsed. ``kinds`` (mutable) are the kinds accepted now.
     """
 
-    def __init__(self, on_frame: Callable, limits: FrameLimits, kinds, alloc: Optional[Callable[[int], Any]] = None,
+    def __init__(self, on_frame: Callable, limits: FrameLimits, kinds, alloc: Callable[[int], Any] | None = None,
                  staging: int = 256 << 10):  # fmt: skip
         self.on_frame, self.limits, self.kinds = on_frame, limits, frozenset(kinds)
         self.alloc = alloc or (lambda n: np.empty(n, dtype=np.uint8))
         self._stage = bytearray(max(staging, 2 * (HEADER.size + limits.max_meta_bytes)))
         self._view = memoryview(self._stage)
         self._lo = self._hi = 0  # unparsed bytes: _stage[_lo:_hi]
-        self._head: Optional[tuple] = None  # parsed header of the frame in progress
-        self._env: Optional[tuple] = None  # parsed envelope, once the header's envelope arrived
+        self._head: tuple | None = None  # parsed header of the frame in progress
+        self._env: tuple | None = None  # parsed envelope, once the header's envelope arrived
         self._block = None  # the frame's buffer block (numpy uint8)
         self._filled = 0  # bytes of _block received
         self._direct = False  # reading straight into _block
@@ -282,7 +300,7 @@ class FrameReader:
                 self._head = parse_header(self._view[self._lo:self._lo + HEADER.size], self.limits, self.kinds)
                 self._lo += HEADER.size
                 continue
-            kind, rid, meta_len, nbufs, buf_bytes = self._head
+            _, _, meta_len, nbufs, buf_bytes = self._head
             if self._env is None:
                 if avail < meta_len:
                     return
@@ -328,7 +346,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, reader: FrameReader):
         self.reader = reader
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
         self.closed = False
 
@@ -348,7 +366,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def frame_error(self, exc: FrameError) -> None:
         raise NotImplementedError
 
-    def send(self, parts: list, on_sent: Optional[Callable[[], None]] = None) -> None:
+    def send(self, parts: list, on_sent: Callable[[], None] | None = None) -> None:
         t = self.transport
         if self.closed or t is None or t.is_closing():
             if on_sent is not None:

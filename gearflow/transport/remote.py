@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import math
 import queue
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,12 +57,12 @@ from gearflow.replay.writer import InsertAborted
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 from gearflow.transport.shard import SHARD_SHIFT, SessionLost
 
-__all__ = ["RemoteParams", "RemoteSampler", "RemoteWriter", "SHARD_SHIFT", "SessionLost"]
+__all__ = ["SHARD_SHIFT", "RemoteParams", "RemoteSampler", "RemoteWriter", "SessionLost"]
 
 _POLL_S = 0.05  # how often a wait polls ``abort``
 
 
-def _client(address_or_client: Any, token: Optional[str], timeout_s: float, loop: str) -> tuple[Client, bool]:
+def _client(address_or_client: Any, token: str | None, timeout_s: float, loop: str) -> tuple[Client, bool]:
     if isinstance(address_or_client, Client):
         return address_or_client, False
     return Client(address_or_client, token, timeout_s=timeout_s, loop=loop), True
@@ -125,20 +125,20 @@ class RemoteWriter:
     module docstring). ``partitions``: ask for these (a restarted actor gets its own back);
     default: any free ones."""
 
-    def __init__(self, address: Any, num_streams: int, token: Optional[str] = None, *,
-                 partitions: Optional[Sequence[int]] = None, insert_timeout_s: float = 60.0,
+    def __init__(self, address: Any, num_streams: int, token: str | None = None, *,
+                 partitions: Sequence[int] | None = None, insert_timeout_s: float = 60.0,
                  timeout_s: float = 30.0, max_in_flight: int = 4, batch_bytes: int = 1 << 20,
                  max_delay_s: float = 0.002, loop: str = "auto"):  # fmt: skip
         self._client, self._own_client = _client(address, token, timeout_s, loop)
         self.insert_timeout_s = float(insert_timeout_s)
         self.timeout_s = float(timeout_s)
-        self.abort: Optional[Callable[[], bool]] = None
+        self.abort: Callable[[], bool] | None = None
         self.max_in_flight, self.batch_bytes, self.max_delay_s = int(max_in_flight), int(batch_bytes), float(max_delay_s)
         self._last_send = time.monotonic()
         self._num_streams = int(num_streams)
         self._want = None if partitions is None else [int(p) for p in partitions]
         self._inflight: collections.deque = collections.deque()  # futures, oldest first
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._session = None
         self._reported = False  # a lost connection was already raised to the caller
         self._open()
@@ -436,15 +436,15 @@ class _Weights:
     importance_sampled = True
 
     def __init__(self):
-        self.beta: Optional[float] = None
+        self.beta: float | None = None
 
 
 class RemoteSampler:
     """A :class:`~gearflow.replay.protocols.SamplerLike` over one or several shard services
     (see the module docstring). ``seed`` seeds the split of a batch over shards."""
 
-    def __init__(self, shards: Sequence[Any], token: Optional[str] = None, *, prefetch: int = 1,
-                 timeout_s: float = 60.0, num_buffers: int = 3, seed: Optional[int] = None, loop: str = "auto"):  # fmt: skip
+    def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
+                 timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto"):  # fmt: skip
         if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
             shards = [shards]
         if not shards or len(shards) > 127:
@@ -496,7 +496,7 @@ class RemoteSampler:
                                                     timeout_s=timeout_s + self.timeout_s))
                 for i, b in enumerate(split.tolist()) if b > 0]  # fmt: skip
 
-    def sample(self, batch_size: int, timeout_s: Optional[float] = None) -> Sample:
+    def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """A batch of ``batch_size`` items over every shard; blocks while the shards' rate
         limiters say so (up to ``timeout_s``, then :class:`RateLimiterTimeout`)."""
         if batch_size < 1:
@@ -624,12 +624,12 @@ class RemoteParams:
     """A :class:`~gearflow.params.protocol.ParameterSource` over a shard's ``params.get``: one
     round trip when nothing is newer, the weights only when the version changed."""
 
-    def __init__(self, address: Any, token: Optional[str] = None, *, timeout_s: float = 30.0, loop: str = "auto"):
+    def __init__(self, address: Any, token: str | None = None, *, timeout_s: float = 30.0, loop: str = "auto"):
         self._client, self._own = _client(address, token, timeout_s, loop)
         self.timeout_s = float(timeout_s)
         self.fetches = 0  # replies that carried weights
 
-    def load_into(self, module: Any, min_version: int = 0) -> Optional[int]:
+    def load_into(self, module: Any, min_version: int = 0) -> int | None:
         meta, bufs = self._client.call("params.get", {"min_version": int(min_version)}, timeout_s=self.timeout_s)
         if meta.get("version") is None:
             return None

@@ -38,8 +38,9 @@ import inspect
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -52,9 +53,9 @@ from gearflow.transport.framing import (
     HEADER,
     REPLY,
     REQUEST,
+    FramedProtocol,
     FrameError,
     FrameLimits,
-    FramedProtocol,
     FrameReader,
     encode,
     new_event_loop,
@@ -102,7 +103,7 @@ class _Pool:
     """Receive buffers of one connection, reused: at most ``keep`` free ones are kept. ``nbytes``
     counts every buffer this pool has allocated and not dropped (the service's accounting)."""
 
-    def __init__(self, keep: int, service: "Service"):
+    def __init__(self, keep: int, service: Service):
         self.keep, self.free, self.nbytes, self.service = keep, [], 0, service
 
     def get(self, n: int) -> np.ndarray:
@@ -171,19 +172,19 @@ class Connection:
 
 
 class _ServerProtocol(FramedProtocol):
-    def __init__(self, service: "Service"):
+    def __init__(self, service: Service):
         self.service = service
         limits = service.limits
         self.pool = _Pool(limits.max_in_flight + 1, service)
         super().__init__(FrameReader(self._on_frame, limits.frame, {AUTH}, alloc=self.pool.get))
         self.reader.limits = _AUTH_LIMITS
-        self.conn: Optional[Connection] = None
+        self.conn: Connection | None = None
         self.nonce = auth.new_nonce()
         self.authed = False
         self.in_flight = 0
         self.queue: collections.deque = collections.deque()
-        self.wakeup: Optional[asyncio.Event] = None
-        self.task: Optional[asyncio.Task] = None
+        self.wakeup: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
         self.timer = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -308,7 +309,7 @@ class _ServerProtocol(FramedProtocol):
                 self.pool.put(block)
             self.send(parts, functools.partial(self._replied, on_sent))
 
-    def _replied(self, on_sent: Optional[Callable[[], None]]) -> None:
+    def _replied(self, on_sent: Callable[[], None] | None) -> None:
         """A reply has drained: its request no longer counts; reading resumes below the limit."""
         if on_sent is not None:
             on_sent()
@@ -326,8 +327,8 @@ class Service:
     """The TCP service: handlers registered by name, served on ``host:port`` by a loop in a
     background thread (see the module docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None, *,
-                 limits: Optional[ServiceLimits] = None, loop: str = "auto", name: str = "gearflow"):  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
+                 limits: ServiceLimits | None = None, loop: str = "auto", name: str = "gearflow"):  # fmt: skip
         self.host, self.port, self.name = host, int(port), name
         self._secret = auth.resolve_token(token)
         self.limits = limits or ServiceLimits()
@@ -335,10 +336,10 @@ class Service:
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
         self._handlers: dict[str, Handler] = {}
         self._protocols: set[_ServerProtocol] = set()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._server = None
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.stopping = False
         self.counts = collections.Counter()  # connections, requests, errors, refused, auth_refused
         self.block_bytes = 0  # receive buffer blocks allocated and not dropped, all connections
@@ -435,7 +436,7 @@ class Service:
     def running(self) -> bool:
         return self._thread is not None
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         if not self.running:
             self.start()
         return self
@@ -450,8 +451,7 @@ class Service:
 
     def _allocated(self, n: int) -> None:
         self.block_bytes += n
-        if self.block_bytes > self.peak_block_bytes:
-            self.peak_block_bytes = self.block_bytes
+        self.peak_block_bytes = max(self.peak_block_bytes, self.block_bytes)
 
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers the service holds now (pooled buffer blocks and each

@@ -50,8 +50,8 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -97,13 +97,17 @@ def _int(op: list, i: int) -> int:
 class ShardService:
     """Serves ``table`` (and ``params``, a :class:`~gearflow.params.ParameterStore`) over a
     :class:`Service` (see the module docstring). ``partitions``: those remote writers may be
-    given (default all). The table must be sampled only through this object (or
-    :meth:`sample`): it counts samples to know when a buffer set is free."""
+    given (default all: a learner process that also has local actors passes the others).
+    ``learners=False``: no ``replay.sample`` / ``update_priorities`` / ``checkpoint`` (only
+    remote actors: the process's own learner samples the table directly). With ``learners``
+    the table must be sampled only through this object (:meth:`sample` locally, under
+    :attr:`lock`): it counts samples to know when a buffer set is free."""
 
-    def __init__(self, table, *, params=None, partitions: Optional[Sequence[int]] = None,
-                 host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
-                 limits: Optional[ServiceLimits] = None, loop: str = "auto",
-                 checkpoint_dir: Optional[str] = None, service: Optional[Service] = None):  # fmt: skip
+    def __init__(self, table, *, params=None, partitions: Sequence[int] | None = None,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 limits: ServiceLimits | None = None, loop: str = "auto",
+                 checkpoint_dir: str | None = None, service: Service | None = None,
+                 learners: bool = True):  # fmt: skip
         self.table, self.params = table, params
         P = table.storage.num_partitions
         parts = list(range(P)) if partitions is None else [int(p) for p in partitions]
@@ -124,11 +128,11 @@ class ShardService:
         s.register("replay.open_writer", self._open_writer, with_connection=True)
         s.register("replay.close_writer", self._close_writer, with_connection=True)
         s.register("replay.write", self._write, with_connection=True)
-        # on the loop when the table is free and can answer at once (no thread hop), else in the pool
-        s.register("replay.sample", self._sample, inline=True)
-        s.register("replay.update_priorities", self._update_priorities, inline=True)
         s.register("replay.stats", self._stats, inline=True)
-        s.register("replay.checkpoint", self._checkpoint)
+        if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
+            s.register("replay.sample", self._sample, inline=True)
+            s.register("replay.update_priorities", self._update_priorities, inline=True)
+            s.register("replay.checkpoint", self._checkpoint)
         s.register("params.get", self._params_get)
 
     # ----------------------------------------------------------------- lifecycle
@@ -142,7 +146,7 @@ class ShardService:
     def port(self) -> int:
         return self.service.port
 
-    def __enter__(self) -> "ShardService":
+    def __enter__(self) -> ShardService:
         self.start()
         return self
 
@@ -274,7 +278,7 @@ class ShardService:
         elif not self.lock.acquire(blocking=False):
             raise Defer
 
-    def sample(self, batch_size: int, timeout_s: Optional[float] = None, beta: Optional[float] = None,
+    def sample(self, batch_size: int, timeout_s: float | None = None, beta: float | None = None,
                deferred: bool = True):  # fmt: skip
         """Draw a batch under the table lock; returns ``(sample, total, count, release)``: call
         ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule).
