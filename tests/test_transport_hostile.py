@@ -321,3 +321,45 @@ def test_connection_and_in_flight_limits(shard):
     s.close()
     with Client(("127.0.0.1", port), token=TOKEN, timeout_s=10) as c:
         assert c.call("ping")[0]["pong"]
+
+
+op_field = st.one_of(st.integers(-3, 40), st.just(2**62), st.text(max_size=3), st.none(), st.floats(allow_nan=False))
+write_ops = st.lists(st.lists(op_field, max_size=7).flatmap(
+    lambda rest: st.sampled_from(["a", "x", "i", "e", "f", "z"]).map(lambda code: [code, *rest])), max_size=6)
+
+
+def test_fuzzed_writer_ops_touch_only_the_sessions_partition(shard):
+    """An authenticated writer sending arbitrary op lists and buffers on its session (partition 1)
+    gets errors or writes into partition 1; partition 0 and the service are untouched."""
+    svc, port, table = shard
+    st_ = table.storage
+    before0 = ({k: v[: st_.steps_per_partition].copy() for k, v in st_.columns.items()}, st_.counters[0].copy(),
+               st_.item_start[0].copy(), st_.item_priority[0].copy())  # fmt: skip
+    c = Client(("127.0.0.1", port), token=TOKEN, timeout_s=10)
+    session = c.call("replay.open_writer", {"num_streams": 1, "partitions": [1], "insert_timeout_s": 0.1})[0]["session"]
+    outcomes = {"ok": 0, "refused": 0}
+    cols = [np.zeros((4, 3), np.float32), np.zeros(4, np.int64), np.zeros(4, np.float32), np.zeros(4, np.float32),
+            np.zeros(4, np.int64)]  # fmt: skip
+
+    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=write_ops, ints=st.lists(st.integers(-5, 70), max_size=12), n_cols=st.sampled_from([0, 5, 2]),
+           floats=st.lists(st.floats(-1, 1e3, allow_nan=False), max_size=6))  # fmt: skip
+    def run(ops, ints, n_cols, floats):
+        bufs = [np.asarray(ints, np.int64), np.asarray(floats, np.float64), *cols[:n_cols]]
+        try:
+            c.call("replay.write", {"session": session, "ops": ops}, bufs)
+            outcomes["ok"] += 1
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            assert str(exc)
+            outcomes["refused"] += 1
+
+    run()
+    assert outcomes["refused"] > 50
+    after0 = ({k: v[: st_.steps_per_partition] for k, v in st_.columns.items()}, st_.counters[0], st_.item_start[0],
+              st_.item_priority[0])  # fmt: skip
+    for k in before0[0]:
+        np.testing.assert_array_equal(before0[0][k], after0[0][k])
+    for a, b in zip(before0[1:], after0[1:]):
+        np.testing.assert_array_equal(a, b)
+    assert c.call("ping")[0]["pong"]
+    c.close()

@@ -87,10 +87,11 @@ def priority_total(table) -> tuple[float, int]:
     return (float(tree.total) if tree is not None else float(count)), count
 
 
-def _int(op: list, i: int) -> int:
+def _int(op: list, i: int, lo: int = 0) -> int:
+    """Field ``i`` of a write op: an int ≥ ``lo`` (counts and offsets are never negative)."""
     v = op[i] if i < len(op) else None
-    if type(v) is not int:
-        raise ValueError(f"replay.write: op {op[:1]} field {i} must be an int, got {v!r}")
+    if type(v) is not int or v < lo:
+        raise ValueError(f"replay.write: op {op[:1]} field {i} must be an int ≥ {lo}, got {v!r}")
     return v
 
 
@@ -252,9 +253,9 @@ class ShardService:
                 w.extend(rows(n), stream=stream)
                 row += n
             elif code == "i":
-                m, o, fo, s, e = (_int(op, i) for i in range(1, 6))
+                m, o, fo, s, e = (_int(op, i, -1 if i == 4 else 0) for i in range(1, 6))
                 t = op[6] if len(op) > 6 and isinstance(op[6], (int, float)) else None
-                if t is None or m < 0 or o < 0 or fo < 0:
+                if t is None:
                     raise ValueError(f"replay.write: malformed create_items op {op[:7]}")
                 streams = ints[o + m:o + 2 * m] if s < 0 else s
                 e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
@@ -262,7 +263,7 @@ class ShardService:
                 w.insert_timeout_s = float(t)
                 w.create_items(floats[fo:fo + m], ints[o:o + m], streams, ends)
             elif code == "e":
-                k, o = _int(op, 1), _int(op, 2)
+                k, o = _int(op, 1, -1), _int(op, 2)
                 w.end_episode(None if k < 0 else ints[o:o + k])
             elif code == "f":
                 w.flush()
