@@ -2,6 +2,7 @@
 
     gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
     gearflow train --resume RUN_DIR [KEY=VALUE ...]   continue a run from its latest checkpoint
+    gearflow actor --connect HOST:PORT [CONFIG]  actors for a run elsewhere (actor.remote_actors there)
     gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
     gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
@@ -85,6 +86,45 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_actor(args: argparse.Namespace) -> int:
+    from gearflow.actors.remote import ActorSet
+    from gearflow.config import load_config, to_yaml
+    from gearflow.log import inherited_verbosity
+
+    local = None
+    if args.config is not None:
+        local = to_yaml(load_config(args.config, args.overrides))
+    elif args.overrides:
+        raise GearflowError("KEY=VALUE overrides need a CONFIG file")
+    if args.actors < 1:
+        raise GearflowError(f"--actors must be ≥ 1, got {args.actors}")
+    from gearflow.transport.auth import resolve_token
+    from gearflow.transport.client import parse_address
+
+    try:
+        parse_address(args.connect)
+        token = resolve_token(args.token).decode()
+    except ValueError as exc:
+        raise GearflowError(f"--connect {args.connect}: {exc}") from None
+    actors = ActorSet(args.connect, local, args.actors, token=token, first_actor=args.actor, wait_s=args.wait,
+                      verbosity=inherited_verbosity())  # fmt: skip
+    import signal
+
+    stopped = []
+
+    def on_signal(signum, frame):
+        stopped.append(signum)
+        actors.stop_event.set()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    actors.start()
+    code = actors.wait()
+    if stopped:
+        return 128 + int(stopped[0])
+    return 0 if code == 0 else (2 if code == 2 else 3)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from gearflow.run.evaluate import evaluate
 
@@ -150,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest valid checkpoint (its config.yaml)")  # fmt: skip
+
+    p = add("actor", _cmd_actor, "actor processes on this machine for a gearflow train run elsewhere "
+            "(actor.remote_actors > 0 there)")
+    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the learner's transport address (its log names it)")
+    p.add_argument("config", nargs="?", help="YAML config: checked against the learner's (env and agent must match); "
+                   "actor.device and actor.nice apply here")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--actors", type=int, default=1, help="actor processes to start (default 1)")
+    p.add_argument("--actor", type=int, default=None, metavar="K",
+                   help="take remote actor places K, K+1, ... (default: any free ones)")
+    p.add_argument("--token", default=None, help="shared secret (default: $GEARFLOW_TOKEN)")
+    p.add_argument("--wait", type=float, default=60.0, metavar="S",
+                   help="keep retrying an unreachable learner for S seconds before giving up (default 60)")
 
     p = add("eval", _cmd_eval, "greedy evaluation of a run's latest checkpoint; prints mean/std return")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<name>-<time>)")

@@ -152,6 +152,7 @@ class Runner:
         self.params: ParameterStore | None = None
         self.learner: Learner | None = None
         self.launcher: LocalLauncher | None = None
+        self.remote = None  # RemoteActors: actor.remote_actors > 0 (launchers/remote.py)
         self.serial_actor = None
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
@@ -238,7 +239,13 @@ class Runner:
                 raise
         else:
             partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
-            self.launcher = LocalLauncher(cfg, storage.name, self.params.name, partitions)
+            local = geom.num_actors - int(cfg.actor.remote_actors)  # the last remote_actors connect over TCP
+            self.launcher = LocalLauncher(cfg, storage.name, self.params.name, partitions[:local])
+            if local < geom.num_actors:
+                from gearflow.launchers.remote import RemoteActors
+
+                self.remote = RemoteActors(cfg, self.table, self.params,
+                                           {a: partitions[a] for a in range(local, geom.num_actors)})  # fmt: skip
         log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", geom.num_partitions,
                  geom.steps_per_partition, storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
 
@@ -270,6 +277,8 @@ class Runner:
     def _drain(self) -> None:
         if self.launcher is not None:
             self.launcher.drain(self.progress)
+        if self.remote is not None:
+            self.remote.drain(self.progress)
 
     def _supervise(self) -> str:
         """Between batches: actor reports in, dead actors restarted; a reason to stop if one failed."""
@@ -315,6 +324,8 @@ class Runner:
             display = make_display(cfg.run.progress, cfg.run.max_env_steps, title=f"gearflow train {self.run_dir}")
             if self.launcher is not None:
                 self.launcher.start()
+            if self.remote is not None:
+                self.remote.start()
             if self.serial_actor is not None:
                 batches = SerialBatches(self.serial_actor, self.table, cfg.learner.batch_size, self.progress)
             else:  # actor processes, or offline: batches come from the prefetcher
@@ -329,6 +340,8 @@ class Runner:
             if self.launcher is not None:  # final actor counters arrive as they exit
                 learner.stop.set()
                 self.launcher.stop(drain=self._drain)
+            if self.remote is not None:
+                self.remote.stop(drain=self._drain)
             summary = learner.snapshot(metrics)
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
@@ -348,6 +361,8 @@ class Runner:
             if self.launcher is not None:
                 self.launcher.stop(drain=self._drain)
                 self.launcher.close()
+            if self.remote is not None:
+                self.remote.close()
             for closable in (self.serial_actor, self.table, self.params, display, metrics_log):
                 if closable is not None:
                     closable.close()

@@ -1,0 +1,300 @@
+"""Actors on another machine: ``gearflow actor --connect HOST:PORT [CONFIG]``.
+
+A ``gearflow train`` run with ``actor.remote_actors = K`` serves its replay and weights
+over TCP (:mod:`gearflow.launchers.remote`). Each remote actor process here joins it
+(``run.join``: an actor index, its partitions, the run's config), then runs the same actor
+classes as a local actor process, with the transport's seams in place of shared memory::
+
+    writer = RemoteWriter(address, len(partitions), partitions=partitions)  # WriterLike
+    params = RemoteParams(control)                                          # ParameterSource
+    actor = actor_class_for(agent)(env, agent, writer, params, epsilon, cfg=cfg, ...)
+
+Episodes and counters go back with ``run.report`` (about once a second), whose reply says
+when the run is over. When the learner is unreachable the actor keeps trying for
+``wait_s`` seconds (backoff), then rejoins in the same place and continues its partitions
+where the learner's table left them; past ``wait_s`` it gives up with a one-line error.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from gearflow.errors import GearflowError
+
+log = logging.getLogger("gearflow.actor")
+
+__all__ = ["ActorSet", "run_remote_actor", "remote_actor_process"]
+
+LOCAL_KEYS = ("actor.device", "actor.nice")  # what this machine may set differently from the learner
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
+
+
+class _Stop:
+    """Set when told to stop, when the run is over, or when our parent is gone."""
+
+    def __init__(self, event, parent_pid: Optional[int]):
+        self.event, self.parent, self.run_over = event, parent_pid, False
+
+    def is_set(self) -> bool:
+        if self.run_over or (self.event is not None and self.event.is_set()):
+            return True
+        return self.parent is not None and os.getppid() != self.parent
+
+
+def _learner_config(text: str, local) -> Any:
+    """The run's config, with this machine's ``LOCAL_KEYS``; ``local`` (the user's CONFIG, or
+    None) must agree with it on the env and the agent."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(text)
+    if local is None:
+        return cfg
+    for group in ("env", "agent"):
+        mine, theirs = OmegaConf.to_container(local[group]), OmegaConf.to_container(cfg[group])
+        if mine != theirs:
+            key = next((k for k in sorted(set(mine or {}) | set(theirs or {}))
+                        if (mine or {}).get(k) != (theirs or {}).get(k)), "?")  # fmt: skip
+            raise GearflowError(
+                f"CONFIG does not match the learner's run: {group}.{key} is {(mine or {}).get(key)!r} here, "
+                f"{(theirs or {}).get(key)!r} in the learner's config (remote actors act with the learner's config)"
+            )
+    for key in LOCAL_KEYS:
+        OmegaConf.update(cfg, key, OmegaConf.select(local, key), merge=False)
+    return cfg
+
+
+def run_remote_actor(address: str, local_cfg=None, *, token: Optional[str] = None, actor: Optional[int] = None,
+                     stop_event=None, parent_pid: Optional[int] = None, wait_s: float = 60.0,
+                     timeout_s: float = 30.0, loop: str = "auto") -> int:  # fmt: skip
+    """Join the run at ``address`` and act until it is over (or ``stop_event``); returns the env
+    steps done. Raises :class:`GearflowError` when the learner stays unreachable for ``wait_s``."""
+    from gearflow.transport.client import Client, ServiceUnavailable
+    from gearflow.transport.shard import SessionLost
+
+    stop = _Stop(stop_event, parent_pid)
+    control = Client(address, token, timeout_s=timeout_s, loop=loop)
+    steps, since = 0, time.monotonic()
+    try:
+        while not stop.is_set():
+            try:
+                steps += _act(control, address, local_cfg, token, actor, stop, timeout_s, loop)
+                since = time.monotonic()
+            except (ServiceUnavailable, SessionLost) as exc:
+                if time.monotonic() - since > wait_s:
+                    raise GearflowError(f"the learner at {address} has been unreachable for {wait_s:.0f} s: {exc}") from None
+                log.warning("learner at %s unreachable (%s); retrying for up to %.0f s", address, exc, wait_s)
+                time.sleep(min(1.0, wait_s / 10))
+        return steps
+    finally:
+        control.close()
+
+
+def _act(control, address, local_cfg, token, want, stop: _Stop, timeout_s: float, loop: str) -> int:
+    """One membership: join, act until stopped or the connection fails; returns env steps."""
+    from gearflow.actors import actor_class_for
+    from gearflow.actors.base import actor_epsilon, env_seed
+    from gearflow.agent import make_agent, resolve_device
+    from gearflow.envs import make_vec_env
+    from gearflow.transport.remote import RemoteParams, RemoteWriter
+
+    meta, _ = control.call("run.join", {"actor": want})
+    if meta.get("stop"):
+        stop.run_over = True
+        return 0
+    k, parts = int(meta["actor"]), [int(p) for p in meta["partitions"]]
+    cfg = _learner_config(meta["config"], local_cfg)
+    if want is None:
+        want = k  # a rejoin asks for the same place
+    torch.set_num_threads(1)
+    env = writer = actor = reporter = None
+    try:
+        env = make_vec_env(cfg.env, seed=env_seed(cfg, k))
+        if env.num_envs != len(parts):
+            raise GearflowError(f"the learner gave actor {k} {len(parts)} partitions for env.num_envs={env.num_envs}")
+        agent = make_agent(cfg, env.env_spec, resolve_device(str(cfg.actor.device)))
+        writer = RemoteWriter(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
+                              timeout_s=timeout_s, loop=loop)  # fmt: skip
+        reporter = _Reporter(control, stop)
+
+        def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
+            reporter.put({"type": "episode", "env": int(env_index), "actor/episode_return": float(ret),
+                          "actor/episode_length": int(length), "actor/epsilon": float(epsilon)})  # fmt: skip
+
+        actor = actor_class_for(agent)(env, agent, writer, RemoteParams(control), actor_epsilon(cfg, k, env.num_envs),
+                                       cfg=cfg, actor_index=k, on_episode=on_episode)  # fmt: skip
+        last = {"t": time.monotonic(), "steps": 0}
+
+        def on_tick(a) -> None:
+            now = time.monotonic()
+            rate = (a.env_steps - last["steps"]) / max(now - last["t"], 1e-9)
+            last.update(t=now, steps=a.env_steps)
+            reporter.put(_jsonable({"type": "counters", "time": time.time(), **a.counters(),
+                                    "actor/env_steps_per_s": rate}))  # fmt: skip
+
+        log.info("remote actor %d: %d envs (%s), partitions %s of %s", k, env.num_envs, env.backend, parts, address)
+        reporter.start()
+        try:
+            actor.run(stop, on_tick=on_tick)
+            on_tick(actor)
+        except Exception as exc:
+            from gearflow.transport.client import ServiceUnavailable
+
+            if stop.is_set():  # the run ended while an insert or the last flush was on its way: not an error
+                log.debug("remote actor %d: %s: %s while stopping", k, type(exc).__name__, exc)
+            elif isinstance(exc, (ServiceUnavailable, GearflowError)):
+                raise
+            else:
+                reporter.put({"type": "error", "error": traceback.format_exc()})
+                reporter.close(flush=True)
+                raise
+        reporter.close(flush=True)
+        return int(actor.env_steps)
+    finally:
+        if reporter is not None:
+            reporter.close()
+        if actor is not None:
+            actor.close()
+        elif env is not None:
+            env.close()
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as exc:
+                if not stop.is_set():
+                    raise
+                log.debug("remote actor %d: closing the writer while stopping: %s", k, exc)
+
+
+class _Reporter:
+    """Sends what the actor reports (``run.report``) about once a second from its own thread, so
+    that the learner's "the run is over" reaches ``stop`` even while the actor waits in an insert."""
+
+    def __init__(self, control, stop: _Stop, period_s: float = 1.0):
+        import collections
+        import threading
+
+        self.control, self.stop, self.period_s = control, stop, period_s
+        self.pending: collections.deque = collections.deque()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gearflow-reporter", daemon=True)
+
+    def put(self, msg: dict) -> None:
+        self.pending.append(msg)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, timeout_s: Optional[float] = None) -> None:
+        batch = []
+        while self.pending:
+            batch.append(self.pending.popleft())
+        reply, _ = self.control.call("run.report", {"messages": batch}, timeout_s=timeout_s)
+        if reply.get("stop"):
+            self.stop.run_over = True
+
+    def _loop(self) -> None:
+        while not self._closed.wait(self.period_s):
+            try:
+                self.send()
+            except Exception as exc:  # the actor thread meets the same outage and handles it
+                log.debug("run.report failed: %s", exc)
+
+    def close(self, flush: bool = False) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if flush:
+            try:
+                self.send(timeout_s=5.0)
+            except Exception as exc:
+                log.debug("final run.report failed: %s", exc)
+
+
+def remote_actor_process(address: str, local_yaml: Optional[str], token: Optional[str], actor: Optional[int],
+                         stop_event, parent_pid: int, wait_s: float, verbosity: int) -> None:  # fmt: skip
+    """Spawn target: one remote actor; a :class:`GearflowError` is one log line and exit status 2."""
+    from omegaconf import OmegaConf
+
+    from gearflow.log import setup_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us through stop_event
+    setup_logging(verbosity)
+    local = OmegaConf.create(local_yaml) if local_yaml else None
+    if local is not None:
+        os.nice(int(local.actor.get("nice", 0)))
+    try:
+        run_remote_actor(address, local, token=token, actor=actor, stop_event=stop_event, parent_pid=parent_pid,
+                         wait_s=wait_s)  # fmt: skip
+    except GearflowError as exc:
+        log.error("remote actor: %s", exc)
+        raise SystemExit(2) from None
+
+
+class ActorSet:
+    """``gearflow actor --connect``: ``n`` remote actor processes, restarted (up to
+    ``max_restarts`` each) when one dies; :meth:`wait` returns when all have finished."""
+
+    def __init__(self, address: str, local_yaml: Optional[str], n: int, *, token: Optional[str] = None,
+                 first_actor: Optional[int] = None, wait_s: float = 60.0, max_restarts: int = 3, verbosity: int = 0):  # fmt: skip
+        self.ctx = mp.get_context("spawn")
+        self.stop_event = self.ctx.Event()
+        self.args = (address, local_yaml, token)
+        self.first, self.n, self.wait_s, self.verbosity = first_actor, int(n), float(wait_s), int(verbosity)
+        self.max_restarts = int(max_restarts)
+        self.procs: list = [None] * self.n
+        self.restarts = [0] * self.n
+
+    def _start(self, i: int) -> None:
+        want = None if self.first is None else self.first + i
+        p = self.ctx.Process(target=remote_actor_process, name=f"remote-actor-{i}",
+                             args=(*self.args, want, self.stop_event, os.getpid(), self.wait_s, self.verbosity),
+                             daemon=True)  # fmt: skip
+        p.start()
+        self.procs[i] = p
+
+    def start(self) -> None:
+        for i in range(self.n):
+            self._start(i)
+
+    def wait(self, poll_s: float = 0.2) -> int:
+        """Until every process has exited (restarting crashed ones); the worst exit status."""
+        codes: dict[int, int] = {}
+        while len(codes) < self.n:
+            for i, p in enumerate(self.procs):
+                if i in codes or p.is_alive():
+                    continue
+                p.join()
+                code = p.exitcode
+                if code in (0, 2) or self.stop_event.is_set() or self.restarts[i] >= self.max_restarts:
+                    codes[i] = code
+                    continue
+                self.restarts[i] += 1
+                log.error("remote actor process %d died (exit code %s); restarting it (%d/%d)", i, code,
+                          self.restarts[i], self.max_restarts)  # fmt: skip
+                self._start(i)
+            time.sleep(poll_s)
+        return max((abs(c) for c in codes.values()), default=0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            if p is not None:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)

@@ -1,0 +1,193 @@
+"""Remote actors (``actor.remote_actors`` + ``gearflow actor --connect``) through the real
+commands on loopback: a run fed only by remote actors, a remote actor killed mid-run, bad
+secrets and configs, and an actor writing over TCP exactly what it writes into shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gearflow.actors import Actor
+from gearflow.config import load_config
+from gearflow.envs import make_vec_env
+from gearflow.replay import Table, make_selector
+from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, SharedStorage
+from gearflow.replay.spec import TableSpec
+from gearflow.replay.writer import Writer
+from tests.test_train import CONFIG, ROOT, TINY
+
+TOKEN = "remote-actors-test-secret"
+TESTS = str(Path(__file__).parent)
+
+
+def _gearflow(*args: str, log: Path, token: str = TOKEN) -> subprocess.Popen:
+    env = {**os.environ, "GEARFLOW_TOKEN": token, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-m", "gearflow", *args], stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), text=True, cwd=ROOT, env=env)  # fmt: skip
+
+
+def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 90.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log.read_text())
+        if m:
+            return m
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} not in {log}:\n{log.read_text()[-3000:]}")
+
+
+def _learner(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path, str]:
+    log = tmp_path / "train.err"
+    proc = _gearflow("train", CONFIG, *TINY, "run.progress=log", f"run.dir={tmp_path / 'run'}", *overrides, log=log)
+    m = _wait_for(log, r"on (127\.0\.0\.1:\d+): run gearflow actor --connect", proc)
+    return proc, log, m.group(1)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_a_run_fed_only_by_remote_actors(tmp_path):
+    """Both actors of the run connect with ``gearflow actor --connect``: the learner trains from
+    what they write, counts their episodes, and both sides exit 0 when the run ends."""
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=4000")
+    actors_log = tmp_path / "actors.err"
+    actors = _gearflow("actor", "--connect", address, CONFIG, *TINY, "--actors", "2", log=actors_log)
+    code, out = _finish(learner)
+    assert code == 0, learner_log.read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["actor/env_steps"] >= 4000 and summary["learner/updates"] > 0
+    assert summary["actor/episodes"] > 0  # episodes reached the learner over run.report
+    text = learner_log.read_text()
+    assert "remote actor 0 joined" in text and "remote actor 1 joined" in text
+    assert actors.wait(timeout=60) == 0, actors_log.read_text()[-3000:]
+    assert "Traceback" not in actors_log.read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_remote_actor_does_not_stop_the_learner(tmp_path):
+    """One local and one remote actor; the remote one is SIGKILLed mid-run: the learner logs it
+    and finishes the run on the local actor's data (exit 0)."""
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=6000")
+    actors_log = tmp_path / "actors.err"
+    actors = _gearflow("actor", "--connect", address, "--actors", "1", log=actors_log)
+    _wait_for(learner_log, r"remote actor 1 joined", learner)
+    _wait_for(learner_log, r"progress: steps [1-9]", learner)
+    # kill the whole remote side at once (parent and its actor process): no goodbye is sent
+    for pid in _children(actors.pid) + [actors.pid]:
+        os.kill(pid, signal.SIGKILL)
+    code, out = _finish(learner)
+    assert code == 0, learner_log.read_text()[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 6000
+    assert re.search(r"remote actor 1 \(.*\) left; its place waits for it", learner_log.read_text())
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_wrong_secret_and_mismatched_config_are_one_line_errors(tmp_path):
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=0",
+                                             "run.max_seconds=60")  # fmt: skip
+    try:
+        bad = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, "--wait", "2"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, "GEARFLOW_TOKEN": "not-the-secret"})  # fmt: skip
+        assert bad.returncode == 2, bad.stderr
+        assert "Traceback" not in bad.stderr and re.search(r"remote actor: .*(secret|authenticat)", bad.stderr, re.I)
+        other = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, CONFIG, *TINY,
+                                "env.id=Acrobot-v1", "--wait", "2"], capture_output=True, text=True, cwd=ROOT,
+                               timeout=60, env={**os.environ, "GEARFLOW_TOKEN": TOKEN})  # fmt: skip
+        assert other.returncode == 2, other.stderr
+        assert "env.id is 'Acrobot-v1' here, 'CartPole-v1' in the learner's config" in other.stderr
+        assert "Traceback" not in other.stderr
+        assert "refused" in learner_log.read_text()  # the wrong secret was logged by the service
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        learner.communicate(timeout=60)
+
+
+def test_cli_errors_before_connecting(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GEARFLOW_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "127.0.0.1:1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 2 and "needs a shared secret" in r.stderr and "GEARFLOW_TOKEN" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "nohost", "--token", TOKEN],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 2 and "--connect nohost" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gearflow", "train", CONFIG, "actor.remote_actors=1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)  # fmt: skip
+    assert r.returncode == 2 and "actor.remote_actors=1" in r.stderr and "shared secret" in r.stderr
+
+
+# ---------------------------------------------------------------------- same data as shared memory
+
+
+def _counting_cfg():
+    return load_config(None, [
+        "env.factory=helpers_envs:make", "env.num_envs=4", "env.batch_size=0", "actor.num_actors=1",
+        "actor.n_step=3", "actor.gamma=0.9", "actor.epsilon=1.0", "agent.hidden_sizes=[]", "agent.dueling=false",
+        "replay.capacity=4096", "run.seed=5",
+    ])  # fmt: skip
+
+
+def _act_into(cfg, writer, steps: int) -> None:
+    from gearflow.agent import make_agent
+
+    import torch
+
+    env = make_vec_env(cfg.env, seed=0)
+    torch.manual_seed(3)  # the same network (its Q-values give the items' priorities)
+    agent = make_agent(cfg, env.env_spec, "cpu")
+    with Actor(env, agent, writer, None, np.ones(4), cfg=cfg, actor_index=0, seed=11) as actor:
+        actor.run(max_steps=steps)
+
+
+def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monkeypatch):
+    """The same actor (same seed, random policy, CountingEnv) once through a local Writer and once
+    through a RemoteWriter into a ShardService: every column, every item record, every counter equal."""
+    from gearflow.agent import make_agent
+    from gearflow.replay.items import Transition
+    from gearflow.transport.remote import RemoteWriter
+    from gearflow.transport.shard import ShardService
+
+    monkeypatch.syspath_prepend(TESTS)
+    cfg = _counting_cfg()
+    probe = make_vec_env(cfg.env, seed=0)
+    spec = TableSpec.parse(make_agent(cfg, probe.env_spec, "cpu").replay_columns())
+    probe.close()
+    stores = [SharedStorage.create(spec, 4, 512) for _ in range(2)]
+    try:
+        _act_into(cfg, Writer(stores[0], np.arange(4)), 600)
+        table = Table(stores[1], Transition(next_columns=("obs",)), make_selector("uniform", 4 * stores[1].items_per_partition))
+        with ShardService(table, token=TOKEN) as shard:
+            writer = RemoteWriter(("127.0.0.1", shard.port), 4, TOKEN, partitions=[0, 1, 2, 3])
+            _act_into(cfg, writer, 600)
+            writer.close()
+        a, b = stores
+        for c in (COMMIT, PUBLISHED, EPISODES):
+            np.testing.assert_array_equal(a.counters[:, c], b.counters[:, c])
+        assert int(a.counters[:, PUBLISHED].sum()) > 400
+        for name in spec.names:
+            np.testing.assert_array_equal(a.columns[name], b.columns[name], err_msg=name)
+        for rec in ("item_start", "item_length", "item_priority"):
+            np.testing.assert_array_equal(getattr(a, rec), getattr(b, rec), err_msg=rec)
+    finally:
+        for st in stores:
+            st.close()
+            st.unlink()
