@@ -216,8 +216,6 @@ class TransportConfig:
     """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
-    kind: str = "auto"
-    """Data plane between machines: ``auto`` (RDMA where pyverbs and a device exist, else TCP), ``tcp`` or ``rdma``."""
 
 
 @dataclass
@@ -521,7 +519,6 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     t = cfg.transport
     check(0 <= t.port <= 65535, "transport.port", "must be in [0, 65535] (0: any free port)")
     check(t.loop in ("auto", "uvloop", "asyncio"), "transport.loop", "must be one of auto, uvloop, asyncio")
-    check(t.kind in ("auto", "tcp", "rdma"), "transport.kind", "must be one of auto, tcp, rdma")
     geom = replay_geometry(cfg)
     need = min_steps_per_partition(cfg)
     check(

@@ -188,7 +188,6 @@ VALIDATION_CASES = [
      "needs actor processes (not run.serial=true or run.mode=offline)"),
     (["transport.port=70000"], "transport.port", "must be in [0, 65535] (0: any free port)"),
     (["transport.loop=tokio"], "transport.loop", "must be one of auto, uvloop, asyncio"),
-    (["transport.kind=udp"], "transport.kind", "must be one of auto, tcp, rdma"),
     (
         ["replay.capacity=100", "learner.batch_size=1"],
         "replay.capacity",
