@@ -25,7 +25,7 @@ from gearflow.params import ParameterStore
 from gearflow.replay import RateLimiter
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE
 from gearflow.replay.writer import Writer
-from gearflow.transport.remote import RemoteParams, RemoteSampler, RemoteWriter
+from gearflow.transport.remote import RemoteParams, RemoteSampler, RemoteWriter, ShippingWriter
 from gearflow.transport.shard import ShardService
 
 pytest.importorskip("envpool")
@@ -59,7 +59,8 @@ def run(cfg, env, agent, writer, params, store, net, steps):
     return actor, seen
 
 
-def test_remote_actor_writes_what_the_local_actor_writes(make_table):
+@pytest.mark.parametrize("remote_writer", [RemoteWriter, ShippingWriter])
+def test_remote_actor_writes_what_the_local_actor_writes(make_table, remote_writer):
     tables, seen, items = [], [], []
     for remote in (False, True):
         cfg, env, agent, table = setup(make_table)
@@ -71,11 +72,13 @@ def test_remote_actor_writes_what_the_local_actor_writes(make_table):
             if remote:
                 shard = ShardService(table, params=store, token=TOKEN)
                 port = shard.start()
-                writer = RemoteWriter(("127.0.0.1", port), num_streams=E, token=TOKEN, insert_timeout_s=10)
+                writer = remote_writer(("127.0.0.1", port), num_streams=E, token=TOKEN, insert_timeout_s=10)
                 params = RemoteParams(("127.0.0.1", port), token=TOKEN)
             else:
                 writer, params = Writer(table.storage, np.arange(E)), ParameterStore.attach(store.name)
             actor, versions = run(cfg, env, agent, writer, params, store, net, 600)
+            # the local actor and the shipping writer's run the C n-step adder; RemoteWriter's the numpy one
+            assert actor.adder.native is (not remote or remote_writer is ShippingWriter)
             tables.append(table)
             seen.append(versions)
             items.append(actor.items)
@@ -102,14 +105,15 @@ def test_remote_actor_writes_what_the_local_actor_writes(make_table):
     np.testing.assert_array_equal(a.item_priority, b.item_priority)
 
 
-def test_stop_while_the_shard_rate_limiter_holds_the_last_flush(make_table):
+@pytest.mark.parametrize("remote_writer", [RemoteWriter, ShippingWriter])
+def test_stop_while_the_shard_rate_limiter_holds_the_last_flush(make_table, remote_writer):
     """No learner samples, so the shard's rate limiter holds the inserts; a stop event ends the
     remote actor's run without an error (the items are dropped), as with a local writer."""
     lim = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=100.0)
     cfg, env, agent, table = setup(make_table, limiter=lim)
     shard = ShardService(table, token=TOKEN)
     port = shard.start()
-    writer = RemoteWriter(("127.0.0.1", port), num_streams=E, token=TOKEN, insert_timeout_s=60)
+    writer = remote_writer(("127.0.0.1", port), num_streams=E, token=TOKEN, insert_timeout_s=60)
     stop = threading.Event()
     try:
         actor = actor_class_for(agent)(env, agent, writer, None, actor_epsilon(cfg, 0, E), cfg=cfg, seed=0)

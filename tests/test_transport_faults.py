@@ -175,3 +175,49 @@ def test_killed_remote_writer_process_leaves_the_learner_training(make_table):
             proc.kill()
         s.close()
         shard.stop()
+
+
+def test_shipping_writer_raises_a_named_error_and_a_new_one_continues(make_table):
+    from gearflow.actors.adders import TransitionAdder
+    from gearflow.transport.remote import ShippingWriter
+
+    table = make_table(spec=APEX, P=2, S=256)
+    shard = ShardService(table, token=TOKEN)
+    port = shard.start()
+    w = ShippingWriter(("127.0.0.1", port), num_streams=2, token=TOKEN, timeout_s=2.0, partitions=[0, 1])
+    rng = np.random.default_rng(0)
+
+    def recv(t):
+        ids = np.arange(2)
+        return (ids, rng.standard_normal((2, 3)).astype(np.float32), np.ones(2, np.float32), np.zeros(2, bool),
+                np.zeros(2, bool), np.zeros(2, bool), np.zeros(2, np.int64), rng.standard_normal((2, 2)).astype(np.float32), t)  # fmt: skip
+
+    try:
+        adder = TransitionAdder(w, 3, 0.9)
+        for t in range(60):
+            adder.add(*recv(t))
+        w.flush()
+        shipped = table.storage.counters[:2, COMMIT].copy()
+        np.testing.assert_array_equal(shipped, w.positions)
+        assert table.storage.counters[:2, PUBLISHED].sum() == adder.items > 0
+        shard.stop()
+        t0 = time.monotonic()
+        with pytest.raises((ServiceUnavailable, RequestTimeout)):
+            for t in range(60, 10_000):
+                adder.add(*recv(t))
+                if t % 20 == 0:
+                    w.flush()
+        assert time.monotonic() - t0 < 2.0 + 2.0 + 1.0
+        w.close()  # a gone shard: close drops what it could not ship
+        shard.start()
+        w2 = ShippingWriter(("127.0.0.1", port), num_streams=2, token=TOKEN, timeout_s=5.0, partitions=[0, 1])
+        np.testing.assert_array_equal(w2.positions, table.storage.counters[:2, COMMIT])
+        adder2 = TransitionAdder(w2, 3, 0.9)
+        for t in range(30):
+            adder2.add(*recv(t))
+        w2.flush()
+        assert (table.storage.counters[:2, COMMIT] > shipped).all()
+        np.testing.assert_array_equal(table.storage.counters[:2, COMMIT], w2.positions)
+        w2.close()
+    finally:
+        shard.stop()

@@ -9,7 +9,8 @@ The shard runs in its own process (as on another machine: its own GIL).
 * ``insert``: an Ape-X actor's writes (a TransitionAdder over 16 env streams, pre-made recvs,
   no env) through a RemoteWriter into a shard on loopback, against the same adder writing
   the shared-memory table directly (with its C n-step path, and with the numpy reference
-  path a remote writer gets): env steps/s and the ratios.
+  path a RemoteWriter gets), and through a ShippingWriter (a local ring, the C adder, shipped
+  to the shard): env steps/s and the ratios.
 * ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, against a raw
   TCP socket moving the same bytes per request (request → that many bytes back): batches/s,
   GB/s and the ratio.
@@ -28,7 +29,7 @@ import numpy as np
 
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
 from gearflow.replay.items import Transition
-from gearflow.transport.remote import RemoteSampler, RemoteWriter
+from gearflow.transport.remote import RemoteSampler, RemoteWriter, ShippingWriter
 from gearflow.transport.shard import ShardService
 
 TOKEN = "gearflow-bench-token"
@@ -92,7 +93,7 @@ def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
             "version": "int64"}  # fmt: skip
     recvs = _recvs(E, b, 2000, obs)
     rates = {}
-    for where in ("local", "local_numpy", "remote"):
+    for where in ("local", "local_numpy", "remote", "shipping"):
         table = _table(spec, E, 4096) if where.startswith("local") else None
         shard = None
         try:
@@ -100,7 +101,8 @@ def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
                 w = Writer(table.storage, np.arange(E))
             else:
                 shard = ShardProcess(spec, E, 4096)
-                w = RemoteWriter(("127.0.0.1", shard.port), num_streams=E, token=TOKEN)
+                cls = RemoteWriter if where == "remote" else ShippingWriter
+                w = cls(("127.0.0.1", shard.port), num_streams=E, token=TOKEN)
             adder = TransitionAdder(w, 3, 0.99, **({"native": False} if where == "local_numpy" else {}))
             steps, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
@@ -111,7 +113,7 @@ def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
             adder.finish()
             w.flush()
             rates[where] = steps / (time.perf_counter() - t0)
-            if where == "remote":
+            if shard is not None:
                 w.close()
         finally:
             if shard is not None:
@@ -121,7 +123,8 @@ def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
     return {"bench": "transport/insert", "envs": E, "recv_batch": b, "obs": list(obs),
             "local_steps_per_s": rates["local"], "local_numpy_adder_steps_per_s": rates["local_numpy"],
             "remote_steps_per_s": rates["remote"], "ratio": rates["remote"] / rates["local"],
-            "ratio_same_adder": rates["remote"] / rates["local_numpy"]}  # fmt: skip
+            "ratio_same_adder": rates["remote"] / rates["local_numpy"],
+            "shipping_steps_per_s": rates["shipping"], "shipping_ratio": rates["shipping"] / rates["local"]}  # fmt: skip
 
 
 class _RawServer:

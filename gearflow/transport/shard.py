@@ -35,11 +35,12 @@ the rows of every ``append``/``extend`` of the batch, in op order; an op names h
 rows it takes and where its ints/floats are::
 
     ["a", k, o]              append: streams ints[o:o+k], the next k rows
-    ["x", stream, n]         extend: the next n rows of one stream
+    ["x", stream, n(, t0)]   extend: the next n rows of one stream (which must be at step t0)
     ["i", m, o, fo, s, e, t] create_items: priorities floats[fo:fo+m], num_steps ints[o:o+m],
                              streams ints[o+m:o+2m] (s = -1) or the one stream s, then
                              (when e) the m ends, insert timeout t seconds
     ["e", k, o]              end_episode(ints[o:o+k]); k = -1: every stream
+    ["E", stream, k]         k episodes of the stream ended (the EPISODES counter only)
     ["f"]                    flush (heartbeat)
 """
 
@@ -56,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from gearflow.replay.rate_limiter import RateLimiterTimeout
-from gearflow.replay.storage import PartitionOwned
+from gearflow.replay.storage import EPISODES, PartitionOwned
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import ServiceUnavailable, register_error
 from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
@@ -250,6 +251,11 @@ class ShardService:
                 row += k
             elif code == "x":
                 stream, n = _int(op, 1), _int(op, 2)
+                if len(op) > 3:  # the first step's index: a shipped log continues exactly where it stopped
+                    t0 = _int(op, 3)
+                    if not 0 <= stream < w.num_streams or int(w.positions[stream]) != t0:
+                        raise SessionLost(f"replay.write: steps from {t0} of stream {stream} do not continue the "
+                                          f"shard's partition (at {int(w.positions[stream]) if 0 <= stream < w.num_streams else '?'})")
                 w.extend(rows(n), stream=stream)
                 row += n
             elif code == "i":
@@ -265,6 +271,11 @@ class ShardService:
             elif code == "e":
                 k, o = _int(op, 1, -1), _int(op, 2)
                 w.end_episode(None if k < 0 else ints[o:o + k])
+            elif code == "E":  # episodes ended (the counter only: a shipped log's items carry their own ends)
+                stream, k = _int(op, 1), _int(op, 2)
+                if not 0 <= stream < w.num_streams:
+                    raise ValueError(f"streams [{stream}] out of range [0, {w.num_streams})")
+                self.table.storage.counters[int(w.partitions[stream]), EPISODES] += k
             elif code == "f":
                 w.flush()
             else:
