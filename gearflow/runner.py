@@ -286,6 +286,8 @@ class Runner:
         if self.launcher is not None:
             try:
                 self.progress.restarts += self.launcher.check()
+                if self.remote is not None:
+                    self.progress.restarts += self.remote.check()
             except ActorFailed as exc:  # stop as a limit would: checkpoint, then fail
                 self._failure = exc
                 return f"actor failed: {exc}"

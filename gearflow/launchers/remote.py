@@ -1,93 +1,134 @@
 """Remote actors: actor processes on other machines that join a ``gearflow train`` run over TCP.
 
 With ``actor.remote_actors = K``, the last ``K`` of the run's ``actor.num_actors`` actors are
-not started here: the learner serves its replay table and parameter store through a
-:class:`~gearflow.transport.shard.ShardService` on ``transport.host:transport.port`` and
-waits for them (``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.remote`)::
+not started here: a **shard process** attaches the run's replay segment and parameter store
+by name (as a local actor process does), serves them with a
+:class:`~gearflow.transport.shard.ShardService` (``learners=False``: the learner samples its
+own table) on ``transport.host:transport.port``, and waits for them
+(``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.remote`)::
 
     remote = RemoteActors(cfg, table, params, {2: parts_2, 3: parts_3})
     port = remote.start()                       # logs the address and the actors' command
     remote.drain(progress); remote.check()      # in the learner loop, as LocalLauncher
-    remote.stop(); remote.close()               # joined actors are told the run is over
+    remote.stop(drain=...); remote.close()      # joined actors are told the run is over
 
-Besides the shard's own messages (``replay.*``, ``params.get``) the service answers:
+Its own process, so that decoding frames and writing remote actors' steps never compete with
+the learner for its interpreter lock (in the learner's process the service halved the
+learner's updates/s on a 2-core machine). Besides the shard's messages (``replay.*``,
+``params.get``) the service answers:
 
-* ``run.join`` — a remote actor process asks for a place: the learner gives it a free remote
-  actor index (or the one it asks for), its partitions and the run's resolved config (YAML:
-  the learner's config is the one the table was built for). The place is the connection's:
-  it is freed when the connection closes, and a restarted actor gets it back.
+* ``run.join`` — a remote actor process asks for a place: it gets a free remote actor index
+  (or the one it asks for), its partitions and the run's resolved config (YAML: the table
+  was built for the learner's config). The place is the connection's: it is freed when the
+  connection closes, and a restarted actor gets it back. ``{"stop": true}`` once the run is over.
 * ``run.report`` — what a local actor puts on its metrics queue (``episode``, ``counters``,
-  ``error`` dicts, :func:`~gearflow.actors.process.run_actor_process`), as JSON, folded into
-  the run's progress by :meth:`drain`. The reply says whether the run is over (``stop``).
+  ``error`` dicts, :func:`~gearflow.actors.process.run_actor_process`), as JSON; the reply
+  says whether the run is over (``stop``).
 
-A lost remote actor is logged and its place waits for it; the learner keeps training on
-what the table holds (it has no process to restart: the remote side restarts its own).
+Reports, joins and departures reach the learner on one queue, folded into the run's
+progress by :meth:`RemoteActors.drain` (as :class:`~gearflow.launchers.local.LocalLauncher`
+does). A lost remote actor is logged and its place waits for it; the learner keeps training
+on what the table holds. A shard process that dies is restarted on the same port (up to
+``actor.max_restarts`` times): remote actors reconnect and rejoin by themselves.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
+from types import SimpleNamespace
 from typing import Callable, Mapping
 
 import numpy as np
 from omegaconf import DictConfig
 
 from gearflow.config import to_yaml
-from gearflow.errors import ConfigError
+from gearflow.errors import ConfigError, GearflowError
+from gearflow.launchers.local import ActorFailed
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["RemoteActors", "REPORT_TYPES"]
+__all__ = ["RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
 MAX_REPORTS = 4096  # messages of one run.report (a second's episodes of a fast actor fit many times)
+START_TIMEOUT_S = 60.0
 
 
 class RemoteActors:
-    """Serves ``table`` and ``params`` to the remote actors ``partitions`` (actor index →
-    its partitions) and folds what they report into the run's progress."""
+    """The shard process serving ``table`` and ``params`` to the remote actors ``partitions``
+    (actor index → its partitions), and what they report, for the learner."""
 
     def __init__(self, cfg: DictConfig, table, params, partitions: Mapping[int, np.ndarray]):
         from gearflow.transport.auth import resolve_token
-        from gearflow.transport.shard import ShardService
 
         t = cfg.transport
         try:
-            token = resolve_token(t.token or None).decode()
+            self.token = resolve_token(t.token or None).decode()
         except ValueError as exc:
             raise ConfigError(f"actor.remote_actors={len(partitions)}: {exc}") from None
         self.cfg_yaml = to_yaml(cfg)
-        self.partitions = {int(a): np.asarray(p, dtype=np.int64) for a, p in partitions.items()}
-        every = sorted(int(p) for parts in self.partitions.values() for p in parts)
-        self.shard = ShardService(table, params=params, partitions=every, host=str(t.host), port=int(t.port),
-                                  token=token, loop=str(t.loop))  # fmt: skip
-        self.shard.service.register("run.join", self._join, with_connection=True)
-        self.shard.service.register("run.report", self._report, with_connection=True, inline=True)
-        self.reports: queue.SimpleQueue = queue.SimpleQueue()
+        self.partitions = {int(a): [int(p) for p in parts] for a, parts in partitions.items()}
+        self.where = (str(t.host), int(t.port), str(t.loop))
+        self.names = (table.storage.name, params.name)
+        sel = table.selector
+        self.table_info = (table.kind.to_dict(), sel.name, bool(sel.importance_sampled))
+        self.max_restarts = int(cfg.actor.max_restarts)
+        self.ctx = mp.get_context("spawn")
+        self.reports: mp.Queue = self.ctx.Queue()
+        self.stop_event = self.ctx.Event()
+        self.proc = None
+        self.port = 0
+        self.restarts = 0
         self.errors: dict[int, str] = {}  # last line of each remote actor's last traceback
-        self.joined: dict[int, str] = {}  # actor index -> peer
-        self._lock = threading.Lock()
-        self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
-        port = self.shard.start()
-        host = self.shard.service.host
-        log.info("waiting for %d remote actor(s) (indices %s) on %s:%d: run gearflow actor --connect %s:%d CONFIG "
-                 "(with the same transport.token / $GEARFLOW_TOKEN)", len(self.partitions), sorted(self.partitions),
-                 host, port, host, port)  # fmt: skip
-        return port
-
-    @property
-    def port(self) -> int:
-        return self.shard.port
+        """Start the shard process; returns its port once it listens (a bind error is raised)."""
+        ready = self.ctx.Queue()
+        host, port, loop = self.where
+        self.proc = self.ctx.Process(
+            target=serve_remote_actors, name="shard",
+            args=(self.cfg_yaml, *self.names, self.partitions, self.table_info, self.token, host,
+                  self.port or port, loop, self.reports, ready, self.stop_event, os.getpid()),
+            daemon=True,
+        )  # fmt: skip
+        self.proc.start()
+        try:
+            kind, value = ready.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            kind, value = "error", f"the shard process did not start in {START_TIMEOUT_S:.0f} s"
+        finally:
+            ready.close()
+        if kind != "port":
+            self.proc.join(timeout=5)
+            raise GearflowError(f"remote actors: cannot serve on {host}:{port}: {value}")
+        if not self.port:
+            log.info("waiting for %d remote actor(s) (indices %s) on %s:%d: run gearflow actor --connect %s:%d CONFIG "
+                     "(with the same transport.token / $GEARFLOW_TOKEN)", len(self.partitions), sorted(self.partitions),
+                     host, value, host, value)  # fmt: skip
+        self.port = int(value)
+        return self.port
 
     def check(self) -> int:
-        """Nothing to restart here (a remote actor's machine restarts it): always 0."""
-        return 0
+        """Restart a dead shard process on the same port; raise past ``max_restarts``."""
+        if self.proc is None or self.proc.is_alive() or self.stop_event.is_set():
+            return 0
+        code = self.proc.exitcode
+        self.proc.join()
+        if self.restarts >= self.max_restarts:
+            raise ActorFailed(f"the remote actors' shard process died (exit code {code}) and was already restarted "
+                                f"{self.restarts} times (actor.max_restarts={self.max_restarts})", actor=-1)  # fmt: skip
+        self.restarts += 1
+        log.error("the remote actors' shard process died (exit code %s); restarting it on port %d (%d/%d)", code,
+                  self.port, self.restarts, self.max_restarts)  # fmt: skip
+        self.start()
+        return 1
 
     def drain(self, progress) -> None:
         """Fold what remote actors reported into ``progress`` (as LocalLauncher.drain)."""
@@ -101,34 +142,55 @@ class RemoteActors:
                 progress.add_episode(actor, float(msg["actor/episode_return"]))
             elif kind == "counters":
                 progress.actor_counters[actor] = msg
+            elif kind == "joined":
+                log.info("remote actor %d joined from %s: partitions %s", actor, msg["peer"], self.partitions[actor])
+            elif kind == "left":
+                log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", actor, msg["peer"])
             else:
                 log.error("remote actor %d raised:\n%s", actor, msg.get("error"))
                 lines = str(msg.get("error", "")).strip().splitlines()
                 self.errors[actor] = lines[-1] if lines else "?"
 
-    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 5.0) -> None:
-        """Tell joined actors the run is over (their next report's reply says so) and give them
-        ``timeout`` seconds to leave (their final reports are drained meanwhile)."""
-        self._stopping = True
-        self.shard.service.stopping = True  # inserts the rate limiter holds give up (InsertAborted)
+    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
+        """Tell joined actors the run is over (held inserts give up, the next report's reply
+        says so), give them a few seconds to leave, then stop the shard process."""
+        self.stop_event.set()
         deadline = time.monotonic() + timeout
-        while self.joined and time.monotonic() < deadline:
+        while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
             drain()
             time.sleep(0.05)
         drain()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
 
     def close(self) -> None:
-        self._stopping = True
-        self.shard.stop()
+        self.stop_event.set()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
+        self.reports.close()
+        self.reports.join_thread()
 
-    # ------------------------------------------------------------------ handlers
-    def _join(self, meta: dict, bufs, conn):
-        if self._stopping:
+
+# ---------------------------------------------------------------------- the shard process
+
+
+class _Members:
+    """``run.join`` / ``run.report`` of the shard process: places of remote actors."""
+
+    def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event):
+        self.cfg_yaml, self.partitions, self.reports, self.stop_event = cfg_yaml, partitions, reports, stop_event
+        self.joined: dict[int, str] = {}  # actor index -> peer
+        self.lock = threading.Lock()
+
+    def join(self, meta: dict, bufs, conn):
+        if self.stop_event.is_set():
             return {"stop": True}, []
         want = meta.get("actor")
         if want is not None and (type(want) is not int or want not in self.partitions):
             raise ValueError(f"actor {want!r} is not a remote actor of this run (remote actors: {sorted(self.partitions)})")
-        with self._lock:
+        with self.lock:
             free = [a for a in sorted(self.partitions) if a not in self.joined]
             if want is not None:
                 if want not in free:
@@ -142,16 +204,16 @@ class RemoteActors:
             self.joined[actor] = str(conn.peer)
         conn.state["actor"] = actor
         conn.on_close(lambda: self._left(actor))
-        log.info("remote actor %d joined from %s: partitions %s", actor, conn.peer, self.partitions[actor].tolist())
-        return {"actor": actor, "partitions": self.partitions[actor].tolist(), "config": self.cfg_yaml}, []
+        self.reports.put({"type": "joined", "actor": actor, "peer": str(conn.peer)})
+        return {"actor": actor, "partitions": self.partitions[actor], "config": self.cfg_yaml}, []
 
     def _left(self, actor: int) -> None:
-        with self._lock:
+        with self.lock:
             peer = self.joined.pop(actor, None)
-        if not self._stopping:
-            log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", actor, peer)
+        if not self.stop_event.is_set():
+            self.reports.put({"type": "left", "actor": actor, "peer": str(peer)})
 
-    def _report(self, meta: dict, bufs, conn):
+    def report(self, meta: dict, bufs, conn):
         actor = conn.state.get("actor")
         if actor is None:
             raise ValueError("run.report before run.join on this connection")
@@ -166,4 +228,61 @@ class RemoteActors:
         for m in msgs:
             m["actor"] = actor  # a connection reports for the place it joined, nothing else
             self.reports.put(m)
-        return {"stop": self._stopping}, []
+        return {"stop": self.stop_event.is_set()}, []
+
+
+def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, partitions: dict[int, list[int]],
+                        table_info: tuple, token: str, host: str, port: int, loop: str, reports, ready,
+                        stop_event, parent_pid: int) -> None:  # fmt: skip
+    """Spawn target of the shard process: attach, serve until ``stop_event`` (or the learner is
+    gone), let joined actors leave, stop. Puts ``("port", p)`` or ``("error", why)`` on ``ready``."""
+    from gearflow.log import inherited_verbosity, setup_logging
+    from gearflow.params import ParameterStore
+    from gearflow.replay.items import kind_from_dict
+    from gearflow.replay.storage import SharedStorage
+    from gearflow.transport.shard import ShardService
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner stops us through stop_event
+    setup_logging(inherited_verbosity())
+    storage = params = shard = None
+    try:
+        storage = SharedStorage.attach(storage_name)
+        params = ParameterStore.attach(params_name)
+        kind, selector, weighted = table_info
+        # what ShardService(learners=False) reads of a table: the learner owns the real one
+        view = SimpleNamespace(storage=storage, kind=kind_from_dict(kind),
+                               selector=SimpleNamespace(name=selector, importance_sampled=weighted),
+                               size=0, stats=lambda: _storage_stats(storage))  # fmt: skip
+        members = _Members(cfg_yaml, partitions, reports, stop_event)
+        every = sorted(p for parts in partitions.values() for p in parts)
+        shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
+                             learners=False)  # fmt: skip
+        shard.service.register("run.join", members.join, with_connection=True)
+        shard.service.register("run.report", members.report, with_connection=True, inline=True)
+        bound = shard.start()
+    except BaseException as exc:
+        ready.put(("error", f"{type(exc).__name__}: {exc}"))
+        for closable in (storage, params):
+            if closable is not None:
+                closable.close()
+        raise SystemExit(2) from None
+    ready.put(("port", bound))
+    try:
+        while not stop_event.wait(0.2):
+            if os.getppid() != parent_pid:  # the learner is gone (even SIGKILLed)
+                break
+        shard.service.stopping = True  # inserts the rate limiter holds give up (InsertAborted)
+        deadline = time.monotonic() + 5.0
+        while members.joined and time.monotonic() < deadline:  # their next report says stop
+            time.sleep(0.05)
+    finally:
+        shard.stop()
+        storage.close()
+        params.close()
+
+
+def _storage_stats(storage) -> dict[str, float]:
+    from gearflow.replay.storage import COMMIT, PUBLISHED
+
+    c = storage.counters
+    return {"replay/steps": int(c[:, COMMIT].sum()), "replay/inserts": int(c[:, PUBLISHED].sum())}
