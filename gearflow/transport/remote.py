@@ -52,8 +52,16 @@ from gearflow.replay.items import kind_from_dict
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import TableSpec
+from gearflow.replay.storage import (
+    COMMIT,
+    EPISODES,
+    H_INSERT_LIMIT,
+    PUBLISHED,
+    RESERVE,
+    SHM_DIR,
+    SharedStorage,
+)
 from gearflow.replay.table import Sample
-from gearflow.replay.storage import COMMIT, EPISODES, H_INSERT_LIMIT, PUBLISHED, RESERVE, SHM_DIR, SharedStorage
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 from gearflow.transport.shard import SHARD_SHIFT, SessionLost
