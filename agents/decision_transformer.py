@@ -36,6 +36,14 @@ from the policy, otherwise it is the policy's mode; ε = 0 is greedy evaluation.
 Windows are left-aligned (valid steps first) and attention is causal, so padding
 after a window's last step never changes a valid step's output: no key mask is
 needed, in the learner or the actor.
+
+Actors cache keys and values (``agent.kv_cache``, :meth:`Agent.act_cached`,
+:mod:`gearflow.kv_cache`): each env step runs the network on its three new
+tokens a_{t−1}, R̂_t, s_t only. A full context hops (drops its oldest
+``agent.context_hop`` steps, default K // 2) and is re-encoded, as at an
+episode's start and after new weights; the actions then equal a full recompute
+over the same K − H + 1 .. K steps (timesteps are embedded by episode step, so
+a step's tokens do not depend on where the context starts).
 """
 
 from __future__ import annotations

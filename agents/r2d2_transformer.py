@@ -34,6 +34,20 @@ Positions are encoded with ALiBi (Press et al. 2022: a per-head linear penalty
 on attention distance), not absolute embeddings: a step's output depends only
 on how far back each context step is, so a window that starts mid-episode
 (learner) and a rolling actor context give the same step the same encoding.
+
+Actors cache keys and values (``agent.kv_cache``, :meth:`Agent.act_cached`,
+:mod:`gearflow.kv_cache`): each env step runs the network on that step only. A
+cache cannot slide by one step and stay exact (from the second block on, a
+cached key depends on the steps its token attended to), so a full context hops:
+it drops its oldest ``H = agent.context_hop`` steps (default ``C // 2``) and is
+re-encoded in one batched call, as it is at an episode's start and after new
+weights. The actor's context at episode step t is then steps ``s .. t``: ``s = 0``
+while ``t < C``, after that ``s`` is a multiple of H with ``C − H < t − s + 1 ≤ C``;
+the Q-values equal :meth:`TransformerQNetwork.forward`
+over those steps up to float rounding. With ``C = sequence_length``,
+``H = sequence_period`` and ``burn_in = C − H`` (R2D2's 80/40/40, and
+cartpole_masked_r2d2's 40/20/20) that is exactly the window where the learner
+gives step t its loss.
 """
 
 from __future__ import annotations
@@ -218,7 +232,10 @@ class TransformerQNetwork(nn.Module):
         for layer, block in enumerate(self.blocks):
             x, kv = block(x, bias, kv_old[:, layer])
             kv_new.append(kv)
-        x = x[torch.arange(x.shape[0], device=x.device), torch.as_tensor(last, device=x.device)]  # (k, D)
+        if x.shape[1] == 1:
+            x = x[:, 0]  # (k, D) the one-step case: a view
+        else:
+            x = x[torch.arange(x.shape[0], device=x.device), torch.as_tensor(last, device=x.device)]  # (k, D)
         return self.head(self.ln(x)), torch.stack(kv_new, dim=1)  # (k, A), (k, L, 2, nh, Tn, hs)
 
 

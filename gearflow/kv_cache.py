@@ -104,13 +104,13 @@ class KVCache:
         """Write the first ``n_new[r]`` of each row's new tokens ``kv_new`` (k, L, 2, nh, Tn, hs)
         into env ``ids[r]``'s slots ``length .. length + n_new − 1``; advance ``length``."""
         n_new = np.asarray(n_new, dtype=np.int64)
-        Tn = kv_new.shape[4]
-        if Tn == 1 and (n_new == 1).all():  # the one-token step: one index_put
-            rows, cols = np.arange(len(ids)), np.zeros(len(ids), dtype=np.int64)
+        Tn, dev = kv_new.shape[4], self.device
+        if Tn == 1:  # the one-token step: a view of the new keys, one index_put
+            rows, src = np.arange(len(ids)), kv_new[:, :, :, :, 0]  # (k, L, 2, nh, hs)
+            slot = self.length[ids]
         else:
             rows, cols = np.nonzero(np.arange(Tn)[None, :] < n_new[:, None])  # valid new tokens (N,)
-        slot = self.length[ids][rows] + cols
-        dev = self.device
-        src = kv_new[torch.as_tensor(rows, device=dev), :, :, :, torch.as_tensor(cols, device=dev)]  # (N, L, 2, nh, hs)
+            slot = self.length[ids][rows] + cols
+            src = kv_new[torch.as_tensor(rows, device=dev), :, :, :, torch.as_tensor(cols, device=dev)]  # (N, L, 2, nh, hs)
         self.kv[torch.as_tensor(ids[rows], device=dev), :, :, :, torch.as_tensor(slot, device=dev)] = src
         self.length[ids] += n_new
