@@ -56,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gearflow.replay.rate_limiter import RateLimiterTimeout
-from gearflow.replay.storage import EPISODES, PartitionOwned
+from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
+from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import ServiceUnavailable, register_error
 from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
@@ -129,7 +129,8 @@ class ShardService:
         s.register("replay.info", self._info, inline=True)
         s.register("replay.open_writer", self._open_writer, with_connection=True)
         s.register("replay.close_writer", self._close_writer, with_connection=True)
-        s.register("replay.write", self._write, with_connection=True)
+        # on the loop while no rate limit is set (nothing can wait), else in the pool
+        s.register("replay.write", self._write, with_connection=True, inline=True)
         s.register("replay.stats", self._stats, inline=True)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
             s.register("replay.sample", self._sample, inline=True)
@@ -226,7 +227,9 @@ class ShardService:
             self._release(meta["session"], w.partitions.tolist())
         return {}, []
 
-    def _write(self, meta: dict, bufs: list, conn: Connection):
+    def _write(self, meta: dict, bufs: list, conn: Connection, deferred: bool = False):
+        if not deferred and int(self.table.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
+            raise Defer  # a create_items may wait on the rate limiter: not on the loop
         w = self._session(conn, meta)
         ops = meta.get("ops")
         if not isinstance(ops, list) or len(bufs) < 2:
