@@ -288,3 +288,28 @@ def test_context_hop_errors_name_the_key():
     cfg = load_config(None, ["agent.name=agents.decision_transformer", "agent.context_hop=-2", "replay.item=episode"])
     with pytest.raises(ConfigError, match="agent.context_hop=-2: must be ≥ 0"):
         make_agent(cfg, EnvSpec((4,), np.dtype(np.float32), 2), "cpu")
+
+
+def test_r2d2_cached_cnn_torso_on_frames_matches_a_full_recompute():
+    """The Nature-CNN token embedding (the paper configs' Atari agents): each frame is embedded
+    once, when its step is new or re-encoded; Q-values equal the forward over the context."""
+    C, H = 4, 2
+    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", "agent.d_model=16", "agent.num_heads=2",
+                             f"agent.context={C}", f"agent.context_hop={H}", "replay.item=sequence"])  # fmt: skip
+    agent = make_agent(cfg, EnvSpec((4, 84, 84), np.dtype(np.uint8), 3), "cpu")
+    net = agent.make_network().eval()
+    cache = agent.make_kv_cache(2)
+    frames = np.random.default_rng(0).integers(0, 256, (2, 9, 4, 84, 84), dtype=np.uint8)  # 2 envs' episodes
+    ids, eps, rng = np.array([1, 0]), np.zeros(2), np.random.default_rng(0)
+    with torch.inference_mode():
+        for t in range(9):
+            s = int(context_start(np.array([t]), C, H)[0])
+            if t == 0 or (t >= C and (t - C) % H == 0):
+                cache.clear(ids)
+                new = frames[ids, s : t + 1]  # the whole context re-encoded
+            else:
+                new = frames[ids, t : t + 1]
+            out = agent.act_cached(net, cache, ids, new, np.full(2, new.shape[1]), eps, rng)
+            ref = agent.act(net, frames[ids, s : t + 1], eps, rng)
+            np.testing.assert_allclose(out.values, ref.values, rtol=1e-4, atol=1e-5)
+            assert cache.length[ids].tolist() == [t - s + 1] * 2
