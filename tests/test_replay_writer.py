@@ -355,3 +355,38 @@ def test_writer_blocks_on_rate_limiter_and_times_out(make_table):
         assert records(st, 0, [1]) == [(2, 1, 5.0)]
     finally:
         w.storage.close()
+
+
+def test_append_of_large_rows_in_c_writes_what_the_slice_copies_write(storage_factory, monkeypatch):
+    """Rows of 2,800 bytes go through _hotpath.put_rows (one memcpy a row); the slice-copy
+    loop it replaced is the reference: the same batches give the same table, ring wraps and
+    a non-contiguous batch (the loop's path) included."""
+    import gearflow.replay.writer as writer_mod
+
+    if writer_mod._put_rows is None:
+        pytest.skip("the C module is not built")
+    spec = {"obs": "float32[700]", "action": "int64"}
+    P, S = 3, 8
+    tables = [storage_factory(spec, P=P, S=S) for _ in range(2)]
+    writers = [Writer(st, np.arange(P), prefault=False) for st in tables]
+    rng = np.random.default_rng(0)
+    calls = []
+    monkeypatch.setattr(writer_mod, "_put_rows", lambda *a: (calls.append(1), writer_mod._hotpath.put_rows(*a)))
+    for step in range(3 * S):
+        streams = rng.choice(P, size=rng.integers(1, P + 1), replace=False)
+        wide = rng.standard_normal((streams.size, 800)).astype(np.float32)
+        obs = wide[:, :700] if step % 5 == 0 else np.ascontiguousarray(wide[:, :700])
+        batch = {"obs": obs, "action": rng.integers(0, 9, streams.size)}
+        monkeypatch.setattr(writer_mod, "_put_rows", None)
+        writers[0].append(batch, streams=streams)  # the reference: slice copies
+        monkeypatch.setattr(writer_mod, "_put_rows", lambda *a: (calls.append(1), writer_mod._hotpath.put_rows(*a)))
+        writers[1].append(batch, streams=streams)
+    assert 0 < len(calls) < 3 * S  # the contiguous batches went through C, the others not
+    for name in spec:
+        np.testing.assert_array_equal(tables[0].columns[name], tables[1].columns[name])
+    np.testing.assert_array_equal(tables[0].counters, tables[1].counters)
+    col = tables[1].columns["obs"]
+    with pytest.raises(IndexError, match=r"put_rows: row 24 out of range \[0, 24\)"):
+        writer_mod._hotpath.put_rows(col, np.array([0, 24]), np.zeros((2, 700), np.float32))
+    with pytest.raises(ValueError, match="put_rows: src: expected 1 rows of 2800 contiguous bytes"):
+        writer_mod._hotpath.put_rows(col, np.array([0]), np.zeros((1, 600), np.float32))
