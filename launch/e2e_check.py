@@ -55,7 +55,7 @@ class GpuMemory:
         while not self._stop.wait(period_s):
             try:
                 free, total = self.torch.cuda.mem_get_info()
-            except Exception:  # the driver is gone (run ended badly): keep the last peak
+            except RuntimeError:  # the driver is gone (run ended badly): keep the last peak
                 return
             self.peak = max(self.peak, total - free)
 

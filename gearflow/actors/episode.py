@@ -82,8 +82,8 @@ class EpisodeActor(ActorBase):
         if live.any():
             el = ids[live]
             self._push_context(el, obs[live], first[live])
-            ctx = dict(lengths=self._ctx_len[el], rtg=self._ctx_rtg[el], actions=self._ctx_action[el],
-                       timesteps=self._ctx_t[el])  # fmt: skip
+            ctx = {"lengths": self._ctx_len[el], "rtg": self._ctx_rtg[el], "actions": self._ctx_action[el],
+                   "timesteps": self._ctx_t[el]}  # fmt: skip
             with torch.inference_mode():  # cheaper per op than no_grad; the cache is updated in place
                 if self.cache is None:
                     out = self.agent.act(self.network, self._ctx_obs[el], self.epsilon[el], self.rng, **ctx)

@@ -13,7 +13,8 @@ Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex
 * ``transformer`` — the R2D2 transformer actor of ``configs/cartpole_masked_r2d2.yaml``
   writing sequence windows, at contexts 10, 40 (the config's) and 80: re-running the
   whole context every step (``agent.kv_cache=false``, the floor) against the
-  key/value-cached actor, in the same run; ``ratio`` = cached / full recompute. Each
+  key/value-cached actor, stepped in alternating slices of the same run (median
+  rate of 5 slices each); ``ratio`` = cached / full recompute. Each
   context also reports the policy's own time per recv (``act_us_per_recv``) and the
   mean length of the episodes that ended (a context longer than the episodes never
   hops; with none ended, the steps per env: a lower bound).
@@ -139,47 +140,63 @@ class TimedPolicy:
         return self._timed(self._agent.act_cached, *args, **kwargs)
 
 
-def _actor_rate(cfg, seconds: float, random_policy: bool, stats: dict | None = None) -> float:
-    """Env steps/s of the config's actor writing a scratch table; ``stats`` (if given) gets the
-    policy's seconds per recv (``act_s``) and the mean episode length."""
+def _actor_rate(cfg, seconds: float, random_policy: bool) -> float:
     env = make_vec_env(cfg.env, seed=0)
     agent = make_agent(cfg, env.env_spec, "cpu")
-    agent = RandomPolicy(agent, env.num_actions) if random_policy else TimedPolicy(agent)
-    E, lengths = env.num_envs, []
-    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E),
-                       on_episode=lambda env_index, ret, length, eps: lengths.append(length)) as actor:  # fmt: skip
+    if random_policy:
+        agent = RandomPolicy(agent, env.num_actions)
+    E = env.num_envs
+    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E)) as actor:
         for _ in range(20):
             actor.step()  # warm up: first episodes, first items
-        if not random_policy:
-            agent.seconds, agent.calls = 0.0, 0
         steps, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             steps += actor.step()
-        rate = steps / (time.perf_counter() - start)
-        if stats is not None and not random_policy:
-            stats["act_s"] = agent.seconds / max(1, agent.calls)
-            # of the episodes that ended; without one, the steps per env (a lower bound: none ended)
-            stats["episode_length"] = float(np.mean(lengths)) if lengths else steps / E
-        return rate
+        return steps / (time.perf_counter() - start)
 
 
-def _transformer(workload: str, seconds: float, seed: int, emit: Emit) -> None:
-    """Full recompute (``agent.kv_cache=false``, the floor) vs the cached actor at each context."""
+def _transformer(workload: str, seconds: float, seed: int, emit: Emit, rounds: int = 5) -> None:
+    """Full recompute (``agent.kv_cache=false``, the floor) vs the cached actor at each context.
+
+    Both actors are built first, then stepped in alternating slices (``rounds`` each of
+    ``seconds / rounds``), so a load change on a shared machine hits both; each rate is the
+    median over its slices."""
     name, overrides, contexts, label = TRANSFORMER_WORKLOADS[workload]
     for C in contexts:
-        rates, act_us, lengths = {}, {}, {}
-        for kv in (False, True):
-            cfg = load_config(CONFIGS / name, [*overrides, f"agent.context={C}", f"agent.kv_cache={str(kv).lower()}",
-                                               f"run.seed={seed}"])  # fmt: skip
-            stats: dict = {}
-            rates[kv] = _actor_rate(cfg, seconds, False, stats)
-            act_us[kv], lengths[kv] = 1e6 * stats["act_s"], stats["episode_length"]
+        with contextlib.ExitStack() as stack:
+            actors, agents, lengths = {}, {}, {}
+            for kv in (False, True):
+                cfg = load_config(CONFIGS / name, [*overrides, f"agent.context={C}",
+                                                   f"agent.kv_cache={str(kv).lower()}", f"run.seed={seed}"])  # fmt: skip
+                env = make_vec_env(cfg.env, seed=0)
+                agents[kv] = TimedPolicy(make_agent(cfg, env.env_spec, "cpu"))
+                lengths[kv] = []
+                actors[kv] = stack.enter_context(scratch_actor(
+                    cfg, agents[kv], env, max(4096, cfg.replay.capacity // env.num_envs),
+                    on_episode=lambda env_index, ret, length, eps, out=lengths[kv]: out.append(length)))  # fmt: skip
+                for _ in range(20):
+                    actors[kv].step()  # warm up: first episodes, first items
+                agents[kv].seconds, agents[kv].calls = 0.0, 0
+            rates = {False: [], True: []}
+            steps_total = {False: 0, True: 0}
+            for _ in range(rounds):
+                for kv in (False, True):
+                    steps, start = 0, time.perf_counter()
+                    while time.perf_counter() - start < seconds / rounds:
+                        steps += actors[kv].step()
+                    rates[kv].append(steps / (time.perf_counter() - start))
+                    steps_total[kv] += steps
+        rate = {kv: float(np.median(r)) for kv, r in rates.items()}
+        act_us = {kv: 1e6 * a.seconds / max(1, a.calls) for kv, a in agents.items()}
+        ended = lengths[False] + lengths[True]
+        # of the episodes that ended; without one, the steps per env (a lower bound: none ended)
+        length = float(np.mean(ended)) if ended else steps_total[True] / cfg.env.num_envs
         shape = f"{label},num_envs={cfg.env.num_envs},batch_size={cfg.env.batch_size},context={C}"
-        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=false]", rates[False], "steps/s"))
-        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=true]", rates[True], "steps/s", rates[False]))
+        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=false]", rate[False], "steps/s"))
+        emit(_record(workload, f"env_steps_per_s[{shape},kv_cache=true]", rate[True], "steps/s", rate[False]))
         for kv in (False, True):
             emit(_record(workload, f"act_us_per_recv[{shape},kv_cache={str(kv).lower()}]", act_us[kv], "us"))
-        emit(_record(workload, f"episode_length_mean[{shape}]", (lengths[False] + lengths[True]) / 2, "steps"))
+        emit(_record(workload, f"episode_length_mean[{shape}]", length, "steps"))
 
 
 def run(args, wanted: list[str], emit: Emit) -> int:
