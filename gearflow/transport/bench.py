@@ -11,6 +11,8 @@ The shard runs in its own process (as on another machine: its own GIL).
   the shared-memory table directly (with its C n-step path, and with the numpy reference
   path a RemoteWriter gets), and through a ShippingWriter (a local ring, the C adder, shipped
   to the shard): env steps/s and the ratios.
+* ``actor``: the Ape-X actor itself (EnvPool CartPole) locally, through a RemoteWriter and
+  through a ShippingWriter: env steps/s and the ratios.
 * ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, against a raw
   TCP socket moving the same bytes per request (request → that many bytes back): batches/s,
   GB/s and the ratio.
@@ -239,8 +241,62 @@ def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
         shard.close()
 
 
+def actor(steps: int = 20_000, num_envs: int = 16, batch: int = 8) -> dict:
+    """The Ape-X actor itself (EnvPool CartPole, the apex_dqn agent, one torch thread): env
+    steps/s writing a local shared-memory table, through a RemoteWriter, and through a
+    ShippingWriter into a shard process (the issue's "same actor writing shared memory")."""
+    import torch
+
+    from gearflow.actors import actor_class_for
+    from gearflow.actors.base import actor_epsilon
+    from gearflow.agent import make_agent
+    from gearflow.config import load_config
+    from gearflow.envs import make_vec_env
+
+    cfg = load_config(None, ["env.id=CartPole-v1", f"env.num_envs={num_envs}", f"env.batch_size={batch}",
+                             "actor.num_actors=1", "replay.capacity=65536"])  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = {}
+    try:
+        for where in ("local", "remote", "shipping"):
+            env = make_vec_env(cfg.env, seed=0)
+            agent = make_agent(cfg, env.env_spec, torch.device("cpu"))
+            spec = agent.replay_columns()
+            spec = spec.to_dict() if hasattr(spec, "to_dict") else spec
+            shard = storage = None
+            if where == "local":
+                storage = SharedStorage.create(TableSpec.parse(spec), num_envs, 4096)
+                w = Writer(storage, np.arange(num_envs))
+            else:
+                shard = ShardProcess(spec, num_envs, 4096)
+                w = (RemoteWriter if where == "remote" else ShippingWriter)(("127.0.0.1", shard.port), num_streams=num_envs,
+                                                                            token=TOKEN)  # fmt: skip
+            try:
+                a = actor_class_for(agent)(env, agent, w, None, actor_epsilon(cfg, 0, num_envs), cfg=cfg, seed=0)
+                a.run(max_steps=steps // 10)  # warm-up
+                t0 = time.perf_counter()
+                n = a.run(max_steps=steps)
+                rates[where] = n / (time.perf_counter() - t0)
+                a.close()
+            finally:
+                if shard is not None:
+                    w.close()
+                    shard.close()
+                else:
+                    storage.close()
+                    storage.unlink()
+    finally:
+        torch.set_num_threads(threads)
+    return {"bench": "transport/actor", "env": "CartPole-v1", "envs": num_envs, "recv_batch": batch,
+            "local_steps_per_s": rates["local"], "remote_writer_steps_per_s": rates["remote"],
+            "shipping_writer_steps_per_s": rates["shipping"], "remote_ratio": rates["remote"] / rates["local"],
+            "shipping_ratio": rates["shipping"] / rates["local"]}  # fmt: skip
+
+
 def run_all(seconds: float = 2.0) -> Iterator[dict]:
     yield insert(seconds)
+    yield actor()
     yield sample(seconds)
     yield from latency(seconds / 2)
 
