@@ -708,9 +708,16 @@ class ShippingWriter(Writer):
         S, R, E = int(meta["steps_per_stream"]), int(meta["items_per_stream"]), int(num_streams)
         local = SharedStorage.create(spec, E, S, R)
         pos = np.asarray(meta["positions"], dtype=np.int64)
-        local.counters[:, RESERVE] = local.counters[:, COMMIT] = pos  # step t here is step t there
-        local.header[H_INSERT_LIMIT] = 0  # every publish asks _wait_for_insert first: the shipping hook
-        super().__init__(local, np.arange(E), insert_timeout_s=insert_timeout_s)
+        try:
+            local.counters[:, RESERVE] = local.counters[:, COMMIT] = pos  # step t here is step t there
+            local.header[H_INSERT_LIMIT] = 0  # every publish asks _wait_for_insert first: the shipping hook
+            super().__init__(local, np.arange(E), insert_timeout_s=insert_timeout_s)
+        except BaseException:
+            local.close()
+            local.unlink()
+            if self._own_client:
+                self._client.close()
+            raise
         self._shipped = pos.copy()  # per stream: steps shipped
         self._shipped_items = np.zeros(E, dtype=np.int64)  # local item records shipped
         self._shipped_episodes = np.zeros(E, dtype=np.int64)
