@@ -91,12 +91,12 @@ def shard_of():
         s.stop()
 
 
-def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of):
+def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of, tmp_path):
     E, S, n = 4, 64, 3
     kw = dict(spec=APEX, P=E, S=S, selector="prioritized", kind=Transition(next_columns=("obs",)),
               selector_kwargs={"alpha": 0.6, "beta": 0.4})  # fmt: skip
     local, served = make_table(**kw), make_table(**kw)
-    _, port = shard_of(served)
+    shard, port = shard_of(served)
     remote = RemoteWriter(("127.0.0.1", port), num_streams=E, token=TOKEN, timeout_s=10, max_in_flight=2)
     assert isinstance(remote, WriterLike)
     assert remote.partitions.tolist() == list(range(E))
@@ -138,6 +138,19 @@ def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shar
     stats = sampler.stats()
     assert stats["replay/size"] == local.stats()["replay/size"]
     assert stats["replay/remote_partitions"] == E
+    # a remote checkpoint, restored, samples what the shard's table samples
+    from gearflow.replay.checkpoint import restore_checkpoint
+
+    shard.checkpoint_dir = tmp_path
+    (path,) = sampler.checkpoint("ckpt-1")
+    restored = restore_checkpoint(path)
+    try:
+        assert restored.size == served.size
+        np.testing.assert_array_equal(restored.sample(16).keys.numpy(), served.sample(16).keys.numpy())
+    finally:
+        restored.close()
+    with pytest.raises(ValueError, match="a checkpoint name"):
+        sampler.checkpoint("../escape")
     sampler.close()
     remote.close()
 

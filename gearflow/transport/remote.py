@@ -619,6 +619,12 @@ class RemoteSampler:
                 float(min(vals)) if k.endswith("_min") else float(np.mean(vals)))
         return out
 
+    def checkpoint(self, name: str) -> list[str]:
+        """Each shard writes its table to ``<its checkpoint_dir>/<name>`` (``replay.checkpoint``);
+        returns the paths, shard by shard."""
+        futs = [c.submit("replay.checkpoint", {"name": name}, timeout_s=self.timeout_s) for c in self._clients]
+        return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(self._clients, futs)]
+
     def close(self) -> None:
         self._ahead.clear()
         for c, own in zip(self._clients, self._own):
