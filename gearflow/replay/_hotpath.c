@@ -27,6 +27,11 @@
  * Everything is one pass over the batch with no allocation beyond a (B,)
  * scratch, no GIL release (calls take microseconds); the numpy versions in
  * selectors.py and items.py stay as the reference and the fallback.
+ *
+ * The actor side (issue #16), each with its numpy reference in Python:
+ *   nstep_context / nstep_add / nstep_publish   the Ape-X n-step adder (actors/adders.py)
+ *   episode_stats                                an actor's per-recv episode counters (actors/base.py)
+ *   put_rows                                     Writer.append's copy of large rows (replay/writer.py)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
