@@ -137,7 +137,7 @@ class RemoteWriter:
     def __init__(self, address: Any, num_streams: int, token: str | None = None, *,
                  partitions: Sequence[int] | None = None, insert_timeout_s: float = 60.0,
                  timeout_s: float = 30.0, max_in_flight: int = 4, batch_bytes: int = 1 << 20,
-                 max_delay_s: float = 0.002, loop: str = "auto"):  # fmt: skip
+                 max_delay_s: float = 0.01, loop: str = "auto"):  # fmt: skip
         self._client, self._own_client = _client(address, token, timeout_s, loop)
         self.insert_timeout_s = float(insert_timeout_s)
         self.timeout_s = float(timeout_s)
@@ -685,7 +685,7 @@ class ShippingWriter(Writer):
     unanswered: the shard's rate limiter holds the replies, and the next shipment waits (polling
     ``abort``) — back-pressure as bounded in-flight data. Errors of the shard (its rate
     limiter's timeout, a lost connection) are raised at the next shipment or :meth:`flush`.
-    A shipment goes at the first publish ``max_delay_s`` (2 ms) after the last one, or once a
+    A shipment goes at the first publish ``max_delay_s`` (10 ms) after the last one, or once a
     quarter of a stream's ring is unshipped, or at :meth:`flush`; so unshipped steps stay
     under the ring's size (a stream's steps between two publishes are one adder flush).
     Stacked-frame specs are refused (use :class:`RemoteWriter`).
@@ -696,7 +696,7 @@ class ShippingWriter(Writer):
 
     def __init__(self, address: Any, num_streams: int, token: str | None = None, *,
                  partitions: Sequence[int] | None = None, insert_timeout_s: float = 60.0,
-                 timeout_s: float = 30.0, max_in_flight: int = 4, max_delay_s: float = 0.002, loop: str = "auto"):  # fmt: skip
+                 timeout_s: float = 30.0, max_in_flight: int = 4, max_delay_s: float = 0.01, loop: str = "auto"):  # fmt: skip
         self._client, self._own_client = _client(address, token, timeout_s, loop)
         self.timeout_s, self.max_in_flight, self.max_delay_s = float(timeout_s), int(max_in_flight), float(max_delay_s)
         self._last_ship = time.monotonic()
