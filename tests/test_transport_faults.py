@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gearflow.replay import RateLimiter
-from gearflow.replay.storage import COMMIT, PUBLISHED
+from gearflow.replay.storage import COMMIT, HEARTBEAT_NS, PUBLISHED
 from gearflow.transport.client import RequestTimeout, ServiceUnavailable
 from gearflow.transport.remote import RemoteSampler, RemoteWriter
 from gearflow.transport.shard import ShardService
@@ -199,6 +199,7 @@ def test_shipping_writer_raises_a_named_error_and_a_new_one_continues(make_table
         w.flush()
         shipped = table.storage.counters[:2, COMMIT].copy()
         np.testing.assert_array_equal(shipped, w.positions)
+        assert (table.storage.counters[:2, HEARTBEAT_NS] > 0).all()  # flush stamps the shard's heartbeat
         assert table.storage.counters[:2, PUBLISHED].sum() == adder.items > 0
         shard.stop()
         t0 = time.monotonic()

@@ -746,9 +746,10 @@ class ShippingWriter(Writer):
             self._raise_pending()
         self.storage.header[H_INSERT_LIMIT] = int(c[:, PUBLISHED].sum()) + m
 
-    def ship(self) -> None:
+    def ship(self, heartbeat: bool = False) -> None:
         """Send the steps committed, items published and episodes ended since the last shipment
-        (one request, not waited for), after raising any earlier shipment's error."""
+        (one request, not waited for), after raising any earlier shipment's error; ``heartbeat``:
+        also stamp the shard partitions' heartbeat (what a supervisor there watches)."""
         self._raise_pending()
         st, c, S, R = self.storage, self.storage.counters, self._S, self._R
         commit, published, episodes = c[:, COMMIT].copy(), c[:, PUBLISHED].copy(), c[:, EPISODES].copy()
@@ -777,6 +778,8 @@ class ShippingWriter(Writer):
             ops.append(["i", int(seqs.size), o, fo, i, 1, self.insert_timeout_s])
         for i in np.flatnonzero(episodes > self._shipped_episodes).tolist():
             ops.append(["E", i, int(episodes[i] - self._shipped_episodes[i])])
+        if heartbeat:
+            ops.append(["f"])
         self._last_ship = time.monotonic()
         if not ops:
             return
@@ -818,7 +821,7 @@ class ShippingWriter(Writer):
     def flush(self) -> None:
         """Heartbeat, ship everything, wait for every reply (raising the shard's errors)."""
         super().flush()
-        self.ship()
+        self.ship(heartbeat=True)
         while self._inflight:
             self._wait_oldest()
 
