@@ -19,6 +19,7 @@ SUITES = {
     "replay": "gearflow.bench.replay",
     "actors": "gearflow.bench.actors",
     "keys": "gearflow.bench.keys",
+    "transport": "gearflow.bench.transport",
 }
 
 

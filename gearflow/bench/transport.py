@@ -1,0 +1,56 @@
+"""``gearflow bench transport``: the TCP data plane against the same work without a network.
+
+Workloads (each figure with its floor measured in the same run; the shard service runs in its
+own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
+
+* ``insert`` — a TransitionAdder over 16 env streams (8 per recv, pre-made recvs, no env):
+  ``ShippingWriter`` (the C adder, steps shipped to the shard) against the same adder writing
+  shared memory; ``RemoteWriter`` against the numpy adder writing shared memory (the adder it runs).
+* ``actor`` — the EnvPool CartPole Ape-X actor itself, through each remote writer, against
+  the same actor writing shared memory.
+* ``sample`` — ``RemoteSampler`` batches of 256 × 28 KiB rows against a raw TCP socket moving
+  the same bytes per request.
+* ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
+  socket's round trip of the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from gearflow.bench import record
+from gearflow.errors import GearflowError
+
+WORKLOADS = ("insert", "actor", "sample", "latency")
+
+
+def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
+    from gearflow.transport import bench as tb
+
+    unknown = sorted(set(wanted) - set(WORKLOADS))
+    if unknown:
+        raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    todo = wanted or list(WORKLOADS)
+    seconds = max(0.5, 2.0 * args.scale)
+
+    def rec(workload, metric, value, unit, floor=None):
+        emit(record("transport", workload, metric, value, unit, floor))
+
+    if "insert" in todo:
+        r = tb.insert(seconds)
+        rec("insert", "steps_per_s[ShippingWriter,C adder]", r["shipping_steps_per_s"], "steps/s", r["local_steps_per_s"])
+        rec("insert", "steps_per_s[RemoteWriter,numpy adder]", r["remote_steps_per_s"], "steps/s",
+            r["local_numpy_adder_steps_per_s"])  # fmt: skip
+    if "actor" in todo:
+        r = tb.actor(steps=max(2000, int(20_000 * args.scale)))
+        rec("actor", "env_steps_per_s[ShippingWriter]", r["shipping_writer_steps_per_s"], "steps/s", r["local_steps_per_s"])
+        rec("actor", "env_steps_per_s[RemoteWriter]", r["remote_writer_steps_per_s"], "steps/s", r["local_steps_per_s"])
+    if "sample" in todo:
+        r = tb.sample(seconds)
+        rec("sample", f"GB_per_s[batch={r['batch']}]", r["remote_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
+    if "latency" in todo:
+        for r in tb.latency(seconds / 2):
+            # floors are round-trip times: ratio = gearflow's time over the raw socket's
+            rec("latency", f"p50_us[batch={r['batch']}]", r["p50_us"], "us", r["raw_socket_p50_us"])
+            rec("latency", f"p99_us[batch={r['batch']}]", r["p99_us"], "us", r["raw_socket_p99_us"])
+    return 0

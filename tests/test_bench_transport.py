@@ -1,0 +1,28 @@
+"""``gearflow bench transport`` runs end to end (tiny sizes): every figure has its floor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_bench import ROOT, bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_transport_smoke():
+    rows = bench("transport", "--scale", "0.1")
+    by = {(r["workload"], r["metric"]): r for r in rows}
+    assert {w for w, _ in by} == {"insert", "actor", "sample", "latency"}
+    for key in [("insert", "steps_per_s[ShippingWriter,C adder]"), ("actor", "env_steps_per_s[ShippingWriter]"),
+                ("sample", "GB_per_s[batch=256]"), ("latency", "p50_us[batch=32]"), ("latency", "p99_us[batch=256]")]:
+        row = by[key]
+        assert row["value"] > 0 and row["floor"] > 0, row  # measured, and against a floor of the same run
+
+
+def test_bench_transport_unknown_workload():
+    proc = subprocess.run([sys.executable, "-m", "gearflow", "bench", "transport", "--workloads", "nope"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2 and "unknown workload(s) ['nope']" in proc.stderr
