@@ -5,7 +5,7 @@ over TCP (:mod:`gearflow.launchers.remote`). Each remote actor process here join
 (``run.join``: an actor index, its partitions, the run's config), then runs the same actor
 classes as a local actor process, with the transport's seams in place of shared memory::
 
-    writer = RemoteWriter(address, len(partitions), partitions=partitions)  # WriterLike
+    writer = ShippingWriter(address, len(partitions), partitions=partitions)  # a Writer: the C adder runs
     params = RemoteParams(control)                                          # ParameterSource
     actor = actor_class_for(agent)(env, agent, writer, params, epsilon, cfg=cfg, ...)
 
@@ -107,7 +107,7 @@ def _act(control, address, local_cfg, token, want, stop: _Stop, timeout_s: float
     from gearflow.actors.base import actor_epsilon, env_seed
     from gearflow.agent import make_agent, resolve_device
     from gearflow.envs import make_vec_env
-    from gearflow.transport.remote import RemoteParams, RemoteWriter
+    from gearflow.transport.remote import RemoteParams, RemoteWriter, ShippingWriter
 
     meta, _ = control.call("run.join", {"actor": want})
     if meta.get("stop"):
@@ -124,8 +124,11 @@ def _act(control, address, local_cfg, token, want, stop: _Stop, timeout_s: float
         if env.num_envs != len(parts):
             raise GearflowError(f"the learner gave actor {k} {len(parts)} partitions for env.num_envs={env.num_envs}")
         agent = make_agent(cfg, env.env_spec, resolve_device(str(cfg.actor.device)))
-        writer = RemoteWriter(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
-                              timeout_s=timeout_s, loop=loop)  # fmt: skip
+        # ShippingWriter: a local ring shipped to the shard, so the adder's C path runs here;
+        # RemoteWriter for stacked-frame columns (which the ring does not ship)
+        kind = RemoteWriter if cfg.replay.frame_stack else ShippingWriter
+        writer = kind(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
+                      timeout_s=timeout_s, loop=loop)  # fmt: skip
         reporter = _Reporter(control, stop)
 
         def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
