@@ -191,3 +191,35 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
         for st in stores:
             st.close()
             st.unlink()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The learner's spawned children (multiprocessing's spawn_main; not its resource tracker)."""
+    out = []
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" in cmd:
+            out.append(child)
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
+    """SIGKILL the learner's shard process mid-run (every actor is remote, so it is the learner's
+    only spawned child): the learner restarts it on the same port, the remote actors reconnect,
+    rejoin their places and the run reaches its step limit; both sides exit 0."""
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=8000")
+    actors_log = tmp_path / "actors.err"
+    actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
+    _wait_for(learner_log, r"progress: steps [1-9]", learner)
+    (shard,) = _spawned_children(learner.pid)
+    os.kill(shard, signal.SIGKILL)
+    _wait_for(learner_log, r"shard process died \(exit code -9\); restarting it on port", learner)
+    code, out = _finish(learner)
+    assert code == 0, learner_log.read_text()[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
+    assert learner_log.read_text().count("remote actor 0 joined") >= 2  # rejoined after the restart
+    assert actors.wait(timeout=90) == 0, actors_log.read_text()[-3000:]

@@ -80,7 +80,8 @@ class RemoteActors:
         self.table_info = (table.kind.to_dict(), sel.name, bool(sel.importance_sampled))
         self.max_restarts = int(cfg.actor.max_restarts)
         self.ctx = mp.get_context("spawn")
-        self.reports: mp.Queue = self.ctx.Queue()
+        self.reports: mp.Queue = self.ctx.Queue()  # one per shard process: see start()
+        self._retired: list = []
         self.stop_event = self.ctx.Event()
         self.proc = None
         self.port = 0
@@ -92,6 +93,9 @@ class RemoteActors:
         """Start the shard process; returns its port once it listens (a bind error is raised)."""
         ready = self.ctx.Queue()
         host, port, loop = self.where
+        if self.proc is not None:  # a SIGKILLed process may have left its queue and event mid-operation
+            self._retired.append(self.reports)
+            self.reports, self.stop_event = self.ctx.Queue(), self.ctx.Event()
         self.proc = self.ctx.Process(
             target=serve_remote_actors, name="shard",
             args=(self.cfg_yaml, *self.names, self.partitions, self.table_info, self.token, host,
@@ -169,8 +173,9 @@ class RemoteActors:
         if self.proc is not None and self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(timeout=5)
-        self.reports.close()
-        self.reports.join_thread()
+        for q in (self.reports, *self._retired):
+            q.close()
+            q.join_thread()
 
 
 # ---------------------------------------------------------------------- the shard process
@@ -268,9 +273,10 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         raise SystemExit(2) from None
     ready.put(("port", bound))
     try:
-        while not stop_event.wait(0.2):
-            if os.getppid() != parent_pid:  # the learner is gone (even SIGKILLed)
-                break
+        # polled, never waited on: a waiter killed inside Event.wait() would leave the learner's
+        # Event.set() waiting for it forever (multiprocessing's condition counts its sleepers)
+        while not stop_event.is_set() and os.getppid() == parent_pid:  # or the learner is gone (even SIGKILLed)
+            time.sleep(0.2)
         shard.service.stopping = True  # inserts the rate limiter holds give up (InsertAborted)
         deadline = time.monotonic() + 5.0
         while members.joined and time.monotonic() < deadline:  # their next report says stop
