@@ -107,7 +107,13 @@ class Agent(Protocol):
 
 @runtime_checkable
 class SequenceAgent(Agent, Protocol):
-    """An agent of ``Sequence`` items (R2D2): what :class:`~gearflow.actors.SequenceActor` calls."""
+    """An agent of ``Sequence`` items (R2D2): what :class:`~gearflow.actors.SequenceActor` calls.
+
+    Optional (the one method the actor looks up, so a user's agent need not have it): a
+    KV-cached policy, ``make_kv_cache(num_envs) -> KVCache | None``, ``context_hop() -> int``
+    and ``act_cached(network, cache, ids, obs_new, n_new, epsilon, rng) -> ActOutput``
+    (:mod:`gearflow.kv_cache`; ``agents/r2d2_transformer.py``). Without ``make_kv_cache`` (or
+    when it returns None) the actor calls :meth:`act` on the whole context every step."""
 
     def context_length(self) -> int:
         """How many of an env's latest observations ``act`` sees (C)."""
@@ -129,7 +135,10 @@ class SequenceAgent(Agent, Protocol):
 
 @runtime_checkable
 class EpisodeAgent(Agent, Protocol):
-    """An agent of ``Episode`` items (Decision Transformer): what :class:`~gearflow.actors.EpisodeActor` calls."""
+    """An agent of ``Episode`` items (Decision Transformer): what :class:`~gearflow.actors.EpisodeActor` calls.
+
+    Optional, as for :class:`SequenceAgent`: ``make_kv_cache``, ``context_hop`` and
+    ``act_cached`` (``agents/decision_transformer.py``: three tokens a step)."""
 
     def context_length(self) -> int:
         """How many of an env's latest (R̂, obs, action, t) steps ``act`` sees (K)."""
