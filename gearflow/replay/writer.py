@@ -63,7 +63,48 @@ class InsertAborted(GearflowError):
 
 
 
-class Writer:
+class StreamPositions:
+    """Where each stream of a writer stands, from ``_pos`` (next step), ``_episode_start``,
+    ``_S`` (ring steps) and ``_all`` (every stream's index): the bookkeeping a local
+    :class:`Writer` and a remote writer's mirror of its shard session share."""
+
+    _pos: np.ndarray
+    _episode_start: np.ndarray
+    _all: np.ndarray
+    _S: int
+
+    @property
+    def num_streams(self) -> int:
+        return self._all.size
+
+    @property
+    def steps_per_stream(self) -> int:
+        """Steps a stream holds before its oldest are overwritten (the partition's ring)."""
+        return self._S
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Absolute index of the next step of each stream."""
+        return self._pos.copy()
+
+    def episode_starts(self, streams=None) -> np.ndarray:
+        """Absolute index of the first step of each stream's current episode."""
+        return self._episode_start[self._streams(streams)].copy()
+
+    def episode_lengths(self, streams=None) -> np.ndarray:
+        s = self._streams(streams)
+        return self._pos[s] - self._episode_start[s]
+
+    def _streams(self, streams) -> np.ndarray:
+        if streams is None:
+            return self._all
+        s = np.asarray(streams, dtype=np.int64).reshape(-1)
+        if s.size and (s.min() < 0 or s.max() >= self.num_streams):
+            raise ValueError(f"streams {s.tolist()} out of range [0, {self.num_streams})")
+        return s
+
+
+class Writer(StreamPositions):
     """Writes steps and items into ``partitions`` (stream ``i`` → ``partitions[i]``).
 
     Steps of stream ``i`` are numbered by an absolute, per-partition counter that
@@ -132,39 +173,9 @@ class Writer:
         return self._ramp
 
     @property
-    def num_streams(self) -> int:
-        return self.partitions.size
-
-    @property
     def spec(self):
         """The :class:`~gearflow.replay.spec.TableSpec` of the rows this writer takes."""
         return self.storage.spec
-
-    @property
-    def steps_per_stream(self) -> int:
-        """Steps a stream holds before its oldest are overwritten (the partition's ring)."""
-        return self._S
-
-    @property
-    def positions(self) -> np.ndarray:
-        """Absolute index of the next step of each stream."""
-        return self._pos.copy()
-
-    def episode_starts(self, streams=None) -> np.ndarray:
-        """Absolute index of the first step of each stream's current episode."""
-        return self._episode_start[self._streams(streams)].copy()
-
-    def episode_lengths(self, streams=None) -> np.ndarray:
-        s = self._streams(streams)
-        return self._pos[s] - self._episode_start[s]
-
-    def _streams(self, streams) -> np.ndarray:
-        if streams is None:
-            return self._all
-        s = np.asarray(streams, dtype=np.int64).reshape(-1)
-        if s.size and (s.min() < 0 or s.max() >= self.num_streams):
-            raise ValueError(f"streams {s.tolist()} out of range [0, {self.num_streams})")
-        return s
 
     # ------------------------------------------------------------------ steps
     def append(self, steps: Mapping[str, Any], streams=None) -> np.ndarray:

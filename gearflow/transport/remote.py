@@ -62,7 +62,7 @@ from gearflow.replay.storage import (
     SharedStorage,
 )
 from gearflow.replay.table import Sample
-from gearflow.replay.writer import InsertAborted, Writer
+from gearflow.replay.writer import InsertAborted, StreamPositions, Writer
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 from gearflow.transport.shard import SHARD_SHIFT, SessionLost
 
@@ -129,7 +129,7 @@ class _Stage:
         return [self.ints[: self.ni], self.floats[: self.nf], *cols]
 
 
-class RemoteWriter:
+class RemoteWriter(StreamPositions):
     """A :class:`~gearflow.replay.protocols.WriterLike` over a shard's ``replay.write`` (see the
     module docstring). ``partitions``: ask for these (a restarted actor gets its own back);
     default: any free ones."""
@@ -202,33 +202,6 @@ class RemoteWriter:
     @property
     def spec(self) -> TableSpec:
         return self._spec
-
-    @property
-    def num_streams(self) -> int:
-        return self._num_streams
-
-    @property
-    def steps_per_stream(self) -> int:
-        return self._S
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self._pos.copy()
-
-    def episode_starts(self, streams=None) -> np.ndarray:
-        return self._episode_start[self._streams(streams)].copy()
-
-    def episode_lengths(self, streams=None) -> np.ndarray:
-        s = self._streams(streams)
-        return self._pos[s] - self._episode_start[s]
-
-    def _streams(self, streams) -> np.ndarray:
-        if streams is None:
-            return self._all
-        s = np.asarray(streams, dtype=np.int64).reshape(-1)
-        if s.size and (s.min() < 0 or s.max() >= self._num_streams):
-            raise ValueError(f"streams {s.tolist()} out of range [0, {self._num_streams})")
-        return s
 
     def append(self, steps: Mapping[str, Any], streams=None) -> np.ndarray:
         self._check_session()
