@@ -83,8 +83,10 @@ class Progress:
         return float(np.mean(self.returns[actor]))
 
     def actor_weights_version(self) -> int:
-        """The oldest weights version any actor process reported (-1 before they report)."""
-        versions = [int(c.get("actor/weight_version", -1)) for c in self.actor_counters.values()]
+        """The oldest weights version any actor that has acted reported (-1 before one has): an
+        actor still starting (a spawned process importing torch) has no policy lag yet."""
+        versions = [int(c.get("actor/weight_version", -1)) for c in self.actor_counters.values()
+                    if int(c.get("actor/env_steps", 1)) > 0]  # fmt: skip
         return min(versions) if versions else -1
 
 

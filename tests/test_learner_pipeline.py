@@ -89,3 +89,16 @@ def test_compile_is_applied_in_place_before_training(tmp_path):
     finally:
         _close(runner)
     assert not [n for n, owner, _ in list_segments() if owner == __import__("os").getpid()]
+
+
+def test_policy_lag_counts_only_actors_that_have_acted():
+    """An actor process still starting (0 env steps, weights version 0) is not the oldest policy."""
+    from gearflow.learner import Progress
+
+    p = Progress()
+    assert p.actor_weights_version() == -1
+    p.actor_counters[0] = {"actor/env_steps": 4000, "actor/weight_version": 7}
+    p.actor_counters[1] = {"actor/env_steps": 0, "actor/weight_version": 0}
+    assert p.actor_weights_version() == 7
+    p.actor_counters[1] = {"actor/env_steps": 16, "actor/weight_version": 5}
+    assert p.actor_weights_version() == 5
