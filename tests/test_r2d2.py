@@ -388,12 +388,15 @@ def test_masked_cartpole_has_positions_only():
 def test_train_masked_cartpole_r2d2_end_to_end(tmp_path, mode):
     # processes: samples-per-insert 1 ties the actors to the learner, so on a loaded machine
     # they cannot finish the run before the learner has published; serial: one thread does both
-    # serial: one update per recv, so fewer steps keep it as short
-    steps, pace = (3000, ["replay.samples_per_insert=1", "replay.error_buffer=64"]) if mode == "processes" else (
-        1000, ["run.serial=true", "replay.samples_per_insert=0"])  # fmt: skip
+    # serial: one update per recv, so fewer steps keep it as short; weights every 64 steps, as the
+    # KV-cached actor re-encodes its contexts after each new version (every 16 steps doubled the
+    # run's time and timed out next to a CPU hog)
+    steps, pace = (3000, ["replay.samples_per_insert=1", "replay.error_buffer=64", "actor.weight_sync_period=16"]
+                   ) if mode == "processes" else (
+        1000, ["run.serial=true", "replay.samples_per_insert=0", "actor.weight_sync_period=64"])  # fmt: skip
     cmd = [sys.executable, "-m", "gearflow", "train", str(ROOT / "configs" / "cartpole_masked_r2d2.yaml"),
            f"run.max_env_steps={steps}", "replay.min_size_to_sample=16", *pace,
-           "learner.batch_size=8", "learner.publish_every=2", "actor.weight_sync_period=16",
+           "learner.batch_size=8", "learner.publish_every=2",
            "env.num_envs=4", "env.batch_size=2", "agent.d_model=16", "agent.num_layers=1",
            "run.log_every_s=0.5", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False)
