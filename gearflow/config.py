@@ -47,6 +47,16 @@ _CUDA_N = re.compile(r"cuda:[0-9]+")
 
 def _device_ok(name: str) -> bool:
     return name in DEVICES or _CUDA_N.fullmatch(str(name)) is not None
+
+
+_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]*\]?:[0-9]{1,5}$")
+
+
+def _address_ok(text: Any) -> bool:
+    """``HOST:PORT`` with a port in [1, 65535]."""
+    return _ADDRESS.match(str(text)) is not None and 0 < int(str(text).rpartition(":")[2]) <= 65535
+
+
 PROGRESS_MODES = ("auto", "live", "log")
 RUN_MODES = ("online", "offline")
 _PERIOD = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
@@ -109,6 +119,11 @@ class ActorConfig:
     remote_actors: int = 0
     """How many of the ``num_actors`` actors run on other machines: the learner serves its replay
     and weights on ``transport.host:port`` and waits for them (``gearflow actor --connect``)."""
+    ladder_offset: int = 0
+    """Actors of the whole run placed before this machine's in the Ape-X ε ladder (and env seeds):
+    a shard node of a several-node run (``gearflow serve``, the Ray launcher) sets it."""
+    ladder_total: int = 0
+    """Actors of the whole run on the ε ladder; 0: ``num_actors`` (one machine)."""
 
 
 @dataclass
@@ -164,6 +179,15 @@ class LearnerConfig:
     """Run ``agent.learn`` under bfloat16 autocast (CUDA; also accepted on CPU)."""
     compile: bool = False
     """``torch.compile`` the learner network in place before training."""
+    world_size: int = 1
+    """Data-parallel learners training one model (``torch.distributed``): each samples
+    ``batch_size / world_size`` items, gradients are averaged; rank 0 publishes and checkpoints."""
+    rank: int = 0
+    """This learner's rank in ``[0, world_size)``."""
+    dist_address: str = "127.0.0.1:29511"
+    """``HOST:PORT`` where rank 0 meets the other learners (``torch.distributed`` TCP rendezvous)."""
+    dist_backend: str = "auto"
+    """``auto`` (NCCL when the learner is on CUDA, else gloo), ``gloo`` or ``nccl``."""
 
 
 @dataclass
@@ -216,6 +240,12 @@ class TransportConfig:
     """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
+    shards: list = field(default_factory=list)
+    """``HOST:PORT`` of the shard services (``gearflow serve``) this learner samples; empty: its own
+    table on this machine. Several shards sample like one table (exact global prioritized draws)."""
+    kind: str = "auto"
+    """How the learner reads remote shards: ``tcp``, ``rdma`` (one-sided reads through pyverbs) or
+    ``auto`` (RDMA where an RDMA device and pyverbs are usable, else TCP)."""
 
 
 @dataclass
@@ -519,6 +549,20 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     t = cfg.transport
     check(0 <= t.port <= 65535, "transport.port", "must be in [0, 65535] (0: any free port)")
     check(t.loop in ("auto", "uvloop", "asyncio"), "transport.loop", "must be one of auto, uvloop, asyncio")
+    check(t.kind in ("auto", "tcp", "rdma"), "transport.kind", "must be one of auto, tcp, rdma")
+    check(all(isinstance(x, str) and _address_ok(x) for x in t.shards), "transport.shards",
+          "must be a list of HOST:PORT strings (the addresses gearflow serve logs)")  # fmt: skip
+    check(not t.shards or not (run.serial or run.mode == "offline"), "transport.shards",
+          "samples remote shards: not with run.serial=true or run.mode=offline")  # fmt: skip
+    check(a.ladder_offset >= 0, "actor.ladder_offset", "must be ≥ 0")
+    check(a.ladder_total == 0 or a.ladder_total >= a.ladder_offset + a.num_actors, "actor.ladder_total",
+          f"must be 0 or ≥ actor.ladder_offset + actor.num_actors ({a.ladder_offset + a.num_actors})")  # fmt: skip
+    check(le.world_size >= 1, "learner.world_size", "must be ≥ 1")
+    check(0 <= le.rank < le.world_size, "learner.rank", f"must be in [0, learner.world_size={le.world_size})")
+    check(le.batch_size % le.world_size == 0, "learner.batch_size",
+          f"must be a multiple of learner.world_size={le.world_size} (each learner samples its share)")  # fmt: skip
+    check(_address_ok(le.dist_address), "learner.dist_address", "must be HOST:PORT")
+    check(le.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", "must be one of auto, gloo, nccl")
     geom = replay_geometry(cfg)
     need = min_steps_per_partition(cfg)
     check(

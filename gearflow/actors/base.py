@@ -72,15 +72,22 @@ def epsilon_ladder(num_envs_total: int, epsilon: float = 0.4, alpha: float = 7.0
 
 
 def actor_epsilon(cfg, actor_index: int, num_envs: int) -> np.ndarray:
-    """The ε of each env of actor ``actor_index``: its slice of the run's ladder (E,)."""
-    N = int(cfg.actor.num_actors) * int(num_envs)
-    ladder = epsilon_ladder(N, float(cfg.actor.epsilon), float(cfg.actor.epsilon_alpha))
-    return ladder[int(actor_index) * int(num_envs) + np.arange(int(num_envs))]
+    """The ε of each env of actor ``actor_index``: its slice of the run's ladder (E,). On a node
+    of a several-node run the ladder spans every node's actors (``actor.ladder_total``) and this
+    node's start at ``actor.ladder_offset``."""
+    a = cfg.actor
+    total = int(a.get("ladder_total", 0) or 0) or int(a.num_actors)
+    offset = int(a.get("ladder_offset", 0) or 0)
+    N = total * int(num_envs)
+    ladder = epsilon_ladder(N, float(a.epsilon), float(a.epsilon_alpha))
+    return ladder[(offset + int(actor_index)) * int(num_envs) + np.arange(int(num_envs))]
 
 
 def env_seed(cfg, actor_index: int) -> int:
-    """Seed of env 0 of actor ``actor_index`` (env ``e`` gets ``seed + e``)."""
-    return int(cfg.env.seed) + 100_003 * int(cfg.run.seed) + int(actor_index) * int(cfg.env.num_envs)
+    """Seed of env 0 of actor ``actor_index`` (env ``e`` gets ``seed + e``; a node of a several-node
+    run counts its actors from ``actor.ladder_offset``, so no two nodes repeat an env's seed)."""
+    index = int(cfg.actor.get("ladder_offset", 0) or 0) + int(actor_index)
+    return int(cfg.env.seed) + 100_003 * int(cfg.run.seed) + index * int(cfg.env.num_envs)
 
 
 class ActorBase:
