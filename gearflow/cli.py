@@ -3,6 +3,7 @@
     gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
     gearflow train --resume RUN_DIR [KEY=VALUE ...]   continue a run from its latest checkpoint
     gearflow actor --connect HOST:PORT [CONFIG]  actors for a run elsewhere (actor.remote_actors there)
+    gearflow serve CONFIG [KEY=VALUE ...]      this node's replay shard and actors, for learners elsewhere
     gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
     gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
@@ -125,6 +126,20 @@ def _cmd_actor(args: argparse.Namespace) -> int:
     return 0 if code == 0 else (2 if code == 2 else 3)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gearflow.config import load_config
+    from gearflow.launchers.serve import serve
+
+    cfg = load_config(args.config, args.overrides)
+    summary = serve(cfg, address_file=args.address_file)
+    print(json.dumps(summary))
+    if summary.get("stop_signal"):
+        import signal
+
+        return 128 + int(signal.Signals[summary["stop_signal"]])
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from gearflow.run.evaluate import evaluate
 
@@ -203,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None, help="shared secret (default: $GEARFLOW_TOKEN)")
     p.add_argument("--wait", type=float, default=60.0, metavar="S",
                    help="keep retrying an unreachable learner for S seconds before giving up (default 60)")
+
+    p = add("serve", _cmd_serve, "this node's replay shard and actors, served to learners on other machines "
+            "(their transport.shards lists this node's HOST:PORT); exits when a learner ends the run")
+    p.add_argument("config", help="YAML config: the run's (env, agent, replay), with this node's actor.num_actors, "
+                   "actor.ladder_offset/ladder_total and transport.host/port")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--address-file", metavar="FILE", help="write HOST:PORT there once listening")
 
     p = add("eval", _cmd_eval, "greedy evaluation of a run's latest checkpoint; prints mean/std return")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<name>-<time>)")

@@ -561,6 +561,8 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(0 <= le.rank < le.world_size, "learner.rank", f"must be in [0, learner.world_size={le.world_size})")
     check(le.batch_size % le.world_size == 0, "learner.batch_size",
           f"must be a multiple of learner.world_size={le.world_size} (each learner samples its share)")  # fmt: skip
+    check(le.world_size == 1 or bool(t.shards), "learner.world_size",
+          "> 1 needs transport.shards: data-parallel learners sample shard services (gearflow serve)")  # fmt: skip
     check(_address_ok(le.dist_address), "learner.dist_address", "must be HOST:PORT")
     check(le.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", "must be one of auto, gloo, nccl")
     geom = replay_geometry(cfg)

@@ -154,6 +154,7 @@ class Runner:
         self.launcher: LocalLauncher | None = None
         self.remote = None  # RemoteActors: actor.remote_actors > 0 (launchers/remote.py)
         self.serial_actor = None
+        self.shards = None  # RemoteShards: transport.shards (launchers/shards.py)
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
@@ -184,6 +185,9 @@ class Runner:
         kind = agent.item_kind()
         if kind.name != cfg.replay.item:
             raise ConfigError(f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items")
+        if cfg.transport.shards:  # the replay and the actors are on shard nodes (gearflow serve)
+            self._connect_shards()
+            return
         geom = replay_geometry(cfg, kind)
         spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)  # frame_stack: obs as frames
         replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
@@ -249,6 +253,32 @@ class Runner:
         log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", geom.num_partitions,
                  geom.steps_per_partition, storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
 
+    def _connect_shards(self) -> None:
+        """``transport.shards``: sample the shard nodes, push weights to them, read their progress
+        (:mod:`gearflow.launchers.shards`); no table, parameter store or actors here."""
+        from gearflow.launchers.shards import RemoteShards
+
+        cfg, agent = self.cfg, self.agent
+        if cfg.run.checkpoint_replay:  # each node's replay stays on its node (replay.checkpoint there)
+            log.info("transport.shards: checkpoints hold the learner only (the replay stays on the shard nodes)")
+            cfg.run.checkpoint_replay = False
+        self.shards = RemoteShards(cfg, agent, seed=cfg.run.seed)
+        self.table, self.params = self.shards.sampler, self.shards.params
+        version = None
+        if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
+            r = self.checkpoint.runner
+            self.progress.load_state(r["progress"])
+            self.shards.poll(self.progress, force=True)
+            self._env_steps_offset = int(r["env_steps"]) - self.shards.env_steps()
+            version = max(1, int(r["weights_version"]))
+        self.params.publish(agent.learner_network(), version=version)
+        beta = None
+        if cfg.replay.selector == "prioritized" and cfg.run.max_env_steps:
+            beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
+        self.learner = Learner(cfg, agent, self.table, self.params, self.progress, env_steps=self.env_steps,
+                               actor_version=self._actor_weights_version, checkpoints=self.checkpoints,
+                               beta=beta, device=self.device, stop=self._stop)  # fmt: skip
+
     def _restore_learner(self) -> None:
         try:
             self.agent.load_state_dict(self.checkpoint.learner["agent"])
@@ -262,6 +292,8 @@ class Runner:
 
     # ------------------------------------------------------------------ counters
     def env_steps(self) -> int:
+        if self.shards is not None:
+            return self._env_steps_offset + self.shards.env_steps()
         return self._env_steps_offset + env_steps_in(self.table)
 
     def _actor_weights_version(self) -> int:
@@ -275,6 +307,8 @@ class Runner:
         self._stop.set()
 
     def _drain(self) -> None:
+        if self.shards is not None:
+            self.shards.poll(self.progress)
         if self.launcher is not None:
             self.launcher.drain(self.progress)
         if self.remote is not None:
@@ -344,7 +378,11 @@ class Runner:
                 self.launcher.stop(drain=self._drain)
             if self.remote is not None:
                 self.remote.stop(drain=self._drain)
+            if self.shards is not None:
+                self.shards.poll(self.progress, force=True)
             summary = learner.snapshot(metrics)
+            if self.shards is not None and not self.stop_signal:  # a signal: --resume continues with the nodes
+                self.shards.end_run(reason)
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
             metrics_log.write(summary)
@@ -365,6 +403,9 @@ class Runner:
                 self.launcher.close()
             if self.remote is not None:
                 self.remote.close()
+            if self.shards is not None:
+                self.shards.close()  # its sampler and publisher: self.table and self.params
+                self.table = self.params = None
             for closable in (self.serial_actor, self.table, self.params, display, metrics_log):
                 if closable is not None:
                     closable.close()

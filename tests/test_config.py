@@ -197,8 +197,10 @@ VALIDATION_CASES = [
     (["actor.ladder_offset=1", "actor.ladder_total=2"], "actor.ladder_total",
      "must be 0 or ≥ actor.ladder_offset + actor.num_actors (3)"),
     (["learner.world_size=0"], "learner.world_size", "must be ≥ 1"),
-    (["learner.rank=2", "learner.world_size=2"], "learner.rank", "must be in [0, learner.world_size=2)"),
-    (["learner.world_size=3"], "learner.batch_size", "must be a multiple of learner.world_size=3"),
+    (["learner.world_size=2"], "learner.world_size", 
+     "> 1 needs transport.shards: data-parallel learners sample shard services (gearflow serve)"),
+    (["learner.rank=2", "learner.world_size=2", "transport.shards=[h:1]"], "learner.rank", "must be in [0, learner.world_size=2)"),
+    (["learner.world_size=3", "transport.shards=[h:1]"], "learner.batch_size", "must be a multiple of learner.world_size=3"),
     (["learner.dist_address=nowhere"], "learner.dist_address", "must be HOST:PORT"),
     (["learner.dist_backend=mpi"], "learner.dist_backend", "must be one of auto, gloo, nccl"),
     (

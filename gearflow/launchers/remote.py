@@ -53,7 +53,7 @@ from gearflow.launchers.local import ActorFailed
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
+__all__ = ["Members", "RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
 MAX_REPORTS = 4096  # messages of one run.report (a second's episodes of a fast actor fit many times)
@@ -181,7 +181,7 @@ class RemoteActors:
 # ---------------------------------------------------------------------- the shard process
 
 
-class _Members:
+class Members:
     """``run.join`` / ``run.report`` of the shard process: places of remote actors."""
 
     def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event):
@@ -258,7 +258,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         view = SimpleNamespace(storage=storage, kind=kind_from_dict(kind),
                                selector=SimpleNamespace(name=selector, importance_sampled=weighted),
                                size=0, stats=lambda: _storage_stats(storage))  # fmt: skip
-        members = _Members(cfg_yaml, partitions, reports, stop_event)
+        members = Members(cfg_yaml, partitions, reports, stop_event)
         every = sorted(p for parts in partitions.values() for p in parts)
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False)  # fmt: skip

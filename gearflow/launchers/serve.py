@@ -1,0 +1,306 @@
+"""``gearflow serve CONFIG``: one node's replay shard with that node's actors, for learners elsewhere.
+
+A shard node owns this machine's replay table (shared memory) and parameter store, runs the
+node's ``actor.num_actors`` actor processes against them (:class:`LocalLauncher`, exactly as
+``gearflow train`` does; the last ``actor.remote_actors`` of them join over TCP with
+``gearflow actor --connect``), and serves the table to learners on other machines with a
+:class:`~gearflow.transport.shard.ShardService` (``replay.sample``, ``replay.update_priorities``,
+``replay.stats``, ``replay.checkpoint``, ``params.get``) plus the learner's control messages:
+
+* ``params.push`` — the learner's new weights (``version``, ``names`` + one buffer per tensor),
+  published into the node's parameter store; its actors pick them up as from a local learner.
+* ``run.progress`` — what the node's actors reported since ``cursor`` (episodes, counters,
+  errors, as dicts with the actor's index in the *run*: ``actor.ladder_offset`` + local index),
+  the node's env steps, and whether the node is stopping. A learner polls it; several learners
+  (data-parallel) each keep their own cursor.
+* ``run.stop`` — the run is over: the node stops its actors and exits (``gearflow serve`` exits 0).
+
+::
+
+    node = ShardNode(cfg)            # table, parameter store, service, actor launcher
+    address = node.start()           # "host:port" once listening; actors started
+    node.serve_forever()             # supervise until run.stop, a signal, or a failed actor
+    node.close()
+
+A node is one of several when the learners' ``transport.shards`` lists several addresses: give
+each node its slice of the run's Ape-X ε ladder with ``actor.ladder_offset`` /
+``actor.ladder_total`` (the Ray launcher does).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gearflow.errors import ConfigError
+from gearflow.launchers.local import ActorFailed, LocalLauncher
+
+log = logging.getLogger("gearflow.serve")
+
+__all__ = ["ShardNode", "serve"]
+
+MAX_PROGRESS = 100_000  # reports kept for learners that poll late (oldest dropped first)
+MAX_PROGRESS_REPLY = 4096  # reports per run.progress reply
+
+
+class _Relay:
+    """What the node's actors report, numbered, for ``run.progress``: LocalLauncher.drain folds
+    into it as into a Progress (``add_episode``, ``actor_counters[...] = msg``), remote actors'
+    reports arrive through ``put`` (the queue interface of :class:`~gearflow.launchers.remote.Members`)."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.log: collections.deque = collections.deque(maxlen=MAX_PROGRESS)
+        self.first = 0  # sequence number of log[0]
+        self.lock = threading.Lock()
+        self.episodes = 0
+        self.returns: collections.deque = collections.deque(maxlen=100)
+        relay = self
+
+        class _Counters(dict):
+            def __setitem__(self, actor, msg):
+                super().__setitem__(actor, msg)
+                relay._add({**msg, "type": "counters", "actor": int(actor)})
+
+        self.actor_counters = _Counters()
+
+    def _add(self, msg: dict) -> None:
+        msg = {k: v for k, v in msg.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        msg["actor"] = self.offset + int(msg["actor"])
+        with self.lock:
+            if len(self.log) == self.log.maxlen:
+                self.first += 1
+            self.log.append(msg)
+
+    def add_episode(self, actor: int, ret: float) -> None:
+        self.episodes += 1
+        self.returns.append(ret)
+        self._add({"type": "episode", "actor": actor, "actor/episode_return": float(ret)})
+
+    def put(self, msg: dict) -> None:  # remote actors (run.join / run.report of Members)
+        kind = msg.get("type")
+        if kind == "episode":
+            self.add_episode(int(msg["actor"]), float(msg["actor/episode_return"]))
+        elif kind == "counters":
+            self.actor_counters[int(msg["actor"])] = msg
+        elif kind == "error":
+            log.error("remote actor %s raised:\n%s", msg.get("actor"), msg.get("error"))
+            self._add(msg)
+        elif kind in ("joined", "left"):
+            log.info("remote actor %s %s (%s)", msg.get("actor"), kind, msg.get("peer"))
+
+    def since(self, cursor: int) -> tuple[list[dict], int, int]:
+        """(reports from ``cursor`` on, the next cursor, how many were dropped before it)."""
+        with self.lock:
+            start = max(cursor, self.first)
+            lost = start - cursor
+            end = min(self.first + len(self.log), start + MAX_PROGRESS_REPLY)
+            items = [self.log[i - self.first] for i in range(start, end)]
+        return items, end, lost
+
+
+class ShardNode:
+    """This machine's replay shard, parameter store and actors (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig):
+        from gearflow.agent import make_agent
+        from gearflow.envs import make_vec_env
+        from gearflow.geometry import replay_geometry
+        from gearflow.params import ParameterStore
+        from gearflow.replay.spec import replay_spec
+        from gearflow.replay.storage import run_tag
+        from gearflow.runner import make_run_dir, make_table
+        from gearflow.transport.auth import resolve_token
+
+        if cfg.run.serial or cfg.run.mode == "offline":
+            raise ConfigError("gearflow serve runs actor processes: not with run.serial=true or run.mode=offline")
+        if cfg.transport.shards:
+            raise ConfigError("transport.shards is a learner's key (the shards it samples): a shard node serves "
+                              "its own table; remove it from the node's config")  # fmt: skip
+        self.cfg = cfg
+        try:
+            self.token = resolve_token(cfg.transport.token or None).decode()
+        except ValueError as exc:
+            raise ConfigError(f"gearflow serve: {exc}") from None
+        torch.manual_seed(cfg.run.seed)
+        probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
+        env_spec = probe.env_spec
+        probe.close()
+        agent = make_agent(cfg, env_spec, torch.device("cpu"))  # the replay layout and the weights' template
+        agent.setup_learner()
+        kind = agent.item_kind()
+        if kind.name != cfg.replay.item:
+            raise ConfigError(f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items")
+        geom = self.geom = replay_geometry(cfg, kind)
+        spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)
+        self.run_dir = make_run_dir(cfg)
+        self.table = make_table(cfg, kind, spec, geom, "cpu", run_tag(self.run_dir))
+        self.params = self.shard = self.launcher = None
+        try:
+            self.params = ParameterStore.create(agent.learner_network(), run_tag=run_tag(self.run_dir))
+            self.params.publish(agent.learner_network())  # version 1: the actors' weights until a learner pushes
+            self._template = {k: v for k, v in agent.learner_network().state_dict().items()}
+            self.relay = _Relay(int(cfg.actor.ladder_offset))
+            self.stop_event = threading.Event()
+            self.stop_reason = ""
+            partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
+            local = geom.num_actors - int(cfg.actor.remote_actors)
+            self.launcher = LocalLauncher(cfg, self.table.storage.name, self.params.name, partitions[:local])
+            remote = {a: [int(p) for p in partitions[a]] for a in range(local, geom.num_actors)}
+            self._build_service(remote)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_service(self, remote: dict[int, list[int]]) -> None:
+        from gearflow.config import to_yaml
+        from gearflow.launchers.remote import Members
+        from gearflow.transport.shard import ShardService
+
+        t = self.cfg.transport
+        every = sorted(p for parts in remote.values() for p in parts)
+        self.shard = ShardService(self.table, params=self.params, partitions=every, host=str(t.host), port=int(t.port),
+                                  token=self.token, loop=str(t.loop),
+                                  checkpoint_dir=str(self.run_dir / "replay"))  # fmt: skip
+        s = self.shard.service
+        if remote:
+            members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event)
+            s.register("run.join", members.join, with_connection=True)
+            s.register("run.report", members.report, with_connection=True, inline=True)
+        s.register("params.push", self._params_push)
+        s.register("run.progress", self._progress, inline=True)
+        s.register("run.stop", self._stop, with_connection=True)
+
+    # ----------------------------------------------------------------- handlers
+    def _params_push(self, meta: dict, bufs):
+        version, names = meta.get("version"), meta.get("names")
+        if type(version) is not int or version < 1:
+            raise ValueError(f"params.push: version must be an int ≥ 1, got {version!r}")
+        if not isinstance(names, list) or len(names) != len(bufs) or set(names) != set(self._template):
+            raise ValueError(f"params.push: the weights must name exactly the {len(self._template)} tensors of the "
+                             f"node's {self.cfg.agent.name} network (got {len(bufs)} buffers)")  # fmt: skip
+        state = {}
+        for n, a in zip(names, bufs):
+            t = torch.from_numpy(a)
+            want = self._template[n]
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise ValueError(f"params.push: {n!r} is {t.dtype}{list(t.shape)}, the node's network holds "
+                                 f"{want.dtype}{list(want.shape)} (is the learner's agent config the node's?)")
+            state[n] = t
+        if version <= self.params.latest_version():
+            return {"version": self.params.latest_version(), "applied": False}, []
+        self.params.publish(state, version=version)
+        return {"version": version, "applied": True}, []
+
+    def _progress(self, meta: dict, bufs):
+        cursor = meta.get("cursor", 0)
+        if type(cursor) is not int or cursor < 0:
+            raise ValueError(f"run.progress: cursor must be an int ≥ 0, got {cursor!r}")
+        from gearflow.runner import env_steps_in
+
+        items, nxt, lost = self.relay.since(cursor)
+        return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": env_steps_in(self.table),
+                "actors": self.geom.num_actors, "ladder_offset": int(self.cfg.actor.ladder_offset),
+                "stopping": self.stop_event.is_set()}, []  # fmt: skip
+
+    def _stop(self, meta: dict, bufs, conn):
+        reason = meta.get("reason")
+        self.stop_reason = f"run.stop from {conn.peer}" + (f": {str(reason)[:200]}" if reason else "")
+        self.stop_event.set()
+        return {}, []
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.transport.host}:{self.shard.port}"
+
+    def start(self) -> str:
+        """Listen, then start the actors; returns ``host:port``."""
+        self.shard.start()
+        self.launcher.start()
+        log.info("shard serving %d partitions × %d steps on %s (%d actor(s) here, ε-ladder offset %d)",
+                 self.geom.num_partitions, self.geom.steps_per_partition, self.address,
+                 self.geom.num_actors - int(self.cfg.actor.remote_actors), int(self.cfg.actor.ladder_offset))  # fmt: skip
+        return self.address
+
+    def serve_forever(self, poll_s: float = 0.1) -> str:
+        """Supervise the actors until ``run.stop``, :attr:`stop_event` or a failed actor; returns why."""
+        from gearflow.runner import env_steps_in
+
+        last_log = time.monotonic()
+        while not self.stop_event.is_set():
+            self.launcher.drain(self.relay)
+            try:
+                self.launcher.check()
+            except ActorFailed as exc:
+                self.stop_reason = f"actor failed: {exc}"
+                self.stop_event.set()
+                raise
+            if time.monotonic() - last_log >= float(self.cfg.run.log_every_s):
+                last_log = time.monotonic()
+                r = self.relay.returns
+                log.info("shard %s: %d env steps, %d episodes, return over the last 100 %.1f, weights version %d",
+                         self.address, env_steps_in(self.table), self.relay.episodes,
+                         float(np.mean(r)) if r else float("nan"), self.params.latest_version())  # fmt: skip
+            self.stop_event.wait(poll_s)
+        return self.stop_reason or "stopped"
+
+    def close(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop(drain=lambda: self.launcher.drain(self.relay))
+            self.launcher.close()
+            self.launcher = None
+        if self.shard is not None:
+            self.shard.stop()
+            self.shard = None
+        for closable in (self.params, self.table):
+            if closable is not None:
+                closable.close()
+        self.params = self.table = None
+
+
+def serve(cfg: DictConfig, *, address_file: str | None = None) -> dict[str, Any]:
+    """Run a shard node until the run is over; returns its summary. ``address_file``: written with
+    ``host:port`` once listening (for scripts and launchers)."""
+    from gearflow.runner import env_steps_in
+
+    node = ShardNode(cfg)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped: list[int] = []
+
+    def on_signal(signum, frame):
+        stopped.append(signum)
+        node.stop_reason = f"stopped by {signal.Signals(signum).name}"
+        node.stop_event.set()
+
+    try:
+        for s in previous:
+            signal.signal(s, on_signal)
+        address = node.start()
+        print(json.dumps({"serving": address}), flush=True)
+        if address_file:
+            tmp = f"{address_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(address)
+            os.replace(tmp, address_file)
+        reason = node.serve_forever()
+        summary = {"stop_reason": reason, "actor/env_steps": env_steps_in(node.table), "actor/episodes": node.relay.episodes,
+                   "weights_version": node.params.latest_version()}  # fmt: skip
+        if stopped:
+            summary["stop_signal"] = signal.Signals(stopped[0]).name
+        return summary
+    finally:
+        node.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+

@@ -1,0 +1,202 @@
+"""A learner's view of shard nodes (``transport.shards``): its table, its weights' way out, its progress.
+
+With ``transport.shards = [HOST:PORT, ...]`` (the nodes' ``gearflow serve`` addresses),
+``gearflow train`` keeps no replay of its own and starts no actors: the nodes hold the replay
+and run the actors. The runner plugs three pieces of :class:`RemoteShards` where the local
+table, parameter store and launcher would go::
+
+    shards = RemoteShards(cfg, agent)       # connects, checks the nodes hold the agent's items
+    learner = Learner(cfg, agent, shards.sampler, shards.params, progress, env_steps=shards.env_steps, ...)
+    shards.poll(progress)                   # between batches: the nodes' episodes and counters
+    shards.end_run("reached run.max_env_steps")   # the publishing learner: the nodes stop and exit
+
+* ``sampler`` — a :class:`~gearflow.transport.remote.RemoteSampler` over every node (exact global
+  prioritized draws, see there), or, with ``transport.kind=rdma`` (or ``auto`` where an RDMA device
+  and pyverbs are usable) and one node, an :class:`~gearflow.native.rdma_replay.RdmaSampler` that
+  reads the rows with one-sided RDMA READs.
+* ``params`` — :class:`PushedParams`: ``publish`` sends the weights to every node
+  (``params.push``), whose actors load them from the node's parameter store.
+* ``poll`` — ``run.progress`` of each node (at most every 0.25 s): episodes and counters, with the
+  actor's index in the run, folded into the learner's :class:`~gearflow.learner.Progress`; the
+  run's env steps are the sum of the nodes'.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from gearflow.errors import ConfigError, GearflowError
+
+log = logging.getLogger("gearflow.runner")
+
+__all__ = ["PushedParams", "RemoteShards"]
+
+POLL_S = 0.25
+
+
+class PushedParams:
+    """A :class:`~gearflow.params.protocol.ParameterPublisher` that sends each version to every
+    node (``params.push``). A push is answered before the next is sent (one version in flight
+    per node: a slow node delays the learner by one push at most, and never queues versions)."""
+
+    def __init__(self, clients: list, timeout_s: float):
+        self.clients, self.timeout_s = clients, float(timeout_s)
+        self.version = 0
+        self._pending: list = []
+
+    def latest_version(self) -> int:
+        return self.version
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for c, fut in pending:
+            c.result(fut, "params.push", self.timeout_s)
+
+    def publish(self, params: Any, version: int | None = None) -> int:
+        state = params.state_dict() if isinstance(params, torch.nn.Module) else dict(params)
+        version = self.version + 1 if version is None else int(version)
+        if version <= self.version:
+            raise ValueError(f"version {version} is not newer than the latest published version {self.version}")
+        names = list(state)
+        bufs = [np.ascontiguousarray(state[n].detach().float().cpu().numpy() if state[n].dtype == torch.bfloat16
+                                     else state[n].detach().cpu().numpy()) for n in names]  # fmt: skip
+        self._wait()
+        self._pending = [(c, c.submit("params.push", {"version": version, "names": names}, bufs,
+                                      timeout_s=self.timeout_s)) for c in self.clients]  # fmt: skip
+        self.version = version
+        return version
+
+    def close(self) -> None:
+        try:
+            self._wait()
+        except GearflowError as exc:  # the run is over: a node already gone loses nothing
+            log.debug("last weights push not answered: %s", exc)
+
+
+class RemoteShards:
+    """The shard nodes of ``cfg.transport.shards`` as the learner's table, publisher and actors."""
+
+    def __init__(self, cfg: DictConfig, agent, *, publisher: bool = True, seed: int | None = None):
+        from gearflow.native.rdma import choose_transport
+        from gearflow.transport.auth import resolve_token
+        from gearflow.transport.client import Client
+        from gearflow.transport.remote import RemoteSampler
+
+        t = cfg.transport
+        self.addresses = [str(a) for a in t.shards]
+        try:
+            token = resolve_token(t.token or None).decode()
+        except ValueError as exc:
+            raise ConfigError(f"transport.shards: {exc}") from None
+        self.timeout_s = max(30.0, float(cfg.replay.timeout_s))
+        self.choice = choose_transport(str(t.kind))
+        self.publisher = publisher
+        self.clients: list = []
+        self.sampler = None
+        try:
+            self.clients = [Client(a, token, timeout_s=self.timeout_s, loop=str(t.loop)) for a in self.addresses]
+            for c in self.clients:  # one clear line for an unreachable node, before anything else
+                try:
+                    c.connect(timeout_s=self.timeout_s)
+                except GearflowError as exc:
+                    raise GearflowError(f"transport.shards: cannot reach the shard node {c.address_text}: {exc}") from None
+            if self.choice.transport == "rdma":
+                self.sampler = self._rdma_sampler(cfg)
+            else:
+                self.sampler = RemoteSampler(self.addresses, token, prefetch=1, timeout_s=self.timeout_s,
+                                             num_buffers=int(cfg.learner.prefetch) + 2,
+                                             seed=cfg.run.seed if seed is None else seed, loop=str(t.loop))  # fmt: skip
+            log.info("learner samples %d shard node(s) %s over %s (%s)", len(self.clients), ", ".join(self.addresses),
+                     self.choice.transport, self.choice.reason)  # fmt: skip
+            want = agent.item_kind().to_dict()
+            if self.sampler.kind.to_dict() != want:
+                raise ConfigError(f"transport.shards: the nodes hold {self.sampler.kind.to_dict()} items, the agent "
+                                  f"learns from {want} (serve the same config on the nodes)")  # fmt: skip
+            have = set(self.sampler.spec.names)
+            if missing := [n for n in agent.replay_columns() if n not in have]:
+                raise ConfigError(f"transport.shards: the nodes' replay has no column {missing[0]!r} the agent learns "
+                                  "from (serve the same agent config on the nodes)")  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        self.params = PushedParams(self.clients, self.timeout_s)
+        self._cursors = [0] * len(self.clients)
+        self._steps = [0] * len(self.clients)
+        self._next_poll = 0.0
+        self.errors: dict[int, str] = {}
+
+    def _rdma_sampler(self, cfg: DictConfig):
+        from gearflow.native.rdma import VerbsMemory
+        from gearflow.native.rdma_replay import RdmaSampler
+
+        if len(self.clients) != 1:
+            raise ConfigError(f"transport.kind={cfg.transport.kind} reads one shard node over RDMA; "
+                              f"transport.shards lists {len(self.clients)} (use transport.kind=tcp for several)")  # fmt: skip
+        client = self.clients[0]
+
+        def call(op: str, meta: dict, bufs: list):
+            return client.call(op, meta, bufs, timeout_s=self.timeout_s)
+
+        return RdmaSampler(call, VerbsMemory(), num_buffers=int(cfg.learner.prefetch) + 2, timeout_s=self.timeout_s)
+
+    # ----------------------------------------------------------------- progress
+    def env_steps(self) -> int:
+        return int(sum(self._steps))
+
+    def poll(self, progress, force: bool = False) -> None:
+        """Fold the nodes' reports since the last poll into ``progress`` (at most every 0.25 s).
+        A node that does not answer is logged and skipped: the learner goes on."""
+        now = time.monotonic()
+        if not force and now < self._next_poll:
+            return
+        self._next_poll = now + POLL_S
+        futs = []
+        for i, c in enumerate(self.clients):
+            try:
+                futs.append((i, c, c.submit("run.progress", {"cursor": self._cursors[i]}, timeout_s=self.timeout_s)))
+            except GearflowError as exc:
+                log.warning("shard node %s: no progress (%s)", c.address_text, exc)
+        for i, c, fut in futs:
+            try:
+                meta, _ = c.result(fut, "run.progress", self.timeout_s)
+            except GearflowError as exc:
+                log.warning("shard node %s: no progress (%s)", c.address_text, exc)
+                continue
+            if meta.get("lost"):
+                log.warning("shard node %s: %d reports dropped before this learner read them", c.address_text, meta["lost"])
+            self._cursors[i] = int(meta["cursor"])
+            self._steps[i] = int(meta["env_steps"])
+            for m in meta["messages"]:
+                kind, actor = m.get("type"), int(m["actor"])
+                if kind == "episode":
+                    progress.add_episode(actor, float(m["actor/episode_return"]))
+                elif kind == "counters":
+                    progress.actor_counters[actor] = m
+                elif kind == "error":
+                    log.error("actor %d on shard node %s raised:\n%s", actor, c.address_text, m.get("error"))
+                    lines = str(m.get("error", "")).strip().splitlines()
+                    self.errors[actor] = lines[-1] if lines else "?"
+
+    def end_run(self, reason: str) -> None:
+        """Tell every node the run is over (they stop their actors and exit); unreachable ones are logged."""
+        for c in self.clients:
+            try:
+                c.call("run.stop", {"reason": reason}, timeout_s=min(10.0, self.timeout_s))
+            except GearflowError as exc:
+                log.warning("shard node %s: run.stop not delivered (%s)", c.address_text, exc)
+
+    def close(self) -> None:
+        if getattr(self, "params", None) is not None:
+            self.params.close()
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+        for c in self.clients:
+            c.close()
+        self.clients = []
