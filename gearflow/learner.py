@@ -8,6 +8,11 @@ write-back, β schedule, weight publishing, metric rows, stop limits, periodic c
     learner = Learner(cfg, agent, table, params, progress, env_steps=lambda: ...)
     batches = Prefetcher(table, learner.lock, cfg.learner.batch_size, cfg.learner.prefetch, stop)
     reason = learner.run(batches.next_batch, between=supervise, emit=metrics.write)
+
+With ``parallel`` (a :class:`~gearflow.distributed.DataParallel`, ``learner.world_size > 1``)
+every iteration first agrees with the other learners: all learn in the same iterations and stop
+in the same one, so they make the same number of updates; only rank 0 publishes weights and
+writes checkpoints.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -28,6 +33,9 @@ from omegaconf import DictConfig
 from gearflow.run.checkpoint import RunCheckpoints, rng_states
 from gearflow.config import parse_period, to_yaml
 from gearflow.replay.protocols import SamplerLike
+
+if TYPE_CHECKING:
+    from gearflow.distributed import DataParallel
 
 log = logging.getLogger("gearflow.runner")
 
@@ -172,15 +180,18 @@ class BetaSchedule:
 class Learner:
     """Learns from batches, writes priorities back, anneals β, publishes weights, makes metric
     rows and checkpoints; :meth:`run` is the loop. ``env_steps()`` counts the run's env steps;
-    ``actor_version()`` the oldest weights version an actor acts with."""
+    ``actor_version()`` the oldest weights version an actor acts with. ``parallel``: this
+    learner's data-parallel group (None: the only learner)."""
 
     def __init__(self, cfg: DictConfig, agent, table: SamplerLike, params, progress: Progress, *,
                  env_steps: Callable[[], int], actor_version: Callable[[], int],
                  checkpoints: Optional[RunCheckpoints] = None, beta: Optional[BetaSchedule] = None,
-                 device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None):  # fmt: skip
+                 device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None,
+                 parallel: Optional["DataParallel"] = None):  # fmt: skip
         self.cfg, self.agent, self.table, self.params, self.progress = cfg, agent, table, params, progress
         self.env_steps, self.actor_version, self.checkpoints = env_steps, actor_version, checkpoints
-        self.beta, self.device = beta, device
+        self.beta, self.device, self.parallel = beta, device, parallel
+        self.publisher = parallel is None or parallel.is_publisher  # rank 0: weights and checkpoints
         self.lock = threading.Lock()  # the prefetcher samples and checkpoints read the table under it
         self.stop = stop if stop is not None else threading.Event()  # set: the run stops (signals)
         self._pending_tokens = None  # tensor: valid steps learned from since the last row
@@ -212,7 +223,7 @@ class Learner:
             self._pending_tokens = total if self._pending_tokens is None else self._pending_tokens + total
         if "version" in batch.data:  # how many publications old the sampled data is
             self._last_batch_version = (self.params.latest_version(), batch.data["version"].double().mean())
-        if p.updates % self.cfg.learner.publish_every == 0:
+        if p.updates % self.cfg.learner.publish_every == 0 and self.publisher:
             self.params.publish(self.agent.learner_network())
         if self.beta is not None:
             self.table.selector.beta = self.beta(self.env_steps())
@@ -251,6 +262,7 @@ class Learner:
             "actor/policy_lag": latest - max(0, oldest),
             "replay/sample_age_versions": p.data_age,
             **self.table.stats(),
+            **(self.parallel.stats() if self.parallel is not None else {}),
             **metrics,
         }
 
@@ -276,15 +288,30 @@ class Learner:
             emit: Callable[[dict], None] = lambda row: None) -> tuple[str, dict[str, float]]:
         """Learn until :meth:`done` or ``between()`` (called before every batch: supervision)
         gives a reason; a metric row goes to ``emit`` every ``run.log_every_s``, a checkpoint
-        is written every ``run.checkpoint_every``. Returns the reason and the last metrics."""
+        is written every ``run.checkpoint_every``. Returns the reason and the last metrics.
+
+        Data-parallel (``parallel``): each iteration the ranks agree (:meth:`DataParallel.agree
+        <gearflow.distributed.DataParallel.agree>`) to learn only when every rank has a batch
+        (a rank's batch waits for the next iteration otherwise) and to stop when any rank has a
+        reason; a rank stopped by another's reason returns "stopped with the other learners"."""
         p, every = self.progress, self.cfg.run.log_every_s
         self._last_checkpoint = (time.monotonic(), p.updates)
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
         last_samples, last_tokens = p.samples, p.tokens
-        while not (reason := self.done()):
-            if reason := between():
-                break
-            batch = next_batch()
+        pending = None  # data-parallel: a batch this rank holds while another rank has none
+        while True:
+            if self.parallel is None:
+                if (reason := self.done()) or (reason := between()):
+                    break
+                batch = next_batch()
+            else:
+                reason = self.done() or between()
+                batch = pending if pending is not None or reason else next_batch()
+                learn, stop = self.parallel.agree(batch is not None, bool(reason))
+                if stop:
+                    reason = reason or "stopped with the other learners"
+                    break
+                pending, batch = (None, batch) if learn else (batch, None)
             if batch is not None:
                 metrics = self.learn_step(batch)
             now = time.monotonic()
@@ -326,7 +353,8 @@ class Learner:
 
     @property
     def checkpoints_on(self) -> bool:
-        return self._checkpoint_period[0] != "off"
+        """Whether this learner writes checkpoints (``run.checkpoint_every``; data-parallel: rank 0 only)."""
+        return self.publisher and self._checkpoint_period[0] != "off"
 
     def _periodic_checkpoint(self) -> None:
         """A periodic checkpoint; one that cannot be written (disk full, read-only) is removed,
@@ -339,6 +367,8 @@ class Learner:
                         "checkpoints are intact, the next period retries", self.progress.updates, exc)
 
     def _checkpoint_due(self) -> bool:
+        if not self.publisher:
+            return False
         kind, every = self._checkpoint_period
         when, updates = self._last_checkpoint
         if kind == "updates":

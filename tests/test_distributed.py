@@ -1,0 +1,368 @@
+"""Data-parallel learners (``gearflow.distributed``): real spawned processes, gloo on loopback.
+
+* two ranks of the apex DQN agent, each learning from its half of a global batch, are identical
+  after every step AND equal to one learner that learns from the whole global batch;
+* ``Learner.run`` on two ranks whose batches and stop reasons come at different times: both
+  make the same updates, in step, and stop together; only rank 0 publishes;
+* a parameter that one rank's batch does not reach gets the averaged gradient on both ranks;
+  an agent without ``state_dict`` still starts identical on every rank;
+* a rendezvous that cannot happen is a GearflowError naming ``learner.dist_address``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gearflow.distributed import DataParallel, resolve_backend
+from gearflow.errors import GearflowError
+from gearflow.replay.spec import TableSpec
+from gearflow.replay.table import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
+GLOBAL_BATCH, STEPS = 64, 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_apex(seed: int, overrides=()):
+    """The apex DQN learner built the way the runner builds it (config → env spec probe →
+    make_agent → setup_learner), with gradient clipping made inactive."""
+    from gearflow.agent import make_agent
+    from gearflow.config import load_config
+    from gearflow.envs import make_vec_env
+
+    cfg = load_config(CONFIG, [f"run.seed={seed}", "learner.device=cpu", *overrides])
+    probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
+    env_spec = probe.env_spec
+    probe.close()
+    torch.manual_seed(seed)
+    agent = make_agent(cfg, env_spec, torch.device("cpu"))
+    agent.setup_learner()
+    agent.cfg.max_grad_norm = 1e9  # no clipping: the average of the shares is the global gradient
+    return cfg, agent
+
+
+def random_batch(agent, size: int, seed: int, key0: int = 0) -> Sample:
+    """Random rows of the agent's replay columns (plus its item's ``next_*`` columns), fixed IS weights."""
+    g = torch.Generator().manual_seed(seed)
+    spec = TableSpec.parse(agent.replay_columns())
+    data = {}
+    for c in spec.columns:
+        dtype = getattr(torch, c.dtype.name)
+        if c.name == "action":
+            data[c.name] = torch.randint(0, agent.num_actions, (size,), generator=g)
+        elif c.name == "disc":
+            data[c.name] = torch.rand(size, generator=g)
+        elif dtype.is_floating_point:
+            data[c.name] = torch.randn(size, *c.shape, generator=g).to(dtype)
+        else:
+            data[c.name] = torch.zeros(size, *c.shape, dtype=dtype)
+    for name in agent.item_kind().next_columns:
+        data[f"next_{name}"] = torch.randn(data[name].shape, generator=g).to(data[name].dtype)
+    weights = torch.rand(size, generator=g) * 0.5 + 0.5
+    return Sample(data, torch.arange(key0, key0 + size), weights, torch.full((size,), 1.0 / size, dtype=torch.float64))
+
+
+def share(batch: Sample, rank: int, world: int) -> Sample:
+    """Rank ``rank``'s rows of a global batch."""
+    n = len(batch.keys) // world
+    rows = slice(rank * n, (rank + 1) * n)
+    return Sample({k: v[rows] for k, v in batch.data.items()}, batch.keys[rows], batch.weights[rows],
+                  batch.probabilities[rows])  # fmt: skip
+
+
+def flat_params(module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def spawn(target, world: int, *args, timeout: float = 60.0) -> None:
+    """Run ``target(rank, world, *args)`` in ``world`` spawned processes; a child's traceback fails the test."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(target, rank, world, errors, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+        hung = [rank for rank, p in enumerate(procs) if p.exitcode is None]
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        assert not failures, "\n".join(failures)
+        assert not hung, f"rank(s) {hung} still running after {timeout} s (a collective that never paired up?)"
+        assert [p.exitcode for p in procs] == [0] * world
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+
+def _child(target, rank, world, errors, *args):
+    torch.set_num_threads(1)
+    try:
+        target(rank, world, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------- 1. the average is right
+
+
+def _learn_shares(rank, world, port, out: Path):
+    cfg, agent = make_apex(seed=100 + rank)  # different initial weights on purpose: setup() makes them rank 0's
+    before = flat_params(agent.online)
+    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "auto", "cpu", timeout_s=60).init()
+    try:
+        parallel.setup(agent)
+        record = {"before_setup": before, "initial": flat_params(agent.online),
+                  "target": flat_params(agent.target), "steps": []}  # fmt: skip
+        for step in range(STEPS):
+            metrics, prio = agent.learn(share(random_batch(agent, GLOBAL_BATCH, seed=step), rank, world))
+            record["steps"].append(flat_params(agent.online))
+        record["optimizer_steps"] = [int(s["step"]) for s in agent.optimizer.state_dict()["state"].values()]
+        record["stats"] = parallel.stats()
+        torch.save(record, out / f"rank{rank}.pt")
+    finally:
+        parallel.close()
+        parallel.close()  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_learning_from_halves_equal_one_learner_on_the_global_batch(tmp_path):
+    spawn(_learn_shares, 2, free_port(), tmp_path)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert not torch.equal(r0["before_setup"], r1["before_setup"])  # the ranks were built differently
+    assert torch.equal(r0["initial"], r1["initial"]) and torch.equal(r0["target"], r1["target"])
+
+    _, single = make_apex(seed=100)  # rank 0's seed: the same initial weights
+    torch.testing.assert_close(flat_params(single.online), r0["initial"], rtol=0, atol=0)
+    for step in range(STEPS):
+        single.learn(random_batch(single, GLOBAL_BATCH, seed=step))
+        want = flat_params(single.online)
+        assert torch.equal(r0["steps"][step], r1["steps"][step]), f"ranks differ after step {step + 1}"
+        moved = (r0["steps"][step] - (r0["steps"][step - 1] if step else r0["initial"])).abs().max()
+        assert moved > 1e-6  # the step changed the weights (the comparison below is not vacuous)
+        torch.testing.assert_close(r0["steps"][step], want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {step + 1}: 2 ranks ≠ one learner on the global batch: {m}")  # fmt: skip
+    assert r0["optimizer_steps"] == r1["optimizer_steps"] == [STEPS] * len(r0["optimizer_steps"])
+    assert r0["stats"]["learner/world_size"] == 2.0 and r0["stats"]["learner/grad_allreduce_ms"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_the_sum_of_the_shares_is_not_the_answer():
+    """Control for the test above: learning from one half alone gives different weights,
+    so agreement with the global batch is a property of the averaging."""
+    _, a = make_apex(seed=100)
+    _, b = make_apex(seed=100)
+    a.learn(random_batch(a, GLOBAL_BATCH, seed=0))
+    b.learn(share(random_batch(b, GLOBAL_BATCH, seed=0), 0, 2))
+    assert not torch.allclose(flat_params(a.online), flat_params(b.online), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 2. the loop stays in step
+
+
+class RecordingTable:
+    """The learner's sampler side: records the keys it gets priorities for, in order."""
+
+    def __init__(self):
+        self.learned: list[int] = []
+
+    def update_priorities(self, keys, priorities) -> None:
+        assert torch.isfinite(torch.as_tensor(priorities)).all()
+        self.learned.append(int(keys[0]))
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class RecordingParams:
+    def __init__(self):
+        self.published = 0
+
+    def publish(self, network, version=None) -> int:
+        self.published += 1
+        return self.published
+
+    def latest_version(self) -> int:
+        return self.published
+
+
+# rank → which next_batch calls return None (rank 0: a burst; rank 1: every 4th), and after
+# how many iterations a rank's own stop reason fires (rank 1 first)
+NO_BATCH = {0: {1, 2, 3, 9}, 1: {0, 4, 8, 12, 16}}
+OWN_STOP_AFTER = {0: 10_000, 1: 30}
+
+
+def _run_loop(rank, world, port, out: Path):
+    from gearflow.learner import Learner, Progress
+
+    cfg, agent = make_apex(seed=7, overrides=["run.log_every_s=0.000001", "run.checkpoint_every=0",
+                                               "learner.publish_every=3", "learner.batch_size=16"])  # fmt: skip
+    parallel = DataParallel.from_config(
+        OmegaConf.merge(cfg, {"learner": {"world_size": world, "rank": rank, "dist_address": f"127.0.0.1:{port}"}}),
+        "cpu", timeout_s=60,
+    )
+    parallel.init()
+    table, params, rows = RecordingTable(), RecordingParams(), []
+    calls, fetched, iterations = [0], [], [0]
+
+    def next_batch():
+        i = calls[0]
+        calls[0] += 1
+        if i in NO_BATCH[rank]:
+            return None
+        batch = share(random_batch(agent, 16, seed=i, key0=1000 * i), rank, world)
+        fetched.append(int(batch.keys[0]))
+        return batch
+
+    def between():
+        iterations[0] += 1
+        return f"rank {rank}'s own stop" if iterations[0] > OWN_STOP_AFTER[rank] else ""
+
+    try:
+        parallel.setup(agent)
+        learner = Learner(cfg, agent, table, params, Progress(), env_steps=lambda: 0, actor_version=lambda: 0,
+                          parallel=parallel)  # fmt: skip
+        reason, _ = learner.run(next_batch, between=between, emit=rows.append)
+        torch.save({"reason": reason, "updates": learner.progress.updates, "learned": table.learned,
+                    "fetched": fetched, "published": params.published, "params": flat_params(agent.online),
+                    "checkpoints_on": learner.checkpoints_on, "world_size": [r["learner/world_size"] for r in rows]},
+                   out / f"rank{rank}.pt")  # fmt: skip
+    finally:
+        parallel.close()
+
+
+@pytest.mark.timeout(120)
+def test_learner_loop_learns_in_step_and_stops_together(tmp_path):
+    spawn(_run_loop, 2, free_port(), tmp_path)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r1["reason"] == "rank 1's own stop"
+    assert r0["reason"] == "stopped with the other learners"
+    # iterations 1..30 ran; an iteration learns when both ranks have a batch (a waiting batch
+    # is kept): the same count on both ranks, and every batch fetched was learned, in order,
+    # except at most the one a rank still held when the run stopped
+    assert r0["updates"] == r1["updates"] == 22  # 30 iterations, 8 with a rank short of a batch
+    for r in (r0, r1):
+        assert r["learned"] == r["fetched"][: len(r["learned"])]
+        assert len(r["fetched"]) - len(r["learned"]) in (0, 1)
+    assert torch.equal(r0["params"], r1["params"])
+    assert r0["published"] == r0["updates"] // 3 and r1["published"] == 0
+    assert r0["world_size"] and set(r0["world_size"]) == {2.0}
+
+
+def test_only_rank_0_writes_checkpoints():
+    from gearflow.config import load_config
+    from gearflow.learner import Learner, Progress
+
+    cfg = load_config(CONFIG, ["run.checkpoint_every=1"])
+    parallel = {r: DataParallel(r, 2, "127.0.0.1:1", "gloo") for r in range(2)}  # not joined: nothing needs it
+    learners = {r: Learner(cfg, None, RecordingTable(), RecordingParams(), Progress(), env_steps=lambda: 0,
+                           actor_version=lambda: 0, parallel=parallel[r]) for r in range(2)}  # fmt: skip
+    for learner in learners.values():
+        learner.progress.updates = 5
+    assert learners[0].checkpoints_on and learners[0]._checkpoint_due()
+    assert not learners[1].checkpoints_on and not learners[1]._checkpoint_due()
+    assert DataParallel.from_config(cfg, "cpu") is None  # world_size 1: the loop as before
+
+
+# ----------------------------------------------------------------------------- 3. sparse gradients, no state_dict
+
+
+class TwoHeads:
+    """A minimal agent without state_dict: two modules, one optimizer; rank 1's batch never reaches ``b``."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.a, self.b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+        self.optimizer = torch.optim.Adam([*self.a.parameters(), *self.b.parameters()], lr=0.1)
+
+    def learn(self, x, use_b: bool):
+        loss = self.a(x).square().mean() + (self.b(x).square().mean() if use_b else 0)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+def _sparse(rank, world, port, out: Path):
+    agent = TwoHeads(seed=rank)
+    with DataParallel(rank, world, f"127.0.0.1:{port}", "gloo", timeout_s=60) as parallel:
+        parallel.setup(agent)
+        initial = [flat_params(agent.a), flat_params(agent.b)]
+        x = torch.ones(4, 3) * (rank + 1)
+        agent.learn(x, use_b=rank == 0)
+        grads = [torch.cat([p.grad.reshape(-1) for p in m.parameters()]) for m in (agent.a, agent.b)]
+        torch.save({"initial": initial, "after": [flat_params(agent.a), flat_params(agent.b)], "grads": grads},
+                   out / f"rank{rank}.pt")  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_one_rank_did_not_reach_gets_the_averaged_gradient_everywhere(tmp_path):
+    spawn(_sparse, 2, free_port(), tmp_path)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for i in range(2):
+        assert torch.equal(r0["initial"][i], r1["initial"][i])  # modules broadcast without state_dict
+        assert torch.equal(r0["after"][i], r1["after"][i])
+        assert not torch.equal(r0["after"][i], r0["initial"][i])  # b stepped on rank 1 too
+        assert torch.equal(r0["grads"][i], r1["grads"][i])
+    # b's gradient: rank 0's own / 2 (rank 1 contributed zero)
+    agent = TwoHeads(seed=0)
+    agent.b.load_state_dict({"weight": r0["initial"][1][:3].view(1, 3), "bias": r0["initial"][1][3:]})
+    agent.b(torch.ones(4, 3)).square().mean().backward()
+    own = torch.cat([p.grad.reshape(-1) for p in agent.b.parameters()])
+    torch.testing.assert_close(r0["grads"][1], own / 2)
+
+
+# ----------------------------------------------------------------------------- 4. rendezvous errors
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_without_rank_0_names_the_address():
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    parallel = DataParallel(1, 2, address, "gloo", timeout_s=2)
+    with pytest.raises(GearflowError, match=f"rank 1 of 2 .* learner.dist_address={address} .*rank 0 could not be reached"):
+        parallel.init()
+    assert not torch.distributed.is_initialized()
+    parallel.close()  # nothing to leave: no error
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_errors_of_rank_0_say_what_went_wrong():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        with pytest.raises(GearflowError, match=f"learner.dist_address={address} .*could not listen there"):
+            DataParallel(0, 2, address, "gloo", timeout_s=2).init()
+    address = f"127.0.0.1:{free_port()}"  # rank 0 listens; rank 1 never comes
+    with pytest.raises(GearflowError, match=f"learner.dist_address={address} .*other 1 learner\\(s\\) did not all arrive"):
+        DataParallel(0, 2, address, "gloo", timeout_s=1).init()
+    assert not torch.distributed.is_initialized()
+
+
+def test_configuration_errors_are_clear():
+    with pytest.raises(GearflowError, match="learner.dist_address='nowhere': must be HOST:PORT"):
+        DataParallel(0, 2, "nowhere")
+    with pytest.raises(GearflowError, match=r"learner.rank=2 must be in \[0, learner.world_size=2\)"):
+        DataParallel(2, 2, "127.0.0.1:1")
+    with pytest.raises(GearflowError, match="learner.dist_backend=nccl needs the learner on CUDA"):
+        DataParallel(0, 2, "127.0.0.1:1", "nccl", "cpu")
+    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(GearflowError, match="DataParallel.init"):
+        DataParallel(0, 2, "127.0.0.1:1").agree(True, False)
