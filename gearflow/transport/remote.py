@@ -411,19 +411,32 @@ class RemoteWriter(StreamPositions):
 
 # ---------------------------------------------------------------------- sampler
 
+PROPORTIONAL = ("uniform", "prioritized")  # selectors whose draw several shards reproduce exactly
+
 
 class _Weights:
-    """``sampler.selector.beta``: the IS exponent a learner anneals (None: each shard's own)."""
+    """``sampler.selector``: ``beta``, the IS exponent a learner anneals (None: each shard's own),
+    and the shards' selector ``name`` and ``importance_sampled``."""
 
-    importance_sampled = True
-
-    def __init__(self):
+    def __init__(self, name: str = "prioritized", importance_sampled: bool = True):
+        self.name, self.importance_sampled = name, bool(importance_sampled)
         self.beta: float | None = None
 
 
 class RemoteSampler:
     """A :class:`~gearflow.replay.protocols.SamplerLike` over one or several shard services
-    (see the module docstring). ``seed`` seeds the split of a batch over shards."""
+    (see the module docstring for the sampling rule). ``seed`` seeds the split of a batch over
+    shards; ``prefetch`` rounds are requested ahead (each drawn before the priority updates of
+    the batches returned meanwhile land, as a local table sampled that many batches ahead).
+    Several shards must hold the same spec, item kind and a ``uniform`` or ``prioritized``
+    selector with the same ``alpha`` (ranked selectors — fifo, lifo, heaps, top_k — order
+    items within one table: no global order exists across shards; sample one shard).
+
+        sampler = RemoteSampler(["10.0.0.5:7000", "10.0.0.6:7000"], token=token, seed=0)
+        sampler.selector.beta = 0.4
+        batch = sampler.sample(256)           # keys carry their shard in bits 56..62
+        sampler.update_priorities(batch.keys, new_priorities)
+    """
 
     def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
                  timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto"):  # fmt: skip
@@ -434,21 +447,41 @@ class RemoteSampler:
         pairs = [_client(s, token, timeout_s, loop) for s in shards]
         self._clients = [c for c, _ in pairs]
         self._own = [own for _, own in pairs]
+        try:
+            self._setup(timeout_s, prefetch, num_buffers, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, timeout_s: float, prefetch: int, num_buffers: int, seed: int | None) -> None:
         self.timeout_s, self.prefetch, self.num_buffers = float(timeout_s), int(prefetch), int(num_buffers)
-        self.selector = _Weights()
         self._rng = np.random.default_rng(seed)
-        infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
-        self.spec = TableSpec.parse(infos[0]["spec"])
-        self.kind = kind_from_dict(infos[0]["kind"])
-        for i, info in enumerate(infos[1:], 1):
-            if info["spec"] != infos[0]["spec"] or info["kind"] != infos[0]["kind"]:
-                raise ValueError(f"shard {i} ({self._clients[i].address_text}) holds another spec or item kind than shard 0")
         n = len(self._clients)
-        self._totals = np.ones(n)  # priority totals (sum-tree mass or item counts) last reported
+        self._totals = np.ones(n)  # priority totals (sum-tree mass or item counts), newest known
         self._counts = np.zeros(n, dtype=np.int64)
+        self._sent = np.zeros(n, dtype=np.int64)  # requests sent to each shard (their tags)
+        self._known = np.zeros(n, dtype=np.int64)  # tag of the reply the totals above come from
+        self._stale = False  # a round failed: read the totals afresh before the next split
+        self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self._buffers: list[dict[str, torch.Tensor]] = []
         self._buffer_batch, self._next = -1, 0
+        infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
+        self.spec = TableSpec.parse(infos[0]["spec"])
+        self.kind = kind_from_dict(infos[0]["kind"])
+        first = infos[0]
+        for i, info in enumerate(infos[1:], 1):
+            if info["spec"] != first["spec"] or info["kind"] != first["kind"]:
+                raise ValueError(f"shard {i} ({self._clients[i].address_text}) holds another spec or item kind than shard 0")
+            if info["selector"] != first["selector"] or info.get("alpha") != first.get("alpha"):
+                raise ValueError(f"shard {i} ({self._clients[i].address_text}) selects with {info['selector']} "
+                                 f"(alpha {info.get('alpha')}), shard 0 with {first['selector']} (alpha "
+                                 f"{first.get('alpha')}): several shards sample as one table only with one selector")  # fmt: skip
+        if n > 1 and first["selector"] not in PROPORTIONAL:
+            raise ValueError(f"the shards' {first['selector']!r} selector ranks the items of one table: there is no "
+                             f"global order over {n} shards, so their draws cannot be one table's; use "
+                             f"{' or '.join(PROPORTIONAL)}, or sample one shard")  # fmt: skip
+        self.selector = _Weights(first["selector"], first.get("importance_sampled", True))
         if n > 1:
             self._refresh_totals()
 
@@ -456,27 +489,48 @@ class RemoteSampler:
     def num_shards(self) -> int:
         return len(self._clients)
 
+    # ----------------------------------------------------------------- shard totals
+    def _submit(self, i: int, op: str, meta: dict | None = None, bufs: Sequence[Any] = (), timeout_s: float | None = None):
+        """Send a request to shard ``i``; returns ``(tag, future)``: the tags of one shard's requests
+        rise in the order the shard handles them (one connection: in order)."""
+        fut = self._clients[i].submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        self._sent[i] += 1
+        return int(self._sent[i]), fut
+
+    def _note(self, i: int, tag: int, meta: dict) -> None:
+        """Keep the total and count a reply reports if it is newer than those kept: a prefetched
+        round answered after a priority update reports the shard as it was before the update."""
+        if tag > self._known[i]:
+            self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
+
     def _refresh_totals(self) -> None:
-        futs = [c.submit("replay.stats", timeout_s=self.timeout_s) for c in self._clients]
-        for i, (c, f) in enumerate(zip(self._clients, futs)):
-            meta, _ = c.result(f, "replay.stats", self.timeout_s)
-            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+        """Every shard's total and count now (a zero-size ``replay.sample``: the shard scans, draws nothing)."""
+        futs = [(i, *self._submit(i, "replay.sample", {"batch_size": 0})) for i in range(len(self._clients))]
+        for i, tag, f in futs:
+            self._note(i, tag, self._clients[i].result(f, "replay.sample", self.timeout_s)[0])
+        self._stale = False
 
     # ----------------------------------------------------------------- draws
-    def _request(self, batch_size: int, timeout_s: float) -> list:
+    def _request(self, batch_size: int, timeout_s: float) -> tuple:
+        """One round: the split ``q`` (each shard's share of every draw) and each shard's request;
+        ``b_i ~ Multinomial(B, q)`` with ``q = T / ΣT`` over the newest totals; a shard given no
+        draw still reports its total (a zero-size request)."""
         n = len(self._clients)
+        if self._stale and n > 1:
+            self._refresh_totals()
         if n == 1:
-            split = np.array([batch_size])
+            q, split = np.ones(1), [batch_size]
         else:
             t = np.maximum(self._totals, 0.0)
-            split = (self._rng.multinomial(batch_size, t / t.sum()) if t.sum() > 0
-                     else np.bincount(np.arange(batch_size) % n, minlength=n))  # fmt: skip
+            s = float(t.sum())
+            q = t / s if s > 0 else np.full(n, 1.0 / n)  # nothing known yet: even, and said so by q
+            split = self._rng.multinomial(batch_size, q).tolist()
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
-        return [(i, int(b), self._clients[i].submit("replay.sample", {**meta, "batch_size": int(b)},
-                                                    timeout_s=timeout_s + self.timeout_s))
-                for i, b in enumerate(split.tolist()) if b > 0]  # fmt: skip
+        parts = [(i, int(b), *self._submit(i, "replay.sample", {**meta, "batch_size": int(b)}, timeout_s=timeout_s + self.timeout_s))
+                 for i, b in enumerate(split)]  # fmt: skip
+        return q, parts
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """A batch of ``batch_size`` items over every shard; blocks while the shards' rate
@@ -486,25 +540,30 @@ class RemoteSampler:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         while self._ahead and self._ahead[0][0] != batch_size:
             self._ahead.popleft()  # drawn for another batch size: dropped
-        rnd = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
-        while len(self._ahead) < self.prefetch:
-            self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
-        replies = []
         try:
-            for i, b, fut in rnd:
+            q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
+            replies, drawn = [], np.empty(len(parts))
+            for i, b, tag, fut in parts:
                 meta, bufs = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
-                self._totals[i], self._counts[i] = meta["total"], meta["count"]
-                replies.append((i, b, meta, bufs))
+                self._note(i, tag, meta)
+                drawn[i] = max(float(meta["total"]), 0.0)  # the shard's total at its draw
+                if b:
+                    replies.append((i, b, meta, bufs))
+            s = drawn.sum()
+            self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
+            while len(self._ahead) < self.prefetch:  # after this round's replies: split by their totals
+                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
         except BaseException:
             self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
+            self._stale = True
             raise
-        if len(replies) == 1 and replies[0][0] == 0:
+        if len(self._clients) == 1:  # one table: its own draw
             _, _, meta, bufs = replies[0]
             keys, probs, weights, *data = bufs
             return Sample(data={n: torch.from_numpy(a) for n, a in zip(meta["names"], data)},
                           keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                           probabilities=torch.from_numpy(probs))  # fmt: skip
-        return self._combine(batch_size, replies)
+        return self._combine(batch_size, q, parts, replies)
 
     def _out(self, batch_size: int, meta: dict, bufs: list) -> dict[str, torch.Tensor]:
         if batch_size != self._buffer_batch:
@@ -516,13 +575,14 @@ class RemoteSampler:
         self._next = (self._next + 1) % self.num_buffers
         return out
 
-    def _combine(self, batch_size: int, replies: list) -> Sample:
+    def _combine(self, batch_size: int, q: np.ndarray, parts: list, replies: list) -> Sample:
+        """The shards' rows in one batch: keys tagged with their shard, ``P = q_i · m/T_i`` (the
+        shard reports ``m/T_i`` at its draw), IS weights ``(N·P)^-β / max`` over the batch with
+        ``N`` the shards' live items at the draws (a local table's normalisation)."""
         out = self._out(batch_size, replies[0][2], replies[0][3])
         names = ["keys", "probabilities", "weights", *replies[0][2]["names"]]
-        T = float(np.sum(self._totals))
-        N = int(np.sum(self._counts))
         row = 0
-        masses = np.empty(batch_size)
+        probs = np.empty(batch_size)
         for i, b, meta, bufs in replies:
             for n, a in zip(names, bufs):
                 out[n][row:row + b] = torch.from_numpy(a)
@@ -530,15 +590,13 @@ class RemoteSampler:
             if int(keys.max()) >> SHARD_SHIFT:
                 raise ValueError(f"shard {i} returned a key ≥ 2^{SHARD_SHIFT}: cannot tag it with the shard")
             keys |= i << SHARD_SHIFT
-            masses[row:row + b] = bufs[1] * float(meta["total"])
+            np.multiply(bufs[1], q[i], out=probs[row:row + b])
             row += b
-        probs = masses / T
         beta = self.selector.beta if self.selector.beta is not None else replies[0][2].get("beta")
-        if beta is not None:
-            w = (N * probs) ** -float(beta)
+        if beta is not None and self.selector.importance_sampled:
+            w = (float(self._counts.sum()) * probs) ** -float(beta)
             out["weights"].copy_(torch.from_numpy(w / w.max()))
-        else:  # no importance sampling (uniform, FIFO, ...): the shards' weights stand
-            pass
+        # else no importance sampling (uniform): the shards' weights (ones) stand
         out["probabilities"].copy_(torch.from_numpy(probs))
         return Sample(data={n: out[n] for n in names[3:]}, keys=out["keys"], weights=out["weights"],
                       probabilities=out["probabilities"])  # fmt: skip
@@ -546,7 +604,9 @@ class RemoteSampler:
     # ----------------------------------------------------------------- priorities, stats
     def update_priorities(self, keys, priorities) -> int:
         """New priorities by key, each key sent to the shard in its bits 56..62; returns how
-        many were applied (keys of evicted items are ignored, as locally)."""
+        many were applied (keys of evicted items are ignored, as locally). Waits for every
+        shard's reply: a round requested after this returns is drawn after the update, and
+        split by the totals it left."""
         keys = np.ascontiguousarray(torch.as_tensor(keys).cpu().numpy(), dtype=np.int64).reshape(-1)
         if isinstance(priorities, torch.Tensor):
             p = priorities.detach()
@@ -565,12 +625,11 @@ class RemoteSampler:
         for i in np.unique(shard).tolist():
             sel = shard == i
             local = keys[sel] & ((1 << SHARD_SHIFT) - 1)
-            futs.append((i, self._clients[i].submit("replay.update_priorities", {}, [local, prios[sel]],
-                                                    timeout_s=self.timeout_s)))  # fmt: skip
+            futs.append((i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]])))
         applied = 0
-        for i, f in futs:
+        for i, tag, f in futs:
             meta, _ = self._clients[i].result(f, "replay.update_priorities", self.timeout_s)
-            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+            self._note(i, tag, meta)
             applied += int(meta["applied"])
         return applied
 
@@ -578,14 +637,16 @@ class RemoteSampler:
               "replay/steps", "replay/bytes", "replay/remote_partitions")  # fmt: skip
 
     def stats(self) -> dict[str, float]:
-        """Every shard's stats summed (counts) or averaged (fill), and ``replay/shards``."""
-        futs = [c.submit("replay.stats", timeout_s=self.timeout_s) for c in self._clients]
+        """Every shard's stats summed (counts) or averaged (fill), ``replay/shards``, and
+        ``replay/split_drift``: how far the last batch's split was from the shards' totals at
+        their draws (max over shards of |share - T_i/ΣT|; 0: drawn exactly as one table)."""
+        futs = [(i, *self._submit(i, "replay.stats")) for i in range(len(self._clients))]
         per = []
-        for i, (c, f) in enumerate(zip(self._clients, futs)):
-            meta, _ = c.result(f, "replay.stats", self.timeout_s)
-            self._totals[i], self._counts[i] = meta["total"], meta["count"]
+        for i, tag, f in futs:
+            meta, _ = self._clients[i].result(f, "replay.stats", self.timeout_s)
+            self._note(i, tag, meta)
             per.append(meta["stats"])
-        out: dict[str, float] = {"replay/shards": float(len(per))}
+        out: dict[str, float] = {"replay/shards": float(len(per)), "replay/split_drift": self.split_drift}
         for k in per[0]:
             vals = [s.get(k, 0.0) for s in per]
             out[k] = float(sum(vals)) if (k in self.SUMMED or k.startswith("transport/")) else (
@@ -599,7 +660,8 @@ class RemoteSampler:
         return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(self._clients, futs)]
 
     def close(self) -> None:
-        self._ahead.clear()
+        if hasattr(self, "_ahead"):
+            self._ahead.clear()
         for c, own in zip(self._clients, self._own):
             if own:
                 c.close()

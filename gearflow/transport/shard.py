@@ -162,7 +162,7 @@ class ShardService:
         return {
             "spec": st.spec.to_dict(), "num_partitions": st.num_partitions,
             "steps_per_partition": st.steps_per_partition, "items_per_partition": st.items_per_partition,
-            "kind": t.kind.to_dict(), "selector": t.selector.name,
+            "kind": t.kind.to_dict(), "selector": t.selector.name, "alpha": getattr(t.selector, "alpha", None),
             "importance_sampled": bool(t.selector.importance_sampled), "assignable": self.assignable,
             "params": self.params is not None,
         }, []  # fmt: skip
@@ -339,8 +339,16 @@ class ShardService:
 
     def _sample(self, meta: dict, bufs, deferred: bool = False):
         b = meta.get("batch_size")
-        if type(b) is not int or b < 1:
-            raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
+        if type(b) is not int or b < 0:
+            raise ValueError(f"batch_size must be an int ≥ 0, got {b!r}")
+        if b == 0:  # the total and count only (a several-shard round where this shard draws nothing)
+            self._locked(deferred)
+            try:
+                self.table.scan()
+                total, count = priority_total(self.table)
+            finally:
+                self.lock.release()
+            return {"names": [], "total": total, "count": count, "beta": getattr(self.table.selector, "beta", None)}, []
         beta = meta.get("beta")
         timeout = meta.get("timeout_s")
         batch, total, count, release = self.sample(b, timeout if isinstance(timeout, (int, float)) else None,
