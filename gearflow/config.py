@@ -249,6 +249,22 @@ class TransportConfig:
 
 
 @dataclass
+class ClusterConfig:
+    address: str = ""
+    """Ray cluster to join (``launcher=ray``): empty starts a Ray instance on this machine, ``auto``
+    joins the one ``ray start`` made, or ``ray://HOST:PORT``."""
+    shards: int = 1
+    """Shard nodes: one shard service (replay + parameter store) with its actor group per node,
+    spread over the cluster's nodes; each node runs ``actor.num_actors`` actors."""
+    learners: int = 1
+    """Data-parallel learners (``learner.world_size``), sampling every shard."""
+    learner_gpus: float = 0.0
+    """GPUs each learner asks Ray for (0: CPU learners; 1 with ``learner.device=cuda``)."""
+    max_restarts: int = 3
+    """Times Ray restarts a dead actor group before the run fails."""
+
+
+@dataclass
 class GearflowConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     """The environments the actors step."""
@@ -264,6 +280,11 @@ class GearflowConfig:
     """Stopping, logging, checkpoints and run directory."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """The network data plane (remote actors, shard services)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Roles on a Ray cluster (``launcher=ray``)."""
+    launcher: str = "local"
+    """Where ``gearflow train`` runs the roles: ``local`` (this machine) or ``ray`` (shard nodes,
+    actor groups and learners placed and restarted by Ray: ``cluster.*``)."""
 
 
 GROUPS = {
@@ -273,6 +294,7 @@ GROUPS = {
     "learner": LearnerConfig,
     "run": RunConfig,
     "transport": TransportConfig,
+    "cluster": ClusterConfig,
 }
 DEFAULT_AGENT = "agents.apex_dqn"
 
@@ -315,6 +337,7 @@ def explain(cfg: DictConfig) -> str:
         for key, value in cfg[group].items():
             rendered = OmegaConf.to_yaml({key: value}).strip().replace("\n", " ")
             lines.append(f"  {rendered:<40} # {docs.get(key, '')}")
+    lines.append(f"{'launcher: ' + str(cfg.launcher):<42} # {field_docs(GearflowConfig).get('launcher', '')}")
     return "\n".join(lines)
 
 
@@ -564,6 +587,16 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(le.world_size == 1 or bool(t.shards), "learner.world_size",
           "> 1 needs transport.shards: data-parallel learners sample shard services (gearflow serve)")  # fmt: skip
     check(_address_ok(le.dist_address), "learner.dist_address", "must be HOST:PORT")
+    cl = cfg.cluster
+    check(cfg.launcher in ("local", "ray"), "launcher", "must be local or ray")
+    check(cl.shards >= 1, "cluster.shards", "must be ≥ 1")
+    check(cl.learners >= 1, "cluster.learners", "must be ≥ 1")
+    check(cl.learner_gpus >= 0, "cluster.learner_gpus", "must be ≥ 0")
+    check(cl.max_restarts >= 0, "cluster.max_restarts", "must be ≥ 0")
+    check(cfg.launcher == "local" or le.batch_size % cl.learners == 0, "learner.batch_size",
+          f"must be a multiple of cluster.learners={cl.learners} (each learner samples its share)")  # fmt: skip
+    check(cfg.launcher == "local" or not (run.serial or run.mode == "offline"), "launcher",
+          "=ray places actors and shard nodes: not with run.serial=true or run.mode=offline")  # fmt: skip
     check(le.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", "must be one of auto, gloo, nccl")
     geom = replay_geometry(cfg)
     need = min_steps_per_partition(cfg)

@@ -452,6 +452,15 @@ def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
         from gearflow.tools.dryrun import dry_run
 
         return dry_run(cfg)
+    if cfg.launcher == "ray":  # the roles run on Ray; this process drives them
+        from gearflow.launchers.ray import train_on_ray
+
+        summary = train_on_ray(cfg)
+        log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
+                 "the last 100 episodes %.1f", summary["stop_reason"], summary["cluster/shards"],
+                 summary["cluster/learners"], summary["actor/env_steps"], summary["learner/updates"],
+                 summary["time/elapsed_s"], summary["actor/return_last100"])  # fmt: skip
+        return summary
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.

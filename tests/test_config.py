@@ -203,6 +203,14 @@ VALIDATION_CASES = [
     (["learner.world_size=3", "transport.shards=[h:1]"], "learner.batch_size", "must be a multiple of learner.world_size=3"),
     (["learner.dist_address=nowhere"], "learner.dist_address", "must be HOST:PORT"),
     (["learner.dist_backend=mpi"], "learner.dist_backend", "must be one of auto, gloo, nccl"),
+    (["launcher=slurm"], "launcher", "must be local or ray"),
+    (["launcher=ray", "run.serial=true"], "launcher",
+     "=ray places actors and shard nodes: not with run.serial=true or run.mode=offline"),
+    (["cluster.shards=0"], "cluster.shards", "must be ≥ 1"),
+    (["cluster.learners=0"], "cluster.learners", "must be ≥ 1"),
+    (["cluster.learner_gpus=-1"], "cluster.learner_gpus", "must be ≥ 0"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts", "must be ≥ 0"),
+    (["launcher=ray", "cluster.learners=3"], "learner.batch_size", "must be a multiple of cluster.learners=3"),
     (
         ["replay.capacity=100", "learner.batch_size=1"],
         "replay.capacity",
@@ -544,7 +552,7 @@ def test_field_docs_are_normalised():
 
 
 def test_groups_cover_the_top_level():
-    assert set(GROUPS) | {"agent"} == {f.name for f in dataclasses.fields(GearflowConfig)}
+    assert set(GROUPS) | {"agent", "launcher"} == {f.name for f in dataclasses.fields(GearflowConfig)}
 
 
 # ------------------------------------------------------------- save / reload

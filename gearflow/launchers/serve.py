@@ -112,7 +112,7 @@ class _Relay:
 class ShardNode:
     """This machine's replay shard, parameter store and actors (see the module docstring)."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, launch_actors: bool = True):
         from gearflow.agent import make_agent
         from gearflow.envs import make_vec_env
         from gearflow.geometry import replay_geometry
@@ -153,9 +153,10 @@ class ShardNode:
             self.relay = _Relay(int(cfg.actor.ladder_offset))
             self.stop_event = threading.Event()
             self.stop_reason = ""
-            partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
+            self.partitions = partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
             local = geom.num_actors - int(cfg.actor.remote_actors)
-            self.launcher = LocalLauncher(cfg, self.table.storage.name, self.params.name, partitions[:local])
+            if launch_actors:  # else the node's actors are started by someone else (a Ray actor group)
+                self.launcher = LocalLauncher(cfg, self.table.storage.name, self.params.name, partitions[:local])
             remote = {a: [int(p) for p in partitions[a]] for a in range(local, geom.num_actors)}
             self._build_service(remote)
         except BaseException:
@@ -227,7 +228,8 @@ class ShardNode:
     def start(self) -> str:
         """Listen, then start the actors; returns ``host:port``."""
         self.shard.start()
-        self.launcher.start()
+        if self.launcher is not None:
+            self.launcher.start()
         log.info("shard serving %d partitions × %d steps on %s (%d actor(s) here, ε-ladder offset %d)",
                  self.geom.num_partitions, self.geom.steps_per_partition, self.address,
                  self.geom.num_actors - int(self.cfg.actor.remote_actors), int(self.cfg.actor.ladder_offset))  # fmt: skip
@@ -239,13 +241,14 @@ class ShardNode:
 
         last_log = time.monotonic()
         while not self.stop_event.is_set():
-            self.launcher.drain(self.relay)
-            try:
-                self.launcher.check()
-            except ActorFailed as exc:
-                self.stop_reason = f"actor failed: {exc}"
-                self.stop_event.set()
-                raise
+            if self.launcher is not None:
+                self.launcher.drain(self.relay)
+                try:
+                    self.launcher.check()
+                except ActorFailed as exc:
+                    self.stop_reason = f"actor failed: {exc}"
+                    self.stop_event.set()
+                    raise
             if time.monotonic() - last_log >= float(self.cfg.run.log_every_s):
                 last_log = time.monotonic()
                 r = self.relay.returns

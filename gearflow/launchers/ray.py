@@ -1,0 +1,360 @@
+"""``gearflow train CONFIG launcher=ray``: shard nodes, actor groups and learners placed by Ray.
+
+Ray places and restarts the roles; gearflow's own data plane carries the data (shared memory
+between a node's actors and its shard, TCP — or RDMA — between shards and learners)::
+
+    driver (gearflow train ... launcher=ray)
+      ├─ ShardRole × cluster.shards       SPREAD over the nodes: ShardNode (launch_actors=False)
+      │     its replay table + parameter store in the node's /dev/shm, served on the node's IP
+      ├─ ActorGroupRole × cluster.shards  pinned to its shard's node (NodeAffinity): the node's
+      │     actor.num_actors actor processes attach the shard's segment by name (no network);
+      │     max_restarts=cluster.max_restarts — a killed group is restarted by Ray, its actors
+      │     continue their partitions after the last committed step
+      └─ LearnerRole × cluster.learners   learner.world_size=K data-parallel learners
+            (torch.distributed; rank 0 publishes and checkpoints), transport.shards = the
+            shards' addresses, num_gpus=cluster.learner_gpus
+
+Addresses travel through Ray (the shards' ``info()``, rank 0's rendezvous address), nothing
+is hard-coded. Each node's actors get their slice of the run's Ape-X ε ladder
+(``actor.ladder_offset`` = node × ``actor.num_actors``, ``actor.ladder_total`` = every node's).
+The run ends when the learners end it (rank 0's ``run.stop`` stops the shards); the driver
+then removes every role and, if it started Ray, shuts it down.
+
+A shard role is not restarted (its table is the node's replay: a lost node fails the run, whose
+learner checkpoints let ``--resume`` continue with fresh nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gearflow.config import to_yaml
+from gearflow.errors import GearflowError, MissingDependencyError
+
+log = logging.getLogger("gearflow.runner")
+
+__all__ = ["require_ray", "train_on_ray"]
+
+REPORT_S = 0.25  # how often an actor group forwards its actors' reports to its shard
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise MissingDependencyError(f"launcher=ray needs Ray: pip install 'gearflow[cluster]' ({exc})") from None
+    return ray
+
+
+def _cfg(cfg_yaml: str) -> DictConfig:
+    return OmegaConf.create(cfg_yaml)
+
+
+def _logging() -> None:
+    from gearflow.log import inherited_verbosity, setup_logging
+
+    setup_logging(inherited_verbosity())
+
+
+def parameters_digest(module) -> str:
+    """SHA-256 over a module's parameters and buffers (name, dtype, shape, bytes), in name order:
+    equal digests mean bit-identical weights (data-parallel learners are checked with it)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        a = t.detach().cpu().contiguous()
+        h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
+        h.update(a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------- roles (Ray actor classes)
+
+
+class ShardRole:
+    """One node's replay shard and parameter store (:class:`~gearflow.launchers.serve.ShardNode`
+    without its own actors), served on the node's IP."""
+
+    def __init__(self, cfg_yaml: str):
+        import ray
+
+        from gearflow.launchers.serve import ShardNode
+
+        _logging()
+        cfg = _cfg(cfg_yaml)
+        cfg.transport.host = ray.util.get_node_ip_address()
+        self.node = ShardNode(cfg, launch_actors=False)
+        self.address = self.node.start()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.group_starts = 0
+
+    def info(self) -> dict[str, Any]:
+        n = self.node
+        return {"address": self.address, "node_id": self.node_id, "storage": n.table.storage.name,
+                "params": n.params.name, "partitions": [p.tolist() for p in n.partitions]}  # fmt: skip
+
+    def group_started(self) -> int:
+        self.group_starts += 1
+        return self.group_starts
+
+    def report(self, messages: list[dict]) -> None:
+        for m in messages:
+            self.node.relay.put(m)
+
+    def wait(self) -> dict[str, Any]:
+        """Serve until a learner ends the run; the node's summary."""
+        from gearflow.runner import env_steps_in
+
+        reason = self.node.serve_forever()
+        return {"stop_reason": reason, "address": self.address, "actor/env_steps": env_steps_in(self.node.table),
+                "actor/episodes": self.node.relay.episodes, "weights_version": self.node.params.latest_version(),
+                "group_restarts": max(0, self.group_starts - 1)}  # fmt: skip
+
+    def stop(self) -> None:
+        self.node.stop_event.set()
+
+    def close(self) -> None:
+        self.node.close()
+
+
+class _Collected:
+    """What a group's LocalLauncher drains (as into a Progress), kept for the shard."""
+
+    def __init__(self):
+        self.messages: list[dict] = []
+        outer = self
+
+        class _Counters(dict):
+            def __setitem__(self, actor, msg):
+                super().__setitem__(actor, msg)
+                outer.messages.append({**msg, "type": "counters", "actor": int(actor)})
+
+        self.actor_counters = _Counters()
+
+    def add_episode(self, actor: int, ret: float) -> None:
+        self.messages.append({"type": "episode", "actor": int(actor), "actor/episode_return": float(ret)})
+
+    def take(self) -> list[dict]:
+        out, self.messages = self.messages, []
+        return out
+
+
+class ActorGroupRole:
+    """A node's actor processes, attached to its shard's segment by name (same node)."""
+
+    def __init__(self, cfg_yaml: str, info: dict[str, Any], shard):
+        import ray
+
+        from gearflow.launchers.local import LocalLauncher
+        from gearflow.replay.storage import WRITER_PID, SharedStorage, _pid_alive
+
+        _logging()
+        cfg = _cfg(cfg_yaml)
+        self.shard = shard
+        self.starts = ray.get(shard.group_started.remote())
+        if self.starts > 1:
+            log.warning("actor group of shard %s restarted by Ray (start %d)", info["address"], self.starts)
+        parts = [np.asarray(p, dtype=np.int64) for p in info["partitions"]]
+        # a killed group's actor processes leave when they see their parent gone: wait for them,
+        # or the new writers would find the partitions still owned
+        storage = SharedStorage.attach(info["storage"])
+        try:
+            every = np.concatenate(parts)
+            deadline = time.monotonic() + 30.0
+            me = os.getpid()
+            while time.monotonic() < deadline:
+                pids = storage.counters[every, WRITER_PID].tolist()
+                if not any(p and p != me and _pid_alive(int(p)) for p in pids):
+                    break
+                time.sleep(0.1)
+        finally:
+            storage.close()
+        self.collected = _Collected()
+        self.launcher = LocalLauncher(cfg, info["storage"], info["params"], parts)
+        self.launcher.start()
+        self.error: str = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="actor-group", daemon=True)
+        self._thread.start()
+
+    def _supervise(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.launcher.drain(self.collected)
+                self.launcher.check()  # restarts a dead actor process (actor.max_restarts)
+                if msgs := self.collected.take():
+                    self.shard.report.remote(msgs)
+                for actor, err in self.launcher.errors.items():
+                    msg = {"type": "error", "actor": actor, "error": err}
+                    self.shard.report.remote([msg])
+                self.launcher.errors.clear()
+                self._stop.wait(REPORT_S)
+        except BaseException as exc:  # an actor failed past actor.max_restarts: the group dies, Ray restarts it
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("actor group failed: %s", self.error)
+            os._exit(1)
+
+    def ping(self) -> int:
+        return self.starts
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.launcher.stop(drain=lambda: self.launcher.drain(self.collected))
+        self.launcher.close()
+
+
+class LearnerRole:
+    """One learner (rank ``learner.rank`` of ``learner.world_size``) of a run over the shards."""
+
+    def __init__(self):
+        _logging()
+
+    def rendezvous(self) -> str:
+        """A ``HOST:PORT`` on this node for rank 0's torch.distributed store."""
+        import socket
+
+        import ray
+
+        s = socket.socket()
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def run(self, cfg_yaml: str) -> dict[str, Any]:
+        from gearflow.runner import Runner
+
+        cfg = _cfg(cfg_yaml)
+        runner = Runner(cfg)
+        summary = runner.run()
+        summary["learner/rank"] = int(cfg.learner.rank)
+        summary["learner/parameters_sha256"] = parameters_digest(runner.agent.learner_network())
+        return summary
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def _runtime_env() -> dict[str, Any]:
+    """Roles import gearflow, the agents and a user's modules as the driver does (its sys.path
+    entries that are directories outside the interpreter's own)."""
+    base = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    paths = [p for p in sys.path if p and os.path.isdir(p) and not any(os.path.realpath(p).startswith(b) for b in base)]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))}
+    if "GEARFLOW_LOG_LEVEL" in os.environ:
+        env["GEARFLOW_LOG_LEVEL"] = os.environ["GEARFLOW_LOG_LEVEL"]
+    return {"env_vars": env}
+
+
+def _node_config(cfg: DictConfig, i: int) -> str:
+    c = cfg.copy()
+    n, S = int(cfg.actor.num_actors), int(cfg.cluster.shards)
+    c.actor.ladder_offset, c.actor.ladder_total = i * n, S * n
+    c.actor.remote_actors = 0
+    c.transport.port = 0
+    c.run.dir = os.path.join(str(cfg.run.dir), f"shard-{i}")
+    c.launcher = "local"
+    return to_yaml(c)
+
+
+def _learner_config(cfg: DictConfig, rank: int, shards: list[str], dist: str) -> str:
+    c = cfg.copy()
+    c.transport.shards = shards
+    c.learner.world_size, c.learner.rank, c.learner.dist_address = int(cfg.cluster.learners), rank, dist
+    if rank:
+        c.run.dir = os.path.join(str(cfg.run.dir), f"learner-{rank}")
+        c.run.progress = "log"
+    c.launcher = "local"
+    return to_yaml(c)
+
+
+def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
+    """Run ``cfg`` on Ray (see the module docstring); returns rank 0's summary with the cluster's
+    figures. ``on_started(handles)`` is called once every role runs (tests kill a group there)."""
+    ray = require_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from gearflow.runner import make_run_dir
+
+    cl = cfg.cluster
+    cfg = cfg.copy()
+    cfg.run.dir = str(make_run_dir(cfg))
+    if not cfg.transport.token and not os.environ.get("GEARFLOW_TOKEN"):
+        cfg.transport.token = secrets.token_hex(16)  # the roles' shared secret, for this run only
+    S, K, M = int(cl.shards), int(cl.learners), int(cfg.actor.num_actors)
+    started = not ray.is_initialized()
+    if started:
+        kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": _runtime_env(), "log_to_driver": True}
+        if cl.address:
+            kwargs["address"] = str(cl.address)
+        else:  # a Ray instance on this machine: enough logical CPUs for every role
+            kwargs["num_cpus"] = max(os.cpu_count() or 1, S * (M + 1) + K)
+        ray.init(**kwargs)
+    shards: list = []
+    groups: list = []
+    learners: list = []
+    try:
+        Shard = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=8)(ShardRole)
+        shards = [Shard.options(scheduling_strategy="SPREAD", name=None).remote(_node_config(cfg, i)) for i in range(S)]
+        infos = ray.get([s.info.remote() for s in shards])
+        log.info("ray: %d shard node(s) at %s", S, ", ".join(i["address"] for i in infos))
+        waits = [s.wait.remote() for s in shards]
+        Group = ray.remote(num_cpus=M, max_restarts=int(cl.max_restarts), max_task_retries=-1)(ActorGroupRole)
+        groups = [Group.options(scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
+                  .remote(_node_config(cfg, i), info, s) for i, (info, s) in enumerate(zip(infos, shards))]  # fmt: skip
+        ray.get([g.ping.remote() for g in groups])
+        Learner = ray.remote(num_cpus=1, num_gpus=float(cl.learner_gpus), max_restarts=0)(LearnerRole)
+        learners = [Learner.remote() for _ in range(K)]
+        dist = ray.get(learners[0].rendezvous.remote())
+        addresses = [i["address"] for i in infos]
+        runs = [lr.run.remote(_learner_config(cfg, r, addresses, dist)) for r, lr in enumerate(learners)]
+        if on_started is not None:
+            on_started({"shards": shards, "groups": groups, "learners": learners})
+        summaries = _wait_learners(ray, runs)
+        nodes = ray.get(waits, timeout=60)
+    finally:
+        for g in groups:
+            try:
+                ray.get(g.stop.remote(), timeout=20)
+            except Exception as exc:  # noqa: BLE001 - a dead group has nothing left to stop
+                log.debug("actor group stop: %s", exc)
+        for s in shards:
+            try:
+                s.stop.remote()
+                ray.get(s.close.remote(), timeout=20)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("shard close: %s", exc)
+        for h in [*groups, *shards, *learners]:
+            ray.kill(h, no_restart=True)
+        if started:
+            ray.shutdown()
+    summary = dict(summaries[0])
+    summary["cluster/shards"], summary["cluster/learners"] = S, K
+    summary["cluster/group_restarts"] = sum(n["group_restarts"] for n in nodes)
+    summary["cluster/parameters_identical"] = len({s["learner/parameters_sha256"] for s in summaries}) == 1
+    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in nodes]
+    return summary
+
+
+def _wait_learners(ray, runs: list) -> list[dict]:
+    """Every learner's summary; the first failure is raised as one GearflowError line."""
+    pending = list(runs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except Exception as exc:  # noqa: BLE001 - a role's error, re-raised as the run's
+            cause = getattr(exc, "cause", None) or exc
+            raise GearflowError(f"launcher=ray: a learner failed: {type(cause).__name__}: {cause}") from None
+    return ray.get(runs)
