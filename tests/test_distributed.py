@@ -20,10 +20,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from gearflow.bench.data_parallel import make_learner_agent, random_batch, share
 from gearflow.distributed import DataParallel, resolve_backend
 from gearflow.errors import GearflowError
-from gearflow.replay.spec import TableSpec
-from gearflow.replay.table import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
@@ -36,51 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_apex(seed: int, overrides=()):
+def make_apex(seed: int, overrides=(), device: str = "cpu"):
     """The apex DQN learner built the way the runner builds it (config → env spec probe →
     make_agent → setup_learner), with gradient clipping made inactive."""
-    from gearflow.agent import make_agent
-    from gearflow.config import load_config
-    from gearflow.envs import make_vec_env
-
-    cfg = load_config(CONFIG, [f"run.seed={seed}", "learner.device=cpu", *overrides])
-    probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
-    env_spec = probe.env_spec
-    probe.close()
-    torch.manual_seed(seed)
-    agent = make_agent(cfg, env_spec, torch.device("cpu"))
-    agent.setup_learner()
+    cfg, agent = make_learner_agent(CONFIG, overrides, seed, device)
     agent.cfg.max_grad_norm = 1e9  # no clipping: the average of the shares is the global gradient
     return cfg, agent
-
-
-def random_batch(agent, size: int, seed: int, key0: int = 0) -> Sample:
-    """Random rows of the agent's replay columns (plus its item's ``next_*`` columns), fixed IS weights."""
-    g = torch.Generator().manual_seed(seed)
-    spec = TableSpec.parse(agent.replay_columns())
-    data = {}
-    for c in spec.columns:
-        dtype = getattr(torch, c.dtype.name)
-        if c.name == "action":
-            data[c.name] = torch.randint(0, agent.num_actions, (size,), generator=g)
-        elif c.name == "disc":
-            data[c.name] = torch.rand(size, generator=g)
-        elif dtype.is_floating_point:
-            data[c.name] = torch.randn(size, *c.shape, generator=g).to(dtype)
-        else:
-            data[c.name] = torch.zeros(size, *c.shape, dtype=dtype)
-    for name in agent.item_kind().next_columns:
-        data[f"next_{name}"] = torch.randn(data[name].shape, generator=g).to(data[name].dtype)
-    weights = torch.rand(size, generator=g) * 0.5 + 0.5
-    return Sample(data, torch.arange(key0, key0 + size), weights, torch.full((size,), 1.0 / size, dtype=torch.float64))
-
-
-def share(batch: Sample, rank: int, world: int) -> Sample:
-    """Rank ``rank``'s rows of a global batch."""
-    n = len(batch.keys) // world
-    rows = slice(rank * n, (rank + 1) * n)
-    return Sample({k: v[rows] for k, v in batch.data.items()}, batch.keys[rows], batch.weights[rows],
-                  batch.probabilities[rows])  # fmt: skip
 
 
 def flat_params(module) -> torch.Tensor:
@@ -123,17 +83,18 @@ def _child(target, rank, world, errors, *args):
 # ----------------------------------------------------------------------------- 1. the average is right
 
 
-def _learn_shares(rank, world, port, out: Path):
-    cfg, agent = make_apex(seed=100 + rank)  # different initial weights on purpose: setup() makes them rank 0's
-    before = flat_params(agent.online)
-    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "auto", "cpu", timeout_s=60).init()
+def _learn_shares(rank, world, port, out: Path, device: str = "cpu"):
+    device = f"cuda:{rank}" if device == "cuda" else device
+    cfg, agent = make_apex(seed=100 + rank, device=device)  # different initial weights on purpose: setup() makes them rank 0's
+    before = flat_params(agent.online).cpu()
+    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "auto", device, timeout_s=60).init()
     try:
         parallel.setup(agent)
-        record = {"before_setup": before, "initial": flat_params(agent.online),
-                  "target": flat_params(agent.target), "steps": []}  # fmt: skip
+        record = {"before_setup": before, "initial": flat_params(agent.online).cpu(),
+                  "target": flat_params(agent.target).cpu(), "steps": [], "backend": parallel.backend}  # fmt: skip
         for step in range(STEPS):
             metrics, prio = agent.learn(share(random_batch(agent, GLOBAL_BATCH, seed=step), rank, world))
-            record["steps"].append(flat_params(agent.online))
+            record["steps"].append(flat_params(agent.online).cpu())
         record["optimizer_steps"] = [int(s["step"]) for s in agent.optimizer.state_dict()["state"].values()]
         record["stats"] = parallel.stats()
         torch.save(record, out / f"rank{rank}.pt")
@@ -143,21 +104,28 @@ def _learn_shares(rank, world, port, out: Path):
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_learning_from_halves_equal_one_learner_on_the_global_batch(tmp_path):
-    spawn(_learn_shares, 2, free_port(), tmp_path)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_two_ranks_learning_from_halves_equal_one_learner_on_the_global_batch(tmp_path, device):
+    """gloo on the CPU; NCCL with one GPU per rank (skipped without two GPUs: NCCL does not
+    put two ranks on one GPU)."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL data-parallel needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    tol = {"rtol": 1e-5, "atol": 1e-6} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
+    spawn(_learn_shares, 2, free_port(), tmp_path, device)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["backend"] == ("gloo" if device == "cpu" else "nccl")
     assert not torch.equal(r0["before_setup"], r1["before_setup"])  # the ranks were built differently
     assert torch.equal(r0["initial"], r1["initial"]) and torch.equal(r0["target"], r1["target"])
 
-    _, single = make_apex(seed=100)  # rank 0's seed: the same initial weights
-    torch.testing.assert_close(flat_params(single.online), r0["initial"], rtol=0, atol=0)
+    _, single = make_apex(seed=100, device="cuda:0" if device == "cuda" else "cpu")  # rank 0's seed and weights
+    torch.testing.assert_close(flat_params(single.online).cpu(), r0["initial"], rtol=0, atol=0)
     for step in range(STEPS):
         single.learn(random_batch(single, GLOBAL_BATCH, seed=step))
-        want = flat_params(single.online)
+        want = flat_params(single.online).cpu()
         assert torch.equal(r0["steps"][step], r1["steps"][step]), f"ranks differ after step {step + 1}"
         moved = (r0["steps"][step] - (r0["steps"][step - 1] if step else r0["initial"])).abs().max()
         assert moved > 1e-6  # the step changed the weights (the comparison below is not vacuous)
-        torch.testing.assert_close(r0["steps"][step], want, rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(r0["steps"][step], want, **tol,
                                    msg=lambda m: f"step {step + 1}: 2 ranks ≠ one learner on the global batch: {m}")  # fmt: skip
     assert r0["optimizer_steps"] == r1["optimizer_steps"] == [STEPS] * len(r0["optimizer_steps"])
     assert r0["stats"]["learner/world_size"] == 2.0 and r0["stats"]["learner/grad_allreduce_ms"] > 0
@@ -326,6 +294,53 @@ def test_a_parameter_one_rank_did_not_reach_gets_the_averaged_gradient_everywher
     agent.b(torch.ones(4, 3)).square().mean().backward()
     own = torch.cat([p.grad.reshape(-1) for p in agent.b.parameters()])
     torch.testing.assert_close(r0["grads"][1], own / 2)
+
+
+def _sequence_agents(rank, world, port, out: Path):
+    import numpy as np
+
+    from gearflow.replay.table import Sample
+    from tests import test_decision_transformer as dt
+    from tests import test_r2d2 as r2d2
+
+    torch.manual_seed(rank)  # different initial weights on each rank
+    r2d2_agent = r2d2.agent_for(r2d2.config())
+    r2d2_agent.setup_learner()
+    torch.manual_seed(10 + rank)
+    dt_agent = dt.continuous_agent(dt.config())  # two optimizers: the policy's and the temperature's
+    dt_agent.setup_learner()
+    record = {}
+    with DataParallel(rank, world, f"127.0.0.1:{port}", "gloo", timeout_s=60) as parallel:
+        parallel.setup(r2d2_agent)
+        record["r2d2_initial"] = flat_params(r2d2_agent.online)
+        record["r2d2_target"] = flat_params(r2d2_agent.target)
+        r2d2_agent.learn(r2d2.batch(np.random.default_rng(rank)))  # each rank its own batch
+        record["r2d2_after"] = flat_params(r2d2_agent.online)
+
+        parallel.setup(dt_agent)  # (one agent per process in a run; here the second replaces the first)
+        record["dt_initial"] = flat_params(dt_agent.online)
+        record["dt_temperature_initial"] = dt_agent.log_temperature.detach().clone()
+        rewards = [[1.0] * 8, [1.0] * 3, [2.0, 0.0], [1.0] * 6] if rank == 0 else [[0.5] * 5, [3.0] * 8]
+        data = dt.episode_batch(rewards, act=lambda B, T, g: torch.rand(B, T, 2, generator=g) * 4 - 2)
+        B = len(rewards)
+        for _ in range(2):
+            dt_agent.learn(Sample(data, torch.arange(B), torch.ones(B), torch.ones(B, dtype=torch.float64)))
+        record["dt_after"] = flat_params(dt_agent.online)
+        record["dt_temperature_after"] = dt_agent.log_temperature.detach().clone()
+        record["dt_lr"] = dt_agent.scheduler.get_last_lr()
+    torch.save(record, out / f"rank{rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_sequence_agents_start_identical_and_stay_identical(tmp_path):
+    """R2D2 (online + target) and DT (a scheduler, and a second optimizer for the temperature):
+    rank 0's whole learner state on both ranks, and the same update from different batches."""
+    spawn(_sequence_agents, 2, free_port(), tmp_path)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for key in r0:
+        assert torch.equal(torch.as_tensor(r0[key]), torch.as_tensor(r1[key])), key
+    assert not torch.equal(r0["r2d2_after"], r0["r2d2_initial"]) and not torch.equal(r0["dt_after"], r0["dt_initial"])
+    assert not torch.equal(r0["dt_temperature_after"], r0["dt_temperature_initial"])  # its optimizer stepped too
 
 
 # ----------------------------------------------------------------------------- 4. rendezvous errors
