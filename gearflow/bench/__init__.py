@@ -4,6 +4,8 @@ Each line is ``{"bench", "workload", "metric", "value", "unit", "floor", "ratio"
 ``floor`` is the same work done by the plainest possible code (a numpy gather of
 the same bytes, a bare EnvPool loop) measured in the same run, and ``ratio`` is
 gearflow's rate over the floor's, so the numbers compare on a noisy machine.
+``cluster`` is the exception: a model (``--simulate``), its lines are the figures it
+measured, one modelled size each, and a summary (``gearflow/bench/cluster.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ SUITES = {
     "actors": "gearflow.bench.actors",
     "keys": "gearflow.bench.keys",
     "transport": "gearflow.bench.transport",
+    "cluster": "gearflow.bench.cluster",
 }
 
 
@@ -44,11 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "memcpy and staging, device sampling at 1e6/1e7 items, Table(device='cuda') end to end)",
     )
     parser.add_argument(
-        "--config", default="", help="actors: the run config to measure (default configs/cartpole_apex.yaml)"
+        "--config", default="", help="actors, cluster: the run config to measure (default configs/cartpole_apex.yaml)"
     )
     parser.add_argument(
         "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
     )
+    from gearflow.bench import cluster  # its options (numpy only at import)
+
+    cluster.add_arguments(parser)
 
 
 def record(bench: str, workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:

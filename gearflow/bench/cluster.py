@@ -1,0 +1,595 @@
+"""``gearflow bench cluster --simulate``: a scale model of N nodes × M actors × K learners, built
+from figures measured on this machine (or read from a file), that names the bottleneck at each size.
+
+    gearflow bench cluster --simulate --config configs/pong_apex.yaml          # measure (~1-2 min), then model
+    gearflow bench cluster --simulate --save figs.json --quick                  # a short measurement, kept
+    gearflow bench cluster --simulate --from figs.json --link-gbps 25 --learners 1,2,4,8
+
+It is a **model**, not a multi-node run: every modelled line says ``"model": true`` and the
+summary carries the figures it came from. Each line is one JSON object: first the figures
+(``"workload": "figures"``), then one line per ``(N, M, K)`` of the grid (``"workload": "model"``),
+then ``"workload": "summary"``.
+
+**Measured** (one process each, on this machine; ``--quick`` shortens every timing):
+
+* ``actor_env_steps_per_s`` (a): one actor process of the config (its env, ``num_envs`` /
+  ``batch_size``, its agent acting ε-greedily, one torch thread) writing a shared-memory
+  table (``bench/actors.py``'s ``_actor_rate``).
+* ``insert_steps_per_s`` (I): steps of the config's columns written in calls of 64 with their
+  items *and ingested* (``Table.scan`` after each call): what a node's shard does per step.
+* ``shard_sample_s`` [(b, t)]: seconds per prioritized sample of b items from a local table of
+  the config's columns and item kind, at ``b = B`` and ``b = B/16`` (``B`` = ``learner.batch_size``).
+* ``learn_s`` [(b, t)]: seconds per ``agent.learn`` on such batches, at ``b = B`` and ``B/4``, on
+  the config's learner device.
+* ``allreduce_s`` [(bytes, t)]: a gloo ``all_reduce`` between two processes on loopback, of
+  8 bytes and of the learner network's gradient bytes (``param_bytes``).
+* ``transport_*``: a shard service in its own process on loopback (``transport/bench.py``'s
+  ``ShardProcess``): ``ShippingWriter`` writes (steps/s, bytes/s), ``RemoteSampler`` batches of
+  ``B`` (batches/s with ``learner.prefetch`` requests ahead; p50/p99 latency with none ahead), the
+  p50 latency of an 8-item sample (``transport_request_latency_us``: what a request costs besides
+  its bytes), and ``transport_loopback_bytes_per_s``: the better of two byte rates a shard served on
+  loopback, 28 KiB rows (``transport.bench.sample``) and the config's batch at its p50 latency.
+* ``item_bytes`` (c): bytes of one sampled item (every column of the batch, next columns, key,
+  weight, probability); ``step_bytes``: bytes stored per step.
+
+**Model** (``model()``; X = env steps/s of the cluster, U = global updates/s, one update = each
+of the K learners learning ``b = B/K`` items and all-reducing gradients; ``ρ`` =
+``replay.samples_per_insert``; ``L`` = the link in bytes/s, for ``tcp`` ``min(link,
+transport_loopback_bytes_per_s)`` — one shard process cannot serve faster than it does on loopback):
+
+* linear fits from the two-point figures: ``t_s(n) = s0 + s1·n`` (a shard's sample of n items),
+  ``t_l(b) = l0 + l1·b`` (one learn step), ``t_ar(K) = 2(K−1)·α + 2(K−1)/K · G/min(L, β)`` (ring
+  all-reduce of G gradient bytes; α, β from the two all-reduce figures; ``t_ar(1) = 0``);
+* **actors**: ``X ≤ N·M·a`` (a node runs M actor processes at this machine's per-actor rate);
+* **shard** (one process per node ingests its X/N steps and serves K·U requests of ``B/(K·N)``
+  items): ``X/(N·I) + K·U·t_s(B/(K·N)) ≤ 1``;
+* **network_shard** (a node sends what is sampled from it): ``U·B·c/N ≤ L``;
+* **network_learner** (a learner fetches b items per update, ``p`` = ``learner.prefetch``
+  requests in flight, τ = ``transport_request_latency_us``): ``U ≤ 1 / (τ/p + b·c/L)``;
+* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K))``.
+
+With ``ρ > 0`` (Reverb's samples-per-insert limiter) the rates are tied, ``U·B = ρ·X``: each
+stage's bound becomes a bound on X, X is the smallest, and that stage is the ``bottleneck``.
+With ``ρ = 0`` (Ape-X: no limiter) actors and learners run apart: ``X = min(N·M·a, N·I)``
+(actors or shard), and the learners take ``U`` = the smallest of their bounds, the shard's
+being the time its ingest leaves, ``K·U·t_s ≤ 1 − X/(N·I)`` (``update_bottleneck``; the replay
+ratio ``U·B/X`` is then an output).
+
+What it leaves out, on purpose: weights to actors (a parameter fetch per
+``actor.weight_sync_period`` steps), priority updates (16 B per sampled item), switch
+contention, stragglers, and that a node's M actors share its cores with the shard: a node is
+assumed to have a core per actor and one for its shard. The per-actor rate is this machine's
+per-core rate.
+
+**Ape-X** ran 360 actors feeding one learner: about 50 k Atari frames/s, i.e. 12.5 k env steps/s
+at frame skip 4 (Horgan et al. 2018; ``--apex-env-steps-per-s``). The summary says how many
+nodes bring that many env steps/s to one learner (K = 1) for each M, and what one learner here
+does with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from gearflow.errors import GearflowError
+
+Emit = Callable[[dict], None]
+STAGES = ("actors", "shard", "network_shard", "network_learner", "learner")
+LINK_GBPS = {"tcp": 10.0, "rdma": 100.0}
+APEX_ACTORS = 360
+APEX_ENV_STEPS_PER_S = 12_500.0  # 360 actors, ~50k Atari frames/s at frame skip 4 (Horgan et al. 2018)
+SEARCH_NODES = 4096  # where the summary stops looking for a crossover
+FIGURE_KEYS = (
+    "actor_env_steps_per_s", "insert_steps_per_s", "shard_sample_s", "learn_s", "allreduce_s", "param_bytes",
+    "item_bytes", "batch_size", "samples_per_insert", "prefetch", "transport_request_latency_us",
+    "transport_loopback_bytes_per_s",
+)  # fmt: skip  # what model() needs; a --from file must have each
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster suite's options (``gearflow bench cluster ...``)."""
+    g = parser.add_argument_group("cluster (gearflow bench cluster --simulate)")
+    g.add_argument("--simulate", action="store_true", help="cluster: model N nodes × M actors × K learners "
+                   "from measured figures (the only mode: a real multi-node run is gearflow train launcher=ray)")  # fmt: skip
+    g.add_argument("--quick", action="store_true", help="cluster: a short measurement (~20 s; for tests)")
+    g.add_argument("--from", dest="from_file", default="", help="cluster: read the figures from this JSON file "
+                   "(written by --save, or by hand for other machines) instead of measuring")  # fmt: skip
+    g.add_argument("--save", default="", help="cluster: write the figures used to this JSON file")
+    g.add_argument("--nodes", default="1,2,4,8,16,32", help="cluster: shard nodes N to model (comma-separated)")
+    g.add_argument("--actors-per-node", default="4,16", help="cluster: actor processes per node M")
+    g.add_argument("--learners", default="1,2,4", help="cluster: data-parallel learners K")
+    g.add_argument("--transport-kind", choices=sorted(LINK_GBPS), default="tcp",
+                   help="cluster: tcp (capped by the measured loopback byte rate too) or rdma")  # fmt: skip
+    g.add_argument("--link-gbps", type=float, default=0.0, help="cluster: each machine's link in Gbit/s "
+                   "(default 10 for tcp, 100 for rdma)")  # fmt: skip
+    g.add_argument("--samples-per-insert", type=float, default=-1.0,
+                   help="cluster: ρ (default: the config's replay.samples_per_insert; 0 = no limiter)")  # fmt: skip
+    g.add_argument("--learner-speedup", type=float, default=1.0,
+                   help="cluster: what-if: a learn step this many times faster than the figure (e.g. a GPU)")  # fmt: skip
+    g.add_argument("--apex-env-steps-per-s", type=float, default=APEX_ENV_STEPS_PER_S,
+                   help="cluster: the data rate of Ape-X's 360 actors, env steps/s")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _fit(pairs) -> tuple[float, float]:
+    """``(t0, t1)`` of ``t(x) = t0 + t1·x`` through two ``(x, t)`` points, both ≥ 0 (noise can make a
+    measured slope or intercept negative; then the line goes through the larger point and 0)."""
+    (x1, y1), (x2, y2) = sorted((float(x), float(y)) for x, y in pairs)
+    slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
+    t0 = y1 - slope * x1
+    if slope < 0 or t0 < 0:
+        return (y2, 0.0) if slope < 0 else (0.0, y2 / x2)
+    return t0, slope
+
+
+def link_bytes_per_s(fig: dict, link_gbps: float, kind: str) -> float:
+    """L: the link's bytes/s; over TCP also capped by what one shard process served on loopback."""
+    link = link_gbps * 1e9 / 8
+    return min(link, float(fig["transport_loopback_bytes_per_s"])) if kind == "tcp" else link
+
+
+def allreduce_s(fig: dict, K: int, L: float) -> float:
+    """t_ar(K): ring all-reduce of the gradient bytes G among K learners, ``2(K−1)`` latency steps of α
+    and ``2(K−1)/K · G`` bytes each way at ``min(L, β)`` (α, β: the two-rank loopback figures)."""
+    if K <= 1:
+        return 0.0
+    (small, t_small), (G, t_G) = sorted(fig["allreduce_s"])
+    alpha = max(float(t_small), 1e-9) / 2  # two ranks: 2 ring steps
+    beta = G / max(float(t_G) - float(t_small), 1e-9)  # bytes/s of the loopback reduce
+    return 2 * (K - 1) * alpha + 2 * (K - 1) / K * float(fig["param_bytes"]) / min(L, beta)
+
+
+def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: Optional[float] = None,
+          learner_speedup: float = 1.0) -> dict:  # fmt: skip
+    """The modelled throughput of N nodes × M actors × K learners (formulas in the module docstring).
+
+    ``limits`` holds each stage's bound in env steps/s (ρ > 0); with ρ = 0, ``limits`` bounds X
+    (actors, shard) and ``update_limits`` bounds U in updates/s. ``learner_speedup`` divides the
+    measured learn step (a what-if: a learner that many times faster, e.g. on a GPU)."""
+    if min(N, M, K) < 1:
+        raise GearflowError(f"nodes, actors per node and learners must be ≥ 1, got N={N}, M={M}, K={K}")
+    B = int(fig["batch_size"])
+    if B % K:
+        raise GearflowError(f"learners={K}: the global batch learner.batch_size={B} must split evenly among them")
+    rho = float(fig["samples_per_insert"] if rho is None else rho)
+    a, I_, c = float(fig["actor_env_steps_per_s"]), float(fig["insert_steps_per_s"]), float(fig["item_bytes"])
+    s0, s1 = _fit(fig["shard_sample_s"])
+    l0, l1 = _fit(fig["learn_s"])
+    L = link_bytes_per_s(fig, link_gbps, kind)
+    tau, p = float(fig["transport_request_latency_us"]) * 1e-6, max(1, int(fig["prefetch"]))
+    b = B / K
+    t_s = s0 + s1 * B / (K * N)  # a shard's share of one learner's request
+    t_update = (l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L)
+    u_net_learner = 1.0 / (tau / p + b * c / L)
+    u_learner = 1.0 / t_update
+    out: dict[str, Any] = {"bench": "cluster", "workload": "model", "model": True, "nodes": N, "actors_per_node": M,
+                           "learners": K, "transport": kind, "link_gbps": link_gbps, "samples_per_insert": rho,
+                           "learner_speedup": learner_speedup}  # fmt: skip
+    if rho > 0:
+        limits = {
+            "actors": N * M * a,
+            "shard": 1.0 / (1.0 / (N * I_) + rho * K * t_s / B),
+            "network_shard": N * L / (rho * c),
+            "network_learner": B * u_net_learner / rho,
+            "learner": B * u_learner / rho,
+        }
+        bottleneck = min(limits, key=limits.get)
+        X = limits[bottleneck]
+        U = rho * X / B
+        out.update(env_steps_per_s=X, updates_per_s=U, bottleneck=bottleneck, update_bottleneck=bottleneck,
+                   limits=limits)  # fmt: skip
+    else:
+        limits = {"actors": N * M * a, "shard": N * I_}
+        bottleneck = min(limits, key=limits.get)
+        X = limits[bottleneck]
+        left = max(0.0, 1.0 - X / (N * I_))  # the shard's time its ingest leaves
+        update_limits = {
+            "shard": left / (K * t_s) if left > 0 else 0.0,
+            "network_shard": N * L / (B * c),
+            "network_learner": u_net_learner,
+            "learner": u_learner,
+        }
+        update_bottleneck = min(update_limits, key=update_limits.get)
+        U = update_limits[update_bottleneck]
+        out.update(env_steps_per_s=X, updates_per_s=U, bottleneck=bottleneck, update_bottleneck=update_bottleneck,
+                   limits=limits, update_limits=update_limits, replay_ratio=U * B / X if X > 0 else None)  # fmt: skip
+    out.update(
+        samples_per_s=U * B,
+        network_gbps_per_node=U * B * c / N * 8 / 1e9,
+        network_gbps_per_learner=U * b * c * 8 / 1e9,
+        shard_busy=X / (N * I_) + K * U * t_s,
+        learner_update_s=t_update,
+        allreduce_s=allreduce_s(fig, K, L),
+    )
+    return out
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise GearflowError(f"--{what} {text!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not values or min(values) < 1:
+        raise GearflowError(f"--{what} {text!r}: expected integers ≥ 1")
+    return sorted(set(values))
+
+
+def summarize(fig: dict, Ms: list[int], Ks: list[int], link_gbps: float, kind: str, rho: float,
+              apex_rate: float, learner_speedup: float = 1.0) -> dict:  # fmt: skip
+    """Where scaling stops for each (M, K): the last N (≤ 4096) at which the actors are still the
+    bottleneck (below it env steps/s grow with N), the stage that takes over, and the ceiling;
+    and the nodes that bring Ape-X's data rate (``apex_rate`` env steps/s) to one learner."""
+    B = int(fig["batch_size"])
+    stops, apex = [], []
+    for M in Ms:
+        for K in Ks:
+            if B % K:
+                continue
+            rows = [model(fig, N, M, K, link_gbps, kind, rho, learner_speedup) for N in range(1, SEARCH_NODES + 1)]
+            actor_bound = [r["nodes"] for r in rows if r["bottleneck"] == "actors"]
+            last = max(actor_bound) if actor_bound else 0
+            after = rows[last] if last < SEARCH_NODES else None  # N = last + 1
+            top = max(rows, key=lambda r: r["env_steps_per_s"])
+            stops.append({"actors_per_node": M, "learners": K, "linear_until_nodes": last,
+                          "then_bottleneck": None if after is None else after["bottleneck"],
+                          "max_env_steps_per_s": top["env_steps_per_s"], "max_at_nodes": top["nodes"],
+                          "updates_per_s_at_max": top["updates_per_s"],
+                          "update_bottleneck_at_max": top["update_bottleneck"]})  # fmt: skip
+            if K == 1:
+                hit = next((r for r in rows if r["env_steps_per_s"] >= apex_rate), None)
+                n360 = math.ceil(APEX_ACTORS / M)
+                r360 = rows[n360 - 1] if n360 <= SEARCH_NODES else None
+                apex.append({
+                    "actors_per_node": M,
+                    "nodes_for_apex_rate": None if hit is None else hit["nodes"],
+                    "at_those_nodes": None if hit is None else {k: hit[k] for k in (
+                        "env_steps_per_s", "updates_per_s", "samples_per_s", "bottleneck", "update_bottleneck",
+                        "network_gbps_per_learner")},
+                    "why_not": None if hit is not None else
+                    f"capped at {top['env_steps_per_s']:.0f} env steps/s by {top['bottleneck']}",
+                    "nodes_for_360_actor_processes": n360,
+                    "at_360_actor_processes": None if r360 is None else {k: r360[k] for k in (
+                        "env_steps_per_s", "updates_per_s", "bottleneck", "update_bottleneck")},
+                })  # fmt: skip
+    return {"bench": "cluster", "workload": "summary", "model": True, "transport": kind, "link_gbps": link_gbps,
+            "samples_per_insert": rho, "learner_speedup": learner_speedup, "stops_scaling": stops,
+            "apex": {"actors": APEX_ACTORS, "env_steps_per_s": apex_rate,
+                     "actor_processes_at_this_rate": apex_rate / float(fig["actor_env_steps_per_s"]),
+                     "one_learner": apex},
+            "figures": fig}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def _chunk(spec, n: int, num_actions: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``n`` steps of the stored rows of ``spec`` (one frame of a stacked column): uint8 noise,
+    integers in ``[0, num_actions)`` (valid actions), floats in ``[0, 1)`` (valid discounts), bools False."""
+    out = {}
+    for col in spec:
+        shape = (n, *col.row_shape)
+        if col.dtype == np.uint8:
+            out[col.name] = rng.integers(0, 255, shape, dtype=np.uint8)
+        elif col.dtype == np.bool_:
+            out[col.name] = np.zeros(shape, dtype=bool)
+        elif np.issubdtype(col.dtype, np.integer):
+            out[col.name] = rng.integers(0, max(1, num_actions), shape).astype(col.dtype)
+        else:
+            out[col.name] = rng.random(shape).astype(col.dtype)
+    return out
+
+
+def _item_steps(cfg, kind) -> tuple[int, int]:
+    """(steps per item, steps between item ends) of the agent's items as an actor writes them."""
+    from gearflow.replay import Sequence, Transition
+
+    if isinstance(kind, Transition):
+        return int(cfg.actor.n_step) + 1, 1
+    if isinstance(kind, Sequence):
+        return int(kind.length), int(kind.period)
+    raise GearflowError(f"bench cluster models transition and sequence items; agent {cfg.agent.name} samples "
+                        f"{type(kind).__name__} items")  # fmt: skip
+
+
+def _write(writer, chunk: dict, calls: int, length: int, period: int, rng, streams=(0,), after=None) -> int:
+    """``calls`` extends of ``chunk`` per stream, with an item ending every ``period`` steps from the
+    episode's start + ``length``; ``after()`` after each call. Returns the steps written."""
+    n = len(next(iter(chunk.values())))
+    for _ in range(calls):
+        for s in streams:
+            first = writer.extend(chunk, stream=s)
+            ends = first + np.arange(1, n + 1)
+            ends = ends[(ends - length >= writer.episode_starts([s])[0]) & ((ends - length) % period == 0)]
+            if ends.size:
+                writer.create_items(rng.random(ends.size) + 0.01, length, streams=s, ends=ends)
+        if after is not None:
+            after()
+    return calls * n * len(streams)
+
+
+def _best_threads(fn: Callable[[], object], seconds: float) -> float:
+    """Seconds per call of ``fn`` with one torch thread and with torch's default, the faster: on a
+    shared machine an intra-op thread that gets descheduled stalls every op of a small network
+    (10-200 ms per CartPole learn step measured here, against ~1 ms on one thread)."""
+    import torch
+
+    from gearflow.bench.replay import _timed
+
+    threads = torch.get_num_threads()
+    try:
+        costs = []
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            costs.append(_timed(fn, seconds, min_calls=3))
+    finally:
+        torch.set_num_threads(threads)
+    return min(costs)
+
+
+def _replay_figures(cfg, agent, num_actions: int, seconds: float, quick: bool, seed: int) -> dict:
+    """Insert + ingest steps/s, shard sample seconds at B and B/16, learn seconds at B and B/4."""
+    from gearflow.bench.common import prioritized_table
+    from gearflow.bench.replay import _timed
+    from gearflow.replay import Writer
+    from gearflow.replay.spec import replay_spec
+
+    rng = np.random.default_rng(seed)
+    spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)
+    kind = agent.item_kind()
+    length, period = _item_steps(cfg, kind)
+    B = int(cfg.learner.batch_size)
+    # a ring past the caches (16 / 128 MiB), as a shard's is: a small hot ring writes at cache speed
+    ring_bytes = (16 if quick else 128) << 20
+    S = max(4 * B, 4 * length, 2048, ring_bytes // spec.stored_step_nbytes) // 64 * 64
+    table = prioritized_table(spec.to_dict(), 1, S, kind, seed)
+    try:
+        writer = Writer(table.storage, [0])
+        chunk = _chunk(table.storage.spec, 64, num_actions, rng)
+        _write(writer, chunk, S // 64, length, period, rng, after=table.scan)  # a first lap: pages fault in
+        calls, t0 = 0, time.perf_counter()
+        while calls < 8 or time.perf_counter() - t0 < seconds:
+            calls += 1
+            _write(writer, chunk, 1, length, period, rng, after=table.scan)
+        insert = calls * 64 / (time.perf_counter() - t0)
+        table.scan()
+        sizes = sorted({B, max(1, B // 16)})
+        sample_s = [[b, _timed(lambda b=b: table.sample(b), seconds / 2)] for b in sizes]
+        first = table.sample(1)
+        item_bytes = sum(t[0].numel() * t.element_size() for t in first.data.values()) + 8 + 4 + 8  # + key, weight, prob
+
+        agent.setup_learner()
+        learn_s = []
+        for b in sorted({B, max(1, B // 4)}):
+            batches = []
+            for _ in range(3):
+                s = table.sample(b)  # views of a rotating buffer: keep copies
+                batches.append(type(s)({k: v.clone() for k, v in s.data.items()}, s.keys.clone(), s.weights.clone(),
+                                       s.probabilities.clone()))  # fmt: skip
+            i = iter(range(1 << 30))
+            learn_s.append([b, _best_threads(lambda: agent.learn(batches[next(i) % 3]), seconds / 4)])
+        params = agent.learner_network().parameters()
+        param_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    finally:
+        table.close()
+    return {"insert_steps_per_s": insert, "shard_sample_s": sample_s, "learn_s": learn_s, "item_bytes": int(item_bytes),
+            "step_bytes": int(spec.stored_step_nbytes), "param_bytes": int(param_bytes)}  # fmt: skip
+
+
+def _allreduce_peer(port: int, sizes: list[int], rounds: int) -> None:
+    """Rank 1 of the two-rank gloo all-reduce (a spawned process)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    try:
+        for n in sizes:
+            t = torch.ones(max(1, n // 4))
+            for _ in range(rounds + 3):
+                dist.all_reduce(t)
+    finally:
+        dist.destroy_process_group()
+
+
+def _allreduce_figures(param_bytes: int, rounds: int) -> list[list[float]]:
+    """Seconds per gloo all_reduce of 8 bytes and of ``param_bytes`` between this process and a
+    spawned one on loopback (median of ``rounds``)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise GearflowError("bench cluster measures its all-reduce in a process group of its own; one is already set up")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sizes = [8, max(8, int(param_bytes))]
+    peer = mp.get_context("spawn").Process(target=_allreduce_peer, args=(port, sizes, rounds), daemon=True)
+    peer.start()
+    out = []
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                                timeout=__import__("datetime").timedelta(seconds=120))  # fmt: skip
+        try:
+            for n in sizes:
+                t = torch.ones(max(1, n // 4))
+                times = []
+                for i in range(rounds + 3):
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t)
+                    if i >= 3:  # 3 warm-up rounds
+                        times.append(time.perf_counter() - t0)
+                out.append([n, float(np.median(times))])
+        finally:
+            dist.destroy_process_group()
+    finally:
+        peer.join(60)
+        if peer.is_alive():
+            peer.kill()
+    return out
+
+
+def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, item_bytes: int) -> dict:
+    """A shard of the config's columns in its own process on loopback: ShippingWriter write rate,
+    RemoteSampler batch rate and latency at the config's batch; the 28 KiB-row loopback byte rate."""
+    from gearflow.transport import bench as tb
+    from gearflow.transport.remote import RemoteSampler, ShippingWriter
+
+    rng = np.random.default_rng(seed)
+    B, E = int(cfg.learner.batch_size), 4
+    length, period = _item_steps(cfg, agent.item_kind())
+    columns = dict(agent.replay_columns())  # unstacked: ShippingWriter ships whole rows
+    S = max(4096, 2 * B) // 64 * 64
+    shard = tb.ShardProcess(columns, E, S)
+    try:
+        addr = ("127.0.0.1", shard.port)
+        w = ShippingWriter(addr, num_streams=E, token=tb.TOKEN)
+        chunk = _chunk(w.storage.spec, 64, num_actions, rng)
+        step_bytes = sum(v[0].nbytes for v in chunk.values())
+        _write(w, chunk, S // 64 // 4, length, period, rng, streams=range(E))  # warm-up, and items to sample
+        w.flush()
+        steps, t0 = 0, time.perf_counter()
+        while steps < 8 * 64 * E or time.perf_counter() - t0 < seconds:
+            steps += _write(w, chunk, 1, length, period, rng, streams=range(E))
+        w.flush()
+        write = steps / (time.perf_counter() - t0)
+        w.close()
+        prefetch = max(1, int(cfg.learner.prefetch))
+        sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=prefetch)
+        sampler.sample(B)
+        times = tb._timed(lambda: sampler.sample(B), seconds / 2)
+        batches_per_s = len(times) / sum(times)
+        sampler.close()
+        sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=0)
+        sampler.sample(B)
+        lat = np.array(tb._timed(lambda: sampler.sample(B), seconds / 2)) * 1e6
+        batch_bytes = B * item_bytes
+        sampler.sample(8)
+        small = np.array(tb._timed(lambda: sampler.sample(8), seconds / 4)) * 1e6
+        sampler.close()
+    finally:
+        shard.close()
+    loop = tb.sample(max(0.3, seconds / 2))
+    return {"transport_write_steps_per_s": write, "transport_write_bytes_per_s": write * step_bytes,
+            "transport_sample_batches_per_s": batches_per_s,
+            "transport_batch_latency_p50_us": float(np.percentile(lat, 50)),
+            "transport_batch_latency_p99_us": float(np.percentile(lat, 99)),
+            "transport_request_latency_us": float(np.percentile(small, 50)),
+            "transport_loopback_28k_rows_bytes_per_s": loop["remote_gb_per_s"] * 1e9,
+            "transport_loopback_bytes_per_s": max(loop["remote_gb_per_s"] * 1e9,
+                                                  batch_bytes / (np.percentile(lat, 50) * 1e-6))}  # fmt: skip
+
+
+def measure(config: str, quick: bool = False, seed: int = 0) -> dict:
+    """The figures of one machine for ``config`` (see the module docstring); ~1-2 min, ``quick`` ~20 s."""
+    import torch
+
+    from gearflow.agent import make_agent, resolve_device
+    from gearflow.bench.actors import DEFAULT_CONFIG, _actor_rate
+    from gearflow.config import load_config
+    from gearflow.envs import make_vec_env
+
+    path = str(config or DEFAULT_CONFIG)
+    cfg = load_config(path, [f"run.seed={seed}"])
+    seconds = 0.4 if quick else 3.0
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    env = make_vec_env(cfg.env, seed=0)
+    num_actions = int(env.num_actions or 1)
+    env_spec = env.env_spec
+    env.close()
+    torch.set_num_threads(1)  # an actor process acts on one thread
+    try:
+        actor = _actor_rate(cfg, seconds, random_policy=False)
+    finally:
+        torch.set_num_threads(threads)
+    device = resolve_device(cfg.learner.device)
+    fig = {"config": path, "env": cfg.env.id, "agent": cfg.agent.name, "num_envs": int(cfg.env.num_envs),
+           "learner_device": str(device), "torch_threads": threads, "batch_size": int(cfg.learner.batch_size),
+           "samples_per_insert": float(cfg.replay.samples_per_insert), "prefetch": int(cfg.learner.prefetch),
+           "actor_env_steps_per_s": actor}  # fmt: skip
+    fig.update(_replay_figures(cfg, make_agent(cfg, env_spec, device), num_actions, seconds, quick, seed))
+    fig["allreduce_s"] = _allreduce_figures(fig["param_bytes"], 5 if quick else 20)
+    fig.update(_transport_figures(cfg, make_agent(cfg, env_spec, "cpu"), num_actions, seconds, seed, fig["item_bytes"]))
+    fig["quick"] = bool(quick)
+    fig["measured_s"] = time.perf_counter() - start
+    return fig
+
+
+def load_figures(path: str) -> dict:
+    """Figures from a JSON file (``--save``'s, or written by hand); every key ``model()`` needs must be there."""
+    try:
+        fig = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise GearflowError(f"--from {path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise GearflowError(f"--from {path}: not JSON ({exc})") from None
+    if not isinstance(fig, dict):
+        raise GearflowError(f"--from {path}: expected one JSON object of figures, got {type(fig).__name__}")
+    missing = [k for k in FIGURE_KEYS if k not in fig]
+    if missing:
+        raise GearflowError(f"--from {path}: missing figure(s) {', '.join(missing)}")
+    for k in ("shard_sample_s", "learn_s", "allreduce_s"):
+        pairs = fig[k]
+        if not (isinstance(pairs, list) and len(pairs) == 2 and all(isinstance(p, list) and len(p) == 2 for p in pairs)):
+            raise GearflowError(f"--from {path}: {k} must be two [size, seconds] pairs, got {pairs!r}")
+    return fig
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _table(lines: list[dict], out) -> None:
+    print(f"{'N':>4} {'M':>4} {'K':>3} {'env steps/s':>12} {'updates/s':>10} {'Gbit/s/node':>11}  bottleneck", file=out)
+    for r in lines:
+        extra = "" if r["update_bottleneck"] == r["bottleneck"] else f" (updates: {r['update_bottleneck']})"
+        print(f"{r['nodes']:>4} {r['actors_per_node']:>4} {r['learners']:>3} {r['env_steps_per_s']:>12,.0f} "
+              f"{r['updates_per_s']:>10,.1f} {r['network_gbps_per_node']:>11.3f}  {r['bottleneck']}{extra}", file=out)  # fmt: skip
+
+
+def run(args, wanted: list[str], emit: Emit) -> int:
+    if not getattr(args, "simulate", False):
+        raise GearflowError("bench cluster: only --simulate exists (a model of a cluster from this machine's figures); "
+                            "a real multi-node run is gearflow train with launcher=ray")  # fmt: skip
+    if wanted:
+        raise GearflowError("bench cluster has no workloads to choose; use --nodes/--actors-per-node/--learners")
+    Ns, Ms = _ints(args.nodes, "nodes"), _ints(args.actors_per_node, "actors-per-node")
+    Ks = _ints(args.learners, "learners")
+    kind = args.transport_kind
+    link = float(args.link_gbps or LINK_GBPS[kind])
+    if link <= 0:
+        raise GearflowError(f"--link-gbps {args.link_gbps}: must be > 0")
+    fig = load_figures(args.from_file) if args.from_file else measure(args.config, args.quick, args.seed)
+    if args.save:
+        Path(args.save).write_text(json.dumps(fig, indent=1) + "\n")
+    rho = float(fig["samples_per_insert"]) if args.samples_per_insert < 0 else float(args.samples_per_insert)
+    B = int(fig["batch_size"])
+    bad = [K for K in Ks if B % K]
+    if bad:
+        raise GearflowError(f"--learners {args.learners}: the global batch {B} does not split evenly among {bad}")
+
+    def out(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+
+    out({"bench": "cluster", "workload": "figures", "model": False, **fig})
+    speedup = float(args.learner_speedup)
+    if speedup <= 0:
+        raise GearflowError(f"--learner-speedup {speedup}: must be > 0")
+    lines = [model(fig, N, M, K, link, kind, rho, speedup) for M in Ms for K in Ks for N in Ns]
+    for line in lines:
+        out(line)
+    out(summarize(fig, Ms, Ks, link, kind, rho, float(args.apex_env_steps_per_s), speedup))
+    if not args.json:
+        _table(lines, sys.stderr)
+    return 0
