@@ -224,7 +224,7 @@ def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
     share = t1 / (t0 + t1)
     n1 = sum(int(((sampler.sample(64).keys.numpy() >> SHARD_SHIFT) == 1).sum()) for _ in range(20))
     assert abs(n1 - share * 1280) < 6 * np.sqrt(1280 * share * (1 - share)) + 1, (n1, share)
-    # shard 2 back: it is drawn again (its total kept coming with every round's zero-size reply)
+    # shard 2 back: it is drawn again (its total kept coming with every round (replay.total))
     sampler.update_priorities(k2, np.full(SIZES[2], 100.0))
     sampler.sample(64)
     assert ((sampler.sample(64).keys.numpy() >> SHARD_SHIFT) == 2).mean() > 0.8

@@ -309,6 +309,44 @@ def test_create_items_held_by_the_rate_limiter_holds_the_remote_writer(make_tabl
     w.close()
 
 
+def test_a_batch_failing_part_way_on_the_shard_resyncs_the_writer(make_table, shard_of):
+    """One batch of ten append + create_items pairs; the shard's rate limiter lets five items
+    through and times out the sixth, so the shard skips the rest of the batch. The error is
+    raised once (its own type, with a note), and the writer continues from the shard's
+    positions: later writes land where the mirror says, with no cascade of mismatches."""
+    lim = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=4.0)
+    table = make_table(spec=APEX, P=1, S=64, limiter=lim)
+    _, port = shard_of(table)
+    w = RemoteWriter(("127.0.0.1", port), num_streams=1, token=TOKEN, timeout_s=5, insert_timeout_s=0.3,
+                     max_delay_s=60.0)  # one batch until flush  # fmt: skip
+
+    def step(i, item=True):
+        w.append({"obs": np.full((1, 3), i, np.float32), "action": np.array([i]), "ret": np.zeros(1, np.float32),
+                  "disc": np.zeros(1, np.float32), "version": np.zeros(1, np.int64)})  # fmt: skip
+        if item:
+            w.create_items([1.0], 1, streams=[0])
+
+    for i in range(10):
+        step(i)
+    assert w.positions.tolist() == [10]  # the mirror, before the shard has seen anything
+    with pytest.raises(RateLimiterTimeout, match="rate limiter") as info:
+        w.flush()
+    assert any("session on partitions [0] was re-opened" in n for n in info.value.__notes__)
+    c = table.storage.counters[0]
+    assert c[PUBLISHED] == 5 and c[COMMIT] == 6  # the sixth step went in, its item and the rest did not
+    assert w.positions.tolist() == [6]  # re-synced with the shard
+    for i in range(6, 12):  # continues where the shard is: no "item ends after the last step" cascade
+        step(i, item=False)
+    sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=0, timeout_s=10)
+    for _ in range(3):
+        sampler.sample(1)  # the limiter lets items in again
+    w.create_items([2.0], 1, streams=[0])
+    w.flush()
+    assert c[COMMIT] == 12 and c[PUBLISHED] == 6
+    assert table.storage.columns["obs"][11, 0] == 11  # step 11 holds what was appended as step 11
+    sampler.close()
+    w.close()
+
 def test_remote_params_fetch_only_new_versions(shard_of, make_table):
     net = torch.nn.Linear(4, 2)
     store = ParameterStore.create(net)

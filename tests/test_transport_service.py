@@ -209,3 +209,26 @@ def test_no_service_is_a_named_error_within_the_timeout():
     c.close()
     with pytest.raises(ValueError, match="GEARFLOW_TOKEN"):
         Service(token="")
+
+
+def test_the_client_logs_only_a_loss_it_did_not_ask_for(caplog):
+    """Closing a client is not "connection lost"; a service that goes away is, once."""
+    svc = Service(token=TOKEN)
+    port = svc.start()
+    lost = lambda: [r for r in caplog.records if "connection to" in r.getMessage() and "lost" in r.getMessage()]  # noqa: E731
+    try:
+        with caplog.at_level("INFO", logger="gearflow.transport.client"):
+            c = Client(("127.0.0.1", port), token=TOKEN, timeout_s=5)
+            assert c.call("ping")[0]["pong"]
+            c.close()  # its own close: nothing to report
+            c2 = Client(("127.0.0.1", port), token=TOKEN, timeout_s=5)
+            assert c2.call("ping")[0]["pong"]
+            svc.stop()  # the service goes: a loss, reported
+            deadline = time.monotonic() + 10
+            while not lost() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            c2.close()
+        assert [r.levelname for r in lost()] == ["INFO"]
+        assert f"127.0.0.1:{port}" in lost()[0].getMessage()
+    finally:
+        svc.stop()

@@ -112,6 +112,7 @@ class _ClientProtocol(FramedProtocol):
         self.nonce = auth.new_nonce()
         self.server_nonce = ""
         self.wsock: socket.socket | None = None  # the calling threads' duplicate, for sending
+        self.asked = False  # this side closed it (Client.close, a send cut short): not a loss to report
 
     def _fail_handshake(self, exc: BaseException) -> None:
         if not self.ready.done():
@@ -271,7 +272,8 @@ class Client:
                 proto.wsock = None
 
     def _lost(self, proto: _ClientProtocol) -> None:
-        if self._proto is proto:
+        """Log a connection the service (or the network) ended; one this side closed is not a loss."""
+        if self._proto is proto and not (proto.asked or self.closed):
             log.info("transport: connection to %s lost", self.address_text)
 
     # ----------------------------------------------------------------- calls
@@ -355,6 +357,7 @@ class Client:
 
     @staticmethod
     def _abort(proto: _ClientProtocol) -> None:
+        proto.asked = True
         if proto.transport is not None:
             proto.transport.abort()
 
@@ -380,8 +383,8 @@ class Client:
         self.closed = True
 
         def shut():
-            if self._proto is not None and self._proto.transport is not None:
-                self._proto.transport.abort()
+            if self._proto is not None:
+                self._abort(self._proto)
 
         if self._proto is not None:
             self._drop_wsock(self._proto)

@@ -175,11 +175,7 @@ class RemoteWriter(StreamPositions):
         """Raise a deferred error; re-open the session after a lost connection (raising SessionLost once)."""
         err, self._error = self._error, None
         if err is not None:
-            if isinstance(err, ServiceUnavailable):
-                self._stage.clear()  # those steps are gone; the caller is told now
-                self._inflight.clear()
-                self._reported = True
-            raise err
+            self._raise_batch_error(err)
         if self._client.connected and self._client.generation == self._gen:
             return
         lost = self._stage.rows
@@ -385,11 +381,39 @@ class RemoteWriter(StreamPositions):
         self._inflight.popleft()
         err, self._error = self._error, None
         if err is not None:
-            if isinstance(err, ServiceUnavailable):  # every batch in flight is gone with it
-                self._stage.clear()
-                self._inflight.clear()
-                self._reported = True
+            self._raise_batch_error(err)
+
+    def _raise_batch_error(self, err: BaseException) -> None:
+        """Raise the error of a batch the shard did not apply whole, once, with the writer usable again.
+
+        A lost connection: what was staged and in flight is gone; the next call re-opens the
+        session. Any other error (the rate limiter's timeout, a refused op) stopped the shard's
+        session part-way through a batch, so this mirror of its positions no longer matches the
+        shard: wait for the batches still in flight (their errors are this one's consequences),
+        drop what is staged, close the session and open it again on the same partitions (positions,
+        episode starts from the shard: as a restarted local writer continues), then raise ``err``
+        with a note saying so. The caller's adder (its pending n-step items) must be rebuilt, as
+        after :class:`SessionLost`."""
+        lost = self._stage.rows
+        self._stage.clear()
+        if isinstance(err, ServiceUnavailable):  # every batch in flight is gone with it
+            self._inflight.clear()
+            self._reported = True
             raise err
+        concurrent.futures.wait(list(self._inflight), timeout=self._reply_timeout())
+        self._inflight.clear()
+        self._error = None
+        try:
+            if self._client.connected and self._client.generation == self._gen:
+                self._client.call("replay.close_writer", {"session": self._session}, timeout_s=self.timeout_s)
+                self._open()
+        except (ServiceUnavailable, RequestTimeout) as exc:  # the next call re-opens it (or raises the outage)
+            err.add_note(f"re-syncing the writer session failed too: {type(exc).__name__}: {exc}")
+            raise err from None
+        err.add_note(f"a batch failed on the shard {self._client.address_text}: the writer session on partitions "
+                     f"{self._want} was re-opened ({lost} staged steps and the batches sent after it dropped); "
+                     f"streams continue from the shard's positions (rebuild the adder)")  # fmt: skip
+        raise err
 
     def _wait_all(self) -> None:
         while self._inflight:
@@ -504,17 +528,17 @@ class RemoteSampler:
             self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
 
     def _refresh_totals(self) -> None:
-        """Every shard's total and count now (a zero-size ``replay.sample``: the shard scans, draws nothing)."""
-        futs = [(i, *self._submit(i, "replay.sample", {"batch_size": 0})) for i in range(len(self._clients))]
+        """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
+        futs = [(i, *self._submit(i, "replay.total")) for i in range(len(self._clients))]
         for i, tag, f in futs:
-            self._note(i, tag, self._clients[i].result(f, "replay.sample", self.timeout_s)[0])
+            self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
         self._stale = False
 
     # ----------------------------------------------------------------- draws
     def _request(self, batch_size: int, timeout_s: float) -> tuple:
         """One round: the split ``q`` (each shard's share of every draw) and each shard's request;
         ``b_i ~ Multinomial(B, q)`` with ``q = T / ΣT`` over the newest totals; a shard given no
-        draw still reports its total (a zero-size request)."""
+        draw still reports its total (``replay.total``)."""
         n = len(self._clients)
         if self._stale and n > 1:
             self._refresh_totals()
@@ -528,7 +552,8 @@ class RemoteSampler:
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
-        parts = [(i, int(b), *self._submit(i, "replay.sample", {**meta, "batch_size": int(b)}, timeout_s=timeout_s + self.timeout_s))
+        parts = [(i, int(b), *(self._submit(i, "replay.sample", {**meta, "batch_size": int(b)}, timeout_s=timeout_s + self.timeout_s)
+                               if b else self._submit(i, "replay.total")))
                  for i, b in enumerate(split)]  # fmt: skip
         return q, parts
 
@@ -544,7 +569,7 @@ class RemoteSampler:
             q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
             replies, drawn = [], np.empty(len(parts))
             for i, b, tag, fut in parts:
-                meta, bufs = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
+                meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
                 self._note(i, tag, meta)
                 drawn[i] = max(float(meta["total"]), 0.0)  # the shard's total at its draw
                 if b:

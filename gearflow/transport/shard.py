@@ -135,6 +135,7 @@ class ShardService:
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
             s.register("replay.sample", self._sample, inline=True)
             s.register("replay.update_priorities", self._update_priorities, inline=True)
+            s.register("replay.total", self._total, inline=True)
             s.register("replay.checkpoint", self._checkpoint)
         s.register("params.get", self._params_get)
 
@@ -339,16 +340,8 @@ class ShardService:
 
     def _sample(self, meta: dict, bufs, deferred: bool = False):
         b = meta.get("batch_size")
-        if type(b) is not int or b < 0:
-            raise ValueError(f"batch_size must be an int ≥ 0, got {b!r}")
-        if b == 0:  # the total and count only (a several-shard round where this shard draws nothing)
-            self._locked(deferred)
-            try:
-                self.table.scan()
-                total, count = priority_total(self.table)
-            finally:
-                self.lock.release()
-            return {"names": [], "total": total, "count": count, "beta": getattr(self.table.selector, "beta", None)}, []
+        if type(b) is not int or b < 1:
+            raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
         beta = meta.get("beta")
         timeout = meta.get("timeout_s")
         batch, total, count, release = self.sample(b, timeout if isinstance(timeout, (int, float)) else None,
@@ -357,6 +350,16 @@ class ShardService:
         out = [batch.keys, batch.probabilities, batch.weights, *(batch.data[n] for n in names)]
         beta_now = getattr(self.table.selector, "beta", None)
         return {"names": names, "total": total, "count": count, "beta": beta_now}, out, release
+
+    def _total(self, meta: dict, bufs, deferred: bool = False):
+        """The table's priority total and live count now (after a scan), as a draw would see them."""
+        self._locked(deferred)
+        try:
+            self.table.scan()
+            total, count = priority_total(self.table)
+        finally:
+            self.lock.release()
+        return {"total": total, "count": count}, []
 
     def _update_priorities(self, meta: dict, bufs, deferred: bool = False):
         if len(bufs) != 2:
