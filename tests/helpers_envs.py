@@ -139,3 +139,52 @@ class AsyncCountingVecEnv:
 
     def close(self) -> None:
         self.closed = True
+
+
+class Recvs:
+    """EnvPool-shaped recvs of ``E`` envs, to drive an adder without an env (the adder tests,
+    the transport tests): ``recvs(version=None)`` returns ``(env_ids, obs, reward, terminated,
+    truncated, first, actions, values, version)`` for a random subset of ``b`` envs; an env whose
+    previous recv ended its episode comes back with reward 0 and both flags False.
+
+    ``obs``: (shape, dtype) of an observation (uint8: random bytes, else normal floats);
+    ``stamp``: ``obs[:, 0]`` is the recv's index * E + the env id (a stored row names its step);
+    ``sort``: env ids ascending; ``with_values``: Q-values (b, A), else None; ``version``
+    defaults to the recv's 1-based index. Seeded: the same arguments give the same recvs.
+
+        recvs = Recvs(E=4, b=3, seed=1, stamp=True, sort=True)
+        for _ in range(100):
+            adder.add(*recvs())
+    """
+
+    def __init__(self, E: int, b: int, A: int = 3, seed: int = 0, p_end: float = 0.1, *, obs=((3,), np.float32),
+                 with_values: bool = True, stamp: bool = False, sort: bool = False):  # fmt: skip
+        self.rng = np.random.default_rng(seed)
+        self.E, self.b, self.A, self.p_end, self.with_values = E, b, A, p_end, with_values
+        self.obs_shape, self.obs_dtype = obs
+        self.stamp, self.sort = stamp, sort
+        self.reset = np.ones(E, dtype=bool)
+        self.t = 0  # recvs made
+
+    def __call__(self, version=None):
+        rng, b, A = self.rng, self.b, self.A
+        ids = rng.choice(self.E, size=b, replace=False)
+        ids = (np.sort(ids) if self.sort else ids).astype(np.int64)
+        if self.obs_dtype == np.uint8:
+            obs = rng.integers(0, 256, (b, *self.obs_shape), dtype=np.uint8)
+        else:
+            obs = rng.standard_normal((b, *self.obs_shape)).astype(self.obs_dtype)
+        if self.stamp:
+            obs[:, 0] = self.t * self.E + ids
+        reward = rng.standard_normal(b).astype(np.float32)
+        end = rng.random(b) < self.p_end
+        terminated = end & (rng.random(b) < 0.5)
+        truncated = end & ~terminated
+        fresh = self.reset[ids]
+        reward[fresh] = 0.0
+        terminated[fresh] = truncated[fresh] = False
+        self.reset[ids] = terminated | truncated
+        actions = rng.integers(0, A, b, dtype=np.int64)
+        values = rng.standard_normal((b, A)).astype(np.float32) if self.with_values else None
+        self.t += 1
+        return ids, obs, reward, terminated, truncated, fresh, actions, values, self.t if version is None else version

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers_envs import Recvs
 
 from gearflow.actors.adders import TransitionAdder
 from gearflow.replay.rate_limiter import NO_LIMIT
-from gearflow.replay.storage import COMMIT, EPISODES, H_INSERT_LIMIT, PUBLISHED, REC_RESERVE, RESERVE
+from gearflow.replay.storage import (
+    COMMIT,
+    EPISODES,
+    H_INSERT_LIMIT,
+    PUBLISHED,
+    REC_RESERVE,
+    RESERVE,
+)
 from gearflow.replay.writer import Writer
 
 _hotpath = pytest.importorskip("gearflow.replay._hotpath", reason="the C module is not built")
@@ -49,36 +57,6 @@ def assert_same_tables(a, b, where=""):
         np.testing.assert_array_equal(a.step_offset, b.step_offset, err_msg=f"step offsets {where}")
 
 
-class Recvs:
-    """EnvPool-shaped recvs of E envs: a random subset of b envs each time; an env whose
-    previous recv ended its episode comes back with reward 0 and both flags False."""
-
-    def __init__(self, spec_obs, E, b, A, seed, p_end=0.08, with_values=True):
-        self.rng = np.random.default_rng(seed)
-        self.E, self.b, self.A, self.p_end, self.with_values = E, b, A, p_end, with_values
-        self.obs_shape, self.obs_dtype = spec_obs
-        self.reset = np.ones(E, dtype=bool)
-
-    def __call__(self, version):
-        rng, b, A = self.rng, self.b, self.A
-        ids = rng.choice(self.E, size=b, replace=False).astype(np.int64)
-        if self.obs_dtype == np.uint8:
-            obs = rng.integers(0, 256, (b, *self.obs_shape), dtype=np.uint8)
-        else:
-            obs = rng.standard_normal((b, *self.obs_shape)).astype(self.obs_dtype)
-        reward = rng.standard_normal(b).astype(np.float32)
-        end = rng.random(b) < self.p_end
-        terminated = end & (rng.random(b) < 0.5)
-        truncated = end & ~terminated
-        fresh = self.reset[ids]
-        reward[fresh] = 0.0
-        terminated[fresh] = truncated[fresh] = False
-        self.reset[ids] = terminated | truncated
-        actions = rng.integers(0, A, b, dtype=np.int64)
-        values = rng.standard_normal((b, A)).astype(np.float32) if self.with_values else None
-        return ids, obs, reward, terminated, truncated, fresh, actions, values, version
-
-
 @pytest.mark.parametrize(
     "spec,E,b,n,S,flush_every,p_end,with_values",
     [
@@ -96,7 +74,7 @@ def test_native_adder_writes_what_the_reference_writes(storage_factory, spec, E,
         ref.flush_every = nat.flush_every = flush_every
         nat._make_native(capacity=1)
     col = sa.spec["obs"]
-    recvs = Recvs((col.shape, col.dtype), E, b, 4, seed=E * 100 + n, p_end=p_end, with_values=with_values)
+    recvs = Recvs(E, b, 4, seed=E * 100 + n, p_end=p_end, obs=(col.shape, col.dtype), with_values=with_values)
     for step in range(400):
         batch = recvs(version=step // 7)
         ref.add(*batch)
@@ -114,7 +92,7 @@ def test_native_adder_writes_what_the_reference_writes(storage_factory, spec, E,
 
 def test_native_adder_refuses_nan_priorities_like_the_reference(storage_factory):
     (sa, ref), (sb, nat) = pair(storage_factory, APEX, 2, 32, 1)
-    recvs = Recvs(((3,), np.float32), 2, 2, 3, seed=1, p_end=0.0)
+    recvs = Recvs(2, 2, 3, seed=1, p_end=0.0)
     errors = []
     for adder in (ref, nat):
         recvs.rng = np.random.default_rng(1)
@@ -136,7 +114,7 @@ def test_native_adder_drops_items_held_by_the_rate_limiter_at_shutdown(storage_f
     """finish(block=False) with the limiter closed: no item published, the ended episodes
     still closed; once the limiter opens, items flow again."""
     (sa, ref), (sb, nat) = pair(storage_factory, APEX, 4, 64, 3)
-    recvs = Recvs(((3,), np.float32), 4, 4, 2, seed=3, p_end=0.0)
+    recvs = Recvs(4, 4, 2, seed=3, p_end=0.0)
     for st in (sa, sb):
         st.header[H_INSERT_LIMIT] = 0
     for adder in (ref, nat):
@@ -223,7 +201,7 @@ def test_window_adder_batch_rule_creates_the_windows_of_the_kinds_own_rule(stora
     for kind in (OwnRule(length, period, burn_in), Sequence(length, period, burn_in)):
         st = storage_factory(WINDOWS, P=E, S=S)
         tables.append((st, WindowAdder(Writer(st, np.arange(E), prefault=False), kind)))
-    recvs = Recvs(((3,), np.float32), E, b, 2, seed=length * 10 + period, p_end=0.1)
+    recvs = Recvs(E, b, 2, seed=length * 10 + period, p_end=0.1)
     for step in range(300):
         batch = recvs(step // 5)
         for _, adder in tables:

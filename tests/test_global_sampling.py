@@ -162,7 +162,7 @@ def test_frequencies_are_the_one_tables_and_an_even_split_is_rejected(world):
 
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_probabilities_and_weights_are_the_one_tables_across_updates(world, prefetch):
-    shards, one, prios = world("prioritized", alpha=ALPHA, beta=0.4)
+    shards, one, _ = world("prioritized", alpha=ALPHA, beta=0.4)
     # the rule checked below is the one table's own: a batch it draws carries reweigh's values
     own = one.sample(32)
     p_own, w_own = one_table_view(one, item_ids(own))
@@ -194,7 +194,7 @@ def test_probabilities_and_weights_are_the_one_tables_across_updates(world, pref
 
 
 def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
-    shards, _, prios = world("prioritized", alpha=1.0, beta=BETA)
+    shards, _, _ = world("prioritized", alpha=1.0, beta=BETA)
     sampler = sampler_of(shards, prefetch=1, seed=4)
     batch = sampler.sample(64)
     keys = batch.keys.numpy()
@@ -232,7 +232,7 @@ def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
 
 
 def test_a_split_made_before_a_shard_grew_reports_the_draws_own_probabilities(world):
-    shards, _, prios = world("prioritized", alpha=1.0, beta=BETA)
+    shards, _, _ = world("prioritized", alpha=1.0, beta=BETA)
     sampler = sampler_of(shards, prefetch=0, seed=6)
     sampler.sample(16)
     before = np.array([t.selector.tree.total for t, _ in shards])

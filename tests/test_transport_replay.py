@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers_envs import Recvs
 
 from gearflow.actors.adders import TransitionAdder
 from gearflow.params.protocol import ParameterSource
@@ -37,34 +38,6 @@ from gearflow.transport.shard import ShardService
 TOKEN = "test-token-0123456789"
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
 COUNTERS = [RESERVE, COMMIT, PUBLISHED, EPISODES, REC_RESERVE]
-
-
-class Recvs:
-    """Random EnvPool-shaped recvs of E envs (b per recv); obs[:, 0] is a stamp unique per
-    (env, recv): the recv index * E + env."""
-
-    def __init__(self, E, b, A=3, seed=0, p_end=0.1):
-        self.rng, self.E, self.b, self.A, self.p_end = np.random.default_rng(seed), E, b, A, p_end
-        self.reset = np.ones(E, dtype=bool)
-        self.t = 0
-
-    def __call__(self):
-        rng, b = self.rng, self.b
-        ids = np.sort(rng.choice(self.E, size=b, replace=False)).astype(np.int64)
-        obs = rng.standard_normal((b, 3)).astype(np.float32)
-        obs[:, 0] = self.t * self.E + ids
-        reward = rng.standard_normal(b).astype(np.float32)
-        end = rng.random(b) < self.p_end
-        terminated = end & (rng.random(b) < 0.5)
-        truncated = end & ~terminated
-        fresh = self.reset[ids]
-        reward[fresh] = 0.0
-        terminated[fresh] = truncated[fresh] = False
-        self.reset[ids] = terminated | truncated
-        actions = rng.integers(0, self.A, b, dtype=np.int64)
-        values = rng.standard_normal((b, self.A)).astype(np.float32)
-        self.t += 1
-        return ids, obs, reward, terminated, truncated, fresh, actions, values, self.t
 
 
 def assert_same_storage(a, b):
@@ -102,7 +75,7 @@ def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shar
     assert remote.partitions.tolist() == list(range(E))
     adders = [TransitionAdder(Writer(local.storage, np.arange(E), prefault=False), n, 0.9),
               TransitionAdder(remote, n, 0.9)]  # fmt: skip
-    recvs = Recvs(E, b=3, seed=1)
+    recvs = Recvs(E, b=3, seed=1, stamp=True, sort=True)
     for _ in range(150):  # ~ 2 laps of the 64-step rings
         r = recvs()
         for a in adders:

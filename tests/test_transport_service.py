@@ -215,7 +215,7 @@ def test_the_client_logs_only_a_loss_it_did_not_ask_for(caplog):
     """Closing a client is not "connection lost"; a service that goes away is, once."""
     svc = Service(token=TOKEN)
     port = svc.start()
-    lost = lambda: [r for r in caplog.records if "connection to" in r.getMessage() and "lost" in r.getMessage()]  # noqa: E731
+    lost = lambda: [r for r in caplog.records if "connection to" in r.getMessage() and "lost" in r.getMessage()]
     try:
         with caplog.at_level("INFO", logger="gearflow.transport.client"):
             c = Client(("127.0.0.1", port), token=TOKEN, timeout_s=5)
