@@ -76,8 +76,9 @@ import multiprocessing as mp
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -145,13 +146,13 @@ def allreduce_s(fig: dict, K: int, L: float) -> float:
     and ``2(K−1)/K · G`` bytes each way at ``min(L, β)`` (α, β: the two-rank loopback figures)."""
     if K <= 1:
         return 0.0
-    (small, t_small), (G, t_G) = sorted(fig["allreduce_s"])
+    (_, t_small), (G, t_G) = sorted(fig["allreduce_s"])
     alpha = max(float(t_small), 1e-9) / 2  # two ranks: 2 ring steps
     beta = G / max(float(t_G) - float(t_small), 1e-9)  # bytes/s of the loopback reduce
     return 2 * (K - 1) * alpha + 2 * (K - 1) / K * float(fig["param_bytes"]) / min(L, beta)
 
 
-def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: Optional[float] = None,
+def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: float | None = None,
           learner_speedup: float = 1.0) -> dict:  # fmt: skip
     """The modelled throughput of N nodes × M actors × K learners (formulas in the module docstring).
 
@@ -377,8 +378,8 @@ def _replay_figures(cfg, agent, num_actions: int, seconds: float, quick: bool, s
                 s = table.sample(b)  # views of a rotating buffer: keep copies
                 batches.append(type(s)({k: v.clone() for k, v in s.data.items()}, s.keys.clone(), s.weights.clone(),
                                        s.probabilities.clone()))  # fmt: skip
-            i = iter(range(1 << 30))
-            learn_s.append([b, _best_threads(lambda: agent.learn(batches[next(i) % 3]), seconds / 4)])
+            turn = iter(range(1 << 30))
+            learn_s.append([b, _best_threads(lambda bs=batches, t=turn: agent.learn(bs[next(t) % 3]), seconds / 4)])
         params = agent.learner_network().parameters()
         param_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     finally:
