@@ -155,6 +155,7 @@ class Runner:
         self.remote = None  # RemoteActors: actor.remote_actors > 0 (launchers/remote.py)
         self.serial_actor = None
         self.shards = None  # RemoteShards: transport.shards (launchers/shards.py)
+        self.parallel = None  # DataParallel: learner.world_size > 1 (distributed.py)
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
@@ -262,7 +263,16 @@ class Runner:
         if cfg.run.checkpoint_replay:  # each node's replay stays on its node (replay.checkpoint there)
             log.info("transport.shards: checkpoints hold the learner only (the replay stays on the shard nodes)")
             cfg.run.checkpoint_replay = False
-        self.shards = RemoteShards(cfg, agent, seed=cfg.run.seed)
+        from gearflow.distributed import DataParallel
+
+        self.parallel = DataParallel.from_config(cfg, self.device)  # learner.world_size > 1
+        rank = 0
+        if self.parallel is not None:
+            self.parallel.init()  # waits for every rank at learner.dist_address
+            self.parallel.setup(agent)  # rank 0's learner state everywhere; gradient averaging hooks
+            rank = self.parallel.rank
+        # each rank draws its own share (its own split seed); only rank 0 pushes weights
+        self.shards = RemoteShards(cfg, agent, publisher=rank == 0, seed=cfg.run.seed + 1009 * rank)
         self.table, self.params = self.shards.sampler, self.shards.params
         version = None
         if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
@@ -271,13 +281,14 @@ class Runner:
             self.shards.poll(self.progress, force=True)
             self._env_steps_offset = int(r["env_steps"]) - self.shards.env_steps()
             version = max(1, int(r["weights_version"]))
-        self.params.publish(agent.learner_network(), version=version)
+        if rank == 0:
+            self.params.publish(agent.learner_network(), version=version)
         beta = None
         if cfg.replay.selector == "prioritized" and cfg.run.max_env_steps:
             beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
         self.learner = Learner(cfg, agent, self.table, self.params, self.progress, env_steps=self.env_steps,
                                actor_version=self._actor_weights_version, checkpoints=self.checkpoints,
-                               beta=beta, device=self.device, stop=self._stop)  # fmt: skip
+                               beta=beta, device=self.device, stop=self._stop, parallel=self.parallel)  # fmt: skip
 
     def _restore_learner(self) -> None:
         try:
@@ -365,7 +376,8 @@ class Runner:
             if self.serial_actor is not None:
                 batches = SerialBatches(self.serial_actor, self.table, cfg.learner.batch_size, self.progress)
             else:  # actor processes, or offline: batches come from the prefetcher
-                batches = prefetch = Prefetcher(self.table, learner.lock, cfg.learner.batch_size, cfg.learner.prefetch,
+                share = cfg.learner.batch_size // int(cfg.learner.world_size)  # data-parallel: this rank's share
+                batches = prefetch = Prefetcher(self.table, learner.lock, share, cfg.learner.prefetch,
                                                 learner.stop, self.progress)  # fmt: skip
 
             def emit(row: dict) -> None:
@@ -381,7 +393,7 @@ class Runner:
             if self.shards is not None:
                 self.shards.poll(self.progress, force=True)
             summary = learner.snapshot(metrics)
-            if self.shards is not None and not self.stop_signal:  # a signal: --resume continues with the nodes
+            if self.shards is not None and learner.publisher and not self.stop_signal:  # a signal: --resume continues with the nodes
                 self.shards.end_run(reason)
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
@@ -406,6 +418,8 @@ class Runner:
             if self.shards is not None:
                 self.shards.close()  # its sampler and publisher: self.table and self.params
                 self.table = self.params = None
+            if self.parallel is not None:
+                self.parallel.close()
             for closable in (self.serial_actor, self.table, self.params, display, metrics_log):
                 if closable is not None:
                     closable.close()

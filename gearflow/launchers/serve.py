@@ -178,6 +178,16 @@ class ShardNode:
             members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event)
             s.register("run.join", members.join, with_connection=True)
             s.register("run.report", members.report, with_connection=True, inline=True)
+        from gearflow.native.rdma import choose_transport
+
+        self.transport = choose_transport(str(t.kind))  # auto: RDMA where a device and pyverbs are usable
+        self.rdma = None
+        if self.transport.transport == "rdma":  # learners may read rows with one-sided READs (rdma.*)
+            from gearflow.native.rdma import VerbsExport
+            from gearflow.native.rdma_replay import RdmaShard
+
+            self.rdma = RdmaShard.serve(self.shard, VerbsExport())
+        log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
         s.register("params.push", self._params_push)
         s.register("run.progress", self._progress, inline=True)
         s.register("run.stop", self._stop, with_connection=True)
@@ -212,6 +222,7 @@ class ShardNode:
         items, nxt, lost = self.relay.since(cursor)
         return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": env_steps_in(self.table),
                 "actors": self.geom.num_actors, "ladder_offset": int(self.cfg.actor.ladder_offset),
+                "weights_version": self.params.latest_version(),
                 "stopping": self.stop_event.is_set()}, []  # fmt: skip
 
     def _stop(self, meta: dict, bufs, conn):
@@ -266,6 +277,9 @@ class ShardNode:
         if self.shard is not None:
             self.shard.stop()
             self.shard = None
+        if getattr(self, "rdma", None) is not None:
+            self.rdma.close()
+            self.rdma = None
         for closable in (self.params, self.table):
             if closable is not None:
                 closable.close()

@@ -172,6 +172,8 @@ class RemoteShards:
                 log.warning("shard node %s: %d reports dropped before this learner read them", c.address_text, meta["lost"])
             self._cursors[i] = int(meta["cursor"])
             self._steps[i] = int(meta["env_steps"])
+            if not self.publisher:  # another learner publishes: the nodes know the latest version
+                self.params.version = max(self.params.version, int(meta.get("weights_version", 0)))
             for m in meta["messages"]:
                 kind, actor = m.get("type"), int(m["actor"])
                 if kind == "episode":

@@ -1,0 +1,75 @@
+"""``launcher=ray`` on a local Ray instance (``ray.init`` on this machine): two shard nodes with an
+actor group each, learners sampling both, an actor group killed mid-run and restarted by Ray."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gearflow.config import load_config
+from tests.test_train import CONFIG, TINY
+
+ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (pip install 'gearflow[cluster]')")
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path, *overrides: str):
+    return load_config(CONFIG, [*TINY, "launcher=ray", "cluster.shards=2", "actor.num_actors=1",
+                                "run.progress=log", f"run.dir={tmp_path / 'run'}", *overrides])  # fmt: skip
+
+
+def test_two_shards_two_learners_survive_a_killed_actor_group(tmp_path, monkeypatch):
+    """cartpole_apex with two shard nodes, two actor groups and two data-parallel learners: an
+    actor group killed mid-run is restarted by Ray and the run reaches its limit; both
+    learners end with bit-identical parameters (they are identical after every step:
+    tests/test_distributed.py)."""
+    from gearflow.launchers.ray import train_on_ray
+
+    monkeypatch.setenv("GEARFLOW_TOKEN", "ray-test-secret-0123")
+    killed = threading.Event()
+
+    def kill_group_0(handles):
+        def later():
+            time.sleep(4.0)  # the actors are acting by now (their learner is sampling)
+            ray.kill(handles["groups"][0], no_restart=False)  # Ray restarts it (cluster.max_restarts)
+            killed.set()
+
+        threading.Thread(target=later, daemon=True).start()
+
+    summary = train_on_ray(_cfg(tmp_path, "run.max_env_steps=12000", "cluster.learners=2"), on_started=kill_group_0)
+    assert killed.is_set()
+    # rank 0 stops at its own limit, or in the same iteration as rank 1 when rank 1 saw it first
+    assert summary["stop_reason"] in ("reached run.max_env_steps=12000", "stopped with the other learners")
+    assert summary["actor/env_steps"] >= 12000
+    assert summary["cluster/shards"] == 2 and summary["replay/shards"] == 2.0
+    assert summary["cluster/group_restarts"] == 1
+    assert all(steps > 0 for steps in summary["cluster/node_env_steps"])
+    assert summary["learner/updates"] > 100
+    assert summary["cluster/learners"] == 2 and summary["learner/world_size"] == 2.0
+    assert summary["cluster/parameters_identical"] is True
+    assert (tmp_path / "run" / "learner-1" / "metrics.jsonl").exists()  # rank 1's own metrics
+    assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*"))  # rank 0 checkpoints
+    assert not (tmp_path / "run" / "learner-1" / "checkpoints").exists() or not list(
+        (tmp_path / "run" / "learner-1" / "checkpoints").glob("ckpt-*"))
+    assert not ray.is_initialized()  # the launcher started Ray, and shut it down
+
+
+def test_missing_ray_is_one_line(monkeypatch):
+    import builtins
+
+    from gearflow.errors import MissingDependencyError
+    from gearflow.launchers.ray import require_ray
+
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(MissingDependencyError, match=r"launcher=ray needs Ray: pip install 'gearflow\[cluster\]'"):
+        require_ray()
