@@ -55,6 +55,9 @@ With ``ρ = 0`` (Ape-X: no limiter) actors and learners run apart: ``X = min(N·
 being the time its ingest leaves, ``K·U·t_s ≤ 1 − X/(N·I)`` (``update_bottleneck``; the replay
 ratio ``U·B/X`` is then an output).
 
+``--learner-speedup F`` divides the learn step only: the all-reduce figure stays this machine's
+gloo-on-loopback one (NCCL between GPUs is far faster; put your own in ``allreduce_s``).
+
 What it leaves out, on purpose: weights to actors (a parameter fetch per
 ``actor.weight_sync_period`` steps), priority updates (16 B per sampled item), switch
 contention, stragglers, and that a node's M actors share its cores with the shard: a node is
@@ -521,6 +524,8 @@ def measure(config: str, quick: bool = False, seed: int = 0) -> dict:
            "samples_per_insert": float(cfg.replay.samples_per_insert), "prefetch": int(cfg.learner.prefetch),
            "actor_env_steps_per_s": actor}  # fmt: skip
     fig.update(_replay_figures(cfg, make_agent(cfg, env_spec, device), num_actions, seconds, quick, seed))
+    fig["learner_updates_per_s"] = 1.0 / max(fig["learn_s"])[1]  # at B (for reading; the model uses learn_s)
+    fig["sample_batches_per_s"] = 1.0 / max(fig["shard_sample_s"])[1]
     fig["allreduce_s"] = _allreduce_figures(fig["param_bytes"], 5 if quick else 20)
     fig.update(_transport_figures(cfg, make_agent(cfg, env_spec, "cpu"), num_actions, seconds, seed, fig["item_bytes"]))
     fig["quick"] = bool(quick)
