@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster (gearflow bench cluster --simulate)")
     g.add_argument("--simulate", action="store_true", help="cluster: model N nodes × M actors × K learners "
                    "from measured figures (the only mode: a real multi-node run is gearflow train launcher=ray)")  # fmt: skip
-    g.add_argument("--quick", action="store_true", help="cluster: a short measurement (~20 s; for tests)")
+    g.add_argument("--quick", action="store_true", help="cluster: a short measurement (~10-30 s; for tests)")
     g.add_argument("--from", dest="from_file", default="", help="cluster: read the figures from this JSON file "
                    "(written by --save, or by hand for other machines) instead of measuring")  # fmt: skip
     g.add_argument("--save", default="", help="cluster: write the figures used to this JSON file")
@@ -128,8 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fit(pairs) -> tuple[float, float]:
-    """``(t0, t1)`` of ``t(x) = t0 + t1·x`` through two ``(x, t)`` points, both ≥ 0 (noise can make a
-    measured slope or intercept negative; then the line goes through the larger point and 0)."""
+    """``(t0, t1)`` of ``t(x) = t0 + t1·x`` through two ``(x, t)`` points, both ≥ 0. Noise can make a
+    measured slope or intercept negative: a negative slope becomes flat at the larger size's time, a
+    negative intercept a line from 0 through the larger size's point."""
     (x1, y1), (x2, y2) = sorted((float(x), float(y)) for x, y in pairs)
     slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
     t0 = y1 - slope * x1
