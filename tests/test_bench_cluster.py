@@ -191,6 +191,14 @@ def test_monotone_and_consistent_over_a_grid(rho):
                     assert r["updates_per_s"] == pytest.approx(min(r["update_limits"].values()))
 
 
+def test_fit_of_two_noisy_points():
+    assert cluster._fit([[128, 0.01], [32, 0.004]]) == pytest.approx((0.002, 6.25e-5))  # either order
+    # measured on a loaded machine: the small batch slower than the large one → flat at the large one's time
+    assert cluster._fit([[32, 0.0056], [128, 0.0033]]) == pytest.approx((0.0033, 0.0))
+    # a negative intercept → through 0 and the larger point
+    assert cluster._fit([[8, 1e-5], [128, 1e-3]]) == pytest.approx((0.0, 1e-3 / 128))
+
+
 def test_model_refuses_what_it_cannot_split():
     with pytest.raises(GearflowError, match="must split evenly"):
         cluster.model(FIG, 1, 1, 3, 10.0)
