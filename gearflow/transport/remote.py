@@ -567,6 +567,8 @@ class RemoteSampler:
             self._ahead.popleft()  # drawn for another batch size: dropped
         try:
             q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
+            while len(self._ahead) < self.prefetch:  # drawn while this round travels (split by the newest totals)
+                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
             replies, drawn = [], np.empty(len(parts))
             for i, b, tag, fut in parts:
                 meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
@@ -576,8 +578,6 @@ class RemoteSampler:
                     replies.append((i, b, meta, bufs))
             s = drawn.sum()
             self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
-            while len(self._ahead) < self.prefetch:  # after this round's replies: split by their totals
-                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
         except BaseException:
             self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
             self._stale = True
