@@ -33,15 +33,12 @@ Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -49,93 +46,26 @@ from omegaconf import DictConfig, OmegaConf
 
 from gearflow.actors.base import env_seed
 from gearflow.agent import make_agent, resolve_device
-from gearflow.run.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
 from gearflow.config import save_config
 from gearflow.envs import make_vec_env
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.geometry import ReplayGeometry, replay_geometry
+from gearflow.geometry import replay_geometry
 from gearflow.launchers.local import ActorFailed, LocalLauncher
 from gearflow.learner import BetaSchedule, Learner, Prefetcher, Progress, SerialBatches
 from gearflow.log import DATEFMT, FORMAT
-from gearflow.run.metrics import MetricsLog
 from gearflow.native.device_replay import resolve_replay_device
 from gearflow.params import ParameterStore
-from gearflow.run.progress import make_display
-from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
-from gearflow.replay.checkpoint import restore_checkpoint
-from gearflow.replay.selectors import selector_kwargs
+from gearflow.replay import Table
 from gearflow.replay.spec import replay_spec
-from gearflow.replay.storage import COMMIT, gc_segments, run_tag
+from gearflow.replay.storage import gc_segments, run_tag
+from gearflow.run.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
+from gearflow.run.metrics import MetricsLog
+from gearflow.run.progress import make_display
+from gearflow.run.tables import env_steps_in, make_run_dir, make_table, restore_table
 
 log = logging.getLogger("gearflow.runner")
 
 __all__ = ["ActorFailed", "Runner", "check_run_dir", "make_run_dir", "train"]
-
-
-def make_run_dir(cfg: DictConfig) -> Path:
-    if cfg.run.dir:
-        return Path(cfg.run.dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.run.name}-{stamp}"
-
-
-def env_steps_in(table: Table) -> int:
-    return int(table.storage.counters[:, COMMIT].sum())
-
-
-def rate_limiter(cfg: DictConfig) -> RateLimiter:
-    r = cfg.replay
-    return RateLimiter(min_size_to_sample=r.min_size_to_sample, samples_per_insert=r.samples_per_insert,
-                       error_buffer=r.error_buffer)  # fmt: skip
-
-
-def make_table(cfg: DictConfig, kind, spec: TableSpec, geom: ReplayGeometry, device: str, tag: str) -> Table:
-    """A fresh replay table of ``geom`` in a new shared-memory segment."""
-    storage = SharedStorage.create(spec, geom.num_partitions, geom.steps_per_partition, geom.items_per_partition,
-                                   run_tag=tag)  # fmt: skip
-    try:
-        selector = make_selector(cfg.replay.selector, geom.num_partitions * geom.items_per_partition,
-                                 seed=cfg.run.seed, **selector_kwargs(cfg.replay))  # fmt: skip
-        return Table(storage, kind, selector, rate_limiter(cfg), num_buffers=cfg.learner.prefetch + 2,
-                     sample_timeout_s=cfg.replay.timeout_s, device=device)  # fmt: skip
-    except BaseException:
-        storage.close()
-        storage.unlink()
-        raise
-
-
-def restore_table(cfg: DictConfig, path: Path, kind, spec: TableSpec, geom: ReplayGeometry, device: str,
-                  tag: str) -> Table:  # fmt: skip
-    """The replay table of a checkpoint, refused if the config no longer matches its layout,
-    item kind or selector; its rate limiter, timeout and buffer count follow the config."""
-    table = restore_checkpoint(path, device=device, run_tag=tag, rate_limiter=rate_limiter(cfg),
-                               num_buffers=cfg.learner.prefetch + 2, sample_timeout_s=cfg.replay.timeout_s)
-    st = table.storage
-    have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
-    want = (geom.num_partitions, geom.steps_per_partition, geom.items_per_partition)
-    problem = ""
-    if have != want or st.spec.to_dict() != spec.to_dict():
-        problem = (
-            f"the checkpoint's replay has (partitions, steps, items) = {have} and columns "
-            f"{list(st.spec.names)}, the config asks for {want} and {list(spec.names)} "
-            "(replay.capacity, actor.num_actors, env.num_envs, run.serial and the agent must stay as they were)"
-        )
-    elif table.kind.to_dict() != kind.to_dict():
-        problem = (
-            f"the checkpoint's items are {table.kind.to_dict()}, the config asks for "
-            f"{kind.to_dict()} (replay.item, sequence_length, sequence_period, burn_in "
-            "and max_episode_length must stay as they were)"
-        )
-    elif table.selector.name != cfg.replay.selector:
-        problem = (
-            f"replay.selector={cfg.replay.selector!r}, but the checkpoint's table was filled with the "
-            f"{table.selector.name!r} selector (its priorities and order are part of the checkpoint)"
-        )
-    if problem:
-        table.close()
-        raise ConfigError(f"cannot resume: {problem}")
-    log.info("replay restored: %d items, %d env steps", table.size, env_steps_in(table))
-    return table
 
 
 class Runner:
@@ -466,15 +396,9 @@ def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
         from gearflow.tools.dryrun import dry_run
 
         return dry_run(cfg)
-    if cfg.launcher == "ray":  # the roles run on Ray; this process drives them
-        from gearflow.launchers.ray import train_on_ray
-
-        summary = train_on_ray(cfg)
-        log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
-                 "the last 100 episodes %.1f", summary["stop_reason"], summary["cluster/shards"],
-                 summary["cluster/learners"], summary["actor/env_steps"], summary["learner/updates"],
-                 summary["time/elapsed_s"], summary["actor/return_last100"])  # fmt: skip
-        return summary
+    if cfg.launcher != "local":
+        raise ConfigError(f"launcher={cfg.launcher}: run it with the gearflow train command "
+                          "(or gearflow.launchers.ray.train_on_ray); this function trains on this machine")  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.

@@ -113,7 +113,7 @@ class ShardRole:
 
     def wait(self) -> dict[str, Any]:
         """Serve until a learner ends the run; the node's summary."""
-        from gearflow.runner import env_steps_in
+        from gearflow.run.tables import env_steps_in
 
         reason = self.node.serve_forever()
         return {"stop_reason": reason, "address": self.address, "actor/env_steps": env_steps_in(self.node.table),
@@ -285,7 +285,7 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
     ray = require_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from gearflow.runner import make_run_dir
+    from gearflow.run.tables import make_run_dir
 
     cl = cfg.cluster
     cfg = cfg.copy()
@@ -344,6 +344,10 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
     summary["cluster/group_restarts"] = sum(n["group_restarts"] for n in nodes)
     summary["cluster/parameters_identical"] = len({s["learner/parameters_sha256"] for s in summaries}) == 1
     summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in nodes]
+    log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
+             "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,
+             summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
+             summary["actor/return_last100"], summary["cluster/parameters_identical"])  # fmt: skip
     return summary
 
 

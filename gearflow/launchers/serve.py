@@ -119,7 +119,7 @@ class ShardNode:
         from gearflow.params import ParameterStore
         from gearflow.replay.spec import replay_spec
         from gearflow.replay.storage import run_tag
-        from gearflow.runner import make_run_dir, make_table
+        from gearflow.run.tables import make_run_dir, make_table
         from gearflow.transport.auth import resolve_token
 
         if cfg.run.serial or cfg.run.mode == "offline":
@@ -217,7 +217,7 @@ class ShardNode:
         cursor = meta.get("cursor", 0)
         if type(cursor) is not int or cursor < 0:
             raise ValueError(f"run.progress: cursor must be an int ≥ 0, got {cursor!r}")
-        from gearflow.runner import env_steps_in
+        from gearflow.run.tables import env_steps_in
 
         items, nxt, lost = self.relay.since(cursor)
         return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": env_steps_in(self.table),
@@ -248,7 +248,7 @@ class ShardNode:
 
     def serve_forever(self, poll_s: float = 0.1) -> str:
         """Supervise the actors until ``run.stop``, :attr:`stop_event` or a failed actor; returns why."""
-        from gearflow.runner import env_steps_in
+        from gearflow.run.tables import env_steps_in
 
         last_log = time.monotonic()
         while not self.stop_event.is_set():
@@ -289,7 +289,7 @@ class ShardNode:
 def serve(cfg: DictConfig, *, address_file: str | None = None) -> dict[str, Any]:
     """Run a shard node until the run is over; returns its summary. ``address_file``: written with
     ``host:port`` once listening (for scripts and launchers)."""
-    from gearflow.runner import env_steps_in
+    from gearflow.run.tables import env_steps_in
 
     node = ShardNode(cfg)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
