@@ -298,7 +298,10 @@ class Learner:
         self._last_checkpoint = (time.monotonic(), p.updates)
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
         last_samples, last_tokens = p.samples, p.tokens
-        pending = None  # data-parallel: a batch this rank holds while another rank has none
+        # data-parallel: a batch this rank holds while another rank has none; it stays valid (the
+        # table keeps learner.prefetch + 2 buffer sets: the queue's, the prefetch thread's, and
+        # the one the learner holds, which is this one until it is learned)
+        pending = None
         while True:
             if self.parallel is None:
                 if (reason := self.done()) or (reason := between()):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -234,6 +235,98 @@ def test_learner_loop_learns_in_step_and_stops_together(tmp_path):
     assert r0["world_size"] and set(r0["world_size"]) == {2.0}
 
 
+def _run_on_replay(rank, world, port, out: Path, num_buffers: int):
+    """A rank's learner on a real prioritized table sampled by the Prefetcher, publishing into a
+    real ParameterStore; its batches run dry at scripted calls, rank 1 stops on run.max_seconds.
+    ``num_buffers``: 0 = the runner's ``learner.prefetch + 2``; with ``prefetch + 1`` the held
+    batches are overwritten and the test below fails (checked when it was written)."""
+    import threading
+
+    import numpy as np
+
+    from gearflow.bench.common import prioritized_table, random_steps
+    from gearflow.learner import Learner, Prefetcher, Progress
+    from gearflow.params import ParameterStore
+    from gearflow.replay import Writer
+    from gearflow.replay.items import Transition
+
+    limit = ["run.max_seconds=4"] if rank == 1 else []
+    cfg, agent = make_apex(seed=3 + rank, overrides=["run.log_every_s=1000", "run.checkpoint_every=0",
+                                                     "learner.publish_every=2", *limit])  # fmt: skip
+    B = cfg.learner.batch_size // world
+    table = prioritized_table(agent.replay_columns(), 1, 4096, Transition(next_columns=("obs",)), seed=rank)
+    table.num_buffers = num_buffers or cfg.learner.prefetch + 2  # 0: as the runner makes it
+    writer = Writer(table.storage, [0])
+    rng = np.random.default_rng(rank)
+    steps = random_steps(table.storage.spec, 2048, rng)
+    steps["action"] = rng.integers(agent.num_actions, size=2048)
+    steps["disc"] = rng.random(2048).astype(np.float32)
+    first = writer.extend(steps)
+    n = agent.n_step + 1
+    ends = first + np.arange(n, 2048 + 1)
+    writer.create_items(rng.random(ends.size) + 0.1, n, streams=0, ends=ends)
+    table.scan()
+    params = ParameterStore.create(agent.learner_network(), run_tag=rank)
+    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "gloo", timeout_s=60).init()
+    stop = threading.Event()
+    learner = None
+    prefetcher = None
+    fetched, learned, calls = [], [], [0]
+    learn = agent.learn
+
+    def recording_learn(batch):  # what the learner learns from, read when it learns
+        learned.append((batch.keys.clone(), batch.data["obs"].clone(), batch.data["next_obs"].clone()))
+        return learn(batch)
+
+    agent.learn = recording_learn
+    try:
+        parallel.setup(agent)
+        version0 = params.publish(agent.learner_network())
+        learner = Learner(cfg, agent, table, params, Progress(), env_steps=lambda: 0, actor_version=lambda: 0,
+                          parallel=parallel)  # fmt: skip
+        prefetcher = Prefetcher(table, learner.lock, B, cfg.learner.prefetch, stop)
+        dry = (lambda i: i % 3 == 2) if rank == 0 else (lambda i: 5 <= i < 12)
+
+        def next_batch():
+            calls[0] += 1
+            if dry(calls[0]):
+                time.sleep(0.01)  # the prefetcher keeps sampling meanwhile
+                return None
+            batch = prefetcher.next_batch()
+            if batch is not None:
+                fetched.append((batch.keys.clone(), batch.data["obs"].clone(), batch.data["next_obs"].clone()))
+            return batch
+
+        reason, _ = learner.run(next_batch)
+        torch.save({"reason": reason, "updates": learner.progress.updates, "published": params.latest_version() - version0,
+                    "fetched": fetched, "learned": learned, "params": flat_params(agent.online)},
+                   out / f"rank{rank}.pt")  # fmt: skip
+    finally:
+        stop.set()
+        if prefetcher is not None:
+            prefetcher.close()
+        parallel.close()
+        params.close()
+        table.close()
+
+
+@pytest.mark.timeout(120)
+def test_learner_on_a_prefetched_replay_holds_its_batch_while_the_other_rank_waits(tmp_path):
+    """A batch a rank holds while the other has none is learned later unchanged (the table's
+    prefetch + 2 buffer sets cover it); both stop when rank 1 reaches run.max_seconds; rank 0
+    alone publishes into its parameter store."""
+    spawn(_run_on_replay, 2, free_port(), tmp_path, 0)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r1["reason"] == "reached run.max_seconds=4.0" and r0["reason"] == "stopped with the other learners"
+    assert r0["updates"] == r1["updates"] > 5
+    for r in (r0, r1):
+        assert len(r["learned"]) == r["updates"]
+        for then, now in zip(r["fetched"], r["learned"]):  # keys, obs, next_obs (the reused buffers)
+            assert all(torch.equal(a, b) for a, b in zip(then, now)), "a held batch's buffer was reused"
+    assert torch.equal(r0["params"], r1["params"])
+    assert r0["published"] == r0["updates"] // 2 and r1["published"] == 0
+
+
 def test_only_rank_0_writes_checkpoints():
     from gearflow.config import load_config
     from gearflow.learner import Learner, Progress
@@ -349,7 +442,7 @@ def test_sequence_agents_start_identical_and_stay_identical(tmp_path):
 @pytest.mark.timeout(60)
 def test_rendezvous_without_rank_0_names_the_address():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    parallel = DataParallel(1, 2, address, "gloo", timeout_s=2)
+    parallel = DataParallel(1, 2, address, "gloo", timeout_s=1)
     with pytest.raises(GearflowError, match=f"rank 1 of 2 .* learner.dist_address={address} .*rank 0 could not be reached"):
         parallel.init()
     assert not torch.distributed.is_initialized()
