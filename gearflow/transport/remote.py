@@ -21,19 +21,46 @@ reply), with its own type (:class:`~gearflow.replay.RateLimiterTimeout`,
 reply, so its ``RateLimiterTimeout`` comes from that call as locally. Every wait has a
 timeout and polls ``abort``. After a lost connection the next call re-opens the session
 (same partitions, positions from the shard: as a restarted local writer continues) and
-raises :class:`SessionLost` once, since the steps staged meanwhile are gone; an adder
-over it should be rebuilt (an actor process restarts).
+raises :class:`SessionLost` once, since the steps staged meanwhile are gone. A batch that
+fails part-way on the shard (its rate limiter's timeout, an op the shard refused) leaves
+the shard's session short of what this mirror assumed: the writer waits for the batches
+still in flight, re-opens the session on the same partitions (positions from the shard)
+and raises that error once, with its own type and a note saying so; later calls continue
+from the shard's positions. Either way an adder over the writer holds n-step items of lost
+steps and should be rebuilt (an actor process rejoins).
 
-**RemoteSampler.** Keys of shard ``i`` carry ``i`` in bits 56..62 (``key | i << 56``;
-shard 0's keys are the shard's own), so ``update_priorities`` routes each key to its
-shard with no map. Draws over several shards: ``b_i ~ Multinomial(B, T_i / Σ T)`` with
-``T_i`` the shards' priority totals (sum-tree mass; item counts for uniform selectors),
-then each shard's own stratified draw of ``b_i``: item ``k`` of shard ``i`` is drawn with
-probability ``T_i/ΣT · m_k/T_i = m_k / ΣT``, as from one table. Probabilities and IS
-weights are recomputed from the global total and count (``w = (N·P)^-β / max``); the
-totals used for the split are those the last replies reported (one batch old). One
-shard's batch is passed through as the shard drew it. ``prefetch`` rounds are requested
-ahead, from every shard in parallel.
+**RemoteSampler: exact global sampling.** Keys of shard ``i`` carry ``i`` in bits 56..62
+(``key | i << 56``; shard 0's keys are the shard's own), so ``update_priorities`` routes
+each key to its shard with no map. A batch of ``B`` over several shards is one *round*:
+
+1. the split ``q_i = T_i / ΣT`` over the newest priority totals the sampler knows (the
+   sum-tree mass; the item count for a uniform selector), ``b ~ Multinomial(B, q)``;
+2. shard ``i`` draws ``b_i`` items with its own stratified proportional draw (``m_k / T_i``
+   each); a shard given no draw answers ``replay.total``; every shard reports its total and
+   count at that moment with its reply;
+3. each row's probability is ``P = q_i · m_k / T_i`` — the probability of the draw that was
+   made — and the IS weights are the local table's normalisation over it,
+   ``w = (N·P)^-β / max over the batch`` with ``N`` the shards' live items (float32).
+
+*Exact* means: when the split's totals equal the totals at the shards' draws, ``P = m_k / ΣT``
+and every row is drawn with one table's probability, probabilities equal to 1e-12 and
+weights to the last float32 bit (tests/test_global_sampling.py). That holds whenever nothing
+but this sampler changed the shards since the replies its totals come from — these include
+its own priority updates, because ``update_priorities`` waits for the shards' replies and a
+shard handles one connection's requests in order: a round requested after an update is
+drawn after it and split by the totals it left (replies are tagged, so a prefetched round
+answered later never overwrites an update's newer totals). A round requested ahead
+(``prefetch``) is drawn before the updates of the batches returned meanwhile, as a local
+table sampled that many batches ahead (``prefetch=0``: every draw sees every update). What
+the sampler cannot know — writers' inserts and evictions, another learner's updates, in the
+round trip since the last reply — makes the split off by that change: the probabilities are
+still those of the draw made (the IS correction stays right for it), ``split_drift``
+(``stats()["replay/split_drift"]``) says by how much (max over shards of
+``|q_i - T_i/ΣT|`` at the draws; 0.0: exact), and the next round is split by the new totals.
+Uniform shards draw uniformly over the union (``P = 1/N``, weights 1). Ranked selectors
+(fifo, lifo, max/min heap, top_k) order the items of one table; no global order exists across
+shards, so a sampler over several refuses them (one shard: its own draw, passed through).
+``prefetch`` rounds are requested ahead, from every shard in parallel.
 """
 
 from __future__ import annotations

@@ -20,12 +20,16 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
   is bounded in-flight data, never a queue. A held insert gives up when its connection
   closes or the service stops (:class:`~gearflow.replay.writer.InsertAborted`).
 * ``replay.sample`` — the shard's own draw: keys, probabilities, IS weights, the data, and
-  the shard's priority total and item count at the draw (what a several-shard sampler
-  needs to draw like one table). The batch goes out of the table's own buffers (no copy);
+  the shard's priority total and item count at the draw (under the table lock, after the
+  scan the draw made): what a several-shard sampler needs to draw like one table (see
+  :mod:`gearflow.transport.remote`). The batch goes out of the table's own buffers (no copy);
   sample ``j`` waits until the reply of sample ``j - num_buffers`` has left the socket,
   since it reuses that buffer set.
-* ``replay.update_priorities``, ``replay.stats``, ``replay.checkpoint`` (into the shard's
-  ``checkpoint_dir``, by a plain name).
+* ``replay.total`` — the total and count only (after a scan): a several-shard round's shard
+  that was given no draw still reports them, so its share of the next split is current.
+* ``replay.update_priorities`` (replies with the total and count it left), ``replay.stats``,
+  ``replay.checkpoint`` (into the shard's ``checkpoint_dir``, by a plain name). ``replay.info``
+  names the selector (and its ``alpha``): several shards sample as one table only with one.
 * ``params.get`` — the latest weights if newer than ``min_version``, else only
   ``{"version": null}``: one round trip when nothing is new.
 
