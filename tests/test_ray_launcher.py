@@ -21,9 +21,10 @@ def _cfg(tmp_path, *overrides: str):
                                 "run.progress=log", f"run.dir={tmp_path / 'run'}", *overrides])  # fmt: skip
 
 
-def test_two_shards_two_learners_survive_a_killed_actor_group(tmp_path, monkeypatch):
+def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path, monkeypatch):
     """cartpole_apex with two shard nodes, two actor groups and two data-parallel learners: an
-    actor group killed mid-run is restarted by Ray and the run reaches its limit; both
+    actor group and then a shard killed mid-run are restarted by Ray (the shard on its port,
+    with a fresh table its group moves to) and the run reaches its limit; both
     learners end with bit-identical parameters (they are identical after every step:
     tests/test_distributed.py)."""
     from gearflow.launchers.ray import train_on_ray
@@ -31,21 +32,25 @@ def test_two_shards_two_learners_survive_a_killed_actor_group(tmp_path, monkeypa
     monkeypatch.setenv("GEARFLOW_TOKEN", "ray-test-secret-0123")
     killed = threading.Event()
 
-    def kill_group_0(handles):
+    def kill_group_0_then_shard_1(handles):
         def later():
             time.sleep(4.0)  # the actors are acting by now (their learner is sampling)
             ray.kill(handles["groups"][0], no_restart=False)  # Ray restarts it (cluster.max_restarts)
+            time.sleep(3.0)
+            ray.kill(handles["shards"][1], no_restart=False)  # same node, same port, a fresh table
             killed.set()
 
         threading.Thread(target=later, daemon=True).start()
 
-    summary = train_on_ray(_cfg(tmp_path, "run.max_env_steps=12000", "cluster.learners=2"), on_started=kill_group_0)
+    summary = train_on_ray(_cfg(tmp_path, "run.max_env_steps=20000", "cluster.learners=2"),
+                           on_started=kill_group_0_then_shard_1)  # fmt: skip
     assert killed.is_set()
     # rank 0 stops at its own limit, or in the same iteration as rank 1 when rank 1 saw it first
-    assert summary["stop_reason"] in ("reached run.max_env_steps=12000", "stopped with the other learners")
-    assert summary["actor/env_steps"] >= 12000
+    assert summary["stop_reason"] in ("reached run.max_env_steps=20000", "stopped with the other learners")
+    assert summary["actor/env_steps"] >= 20000
     assert summary["cluster/shards"] == 2 and summary["replay/shards"] == 2.0
-    assert summary["cluster/group_restarts"] == 1
+    assert summary["cluster/group_restarts"] == 1 and summary["cluster/shard_restarts"] == 1
+    # both nodes acted to the end: node 1's restarted table was refilled by its group's actors
     assert all(steps > 0 for steps in summary["cluster/node_env_steps"])
     assert summary["learner/updates"] > 100
     assert summary["cluster/learners"] == 2 and summary["learner/world_size"] == 2.0

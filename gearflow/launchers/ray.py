@@ -81,31 +81,62 @@ def parameters_digest(module) -> str:
 # ---------------------------------------------------------------------- roles (Ray actor classes)
 
 
+class Registry:
+    """The run's small shared state on Ray (one actor): each shard's port (a restarted shard binds
+    the same one, so learners and actor groups reconnect to the address they know) and how many
+    times each role started."""
+
+    def __init__(self):
+        self.values: dict[str, Any] = {}
+        self.starts: dict[str, int] = {}
+
+    def put(self, key: str, value: Any) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> Any:
+        return self.values.get(key)
+
+    def started(self, role: str) -> int:
+        self.starts[role] = self.starts.get(role, 0) + 1
+        return self.starts[role]
+
+    def restarts(self) -> dict[str, int]:
+        return {k: v - 1 for k, v in self.starts.items()}
+
+
 class ShardRole:
     """One node's replay shard and parameter store (:class:`~gearflow.launchers.serve.ShardNode`
-    without its own actors), served on the node's IP."""
+    without its own actors), served on the node's IP. Restarted by Ray (pinned to its node), it
+    binds the port it had, with a fresh table (the dead one's segment is removed): its actor
+    group re-attaches, learners reconnect and see a new ``epoch`` in ``run.progress``."""
 
-    def __init__(self, cfg_yaml: str):
+    def __init__(self, cfg_yaml: str, index: int, registry):
         import ray
 
         from gearflow.launchers.serve import ShardNode
+        from gearflow.replay.storage import gc_segments, run_tag
 
         _logging()
         cfg = _cfg(cfg_yaml)
+        self.index, self.registry = index, registry
+        starts = ray.get(registry.started.remote(f"shard-{index}"))
         cfg.transport.host = ray.util.get_node_ip_address()
+        if starts > 1:  # restarted by Ray: the same port, and the dead instance's segment removed
+            cfg.transport.port = int(ray.get(registry.get.remote(f"shard-{index}/port")) or 0)
+            for name, size in gc_segments(prefix="gearflow", run=run_tag(cfg.run.dir)):
+                log.info("shard %d restarted: removed /dev/shm/%s (%.1f MiB) of its dead instance", index, name,
+                         size / 2**20)  # fmt: skip
         self.node = ShardNode(cfg, launch_actors=False)
         self.address = self.node.start()
+        ray.get(registry.put.remote(f"shard-{index}/port", self.node.shard.port))
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.group_starts = 0
+        if starts > 1:
+            log.warning("shard %d restarted by Ray on %s (start %d): a fresh table", index, self.address, starts)
 
     def info(self) -> dict[str, Any]:
         n = self.node
         return {"address": self.address, "node_id": self.node_id, "storage": n.table.storage.name,
                 "params": n.params.name, "partitions": [p.tolist() for p in n.partitions]}  # fmt: skip
-
-    def group_started(self) -> int:
-        self.group_starts += 1
-        return self.group_starts
 
     def report(self, messages: list[dict]) -> None:
         for m in messages:
@@ -117,8 +148,7 @@ class ShardRole:
 
         reason = self.node.serve_forever()
         return {"stop_reason": reason, "address": self.address, "actor/env_steps": env_steps_in(self.node.table),
-                "actor/episodes": self.node.relay.episodes, "weights_version": self.node.params.latest_version(),
-                "group_restarts": max(0, self.group_starts - 1)}  # fmt: skip
+                "actor/episodes": self.node.relay.episodes, "weights_version": self.node.params.latest_version()}  # fmt: skip
 
     def stop(self) -> None:
         self.node.stop_event.set()
@@ -150,20 +180,30 @@ class _Collected:
 
 
 class ActorGroupRole:
-    """A node's actor processes, attached to its shard's segment by name (same node)."""
+    """A node's actor processes, attached to its shard's segment by name (same node). Restarted
+    by Ray, its actors continue their partitions; when its shard is restarted (a new segment),
+    it moves its actors to the new one."""
 
-    def __init__(self, cfg_yaml: str, info: dict[str, Any], shard):
+    def __init__(self, cfg_yaml: str, index: int, shard, registry):
         import ray
 
+        _logging()
+        self.cfg = _cfg(cfg_yaml)
+        self.index, self.shard = index, shard
+        self.starts = ray.get(registry.started.remote(f"group-{index}"))
+        self.collected = _Collected()
+        self.launcher = None
+        self._attach(ray.get(shard.info.remote()))
+        if self.starts > 1:
+            log.warning("actor group %d restarted by Ray (start %d)", index, self.starts)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="actor-group", daemon=True)
+        self._thread.start()
+
+    def _attach(self, info: dict[str, Any]) -> None:
         from gearflow.launchers.local import LocalLauncher
         from gearflow.replay.storage import WRITER_PID, SharedStorage, _pid_alive
 
-        _logging()
-        cfg = _cfg(cfg_yaml)
-        self.shard = shard
-        self.starts = ray.get(shard.group_started.remote())
-        if self.starts > 1:
-            log.warning("actor group of shard %s restarted by Ray (start %d)", info["address"], self.starts)
         parts = [np.asarray(p, dtype=np.int64) for p in info["partitions"]]
         # a killed group's actor processes leave when they see their parent gone: wait for them,
         # or the new writers would find the partitions still owned
@@ -179,15 +219,27 @@ class ActorGroupRole:
                 time.sleep(0.1)
         finally:
             storage.close()
-        self.collected = _Collected()
-        self.launcher = LocalLauncher(cfg, info["storage"], info["params"], parts)
+        self.storage_name = info["storage"]
+        self.launcher = LocalLauncher(self.cfg, info["storage"], info["params"], parts)
         self.launcher.start()
-        self.error: str = ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._supervise, name="actor-group", daemon=True)
-        self._thread.start()
+
+    def _moved(self):
+        """The shard's info when it now serves another segment (it was restarted), else None."""
+        import ray
+
+        ref = self.shard.info.remote()
+        ready, _ = ray.wait([ref], timeout=2.0)
+        if not ready:
+            return None  # restarting: asked again next time
+        try:
+            info = ray.get(ready[0])
+        except Exception as exc:  # noqa: BLE001 - the shard is between instances
+            log.debug("actor group %d: shard info: %s", self.index, exc)
+            return None
+        return info if info["storage"] != self.storage_name else None
 
     def _supervise(self) -> None:
+        last_check = time.monotonic()
         try:
             while not self._stop.is_set():
                 self.launcher.drain(self.collected)
@@ -195,13 +247,19 @@ class ActorGroupRole:
                 if msgs := self.collected.take():
                     self.shard.report.remote(msgs)
                 for actor, err in self.launcher.errors.items():
-                    msg = {"type": "error", "actor": actor, "error": err}
-                    self.shard.report.remote([msg])
+                    self.shard.report.remote([{"type": "error", "actor": actor, "error": err}])
                 self.launcher.errors.clear()
+                if time.monotonic() - last_check >= 1.0:
+                    last_check = time.monotonic()
+                    if (info := self._moved()) is not None:
+                        log.warning("actor group %d: its shard was restarted; moving its actors to %s", self.index,
+                                    info["storage"])  # fmt: skip
+                        self.launcher.stop()
+                        self.launcher.close()
+                        self._attach(info)
                 self._stop.wait(REPORT_S)
         except BaseException as exc:  # an actor failed past actor.max_restarts: the group dies, Ray restarts it
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.error("actor group failed: %s", self.error)
+            log.error("actor group %d failed: %s: %s", self.index, type(exc).__name__, exc)
             os._exit(1)
 
     def ping(self) -> int:
@@ -304,15 +362,20 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
     shards: list = []
     groups: list = []
     learners: list = []
+    registry = None
     try:
-        Shard = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=8)(ShardRole)
-        shards = [Shard.options(scheduling_strategy="SPREAD", name=None).remote(_node_config(cfg, i)) for i in range(S)]
+        registry = ray.remote(num_cpus=0)(Registry).remote()
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+        place = [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False) for i in range(S)]  # one per node
+        R = int(cl.max_restarts)
+        Shard = ray.remote(num_cpus=1, max_restarts=R, max_task_retries=-1, max_concurrency=8)(ShardRole)
+        shards = [Shard.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, registry) for i in range(S)]
         infos = ray.get([s.info.remote() for s in shards])
         log.info("ray: %d shard node(s) at %s", S, ", ".join(i["address"] for i in infos))
         waits = [s.wait.remote() for s in shards]
-        Group = ray.remote(num_cpus=M, max_restarts=int(cl.max_restarts), max_task_retries=-1)(ActorGroupRole)
-        groups = [Group.options(scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
-                  .remote(_node_config(cfg, i), info, s) for i, (info, s) in enumerate(zip(infos, shards))]  # fmt: skip
+        Group = ray.remote(num_cpus=M, max_restarts=R, max_task_retries=-1)(ActorGroupRole)
+        groups = [Group.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, s, registry)
+                  for i, s in enumerate(shards)]  # fmt: skip
         ray.get([g.ping.remote() for g in groups])
         Learner = ray.remote(num_cpus=1, num_gpus=float(cl.learner_gpus), max_restarts=0)(LearnerRole)
         learners = [Learner.remote() for _ in range(K)]
@@ -322,7 +385,8 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         if on_started is not None:
             on_started({"shards": shards, "groups": groups, "learners": learners})
         summaries = _wait_learners(ray, runs)
-        nodes = ray.get(waits, timeout=60)
+        node_summaries = ray.get(waits, timeout=60)
+        restarts = ray.get(registry.restarts.remote())
     finally:
         for g in groups:
             try:
@@ -335,15 +399,16 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
                 ray.get(s.close.remote(), timeout=20)
             except Exception as exc:  # noqa: BLE001
                 log.debug("shard close: %s", exc)
-        for h in [*groups, *shards, *learners]:
+        for h in [*groups, *shards, *learners, *([registry] if registry is not None else [])]:
             ray.kill(h, no_restart=True)
         if started:
             ray.shutdown()
     summary = dict(summaries[0])
     summary["cluster/shards"], summary["cluster/learners"] = S, K
-    summary["cluster/group_restarts"] = sum(n["group_restarts"] for n in nodes)
+    summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
+    summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
     summary["cluster/parameters_identical"] = len({s["learner/parameters_sha256"] for s in summaries}) == 1
-    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in nodes]
+    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
     log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
              "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import json
+import secrets
 import logging
 import os
 import signal
@@ -151,6 +152,7 @@ class ShardNode:
             self.params.publish(agent.learner_network())  # version 1: the actors' weights until a learner pushes
             self._template = {k: v for k, v in agent.learner_network().state_dict().items()}
             self.relay = _Relay(int(cfg.actor.ladder_offset))
+            self.epoch = secrets.token_hex(8)  # a restarted node is another epoch: learners restart their cursors
             self.stop_event = threading.Event()
             self.stop_reason = ""
             self.partitions = partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
@@ -222,7 +224,7 @@ class ShardNode:
         items, nxt, lost = self.relay.since(cursor)
         return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": env_steps_in(self.table),
                 "actors": self.geom.num_actors, "ladder_offset": int(self.cfg.actor.ladder_offset),
-                "weights_version": self.params.latest_version(),
+                "weights_version": self.params.latest_version(), "epoch": self.epoch,
                 "stopping": self.stop_event.is_set()}, []  # fmt: skip
 
     def _stop(self, meta: dict, bufs, conn):

@@ -35,9 +35,69 @@ from gearflow.errors import ConfigError, GearflowError
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["PushedParams", "RemoteShards"]
+__all__ = ["PushedParams", "RemoteShards", "TolerantSampler"]
 
 POLL_S = 0.25
+
+
+class ShardsUnavailable(GearflowError, TimeoutError):
+    """No batch now: a shard node does not answer (a TimeoutError, so the prefetcher asks again)."""
+
+
+class TolerantSampler:
+    """A sampler over shard nodes that rides out a node's outage (a node restarted by Ray comes
+    back on its address): a draw that fails because a node is unreachable reads as "no batch
+    yet" (:class:`ShardsUnavailable`, a ``TimeoutError``) until ``patience_s`` passes without
+    one batch, then the error is raised (the run stops, checkpointed); priority updates for an
+    unreachable node are dropped (its items are gone with it); stats repeat the last ones read."""
+
+    def __init__(self, inner, patience_s: float):
+        self.inner, self.patience_s = inner, float(patience_s)
+        self._since: float | None = None  # when the current outage began
+        self._stats: dict[str, float] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def sample(self, batch_size: int, timeout_s: float | None = None):
+        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
+
+        try:
+            batch = self.inner.sample(batch_size, timeout_s)
+        except (ServiceUnavailable, RequestTimeout) as exc:
+            now = time.monotonic()
+            if self._since is None:
+                self._since = now
+                log.warning("a shard node does not answer (%s); waiting up to %.0f s for it", exc, self.patience_s)
+            if now - self._since > self.patience_s:
+                raise
+            time.sleep(min(0.2, float(timeout_s or 0.2)))
+            raise ShardsUnavailable(str(exc)) from None
+        if self._since is not None:
+            log.warning("every shard node answers again after %.1f s", time.monotonic() - self._since)
+            self._since = None
+        return batch
+
+    def update_priorities(self, keys, priorities) -> int:
+        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
+
+        try:
+            return self.inner.update_priorities(keys, priorities)
+        except (ServiceUnavailable, RequestTimeout) as exc:
+            log.debug("priorities for an unreachable shard node dropped: %s", exc)
+            return 0
+
+    def stats(self) -> dict[str, float]:
+        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
+
+        try:
+            self._stats = self.inner.stats()
+        except (ServiceUnavailable, RequestTimeout) as exc:
+            log.debug("stats of an unreachable shard node: %s", exc)
+        return dict(self._stats)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class PushedParams:
@@ -126,8 +186,11 @@ class RemoteShards:
             self.close()
             raise
         self.params = PushedParams(self.clients, self.timeout_s)
-        self._cursors = [0] * len(self.clients)
-        self._steps = [0] * len(self.clients)
+        self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)))
+        n = len(self.clients)
+        self._cursors, self._steps, self._base = [0] * n, [0] * n, [0] * n
+        self._epochs: list = [None] * n
+        self._down: set[int] = set()  # nodes whose last poll failed (logged once per outage)
         self._next_poll = 0.0
         self.errors: dict[int, str] = {}
 
@@ -147,7 +210,7 @@ class RemoteShards:
 
     # ----------------------------------------------------------------- progress
     def env_steps(self) -> int:
-        return int(sum(self._steps))
+        return int(sum(self._base) + sum(self._steps))
 
     def poll(self, progress, force: bool = False) -> None:
         """Fold the nodes' reports since the last poll into ``progress`` (at most every 0.25 s).
@@ -161,13 +224,27 @@ class RemoteShards:
             try:
                 futs.append((i, c, c.submit("run.progress", {"cursor": self._cursors[i]}, timeout_s=self.timeout_s)))
             except GearflowError as exc:
-                log.warning("shard node %s: no progress (%s)", c.address_text, exc)
+                self._lost(i, exc)
         for i, c, fut in futs:
             try:
                 meta, _ = c.result(fut, "run.progress", self.timeout_s)
             except GearflowError as exc:
-                log.warning("shard node %s: no progress (%s)", c.address_text, exc)
+                self._lost(i, exc)
                 continue
+            if i in self._down:
+                self._down.discard(i)
+                log.warning("shard node %s answers again", c.address_text)
+            epoch = meta.get("epoch")
+            if self._epochs[i] is not None and epoch != self._epochs[i]:  # restarted: a fresh table and log
+                log.warning("shard node %s was restarted (a fresh table): its counters start again", c.address_text)
+                self._base[i] += self._steps[i]
+                self._steps[i] = 0
+                if self._cursors[i]:
+                    self._cursors[i] = 0
+                    self._next_poll = 0.0  # read the new log at once
+                    self._epochs[i] = epoch
+                    continue
+            self._epochs[i] = epoch
             if meta.get("lost"):
                 log.warning("shard node %s: %d reports dropped before this learner read them", c.address_text, meta["lost"])
             self._cursors[i] = int(meta["cursor"])
@@ -184,6 +261,12 @@ class RemoteShards:
                     log.error("actor %d on shard node %s raised:\n%s", actor, c.address_text, m.get("error"))
                     lines = str(m.get("error", "")).strip().splitlines()
                     self.errors[actor] = lines[-1] if lines else "?"
+
+    def _lost(self, i: int, exc: BaseException) -> None:
+        if i not in self._down:
+            self._down.add(i)
+            log.warning("shard node %s: no progress (%s); the learner goes on with what it can sample",
+                        self.clients[i].address_text, exc)  # fmt: skip
 
     def end_run(self, reason: str) -> None:
         """Tell every node the run is over (they stop their actors and exit); unreachable ones are logged."""
