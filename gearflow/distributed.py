@@ -46,6 +46,11 @@ The loop needs one more collective: :meth:`DataParallel.agree` (one two-integer 
 iteration) makes every rank learn in the same iterations (only when all have a batch) and
 stop in the same one (when any wants to); otherwise one rank's gradient all_reduce would pair
 with another rank's next-iteration one, or wait for a rank that stopped.
+
+Every rank's ``learn()`` must call ``optimizer.step()`` the same number of times in the same
+order (the reference agents do: the DT temperature step depends only on the config). A learner
+that dies fails the others at their next collective (gloo: at once, connection reset); one
+that hangs, after ``timeout_s``; both as a GearflowError naming the rank and the address.
 """
 
 from __future__ import annotations
@@ -125,7 +130,7 @@ class _GradientAverager:
             self.flags.fill_(1.0)
         if have:
             torch._foreach_copy_([self.views[i] for i in have], [grads[i] for i in have])
-        dist.all_reduce(self.buf)  # SUM over ranks
+        self.owner._all_reduce(self.buf, "the gradient all_reduce")  # SUM over ranks
         self.buf.div_(self.owner.world_size)
         if have:
             torch._foreach_copy_([grads[i] for i in have], [self.views[i] for i in have])
@@ -286,7 +291,7 @@ class DataParallel:
         self._require_joined()
         t0 = time.perf_counter()
         votes = torch.tensor([0 if have_batch else 1, 1 if stop else 0], dtype=torch.int32, device=self.comm_device)
-        dist.all_reduce(votes)  # SUM: ranks without a batch, ranks that stop
+        self._all_reduce(votes, "agree()")  # SUM: ranks without a batch, ranks that stop
         missing, stopping = votes.tolist()
         self.agree_s += time.perf_counter() - t0
         self.agree_calls += 1
@@ -304,6 +309,19 @@ class DataParallel:
         }
         self._reported = (self.allreduce_s, self.allreduce_calls, self.agree_s, self.agree_calls)
         return row
+
+    def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """``dist.all_reduce`` (SUM); a peer that died (gloo: connection reset, at once) or hangs
+        (after ``timeout_s``) is a GearflowError that says so."""
+        try:
+            dist.all_reduce(tensor)
+        except (RuntimeError, dist.DistError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise GearflowError(
+                f"learner rank {self.rank} of {self.world_size} lost the other data-parallel learners in {what} "
+                f"(learner.dist_address={self.address}): a learner died or hung for {self.timeout_s:g} s; "
+                f"its own log says why. {type(exc).__name__}: {text[:300]}"
+            ) from exc
 
     def _note_allreduce(self, seconds: float) -> None:
         self.allreduce_s += seconds

@@ -436,6 +436,34 @@ def test_sequence_agents_start_identical_and_stay_identical(tmp_path):
     assert not torch.equal(r0["dt_temperature_after"], r0["dt_temperature_initial"])  # its optimizer stepped too
 
 
+def _one_dies(rank, world, port, out: Path):
+    import os
+
+    _, agent = make_apex(seed=1)
+    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "gloo", timeout_s=60).init()
+    parallel.setup(agent)
+    assert parallel.agree(True, False) == (True, False)
+    if rank == 0:
+        os._exit(0)  # killed: no close(), no goodbye
+    errors = []
+    for step in range(2):  # the next agree() and the next gradient all_reduce
+        try:
+            parallel.agree(True, False) if step == 0 else agent.learn(random_batch(agent, 8, seed=0))
+        except GearflowError as exc:
+            errors.append(str(exc))
+    parallel.close()
+    torch.save(errors, out / "errors.pt")
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_that_dies_fails_the_others_at_once_with_a_clear_error(tmp_path):
+    spawn(_one_dies, 2, free_port(), tmp_path, timeout=45)
+    errors = torch.load(tmp_path / "errors.pt")
+    assert len(errors) == 2
+    assert "learner rank 1 of 2 lost the other data-parallel learners in agree()" in errors[0]
+    assert "in the gradient all_reduce" in errors[1] and "learner.dist_address=127.0.0.1:" in errors[1]
+
+
 # ----------------------------------------------------------------------------- 4. rendezvous errors
 
 
