@@ -68,7 +68,9 @@ from gearflow.errors import GearflowError
 
 log = logging.getLogger("gearflow.distributed")
 
-__all__ = ["DataParallel", "resolve_backend"]
+__all__ = ["DataParallel", "fingerprint", "resolve_backend"]
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -81,6 +83,23 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise GearflowError(f"learner.dist_backend=nccl needs the learner on CUDA, but learner.device is {device}; "
                             "use learner.dist_backend=gloo (or auto)")  # fmt: skip
     return backend
+
+
+def fingerprint(module: nn.Module) -> int:
+    """An exact fingerprint of ``module``'s parameters and buffers: their bits, position-weighted
+    and summed in int64 (wrapping), so one changed bit anywhere changes it (with overwhelming
+    likelihood). Ranks compare these to check they hold the same weights bit for bit."""
+    total = torch.zeros((), dtype=torch.int64)
+    offset = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.dtype.is_floating_point or flat.dtype.is_complex:
+            flat = flat.view(_INT_VIEW[flat.element_size()]) if flat.element_size() in _INT_VIEW else flat.view(torch.int8)
+        bits = flat.to(torch.int64).cpu()  # (n,)
+        weights = torch.arange(offset + 1, offset + 1 + bits.numel(), dtype=torch.int64) * 2654435761 + 97
+        total += (bits * weights).sum()
+        offset += bits.numel()
+    return int(total)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -282,6 +301,15 @@ class DataParallel:
         """``(name, value)`` of the agent's attributes of type ``kind``, in definition order
         (the same on every rank: the same code built them)."""
         return [(n, v) for n, v in vars(agent).items() if isinstance(v, kind)]
+
+    def fingerprints(self, module: nn.Module) -> list[int]:
+        """Every rank's :func:`fingerprint` of ``module`` (a collective: all ranks call it); equal
+        entries mean identical weights. A cheap check a test or a periodic audit can run."""
+        self._require_joined()
+        mine = torch.tensor([fingerprint(module)], dtype=torch.int64, device=self.comm_device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        return [int(t) for t in every]
 
     # ------------------------------------------------------------------ the loop
     def agree(self, have_batch: bool, stop: bool) -> tuple[bool, bool]:

@@ -96,6 +96,13 @@ def _learn_shares(rank, world, port, out: Path, device: str = "cpu"):
         for step in range(STEPS):
             metrics, prio = agent.learn(share(random_batch(agent, GLOBAL_BATCH, seed=step), rank, world))
             record["steps"].append(flat_params(agent.online).cpu())
+            prints = parallel.fingerprints(agent.online)
+            assert prints[0] == prints[1], f"step {step + 1}: fingerprints differ {prints}"
+        if rank == 1:  # one ulp in one weight: the fingerprints tell
+            with torch.no_grad():
+                w = next(agent.online.parameters())
+                w.view(-1)[5] = torch.nextafter(w.view(-1)[5], torch.tensor(float("inf"), device=w.device))
+        record["perturbed"] = parallel.fingerprints(agent.online)
         record["optimizer_steps"] = [int(s["step"]) for s in agent.optimizer.state_dict()["state"].values()]
         record["stats"] = parallel.stats()
         torch.save(record, out / f"rank{rank}.pt")
@@ -128,6 +135,7 @@ def test_two_ranks_learning_from_halves_equal_one_learner_on_the_global_batch(tm
         assert moved > 1e-6  # the step changed the weights (the comparison below is not vacuous)
         torch.testing.assert_close(r0["steps"][step], want, **tol,
                                    msg=lambda m: f"step {step + 1}: 2 ranks ≠ one learner on the global batch: {m}")  # fmt: skip
+    assert r0["perturbed"][0] != r0["perturbed"][1]
     assert r0["optimizer_steps"] == r1["optimizer_steps"] == [STEPS] * len(r0["optimizer_steps"])
     assert r0["stats"]["learner/world_size"] == 2.0 and r0["stats"]["learner/grad_allreduce_ms"] > 0
 
