@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -482,6 +483,8 @@ class RemoteSampler:
     Several shards must hold the same spec, item kind and a ``uniform`` or ``prioritized``
     selector with the same ``alpha`` (ranked selectors — fifo, lifo, heaps, top_k — order
     items within one table: no global order exists across shards; sample one shard).
+    ``sample`` / ``update_priorities`` / ``checkpoint``: one thread at a time (the learner's
+    lock); ``stats`` may come from another thread.
 
         sampler = RemoteSampler(["10.0.0.5:7000", "10.0.0.6:7000"], token=token, seed=0)
         sampler.selector.beta = 0.4
@@ -512,6 +515,7 @@ class RemoteSampler:
         self._counts = np.zeros(n, dtype=np.int64)
         self._sent = np.zeros(n, dtype=np.int64)  # requests sent to each shard (their tags)
         self._known = np.zeros(n, dtype=np.int64)  # tag of the reply the totals above come from
+        self._tags = threading.Lock()
         self._stale = False  # a round failed: read the totals afresh before the next split
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
@@ -544,15 +548,17 @@ class RemoteSampler:
     def _submit(self, i: int, op: str, meta: dict | None = None, bufs: Sequence[Any] = (), timeout_s: float | None = None):
         """Send a request to shard ``i``; returns ``(tag, future)``: the tags of one shard's requests
         rise in the order the shard handles them (one connection: in order)."""
-        fut = self._clients[i].submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
-        self._sent[i] += 1
-        return int(self._sent[i]), fut
+        with self._tags:  # stats() may come from another thread than sample() (the learner's metrics)
+            fut = self._clients[i].submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+            self._sent[i] += 1
+            return int(self._sent[i]), fut
 
     def _note(self, i: int, tag: int, meta: dict) -> None:
         """Keep the total and count a reply reports if it is newer than those kept: a prefetched
         round answered after a priority update reports the shard as it was before the update."""
-        if tag > self._known[i]:
-            self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
+        with self._tags:
+            if tag > self._known[i]:
+                self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
 
     def _refresh_totals(self) -> None:
         """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
@@ -572,7 +578,8 @@ class RemoteSampler:
         if n == 1:
             q, split = np.ones(1), [batch_size]
         else:
-            t = np.maximum(self._totals, 0.0)
+            with self._tags:
+                t = np.maximum(self._totals, 0.0)  # a copy
             s = float(t.sum())
             q = t / s if s > 0 else np.full(n, 1.0 / n)  # nothing known yet: even, and said so by q
             split = self._rng.multinomial(batch_size, q).tolist()
