@@ -158,3 +158,24 @@ def test_run_stop_ends_serve_forever(node):
     client.call("run.stop", {"reason": "done here"})
     assert n.stop_event.is_set()
     assert n.serve_forever(poll_s=0.01).endswith(": done here")
+
+
+def test_a_learner_for_another_env_is_refused_with_one_line(node, tmp_path):
+    """A learner whose agent does not fit the node's replay (another env: other observation
+    shapes) is refused before it pushes or samples anything, naming both layouts."""
+    from gearflow.agent import make_agent
+    from gearflow.envs import make_vec_env
+    from gearflow.errors import ConfigError
+    from gearflow.launchers.shards import RemoteShards
+
+    n, _ = node
+    cfg = load_config(CONFIG, [*TINY, "env.id=Acrobot-v1", f"transport.shards=[127.0.0.1:{n.shard.port}]",
+                               f"run.dir={tmp_path / 'learner'}"])  # fmt: skip
+    probe = make_vec_env(cfg.env.copy() | {"num_envs": 1, "batch_size": 1}, seed=0)
+    spec = probe.env_spec
+    probe.close()
+    agent = make_agent(cfg, spec, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"transport.shards: the nodes' replay columns are .*float32\[4\].*"
+                                          r"the agent learns from .*float32\[6\]"):
+        RemoteShards(cfg, agent)
+    assert n.params.latest_version() == 1  # nothing was pushed

@@ -178,10 +178,13 @@ class RemoteShards:
             if self.sampler.kind.to_dict() != want:
                 raise ConfigError(f"transport.shards: the nodes hold {self.sampler.kind.to_dict()} items, the agent "
                                   f"learns from {want} (serve the same config on the nodes)")  # fmt: skip
-            have = set(self.sampler.spec.names)
-            if missing := [n for n in agent.replay_columns() if n not in have]:
-                raise ConfigError(f"transport.shards: the nodes' replay has no column {missing[0]!r} the agent learns "
-                                  "from (serve the same agent config on the nodes)")  # fmt: skip
+            from gearflow.replay.spec import replay_spec
+
+            want_spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack).to_dict()
+            have_spec = self.sampler.spec.to_dict()
+            if have_spec != want_spec:
+                raise ConfigError(f"transport.shards: the nodes' replay columns are {have_spec}, the agent learns from "
+                                  f"{want_spec} (serve the same env, agent and replay.frame_stack on the nodes)")  # fmt: skip
         except BaseException:
             self.close()
             raise
