@@ -214,7 +214,7 @@ class DataParallel:
             return self
         if dist.is_initialized():
             raise GearflowError("torch.distributed is already initialised in this process; one DataParallel per process")
-        if self.backend == "nccl":
+        if self.backend == "nccl" and self.device.index is not None:  # "cuda": the current device (Ray: the only one)
             torch.cuda.set_device(self.device)
         t0 = time.monotonic()
         try:
@@ -272,7 +272,7 @@ class DataParallel:
             if self.rank != 0:
                 agent.load_state_dict(box[0])
         else:
-            for name, module in self._attributes(agent, nn.Module):
+            for _, module in self._attributes(agent, nn.Module):
                 with torch.no_grad():
                     for t in [*module.parameters(), *module.buffers()]:
                         self._broadcast_tensor(t)
