@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from gearflow.native import Probe, probe_cuda, probe_cupy, probe_nvcc, probe_pyverbs
 
-PACKAGES = ("gearflow", "torch", "numpy", "envpool", "gymnasium", "omegaconf", "uvloop", "rich")
+PACKAGES = ("gearflow", "torch", "numpy", "envpool", "gymnasium", "omegaconf", "uvloop", "rich", "ray")
 
 
 @dataclass(frozen=True)
