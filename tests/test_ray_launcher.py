@@ -13,14 +13,12 @@ from tests.test_train import CONFIG, TINY
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (pip install 'gearflow[cluster]')")
 
-pytestmark = pytest.mark.slow
-
-
 def _cfg(tmp_path, *overrides: str):
     return load_config(CONFIG, [*TINY, "launcher=ray", "cluster.shards=2", "actor.num_actors=1",
                                 "run.progress=log", f"run.dir={tmp_path / 'run'}", *overrides])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path, monkeypatch):
     """cartpole_apex with two shard nodes, two actor groups and two data-parallel learners: an
     actor group and then a shard killed mid-run are restarted by Ray (the shard on its port,
@@ -78,3 +76,26 @@ def test_missing_ray_is_one_line(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(MissingDependencyError, match=r"launcher=ray needs Ray: pip install 'gearflow\[cluster\]'"):
         require_ray()
+
+
+@pytest.mark.parametrize("device,asked,cluster,want", [
+    ("auto", 0.0, 0.0, 0.0),      # no GPU anywhere: CPU learners
+    ("auto", 0.0, 4.0, 1.0),      # GPU nodes: one GPU per learner
+    ("auto", 0.0, 1.0, 0.0),      # fewer GPUs than learners: CPU (auto)
+    ("cpu", 0.0, 4.0, 0.0),       # asked for CPU
+    ("auto", 0.5, 0.0, 0.5),      # cluster.learner_gpus wins
+])
+def test_learners_go_to_gpus_where_there_are_any(tmp_path, device, asked, cluster, want):
+    from gearflow.launchers.ray import learner_gpus
+
+    cfg = _cfg(tmp_path, f"learner.device={device}", f"cluster.learner_gpus={asked}", "cluster.learners=2")
+    assert learner_gpus(cfg, cluster) == want
+
+
+def test_cuda_learners_without_gpus_are_refused(tmp_path):
+    from gearflow.errors import GearflowError
+    from gearflow.launchers.ray import learner_gpus
+
+    cfg = _cfg(tmp_path, "learner.device=cuda", "cluster.learners=2")
+    with pytest.raises(GearflowError, match=r"learner.device=cuda but the Ray cluster has 1 GPU\(s\) for 2 learner"):
+        learner_gpus(cfg, 1.0)

@@ -377,7 +377,8 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         groups = [Group.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, s, registry)
                   for i, s in enumerate(shards)]  # fmt: skip
         ray.get([g.ping.remote() for g in groups])
-        Learner = ray.remote(num_cpus=1, num_gpus=float(cl.learner_gpus), max_restarts=0)(LearnerRole)
+        gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
+        Learner = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(LearnerRole)
         learners = [Learner.remote() for _ in range(K)]
         dist = ray.get(learners[0].rendezvous.remote())
         addresses = [i["address"] for i in infos]
@@ -414,6 +415,24 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
              summary["actor/return_last100"], summary["cluster/parameters_identical"])  # fmt: skip
     return summary
+
+
+def learner_gpus(cfg: DictConfig, cluster_gpus: float) -> float:
+    """GPUs each learner asks Ray for: ``cluster.learner_gpus`` when set; else one each when the
+    cluster has a GPU per learner and ``learner.device`` allows CUDA (``auto`` or ``cuda``), so
+    learners land on GPU nodes where there are any."""
+    asked = float(cfg.cluster.learner_gpus)
+    if asked > 0 or str(cfg.learner.device) == "cpu":
+        return asked
+    K = int(cfg.cluster.learners)
+    if cluster_gpus >= K:
+        log.info("ray: %g GPU(s) in the cluster: each of the %d learner(s) gets one (cluster.learner_gpus=0 and "
+                 "learner.device=%s)", cluster_gpus, K, cfg.learner.device)  # fmt: skip
+        return 1.0
+    if str(cfg.learner.device).startswith("cuda"):
+        raise GearflowError(f"learner.device={cfg.learner.device} but the Ray cluster has {cluster_gpus:g} GPU(s) for "
+                            f"{K} learner(s): add GPU nodes, or use learner.device=cpu")  # fmt: skip
+    return 0.0
 
 
 def _wait_learners(ray, runs: list) -> list[dict]:
