@@ -299,3 +299,41 @@ def test_shards_with_different_selectors_are_refused(tables):
     finally:
         for s in services:
             s.stop()
+
+
+def test_a_shard_empty_at_the_start_joins_the_split_once_it_has_items(tables):
+    """A shard with no items when the sampler starts gets no draw, but still reports its total
+    every round (replay.total), so the first items it publishes enter the split; a batch drawn
+    wholly from one of several shards still carries the global probabilities."""
+    services = []
+    try:
+        ts = [tables("prioritized", seed=20 + i, alpha=1.0, beta=BETA) for i in range(2)]
+        fill(ts[0], np.arange(8), np.arange(1, 9, dtype=np.float64))
+        for t in ts:
+            services.append(ShardService(t, token=TOKEN))
+        sampler = RemoteSampler([("127.0.0.1", s.start()) for s in services], token=TOKEN, timeout_s=10, prefetch=1, seed=9)
+        for _ in range(3):
+            b = sampler.sample(32)
+            assert not (b.keys.numpy() >> SHARD_SHIFT).any()  # shard 1 is empty: never asked to draw
+            np.testing.assert_allclose(b.probabilities.numpy(), (item_ids(b) + 1) / 36.0, rtol=1e-12)
+        fill(ts[1], np.arange(100, 104), np.full(4, 1e-7))  # a tiny mass: most batches wholly from shard 0
+        for _ in range(3):  # rounds split before a reply reported it: requested ahead, or by an older reply
+            sampler.sample(32)
+        assert sampler.split_drift == 0.0  # the split has caught up
+        seen, whole = set(), 0
+        for _ in range(40):
+            b = sampler.sample(32)
+            ids = item_ids(b)
+            shard = b.keys.numpy() >> SHARD_SHIFT
+            seen |= set(shard.tolist())
+            whole += int(not shard.any())
+            m = np.where(ids >= 100, 1e-7, ids + 1.0)
+            np.testing.assert_allclose(b.probabilities.numpy(), m / (36.0 + 4e-7), rtol=1e-12)  # never m / T_0
+        assert seen == {0} and whole == 40  # 4e-7 of the mass: no draw in 1280, and the split knew it
+        sampler.update_priorities(np.arange(4, dtype=np.int64) | (1 << SHARD_SHIFT), np.full(4, 9.0))
+        sampler.sample(32)  # the prefetched round (before the update)
+        assert (sampler.sample(32).keys.numpy() >> SHARD_SHIFT).any()
+        sampler.close()
+    finally:
+        for s in services:
+            s.stop()

@@ -52,11 +52,13 @@ drawn after it and split by the totals it left (replies are tagged, so a prefetc
 answered later never overwrites an update's newer totals). A round requested ahead
 (``prefetch``) is drawn before the updates of the batches returned meanwhile, as a local
 table sampled that many batches ahead (``prefetch=0``: every draw sees every update). What
-the sampler cannot know — writers' inserts and evictions, another learner's updates, in the
-round trip since the last reply — makes the split off by that change: the probabilities are
+the sampler cannot know — writers' inserts and evictions, another learner's updates, since
+the reply its totals come from — makes the split off by that change: the probabilities are
 still those of the draw made (the IS correction stays right for it), ``split_drift``
 (``stats()["replay/split_drift"]``) says by how much (max over shards of
-``|q_i - T_i/ΣT|`` at the draws; 0.0: exact), and the next round is split by the new totals.
+``|q_i - T_i/ΣT|`` at the draws; 0.0: exact), and every round requested after a reply that
+reported the change is split by it (rounds ahead are requested once the current round's
+replies are in, so a change reaches the split ``prefetch + 1`` batches later at most).
 Uniform shards draw uniformly over the union (``P = 1/N``, weights 1). Ranked selectors
 (fifo, lifo, max/min heap, top_k) order the items of one table; no global order exists across
 shards, so a sampler over several refuses them (one shard: its own draw, passed through).
@@ -601,8 +603,6 @@ class RemoteSampler:
             self._ahead.popleft()  # drawn for another batch size: dropped
         try:
             q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
-            while len(self._ahead) < self.prefetch:  # drawn while this round travels (split by the newest totals)
-                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
             replies, drawn = [], np.empty(len(parts))
             for i, b, tag, fut in parts:
                 meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
@@ -612,6 +612,10 @@ class RemoteSampler:
                     replies.append((i, b, meta, bufs))
             s = drawn.sum()
             self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
+            # the rounds ahead are requested after this round's replies: split by the totals they
+            # carry (a change the shards saw reaches the split one round later, not two)
+            while len(self._ahead) < self.prefetch:
+                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
         except BaseException:
             self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
             self._stale = True
