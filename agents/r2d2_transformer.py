@@ -53,6 +53,8 @@ gives step t its loss.
 from __future__ import annotations
 
 import copy
+import logging
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +67,8 @@ from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kv_cache import KVCache, hop_length
 from gearflow.replay.items import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -239,6 +243,130 @@ class TransformerQNetwork(nn.Module):
         return self.head(self.ln(x)), torch.stack(kv_new, dim=1)  # (k, A), (k, L, 2, nh, Tn, hs)
 
 
+class _FrameToken(nn.Module):
+    """One step of uint8 frames (k, 1, C, H, W) → tokens (k, D): :class:`FrameEmbedding`'s own
+    modules, in a form TorchScript compiles."""
+
+    def __init__(self, embed: FrameEmbedding):
+        super().__init__()
+        self.cnn, self.proj = embed.cnn, embed.proj
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.cnn(obs[:, 0]))
+
+
+class _VectorToken(nn.Module):
+    """One step of vector observations (k, 1, *shape) → tokens (k, D): :class:`VectorEmbedding`'s map."""
+
+    def __init__(self, embed: VectorEmbedding):
+        super().__init__()
+        self.linear = embed.linear
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.linear(obs[:, 0].float().flatten(1))
+
+
+class _AnyToken(nn.Module):
+    """Any other embedding (B, T, ...) → (B, T, D), at T = 1."""
+
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.embed(obs)[:, 0]
+
+
+class OneTokenStep(nn.Module):
+    """The cached actor's step when every row brings exactly one new step: ``obs`` (k, 1, *obs_shape),
+    ``kv`` the whole cache (E, L, 2, nh, S, hs) (:class:`gearflow.kv_cache.KVCache` ``.kv``),
+    ``ids`` (k,) the rows' envs, ``length`` (k,) their cached steps (the new step's slot) and
+    ``used = max(length) + 1``: only slots below it are read (a step costs what its contexts
+    hold, not what the cache could). Writes each row's new keys and values into slot ``length`` of its env, in place, and returns
+    Q-values (k, A): those of :meth:`TransformerQNetwork.extend` with ``Tn = 1``.
+
+    Built to be compiled (``torch.jit.script``: one call, no per-module Python) and to run few
+    ops: the ALiBi bias of a query at slot ``s`` over the ``S`` slots is row ``s`` of a table
+    made once, the new token is written into the gathered caches before attending (slots
+    ``≤ length`` are its context, itself included) and the gathered caches are written back
+    with one ``index_copy_``. It holds the network's own submodules: the same parameter
+    tensors, so weight syncs (copies in place) reach it."""
+
+    def __init__(self, network: TransformerQNetwork, slots: int):
+        super().__init__()
+        embed = network.embed
+        token = {FrameEmbedding: _FrameToken, VectorEmbedding: _VectorToken}.get(type(embed), _AnyToken)
+        self.token, self.blocks, self.ln, self.head = token(embed), network.blocks, network.ln, network.head
+        self.heads = int(network.blocks[0].heads)
+        slopes = torch.as_tensor(-network._neg_slopes.reshape(-1))  # (nh,) from numpy: never a meta tensor
+        pos = torch.arange(slots)
+        dist = (pos[:, None] - pos[None, :]).float()  # (S, S) query slot − key slot
+        table = -slopes[None, :, None] * dist[:, None, :]  # (S, nh, S): forward's bias at distance i − j
+        table = table.masked_fill((dist < 0)[:, None, :], float("-inf")).to(network.head.weight.device)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor,
+                used: int) -> torch.Tensor:
+        x = self.token(obs)  # (k, D)
+        k, D = x.shape
+        nh = self.heads
+        bias = self.table.index_select(0, length)[:, :, :used].unsqueeze(2)  # (k, nh, 1, used)
+        for layer, block in enumerate(self.blocks):
+            qkv = block.qkv(block.ln1(x)).view(k, 3, nh, D // nh)  # q, k, v of the new token
+            kv_l = kv.select(1, layer)  # (E, 2, nh, S, hs)
+            kv_l[ids, :, :, length] = qkv[:, 1:]  # its keys/values into slot `length` of its env
+            g = kv_l[:, :, :, :used].index_select(0, ids)  # (k, 2, nh, used, hs) this batch's (a copy)
+            y = F.scaled_dot_product_attention(qkv[:, 0].unsqueeze(2), g[:, 0], g[:, 1], attn_mask=bias)
+            x = x + block.proj(y.reshape(k, D))  # y (k, nh, 1, hs)
+            x = x + block.mlp(block.ln2(x))
+        return self.head(self.ln(x))  # (k, A)
+
+
+def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
+    """``OneTokenStep(network, slots)`` compiled with TorchScript, or the module itself (eager) where
+    TorchScript cannot compile it, its parameters are not the network's, or it does not give the
+    eager step's Q-values and cache writes (within float rounding) on random observations
+    ``(k, 1, *obs_shape)`` of ``obs_dtype`` and random caches, for 1 and 3 rows. Returns
+    ``(step, compiled)``."""
+    step = OneTokenStep(network, slots)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.script(step)
+        same_params = {p.data_ptr() for p in scripted.parameters()} <= {p.data_ptr() for p in network.parameters()}
+        if not same_params or not _same_steps(step, scripted, network, slots, tuple(obs_shape), np.dtype(obs_dtype)):
+            log.info("acting with the eager one-token step: its TorchScript compilation differs")
+            return step, False
+    except Exception as exc:  # noqa: BLE001 - any module TorchScript cannot compile (a custom torso): eager
+        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.info("acting with the eager one-token step (TorchScript: %s)", why)
+        return step, False
+    return scripted, True
+
+
+def _same_steps(eager, scripted, network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype) -> bool:
+    """The two steps give the same Q-values and cache writes on random caches and observations."""
+    device = network.head.weight.device
+    first = network.blocks[0]
+    L, nh = len(network.blocks), first.heads
+    rng = np.random.default_rng(0)
+    kv = torch.as_tensor(rng.standard_normal((4, L, 2, nh, slots, first.proj.in_features // nh), np.float32))
+    with torch.inference_mode():
+        for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
+            if obs_dtype.kind in "ui":
+                obs = rng.integers(0, 256 if obs_dtype.itemsize == 1 else 100, (len(ids), 1, *obs_shape))
+            else:
+                obs = rng.standard_normal((len(ids), 1, *obs_shape))
+            obs = torch.as_tensor(obs.astype(obs_dtype), device=device)
+            ids_t, len_t = torch.tensor(ids, device=device), torch.tensor(length, device=device)
+            kv_a, kv_b = kv.clone().to(device), kv.clone().to(device)
+            used = max(length) + 1
+            qa, qb = eager(obs, kv_a, ids_t, len_t, used), scripted(obs, kv_b, ids_t, len_t, used)
+            if not (torch.allclose(qa, qb, rtol=1e-5, atol=1e-6) and torch.allclose(kv_a, kv_b, rtol=1e-5, atol=1e-6)):
+                return False
+    return True
+
+
 # ----------------------------------------------------------------------------- TD errors and priorities
 
 
@@ -319,6 +447,8 @@ class Agent:
         self.n_step = int(full_cfg.actor.n_step)
         self.rng = np.random.default_rng(int(full_cfg.run.seed))
         self.online: nn.Module | None = None
+        self._one_token_held: tuple | None = None  # (network, slots, its OneTokenStep) for acting
+        self.one_token_compiled = False  # whether that step is the TorchScript one
 
     # ---- replay: one row per step, windows of rows
     def replay_columns(self) -> dict[str, str]:
@@ -381,14 +511,58 @@ class Agent:
 
         ``obs`` (k, Tn, *obs_shape): row r's first ``n_new[r]`` are env ``ids[r]``'s context steps
         after its ``cache.length`` cached ones (1 per env step; the whole context after
-        ``cache.clear``); the rest is padding. Q-values equal :meth:`act` over the same context."""
+        ``cache.clear``); the rest is padding. Q-values equal :meth:`act` over the same context.
+
+        Rows with one new step (almost every row of almost every recv) take the compiled
+        :class:`OneTokenStep` (:meth:`one_token_step`); rows that re-encode their context
+        (episode's first steps after new weights, context hops) take
+        :meth:`TransformerQNetwork.extend` in a second call over those rows only."""
         rng = self.rng if rng is None else rng
-        n_new = np.asarray(n_new, dtype=np.int64)
+        ids, n_new = np.asarray(ids, dtype=np.int64), np.asarray(n_new, dtype=np.int64)
+        one = n_new == 1
+        if not isinstance(network, TransformerQNetwork) or not one.any():
+            values = self._extend(network, cache, ids, obs, n_new)
+        elif one.all():
+            values = self._one_token(network, cache, ids, obs[:, :1])
+        else:
+            values = np.empty((len(ids), self.num_actions), dtype=np.float32)  # (k, A)
+            values[one] = self._one_token(network, cache, ids[one], obs[one, :1])
+            many = ~one
+            values[many] = self._extend(network, cache, ids[many], obs[many, : int(n_new[many].max())], n_new[many])
+        return self._epsilon_greedy(values, epsilon, rng)
+
+    def _extend(self, network, cache: KVCache, ids, obs, n_new) -> np.ndarray:
+        """Q-values (k, A) of rows with any number of new steps, padded to ``obs.shape[1]``."""
         allowed, dist = cache.attention_bias(ids, n_new, obs.shape[1])
         q, kv_new = network.extend(torch.as_tensor(obs, device=self.device), cache.gather(ids), allowed, dist,
                                    n_new - 1)  # fmt: skip
         cache.append(ids, kv_new, n_new)
-        return self._epsilon_greedy(q.float().cpu().numpy(), epsilon, rng)
+        return q.float().cpu().numpy()
+
+    def _one_token(self, network, cache: KVCache, ids, obs) -> np.ndarray:
+        """Q-values (k, A) of rows with exactly one new step each, ``obs`` (k, 1, *obs_shape)."""
+        length = cache.length[ids]  # (k,) the new step's slot
+        if (length >= cache.slots).any():
+            r = int(np.argmax(length >= cache.slots))
+            raise ValueError(f"env {int(ids[r])}: {int(length[r])} cached + 1 new tokens exceed the cache's "
+                             f"{cache.slots} slots")  # fmt: skip
+        dev = self.device
+        step = self.one_token_step(network, cache.slots)
+        q = step(torch.as_tensor(obs, device=dev), cache.kv, torch.as_tensor(ids, device=dev),
+                 torch.as_tensor(length, device=dev), int(length.max()) + 1)  # fmt: skip
+        cache.length[ids] = length + 1
+        return q.float().cpu().numpy()
+
+    def one_token_step(self, network: TransformerQNetwork, slots: int):
+        """The :class:`OneTokenStep` of ``network`` over caches of ``slots`` slots, compiled with
+        TorchScript where that gives the same results (:func:`compile_one_token_step`); made on
+        first use and kept for the next steps. ``one_token_compiled`` says which."""
+        held = self._one_token_held
+        if held is None or held[0] is not network or held[1] != slots:
+            step, self.one_token_compiled = compile_one_token_step(network, slots, self.spec.obs_shape,
+                                                                   self.spec.obs_dtype)  # fmt: skip
+            held = self._one_token_held = (network, slots, step)
+        return held[2]
 
     def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
         """Actor-side R2D2 priorities of windows (k,) from the Q-values acted with: ``values``

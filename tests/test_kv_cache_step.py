@@ -1,0 +1,178 @@
+"""The R2D2 transformer actor's one-token step (agents/r2d2_transformer.py ``OneTokenStep``): the
+TorchScript compilation against the eager module and against the learner's forward over the
+same contexts, its in-place cache writes, batches that mix one-token rows with re-encodes, and the
+eager fallback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from agents.r2d2_transformer import OneTokenStep, TransformerQNetwork, compile_one_token_step
+from gearflow.agent import make_agent
+from gearflow.config import load_config
+from gearflow.envs import EnvSpec
+
+
+def make(C: int = 8, obs_shape=(3,), dtype=np.float32, layers: int = 2, d: int = 32):
+    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", f"agent.d_model={d}", "agent.num_heads=4",
+                             f"agent.num_layers={layers}", f"agent.context={C}", "replay.item=sequence"])  # fmt: skip
+    agent = make_agent(cfg, EnvSpec(tuple(obs_shape), np.dtype(dtype), 3), "cpu")
+    net = agent.make_network().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights far from the init, so a wrong bias or slot would show
+        for p in net.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return agent, net
+
+
+def forward_last(net, episodes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The learner's forward over each row's first ``lengths[r]`` steps: Q at the last one (k, A)."""
+    with torch.inference_mode():
+        q = net(torch.as_tensor(episodes))
+    return q[np.arange(len(lengths)), lengths - 1].numpy()
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_compiled_step_equals_the_eager_step_and_the_forward(layers):
+    C, E = 8, 5
+    agent, net = make(C, layers=layers)
+    step, compiled = compile_one_token_step(net, C, (3,), np.float32)
+    assert compiled and isinstance(step, torch.jit.ScriptModule)
+    eager = OneTokenStep(net, C)
+    rng = np.random.default_rng(0)
+    episodes = rng.standard_normal((E, C, 3)).astype(np.float32)
+    cache_a, cache_b = agent.make_kv_cache(E), agent.make_kv_cache(E)
+    with torch.inference_mode():
+        for t in range(C):  # every env one step per call, in shuffled order; rows of 1 to E envs
+            ids = rng.permutation(E)[: rng.integers(1, E + 1)] if t else np.arange(E)
+            behind = ids[cache_a.length[ids] < t]  # envs a call skipped catch up first, one step at a time
+            for e in behind.tolist():
+                while cache_a.length[e] < t:
+                    s = int(cache_a.length[e])
+                    for cache, fn in ((cache_a, step), (cache_b, eager)):
+                        fn(torch.as_tensor(episodes[[e], s : s + 1]), cache.kv, torch.tensor([e]), torch.tensor([s]), s + 1)
+                        cache.length[e] += 1
+            length = cache_a.length[ids]
+            assert (length == t).all()
+            args = (torch.as_tensor(ids), torch.as_tensor(length), t + 1)
+            qa = step(torch.as_tensor(episodes[ids, t : t + 1]), cache_a.kv, *args)
+            qb = eager(torch.as_tensor(episodes[ids, t : t + 1]), cache_b.kv, *args)
+            cache_a.length[ids] += 1
+            cache_b.length[ids] += 1
+            torch.testing.assert_close(qa, qb, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(qa.numpy(), forward_last(net, episodes[ids], np.full(len(ids), t + 1)),
+                                       rtol=1e-4, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(cache_a.kv, cache_b.kv, rtol=1e-5, atol=1e-6)
+
+
+def test_act_cached_mixes_one_token_rows_and_re_encodes_in_one_batch():
+    """Rows with one new step take the compiled step, rows that (re-)encode several take ``extend``;
+    each row's Q-values equal the forward over its own context, and the cache lengths advance."""
+    C, E = 10, 4
+    agent, net = make(C)
+    cache = agent.make_kv_cache(E)
+    rng = np.random.default_rng(3)
+    episodes = rng.standard_normal((E, C, 3)).astype(np.float32)
+    eps, ids = np.zeros(E), np.arange(E)
+    with torch.inference_mode():
+        agent.act_cached(net, cache, ids, episodes[:, :3], np.full(E, 3), eps, rng)  # 3 steps each
+        cache.clear(np.array([1]))  # env 1 re-encodes (as after a hop), env 3 brings 2 new steps
+        n_new = np.array([1, 5, 1, 2])
+        length = cache.length.copy()
+        obs = np.zeros((E, 5, 3), np.float32)
+        for r in range(E):
+            obs[r, : n_new[r]] = episodes[r, length[r] : length[r] + n_new[r]]
+        out = agent.act_cached(net, cache, ids, obs, n_new, eps, rng)
+    assert agent.one_token_compiled
+    assert cache.length.tolist() == [4, 5, 4, 5]
+    np.testing.assert_allclose(out.values, forward_last(net, episodes, cache.length), rtol=1e-4, atol=1e-5)
+    assert out.actions.tolist() == out.values.argmax(1).tolist()  # ε = 0: greedy
+
+
+def test_in_place_weight_changes_reach_the_compiled_step():
+    """A weight sync copies into the parameters; the compiled step reads the very same tensors."""
+    C = 6
+    agent, net = make(C)
+    cache = agent.make_kv_cache(2)
+    rng = np.random.default_rng(0)
+    episodes = rng.standard_normal((2, C, 3)).astype(np.float32)
+    ids, eps = np.array([0, 1]), np.zeros(2)
+    with torch.inference_mode():
+        agent.act_cached(net, cache, ids, episodes[:, :1], np.ones(2), eps, rng)
+        step = agent.one_token_step(net, C)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(-0.5)
+        cache.clear()  # what the actor does on a new weights version
+        for t in range(3):
+            out = agent.act_cached(net, cache, ids, episodes[:, t : t + 1], np.ones(2), eps, rng)
+    assert agent.one_token_step(net, C) is step  # kept, not rebuilt
+    np.testing.assert_allclose(out.values, forward_last(net, episodes, np.array([3, 3])), rtol=1e-4, atol=1e-5)
+
+
+def test_a_full_cache_is_refused_naming_the_env():
+    agent, net = make(4)
+    cache = agent.make_kv_cache(3)
+    cache.length[:] = [1, 4, 2]
+    with pytest.raises(ValueError, match="env 1: 4 cached \\+ 1 new tokens exceed the cache's 4 slots"):
+        agent.act_cached(net, cache, np.array([2, 1]), np.zeros((2, 1, 3), np.float32), np.ones(2), np.zeros(2))
+
+
+class PythonEmbedding(nn.Module):
+    """A token embedding TorchScript cannot compile (it goes through numpy)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, obs):
+        return self.linear(torch.as_tensor(np.asarray(obs, dtype=np.float32)).flatten(2))
+
+
+def test_a_network_torchscript_cannot_compile_acts_with_the_eager_step():
+    C = 6
+    agent, net = make(C)
+    net.embed = PythonEmbedding(net.embed.linear)
+    cache = agent.make_kv_cache(2)
+    rng = np.random.default_rng(0)
+    episodes = rng.standard_normal((2, C, 3)).astype(np.float32)
+    with torch.inference_mode():
+        for t in range(C):
+            out = agent.act_cached(net, cache, np.array([1, 0]), episodes[[1, 0], t : t + 1], np.ones(2), np.zeros(2), rng)
+    assert not agent.one_token_compiled and type(agent.one_token_step(net, C)) is OneTokenStep
+    np.testing.assert_allclose(out.values, forward_last(net, episodes[[1, 0]], np.array([C, C])), rtol=1e-4, atol=1e-5)
+
+
+def test_frame_torso_step_compiles():
+    """The Nature-CNN torso's one-step token is compiled too (tests/test_kv_cache.py checks its values)."""
+    _, net = make(4, obs_shape=(4, 84, 84), dtype=np.uint8, d=16)
+    step, compiled = compile_one_token_step(net, 4, (4, 84, 84), np.uint8)
+    assert compiled
+    assert {p.data_ptr() for p in step.parameters()} == {p.data_ptr() for p in net.parameters()}
+
+
+def test_other_networks_take_the_general_path():
+    """A network that is not a TransformerQNetwork (a wrapper) is asked for ``extend`` only."""
+    C = 5
+    agent, net = make(C)
+
+    class Wrapper:
+        def __init__(self, module):
+            self.module, self.calls = module, 0
+
+        def extend(self, *args):
+            self.calls += 1
+            return self.module.extend(*args)
+
+    wrapped = Wrapper(net)
+    cache = agent.make_kv_cache(1)
+    episodes = np.random.default_rng(0).standard_normal((1, C, 3)).astype(np.float32)
+    with torch.inference_mode():
+        for t in range(C):
+            out = agent.act_cached(wrapped, cache, np.array([0]), episodes[:, t : t + 1], np.ones(1), np.zeros(1))
+    assert wrapped.calls == C and agent._one_token_held is None
+    assert isinstance(net, TransformerQNetwork)
+    np.testing.assert_allclose(out.values, forward_last(net, episodes, np.array([C])), rtol=1e-4, atol=1e-5)
