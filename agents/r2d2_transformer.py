@@ -27,8 +27,9 @@ nothing to recover). Targets, with Q in rescaled space::
 
 Actors act with the same network over each env's last ``context`` observations
 (``gearflow.actors.SequenceActor``) and compute initial priorities with
-:meth:`Agent.initial_priorities` from the Q-values they acted with (the same
-function as the learner, with their one network as online and target).
+:meth:`Agent.initial_priorities` from the Q-values they acted with (the learner's
+functions with their one network as online and target, in numpy:
+:func:`actor_priorities`).
 
 Positions are encoded with ALiBi (Press et al. 2022: a per-head linear penalty
 on attention distance), not absolute embeddings: a step's output depends only
@@ -48,6 +49,13 @@ over those steps up to float rounding. With ``C = sequence_length``,
 ``H = sequence_period`` and ``burn_in = C − H`` (R2D2's 80/40/40, and
 cartpole_masked_r2d2's 40/20/20) that is exactly the window where the learner
 gives step t its loss.
+
+A cached step with one new step per env (nearly every row of every recv) runs
+:class:`OneTokenStep`, compiled with TorchScript: embed the step, then per block
+write its keys and values into the env's next slot in place, attend over the
+slots in use with the ALiBi bias read from a table, MLP; no per-step allocation
+of caches, no Python per module or per env. Rows that re-encode take
+:meth:`TransformerQNetwork.extend` in their own call.
 """
 
 from __future__ import annotations
@@ -414,6 +422,53 @@ def priority_mix(td_abs: torch.Tensor, valid: torch.Tensor, eta: float) -> torch
     return eta * td_abs.max(dim=1).values + (1.0 - eta) * td_abs.sum(dim=1) / count  # (B,)
 
 
+def actor_priorities(values, action, reward, discount, first, lengths, n, gamma, eps, burn_in, eta) -> np.ndarray:
+    """Priorities (k,) float64 of windows from the Q-values an actor acted with, ``values`` (k, T, A),
+    used as online and target network: :func:`sequence_td`, :func:`loss_mask` and
+    :func:`priority_mix` over numpy arrays, in float32 as the learner computes them."""
+    q = np.asarray(values, dtype=np.float32)
+    reward, discount = np.asarray(reward, dtype=np.float32), np.asarray(discount, dtype=np.float32)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    k, T, _ = q.shape
+    idx, rows = np.arange(T), np.arange(k)[:, None]  # (T,), (k, 1)
+    last = (lengths - 1)[:, None]  # (k, 1): the window's last row
+    boot = _inverse_rescale_np(q.max(axis=2), eps)  # (k, T): online and target are one network
+    # the n-step loop of sequence_td at once: term j of step i is active while i + j < last, so the
+    # active terms are j < m = clip(last − i, 0, n); scale before term j is γ^j Π_{j'<j} d_{i+j'}
+    offs = idx[:, None] + np.arange(n)[None, :]  # (T, n) rows i + j
+    cols = np.minimum(offs, T - 1)
+    m = np.minimum(np.maximum(last - idx[None, :], 0), n)  # (k, T) terms of each step
+    disc = np.ones((k, T, n + 1), np.float32)
+    disc[:, :, 1:] = np.float32(gamma) * discount[:, cols]  # (k, T, n) γ d_{i+j}
+    scale_j = np.cumprod(disc, axis=2)  # (k, T, n + 1): scale before term j (j = n: after all)
+    active = np.arange(n)[None, None, :] < m[:, :, None]  # (k, T, n)
+    ret = (np.where(active, scale_j[:, :, :n] * reward[:, cols], np.float32(0))).sum(axis=2)  # (k, T)
+    scale = scale_j[rows, idx[None, :], m]  # (k, T) γ^m Π d
+    boot_idx = np.minimum(idx[None, :] + m, T - 1)  # (k, T) row s_{i+m}
+    y = _rescale_np(ret + scale * boot[rows, boot_idx], eps)  # (k, T)
+    q_sa = q[rows, idx[None, :], np.asarray(action, dtype=np.int64)]  # (k, T)
+    td_abs = np.abs(y - q_sa)  # (k, T)
+    mask = idx[None, :] < lengths[:, None]
+    valid = np.zeros_like(mask)
+    valid[:, :-1] = mask[:, 1:]  # row i+1 exists
+    valid &= (idx >= burn_in)[None, :] | np.asarray(first, dtype=bool)[:, :1]
+    td_abs = np.where(valid, td_abs, np.float32(0))
+    count = np.maximum(valid.sum(axis=1), 1)
+    return (eta * td_abs.max(axis=1) + (1.0 - eta) * td_abs.sum(axis=1, dtype=np.float32) / count).astype(np.float64)
+
+
+def _rescale_np(x: np.ndarray, eps: float) -> np.ndarray:
+    """:func:`value_rescale` in numpy (float32 in, float32 out)."""
+    return np.sign(x) * (np.sqrt(np.abs(x) + np.float32(1)) - np.float32(1)) + np.float32(eps) * x
+
+
+def _inverse_rescale_np(x: np.ndarray, eps: float) -> np.ndarray:
+    """:func:`inverse_value_rescale` in numpy (float32 in, float32 out)."""
+    e = np.float32(eps)
+    root = (np.sqrt(np.float32(1) + np.float32(4) * e * (np.abs(x) + np.float32(1) + e)) - np.float32(1)) / (2 * e)
+    return np.sign(x) * (root * root - np.float32(1))
+
+
 # ----------------------------------------------------------------------------- agent
 
 
@@ -447,6 +502,8 @@ class Agent:
         self.n_step = int(full_cfg.actor.n_step)
         self.rng = np.random.default_rng(int(full_cfg.run.seed))
         self.online: nn.Module | None = None
+        # n, γ, ε of h, burn-in, η of actor_priorities (plain numbers: a config attribute costs µs)
+        self._priority_args = (self.n_step, self.gamma, float(cfg.rescale_eps), int(self.kind.burn_in), float(cfg.eta))
         self._one_token_held: tuple | None = None  # (network, slots, its OneTokenStep) for acting
         self.one_token_compiled = False  # whether that step is the TorchScript one
 
@@ -566,16 +623,12 @@ class Agent:
 
     def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
         """Actor-side R2D2 priorities of windows (k,) from the Q-values acted with: ``values``
-        (k, T, A); ``action``/``reward``/``discount``/``first`` (k, T); ``lengths`` (k,)."""
-        q = torch.as_tensor(values, dtype=torch.float32)
-        lengths_t = torch.as_tensor(lengths)
-        td = sequence_td(q, q, q, torch.as_tensor(action), torch.as_tensor(reward, dtype=torch.float32),
-                         torch.as_tensor(discount, dtype=torch.float32), lengths_t, self.n_step, self.gamma,
-                         self.cfg.rescale_eps)  # fmt: skip
-        T = q.shape[1]
-        mask = torch.arange(T)[None, :] < lengths_t[:, None]
-        valid = loss_mask(mask, torch.as_tensor(first), self.kind.burn_in)
-        return priority_mix(td.abs(), valid, self.cfg.eta).numpy().astype(np.float64)
+        (k, T, A); ``action``/``reward``/``discount``/``first`` (k, T); ``lengths`` (k,).
+
+        :func:`actor_priorities`: the learner's :func:`sequence_td`, :func:`loss_mask` and
+        :func:`priority_mix` in numpy (a few small arrays per call: ~4× cheaper than torch's
+        per-op cost; tests/test_kv_cache_step.py holds the two equal)."""
+        return actor_priorities(values, action, reward, discount, first, lengths, *self._priority_args)
 
     # ---- learning
     def setup_learner(self) -> None:

@@ -1,7 +1,7 @@
 """The R2D2 transformer actor's one-token step (agents/r2d2_transformer.py ``OneTokenStep``): the
 TorchScript compilation against the eager module and against the learner's forward over the
-same contexts, its in-place cache writes, batches that mix one-token rows with re-encodes, and the
-eager fallback."""
+same contexts, its in-place cache writes, batches that mix one-token rows with re-encodes, the
+eager fallback; and the priorities actors compute in numpy against the learner's torch code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from agents.r2d2_transformer import OneTokenStep, TransformerQNetwork, compile_one_token_step
+from agents.r2d2_transformer import (
+    OneTokenStep,
+    TransformerQNetwork,
+    compile_one_token_step,
+    loss_mask,
+    priority_mix,
+    sequence_td,
+)
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec
@@ -176,3 +183,42 @@ def test_other_networks_take_the_general_path():
     assert wrapped.calls == C and agent._one_token_held is None
     assert isinstance(net, TransformerQNetwork)
     np.testing.assert_allclose(out.values, forward_last(net, episodes, np.array([C])), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- actor priorities in numpy
+
+
+def torch_priorities(agent, values, action, reward, discount, first, lengths) -> np.ndarray:
+    """The learner's torch functions with the actor's one network as online and target."""
+    q = torch.as_tensor(values, dtype=torch.float32)
+    lengths_t = torch.as_tensor(lengths)
+    td = sequence_td(q, q, q, torch.as_tensor(action), torch.as_tensor(reward), torch.as_tensor(discount),
+                     lengths_t, agent.n_step, agent.gamma, agent.cfg.rescale_eps)  # fmt: skip
+    mask = torch.arange(q.shape[1])[None, :] < lengths_t[:, None]
+    valid = loss_mask(mask, torch.as_tensor(first), agent.kind.burn_in)
+    return priority_mix(td.abs(), valid, agent.cfg.eta).numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_actor_priorities_equal_the_learners_torch_code(seed):
+    """Windows of every length (1 .. T, tails of episodes), first-step windows (no burn-in),
+    terminal discounts, large and tied Q-values, rewards of both signs."""
+    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", "replay.item=sequence", "replay.sequence_length=12",
+                             "replay.sequence_period=6", "replay.burn_in=4", "actor.n_step=3", "actor.gamma=0.97"])  # fmt: skip
+    agent = make_agent(cfg, EnvSpec((3,), np.dtype(np.float32), 4), "cpu")
+    rng = np.random.default_rng(seed)
+    k, T, A = 40, 12, 4
+    values = (rng.standard_normal((k, T, A)) * rng.choice([0.1, 3.0, 50.0], (k, 1, 1))).astype(np.float32)
+    values[:5, :, 1] = values[:5, :, 0]  # ties: argmax and max pick the same value
+    action = rng.integers(0, A, (k, T))
+    reward = (rng.standard_normal((k, T)) * 5).astype(np.float32)
+    discount = (rng.random((k, T)) > 0.1).astype(np.float32)
+    first = np.zeros((k, T), bool)
+    first[rng.random(k) < 0.3, 0] = True
+    lengths = rng.integers(1, T + 1, k)
+    lengths[:3] = [1, 2, T]
+    got = agent.initial_priorities(values, action, reward, discount, first, lengths)
+    want = torch_priorities(agent, values, action, reward, discount, first, lengths)
+    assert got.dtype == np.float64 and got.shape == (k,)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)  # float32 rounding (large |Q|)
+    assert got[0] == 0 and (got[lengths > 1] > 0).any()  # a one-row window has no transition
