@@ -260,7 +260,7 @@ class _FrameToken(nn.Module):
         self.cnn, self.proj = embed.cnn, embed.proj
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.cnn(obs[:, 0]))
+        return self.proj(self.cnn(obs.select(1, 0)))
 
 
 class _VectorToken(nn.Module):
@@ -271,7 +271,7 @@ class _VectorToken(nn.Module):
         self.linear = embed.linear
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.linear(obs[:, 0].float().flatten(1))
+        return self.linear(obs.select(1, 0).float().flatten(1))
 
 
 class _AnyToken(nn.Module):
@@ -318,13 +318,15 @@ class OneTokenStep(nn.Module):
         x = self.token(obs)  # (k, D)
         k, D = x.shape
         nh = self.heads
-        bias = self.table.index_select(0, length)[:, :, :used].unsqueeze(2)  # (k, nh, 1, used)
+        bias = self.table.index_select(0, length).narrow(2, 0, used).unsqueeze(2)  # (k, nh, 1, used)
+        # (narrow / select, not [:, ...]: TorchScript runs one op per sliced dimension)
         for layer, block in enumerate(self.blocks):
             qkv = block.qkv(block.ln1(x)).view(k, 3, nh, D // nh)  # q, k, v of the new token
             kv_l = kv.select(1, layer)  # (E, 2, nh, S, hs)
-            kv_l[ids, :, :, length] = qkv[:, 1:]  # its keys/values into slot `length` of its env
-            g = kv_l[:, :, :, :used].index_select(0, ids)  # (k, 2, nh, used, hs) this batch's (a copy)
-            y = F.scaled_dot_product_attention(qkv[:, 0].unsqueeze(2), g[:, 0], g[:, 1], attn_mask=bias)
+            kv_l[ids, :, :, length] = qkv.narrow(1, 1, 2)  # its keys/values into slot `length` of its env
+            g = kv_l.narrow(3, 0, used).index_select(0, ids)  # (k, 2, nh, used, hs) this batch's (a copy)
+            y = F.scaled_dot_product_attention(qkv.select(1, 0).unsqueeze(2), g.select(1, 0), g.select(1, 1),
+                                               attn_mask=bias)  # fmt: skip
             x = x + block.proj(y.reshape(k, D))  # y (k, nh, 1, hs)
             x = x + block.mlp(block.ln2(x))
         return self.head(self.ln(x))  # (k, A)
