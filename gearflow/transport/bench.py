@@ -6,6 +6,9 @@
 
 The shard runs in its own process (as on another machine: its own GIL).
 
+Every ratio is the median of per-round ratios of alternating slices (a path and its floor
+take turns), so load that comes and goes on a shared machine hits both alike.
+
 * ``insert``: an Ape-X actor's writes (a TransitionAdder over 16 env streams, pre-made recvs,
   no env) through a RemoteWriter into a shard on loopback, against the same adder writing
   the shared-memory table directly (with its C n-step path, and with the numpy reference
@@ -88,45 +91,63 @@ class ShardProcess:
         self.proc.join(30)
 
 
-def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,)) -> dict:
+def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,), rounds: int = 5) -> dict:
+    """The four writers alive side by side, measured in ``rounds`` alternating slices (the order
+    rotates each round): each ratio is the median of the per-round ratios, so load that comes
+    and goes on a shared machine hits a path and its floor alike."""
     from gearflow.actors.adders import TransitionAdder
 
     spec = {"obs": f"float32[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
     recvs = _recvs(E, b, 2000, obs)
-    rates = {}
-    for where in ("local", "local_numpy", "remote", "shipping"):
-        table = _table(spec, E, 4096) if where.startswith("local") else None
-        shard = None
-        try:
+    names = ("local", "local_numpy", "remote", "shipping")
+    tables, shards, writers, adders = [], [], {}, {}
+    try:
+        for where in names:
             if where.startswith("local"):
-                w = Writer(table.storage, np.arange(E))
+                tables.append(_table(spec, E, 4096))
+                writers[where] = Writer(tables[-1].storage, np.arange(E))
             else:
-                shard = ShardProcess(spec, E, 4096)
+                shards.append(ShardProcess(spec, E, 4096))
                 cls = RemoteWriter if where == "remote" else ShippingWriter
-                w = cls(("127.0.0.1", shard.port), num_streams=E, token=TOKEN)
-            adder = TransitionAdder(w, 3, 0.99, **({"native": False} if where == "local_numpy" else {}))
-            steps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                for r in recvs[:200]:
-                    adder.add(*r)
-                    steps += b
-                recvs = recvs[200:] + recvs[:200]
-            adder.finish()
-            w.flush()
-            rates[where] = steps / (time.perf_counter() - t0)
-            if shard is not None:
-                w.close()
-        finally:
-            if shard is not None:
-                shard.close()
-            if table is not None:
-                table.close()
-    return {"bench": "transport/insert", "envs": E, "recv_batch": b, "obs": list(obs),
+                writers[where] = cls(("127.0.0.1", shards[-1].port), num_streams=E, token=TOKEN)
+            adders[where] = TransitionAdder(writers[where], 3, 0.99,
+                                            **({"native": False} if where == "local_numpy" else {}))  # fmt: skip
+        per: dict[str, list[float]] = {n: [] for n in names}
+        at = 0
+        for r in range(rounds):
+            for where in names[r % 4:] + names[:r % 4]:
+                adder, w = adders[where], writers[where]
+                steps, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds / rounds:
+                    for k in range(200):
+                        adder.add(*recvs[(at + k) % len(recvs)])
+                    at += 200
+                    steps += 200 * b
+                w.flush()  # shipped and acknowledged inside the slice
+                per[where].append(steps / (time.perf_counter() - t0))
+        for where in names:
+            adders[where].finish()
+            writers[where].flush()
+    finally:
+        for where in ("remote", "shipping"):
+            if where in writers:
+                writers[where].close()
+        for shard in shards:
+            shard.close()
+        for table in tables:
+            table.close()
+
+    def ratio(a: str, f: str) -> float:
+        return float(np.median(np.array(per[a]) / np.array(per[f])))
+
+    rates = {n: float(np.median(v)) for n, v in per.items()}
+    return {"bench": "transport/insert", "envs": E, "recv_batch": b, "obs": list(obs), "rounds": rounds,
             "local_steps_per_s": rates["local"], "local_numpy_adder_steps_per_s": rates["local_numpy"],
-            "remote_steps_per_s": rates["remote"], "ratio": rates["remote"] / rates["local"],
-            "ratio_same_adder": rates["remote"] / rates["local_numpy"],
-            "shipping_steps_per_s": rates["shipping"], "shipping_ratio": rates["shipping"] / rates["local"]}  # fmt: skip
+            "remote_steps_per_s": rates["remote"], "ratio": ratio("remote", "local"),
+            "ratio_same_adder": ratio("remote", "local_numpy"),
+            "shipping_steps_per_s": rates["shipping"], "shipping_ratio": ratio("shipping", "local"),
+            "shipping_ratio_rounds": [float(x) for x in np.array(per["shipping"]) / np.array(per["local"])]}  # fmt: skip
 
 
 class _RawServer:
@@ -178,12 +199,15 @@ def _timed(fn, seconds: float, min_calls: int = 5) -> list[float]:
     return times
 
 
-def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096) -> dict:
+def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
+    """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
+    alternating slices; the ratio is the median of the per-round ratios."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
     shard = ShardProcess(spec, 4, items // 4 + 8)
     port = shard.port
     raw = _RawServer()
+    c = sampler = None
     try:
         w = RemoteWriter(("127.0.0.1", port), num_streams=4, token=TOKEN)
         k = items // 4
@@ -197,18 +221,25 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
         sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=1)
         b0 = sampler.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
-        remote = _timed(lambda: sampler.sample(batch), seconds)
-        sampler.close()
         c, call = raw.client()
-        floor = _timed(lambda: call(nbytes), seconds)
-        c.close()
+        remote, floor = [], []
+        for r in range(rounds):
+            pair = [(remote, lambda: sampler.sample(batch)), (floor, lambda: call(nbytes))]
+            for out, fn in pair[r % 2:] + pair[:r % 2]:
+                t = _timed(fn, seconds / rounds)
+                out.append(len(t) / sum(t))
     finally:
+        if sampler is not None:
+            sampler.close()
+        if c is not None:
+            c.close()
         raw.close()
         shard.close()
-    r, f = len(remote) / sum(remote), len(floor) / sum(floor)
-    return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "remote_batches_per_s": r,
-            "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f, "raw_socket_gb_per_s": f * nbytes / 1e9,
-            "ratio": r / f}  # fmt: skip
+    r, f = float(np.median(remote)), float(np.median(floor))
+    return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,
+            "remote_batches_per_s": r, "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f,
+            "raw_socket_gb_per_s": f * nbytes / 1e9,
+            "ratio": float(np.median(np.array(remote) / np.array(floor)))}  # fmt: skip
 
 
 def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
