@@ -252,37 +252,38 @@ class TransformerQNetwork(nn.Module):
 
 
 class _FrameToken(nn.Module):
-    """One step of uint8 frames (k, 1, C, H, W) → tokens (k, D): :class:`FrameEmbedding`'s own
-    modules, in a form TorchScript compiles."""
+    """uint8 frames (k, T, C, H, W) → tokens (k, T, D): :class:`FrameEmbedding`'s own modules, in a
+    form TorchScript compiles."""
 
     def __init__(self, embed: FrameEmbedding):
         super().__init__()
         self.cnn, self.proj = embed.cnn, embed.proj
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.cnn(obs.select(1, 0)))
+        B, T = obs.shape[0], obs.shape[1]
+        return self.proj(self.cnn(obs.flatten(0, 1))).view(B, T, -1)
 
 
 class _VectorToken(nn.Module):
-    """One step of vector observations (k, 1, *shape) → tokens (k, D): :class:`VectorEmbedding`'s map."""
+    """Vector observations (k, T, *shape) → tokens (k, T, D): :class:`VectorEmbedding`'s map."""
 
     def __init__(self, embed: VectorEmbedding):
         super().__init__()
         self.linear = embed.linear
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.linear(obs.select(1, 0).float().flatten(1))
+        return self.linear(obs.float().flatten(2))
 
 
 class _AnyToken(nn.Module):
-    """Any other embedding (B, T, ...) → (B, T, D), at T = 1."""
+    """Any other embedding (B, T, ...) → (B, T, D)."""
 
     def __init__(self, embed: nn.Module):
         super().__init__()
         self.embed = embed
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.embed(obs)[:, 0]
+        return self.embed(obs)
 
 
 class OneTokenStep(nn.Module):
@@ -315,7 +316,7 @@ class OneTokenStep(nn.Module):
 
     def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor,
                 used: int) -> torch.Tensor:
-        x = self.token(obs)  # (k, D)
+        x = self.token(obs).select(1, 0)  # (k, D)
         k, D = x.shape
         nh = self.heads
         bias = self.table.index_select(0, length).narrow(2, 0, used).unsqueeze(2)  # (k, nh, 1, used)
@@ -332,49 +333,104 @@ class OneTokenStep(nn.Module):
         return self.head(self.ln(x))  # (k, A)
 
 
+class ContextEncode(nn.Module):
+    """The cached actor's re-encode: rows whose caches are empty (an episode's first steps after new
+    weights, a context that hopped) bring their whole context. ``obs`` (k, T, *obs_shape) left-aligned,
+    ``n`` (k,) steps in each (padding after them), ``kv`` the whole cache (E, L, 2, nh, S, hs),
+    ``ids`` (k,) the rows' envs, whose ``length`` is 0. Writes every layer's keys and values of the
+    T steps into slots ``0 .. T − 1`` of each env (slots ≥ n hold padding, never read: they are
+    past the length the caller sets) and returns Q-values (k, A) at step ``n − 1``: the learner's
+    :meth:`TransformerQNetwork.forward` (the same causal ALiBi bias, from :class:`OneTokenStep`'s
+    table) plus the cache writes, compiled like the one-token step."""
+
+    def __init__(self, network: TransformerQNetwork, slots: int):
+        super().__init__()
+        one = OneTokenStep(network, slots)  # the same token module and bias table
+        self.token, self.blocks, self.ln, self.head, self.heads = one.token, one.blocks, one.ln, one.head, one.heads
+        self.register_buffer("table", one.table, persistent=False)  # (S, nh, S)
+
+    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        x = self.token(obs)  # (k, T, D)
+        k, T, D = x.shape
+        nh = self.heads
+        bias = self.table.narrow(0, 0, T).narrow(2, 0, T).transpose(0, 1)  # (nh, T, T) causal ALiBi
+        for layer, block in enumerate(self.blocks):
+            qkv = block.qkv(block.ln1(x)).view(k, T, 3, nh, D // nh).permute(0, 2, 3, 1, 4)  # (k, 3, nh, T, hs)
+            kv.select(1, layer).narrow(3, 0, T).index_copy_(0, ids, qkv.narrow(1, 1, 2))  # slots 0 .. T − 1
+            y = F.scaled_dot_product_attention(qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2),
+                                               attn_mask=bias)  # (k, nh, T, hs)  # fmt: skip
+            x = x + block.proj(y.transpose(1, 2).reshape(k, T, D))
+            x = x + block.mlp(block.ln2(x))
+        x = x[torch.arange(k, device=x.device), n - 1]  # (k, D) each row's last step
+        return self.head(self.ln(x))  # (k, A)
+
+
 def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
     """``OneTokenStep(network, slots)`` compiled with TorchScript, or the module itself (eager) where
     TorchScript cannot compile it, its parameters are not the network's, or it does not give the
     eager step's Q-values and cache writes (within float rounding) on random observations
     ``(k, 1, *obs_shape)`` of ``obs_dtype`` and random caches, for 1 and 3 rows. Returns
     ``(step, compiled)``."""
-    step = OneTokenStep(network, slots)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scripted = torch.jit.script(step)
-        same_params = {p.data_ptr() for p in scripted.parameters()} <= {p.data_ptr() for p in network.parameters()}
-        if not same_params or not _same_steps(step, scripted, network, slots, tuple(obs_shape), np.dtype(obs_dtype)):
-            log.info("acting with the eager one-token step: its TorchScript compilation differs")
-            return step, False
-    except Exception as exc:  # noqa: BLE001 - any module TorchScript cannot compile (a custom torso): eager
-        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        log.info("acting with the eager one-token step (TorchScript: %s)", why)
-        return step, False
-    return scripted, True
+    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
+    trials = []
+    for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
+        trials.append((obs(len(ids), 1), kv, torch.tensor(ids, device=dev), torch.tensor(length, device=dev),
+                       max(length) + 1))  # fmt: skip
+    return _compile_checked(OneTokenStep(network, slots), network, trials)
 
 
-def _same_steps(eager, scripted, network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype) -> bool:
-    """The two steps give the same Q-values and cache writes on random caches and observations."""
+def compile_context_encode(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
+    """``ContextEncode(network, slots)`` compiled with TorchScript where that gives the eager module's
+    Q-values and cache writes (contexts of 1 row × 3 steps and 2 rows × ``slots`` steps), else the
+    module itself. Returns ``(encode, compiled)``."""
+    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
+    trials = [(obs(1, 3), kv, torch.tensor([1], device=dev), torch.tensor([3], device=dev)),
+              (obs(2, slots), kv, torch.tensor([3, 0], device=dev), torch.tensor([slots, 2], device=dev))]  # fmt: skip
+    return _compile_checked(ContextEncode(network, slots), network, trials)
+
+
+def _random_inputs(network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype):
+    """(obs(k, T) → random observations, a random cache of 4 envs, the device) for the checks."""
     device = network.head.weight.device
     first = network.blocks[0]
     L, nh = len(network.blocks), first.heads
     rng = np.random.default_rng(0)
     kv = torch.as_tensor(rng.standard_normal((4, L, 2, nh, slots, first.proj.in_features // nh), np.float32))
-    with torch.inference_mode():
-        for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
-            if obs_dtype.kind in "ui":
-                obs = rng.integers(0, 256 if obs_dtype.itemsize == 1 else 100, (len(ids), 1, *obs_shape))
-            else:
-                obs = rng.standard_normal((len(ids), 1, *obs_shape))
-            obs = torch.as_tensor(obs.astype(obs_dtype), device=device)
-            ids_t, len_t = torch.tensor(ids, device=device), torch.tensor(length, device=device)
-            kv_a, kv_b = kv.clone().to(device), kv.clone().to(device)
-            used = max(length) + 1
-            qa, qb = eager(obs, kv_a, ids_t, len_t, used), scripted(obs, kv_b, ids_t, len_t, used)
-            if not (torch.allclose(qa, qb, rtol=1e-5, atol=1e-6) and torch.allclose(kv_a, kv_b, rtol=1e-5, atol=1e-6)):
-                return False
-    return True
+
+    def obs(k: int, T: int) -> torch.Tensor:
+        if obs_dtype.kind in "ui":
+            x = rng.integers(0, 256 if obs_dtype.itemsize == 1 else 100, (k, T, *obs_shape))
+        else:
+            x = rng.standard_normal((k, T, *obs_shape))
+        return torch.as_tensor(x.astype(obs_dtype), device=device)
+
+    return obs, kv.to(device), device
+
+
+def _compile_checked(module: nn.Module, network: nn.Module, trials: list[tuple]):
+    """``(torch.jit.script(module), True)`` if the compiled module reads the network's parameters and
+    gives the module's outputs and cache writes (argument 1, cloned per call) on every trial within
+    float rounding; else ``(module, False)`` (logged: the actor acts eagerly, just as exactly)."""
+    name = type(module).__name__
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.script(module)
+        if not {p.data_ptr() for p in scripted.parameters()} <= {p.data_ptr() for p in network.parameters()}:
+            log.info("acting with the eager %s: its TorchScript copy holds other parameters", name)
+            return module, False
+        with torch.inference_mode():
+            for args in trials:
+                kv_a, kv_b = args[1].clone(), args[1].clone()
+                qa, qb = module(args[0], kv_a, *args[2:]), scripted(args[0], kv_b, *args[2:])
+                if not (torch.allclose(qa, qb, rtol=1e-5, atol=1e-6) and torch.allclose(kv_a, kv_b, rtol=1e-5, atol=1e-6)):
+                    log.info("acting with the eager %s: its TorchScript compilation differs", name)
+                    return module, False
+    except Exception as exc:  # noqa: BLE001 - any module TorchScript cannot compile (a custom torso): eager
+        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.info("acting with the eager %s (TorchScript: %s)", name, why)
+        return module, False
+    return scripted, True
 
 
 # ----------------------------------------------------------------------------- TD errors and priorities
@@ -506,8 +562,8 @@ class Agent:
         self.online: nn.Module | None = None
         # n, γ, ε of h, burn-in, η of actor_priorities (plain numbers: a config attribute costs µs)
         self._priority_args = (self.n_step, self.gamma, float(cfg.rescale_eps), int(self.kind.burn_in), float(cfg.eta))
-        self._one_token_held: tuple | None = None  # (network, slots, its OneTokenStep) for acting
-        self.one_token_compiled = False  # whether that step is the TorchScript one
+        self._acting_held: tuple | None = None  # (network, slots, OneTokenStep, ContextEncode) for acting
+        self.one_token_compiled = self.encode_compiled = False  # whether those are TorchScript's
 
     # ---- replay: one row per step, windows of rows
     def replay_columns(self) -> dict[str, str]:
@@ -573,21 +629,26 @@ class Agent:
         ``cache.clear``); the rest is padding. Q-values equal :meth:`act` over the same context.
 
         Rows with one new step (almost every row of almost every recv) take the compiled
-        :class:`OneTokenStep` (:meth:`one_token_step`); rows that re-encode their context
-        (episode's first steps after new weights, context hops) take
-        :meth:`TransformerQNetwork.extend` in a second call over those rows only."""
+        :class:`OneTokenStep`; rows that re-encode their whole context into an empty cache (after
+        new weights, context hops) take the compiled :class:`ContextEncode` in a second call over
+        those rows only (:meth:`acting_modules`); anything else (several new steps after cached
+        ones) and networks of another class take :meth:`TransformerQNetwork.extend`."""
         rng = self.rng if rng is None else rng
         ids, n_new = np.asarray(ids, dtype=np.int64), np.asarray(n_new, dtype=np.int64)
         one = n_new == 1
-        if not isinstance(network, TransformerQNetwork) or not one.any():
+        if not isinstance(network, TransformerQNetwork):
             values = self._extend(network, cache, ids, obs, n_new)
         elif one.all():
             values = self._one_token(network, cache, ids, obs[:, :1])
         else:
             values = np.empty((len(ids), self.num_actions), dtype=np.float32)  # (k, A)
-            values[one] = self._one_token(network, cache, ids[one], obs[one, :1])
-            many = ~one
-            values[many] = self._extend(network, cache, ids[many], obs[many, : int(n_new[many].max())], n_new[many])
+            fresh = ~one & (cache.length[ids] == 0)  # whole contexts into empty caches
+            other = ~one & ~fresh  # several new steps after cached ones (not what the actors ask)
+            for rows, fn in ((one, self._one_token), (fresh, self._encode), (other, self._extend)):
+                if rows.any():
+                    Tn = int(n_new[rows].max())
+                    values[rows] = (fn(network, cache, ids[rows], obs[rows, :1]) if fn == self._one_token
+                                    else fn(network, cache, ids[rows], obs[rows, :Tn], n_new[rows]))  # fmt: skip
         return self._epsilon_greedy(values, epsilon, rng)
 
     def _extend(self, network, cache: KVCache, ids, obs, n_new) -> np.ndarray:
@@ -606,22 +667,42 @@ class Agent:
             raise ValueError(f"env {int(ids[r])}: {int(length[r])} cached + 1 new tokens exceed the cache's "
                              f"{cache.slots} slots")  # fmt: skip
         dev = self.device
-        step = self.one_token_step(network, cache.slots)
+        step = self.acting_modules(network, cache.slots)[0]
         q = step(torch.as_tensor(obs, device=dev), cache.kv, torch.as_tensor(ids, device=dev),
                  torch.as_tensor(length, device=dev), int(length.max()) + 1)  # fmt: skip
         cache.length[ids] = length + 1
         return q.float().cpu().numpy()
 
+    def _encode(self, network, cache: KVCache, ids, obs, n) -> np.ndarray:
+        """Q-values (k, A) of rows whose caches are empty, ``obs`` (k, T, *obs_shape) their whole
+        contexts (``n`` steps each, padded to T)."""
+        if obs.shape[1] > cache.slots:
+            r = int(np.argmax(n > cache.slots))
+            raise ValueError(f"env {int(ids[r])}: 0 cached + {int(n[r])} new tokens exceed the cache's "
+                             f"{cache.slots} slots")  # fmt: skip
+        dev = self.device
+        encode = self.acting_modules(network, cache.slots)[1]
+        q = encode(torch.as_tensor(obs, device=dev), cache.kv, torch.as_tensor(ids, device=dev),
+                   torch.as_tensor(n, device=dev))  # fmt: skip
+        cache.length[ids] = n
+        return q.float().cpu().numpy()
+
     def one_token_step(self, network: TransformerQNetwork, slots: int):
-        """The :class:`OneTokenStep` of ``network`` over caches of ``slots`` slots, compiled with
-        TorchScript where that gives the same results (:func:`compile_one_token_step`); made on
-        first use and kept for the next steps. ``one_token_compiled`` says which."""
-        held = self._one_token_held
+        """``network``'s :class:`OneTokenStep` over caches of ``slots`` slots (:meth:`acting_modules`)."""
+        return self.acting_modules(network, slots)[0]
+
+    def acting_modules(self, network: TransformerQNetwork, slots: int) -> tuple[nn.Module, nn.Module]:
+        """``network``'s :class:`OneTokenStep` and :class:`ContextEncode` over caches of ``slots`` slots,
+        each compiled with TorchScript where that gives the same results (:func:`compile_one_token_step`,
+        :func:`compile_context_encode`); made on first use and kept for the next steps.
+        ``one_token_compiled`` / ``encode_compiled`` say which are compiled."""
+        held = self._acting_held
         if held is None or held[0] is not network or held[1] != slots:
-            step, self.one_token_compiled = compile_one_token_step(network, slots, self.spec.obs_shape,
-                                                                   self.spec.obs_dtype)  # fmt: skip
-            held = self._one_token_held = (network, slots, step)
-        return held[2]
+            shape, dtype = self.spec.obs_shape, self.spec.obs_dtype
+            step, self.one_token_compiled = compile_one_token_step(network, slots, shape, dtype)
+            encode, self.encode_compiled = compile_context_encode(network, slots, shape, dtype)
+            held = self._acting_held = (network, slots, step, encode)
+        return held[2], held[3]
 
     def initial_priorities(self, values, action, reward, discount, first, lengths) -> np.ndarray:
         """Actor-side R2D2 priorities of windows (k,) from the Q-values acted with: ``values``

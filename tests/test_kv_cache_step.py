@@ -1,5 +1,5 @@
-"""The R2D2 transformer actor's one-token step (agents/r2d2_transformer.py ``OneTokenStep``): the
-TorchScript compilation against the eager module and against the learner's forward over the
+"""The R2D2 transformer actor's one-token step and context re-encode (agents/r2d2_transformer.py
+``OneTokenStep``, ``ContextEncode``): the TorchScript compilation against the eager module and against the learner's forward over the
 same contexts, its in-place cache writes, batches that mix one-token rows with re-encodes, the
 eager fallback; and the priorities actors compute in numpy against the learner's torch code."""
 
@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from agents.r2d2_transformer import (
+    ContextEncode,
     OneTokenStep,
     TransformerQNetwork,
+    compile_context_encode,
     compile_one_token_step,
     loss_mask,
     priority_mix,
@@ -93,7 +95,7 @@ def test_act_cached_mixes_one_token_rows_and_re_encodes_in_one_batch():
         for r in range(E):
             obs[r, : n_new[r]] = episodes[r, length[r] : length[r] + n_new[r]]
         out = agent.act_cached(net, cache, ids, obs, n_new, eps, rng)
-    assert agent.one_token_compiled
+    assert agent.one_token_compiled and agent.encode_compiled
     assert cache.length.tolist() == [4, 5, 4, 5]
     np.testing.assert_allclose(out.values, forward_last(net, episodes, cache.length), rtol=1e-4, atol=1e-5)
     assert out.actions.tolist() == out.values.argmax(1).tolist()  # ε = 0: greedy
@@ -150,15 +152,42 @@ def test_a_network_torchscript_cannot_compile_acts_with_the_eager_step():
         for t in range(C):
             out = agent.act_cached(net, cache, np.array([1, 0]), episodes[[1, 0], t : t + 1], np.ones(2), np.zeros(2), rng)
     assert not agent.one_token_compiled and type(agent.one_token_step(net, C)) is OneTokenStep
+    assert not agent.encode_compiled and type(agent.acting_modules(net, C)[1]) is ContextEncode
     np.testing.assert_allclose(out.values, forward_last(net, episodes[[1, 0]], np.array([C, C])), rtol=1e-4, atol=1e-5)
 
 
-def test_frame_torso_step_compiles():
-    """The Nature-CNN torso's one-step token is compiled too (tests/test_kv_cache.py checks its values)."""
+def test_frame_torso_steps_compile():
+    """The Nature-CNN torso's token is compiled too (tests/test_kv_cache.py checks its values)."""
     _, net = make(4, obs_shape=(4, 84, 84), dtype=np.uint8, d=16)
-    step, compiled = compile_one_token_step(net, 4, (4, 84, 84), np.uint8)
-    assert compiled
-    assert {p.data_ptr() for p in step.parameters()} == {p.data_ptr() for p in net.parameters()}
+    for compile_ in (compile_one_token_step, compile_context_encode):
+        module, compiled = compile_(net, 4, (4, 84, 84), np.uint8)
+        assert compiled
+        assert {p.data_ptr() for p in module.parameters()} == {p.data_ptr() for p in net.parameters()}
+
+
+def test_compiled_context_encode_equals_the_forward_and_fills_the_cache():
+    """Whole contexts of different lengths into empty caches: Q at each row's last step is the
+    forward's, and the cache then continues with one-token steps exactly."""
+    C, E = 8, 3
+    agent, net = make(C)
+    encode, compiled = compile_context_encode(net, C, (3,), np.float32)
+    assert compiled and isinstance(encode, torch.jit.ScriptModule)
+    rng = np.random.default_rng(5)
+    episodes = rng.standard_normal((E, C, 3)).astype(np.float32)
+    cache = agent.make_kv_cache(E)
+    ids, n = np.array([2, 0, 1]), np.array([5, 1, 3])
+    obs = episodes[ids, :5].copy()
+    obs[1, 1:] = 99.0  # padding after a row's steps is never attended to
+    obs[2, 3:] = -99.0
+    with torch.inference_mode():
+        q = encode(torch.as_tensor(obs), cache.kv, torch.as_tensor(ids), torch.as_tensor(n))
+        cache.length[ids] = n
+        np.testing.assert_allclose(q.numpy(), forward_last(net, episodes[ids], n), rtol=1e-4, atol=1e-5)
+        step = agent.one_token_step(net, C)
+        length = cache.length[ids]
+        q = step(torch.as_tensor(episodes[ids, length][:, None]), cache.kv, torch.as_tensor(ids),
+                 torch.as_tensor(length), int(length.max()) + 1)  # fmt: skip
+    np.testing.assert_allclose(q.numpy(), forward_last(net, episodes[ids], n + 1), rtol=1e-4, atol=1e-5)
 
 
 def test_other_networks_take_the_general_path():
@@ -180,7 +209,7 @@ def test_other_networks_take_the_general_path():
     with torch.inference_mode():
         for t in range(C):
             out = agent.act_cached(wrapped, cache, np.array([0]), episodes[:, t : t + 1], np.ones(1), np.zeros(1))
-    assert wrapped.calls == C and agent._one_token_held is None
+    assert wrapped.calls == C and agent._acting_held is None
     assert isinstance(net, TransformerQNetwork)
     np.testing.assert_allclose(out.values, forward_last(net, episodes, np.array([C])), rtol=1e-4, atol=1e-5)
 
