@@ -23,7 +23,10 @@ network on each env's *new* steps only, attending to its cached keys::
     out = agent.act_cached(policy, cache, ids, context[ids][len(cache):], n_new, ...)
 
 so a step costs one token per env, plus a re-encode of ``C − H + 1`` steps every
-``H`` steps and once per env after each weight update. The context is then
+``H`` steps and once per env after each weight update. (``agents.r2d2_transformer``
+runs both as TorchScript-compiled modules over the batch, ``OneTokenStep`` and
+``ContextEncode``, writing the cache in place: ~0.1–0.2 ms per recv of 4 envs at
+d = 64, two layers, whatever the context length.) The context is then
 ``C − H + 1`` to ``C`` steps (not always the last C): over the same steps the
 cached Q-values equal a full recompute, up to float rounding. (A sliding cache
 that drops one step at a time cannot be exact: from the second layer on, the
