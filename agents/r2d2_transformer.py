@@ -644,11 +644,11 @@ class Agent:
             values = np.empty((len(ids), self.num_actions), dtype=np.float32)  # (k, A)
             fresh = ~one & (cache.length[ids] == 0)  # whole contexts into empty caches
             other = ~one & ~fresh  # several new steps after cached ones (not what the actors ask)
-            for rows, fn in ((one, self._one_token), (fresh, self._encode), (other, self._extend)):
+            if one.any():
+                values[one] = self._one_token(network, cache, ids[one], obs[one, :1])
+            for rows, many in ((fresh, self._encode), (other, self._extend)):
                 if rows.any():
-                    Tn = int(n_new[rows].max())
-                    values[rows] = (fn(network, cache, ids[rows], obs[rows, :1]) if fn == self._one_token
-                                    else fn(network, cache, ids[rows], obs[rows, :Tn], n_new[rows]))  # fmt: skip
+                    values[rows] = many(network, cache, ids[rows], obs[rows, : int(n_new[rows].max())], n_new[rows])
         return self._epsilon_greedy(values, epsilon, rng)
 
     def _extend(self, network, cache: KVCache, ids, obs, n_new) -> np.ndarray:
