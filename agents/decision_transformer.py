@@ -293,6 +293,9 @@ class Agent:
         if cfg.rtg_scale <= 0:
             raise ConfigError(f"agent.rtg_scale={cfg.rtg_scale}: must be > 0")
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        # what acting reads every recv or episode, as plain values (a config attribute costs tens of µs)
+        self._rtg_scale, self._target_return = float(cfg.rtg_scale), float(cfg.target_return)
+        self._priority_rule = (cfg.priority, cfg.return_offset)
         self.discrete = spec.num_actions is not None
         if self.discrete:
             self.act_dim, self.act_shape = int(spec.num_actions), ()
@@ -331,12 +334,11 @@ class Agent:
 
     def initial_rtg(self) -> float:
         """R̂_0 of every episode an actor starts."""
-        return float(self.cfg.target_return)
+        return self._target_return
 
     def episode_priority(self, ret: np.ndarray, length: np.ndarray) -> np.ndarray:
         """Priorities (k,) of items with returns ``ret`` and ``length`` rows (the learner's rule)."""
-        return item_priority(torch.as_tensor(ret), torch.as_tensor(length), self.cfg.priority,
-                             self.cfg.return_offset).numpy()  # fmt: skip
+        return item_priority(torch.as_tensor(ret), torch.as_tensor(length), *self._priority_rule).numpy()
 
     # ---- actions: env units ↔ the network's [-1, 1]
     def _to_unit(self, a: torch.Tensor) -> torch.Tensor:
@@ -371,7 +373,7 @@ class Agent:
         a = torch.as_tensor(actions, device=self.device)
         if not self.discrete:
             a = self._to_unit(a)
-        rtg = torch.as_tensor(rtg, device=self.device, dtype=torch.float32) / self.cfg.rtg_scale
+        rtg = torch.as_tensor(rtg, device=self.device, dtype=torch.float32) / self._rtg_scale
         out = network(rtg, obs, a, torch.as_tensor(timesteps, device=self.device))  # (k, K, H)
         last = torch.as_tensor(np.full(k, K) if lengths is None else lengths, device=self.device) - 1
         return self._choose(out[torch.arange(k, device=self.device), last], epsilon, rng)  # (k, H)
@@ -424,7 +426,7 @@ class Agent:
         a = torch.as_tensor(actions[r, steps], device=self.device)
         if not self.discrete:
             a = self._to_unit(a)
-        rtg_t = torch.as_tensor(rtg[r, steps], device=self.device, dtype=torch.float32) / self.cfg.rtg_scale
+        rtg_t = torch.as_tensor(rtg[r, steps], device=self.device, dtype=torch.float32) / self._rtg_scale
         allowed, _ = cache.attention_bias(ids, n_new, int(n_new.max()))
         out, kv_new = network.extend(rtg_t, torch.as_tensor(obs[r, steps], device=self.device), a,
                                      torch.as_tensor(timesteps[r, steps], device=self.device), cached,
