@@ -61,8 +61,6 @@ of caches, no Python per module or per env. Rows that re-encode take
 from __future__ import annotations
 
 import copy
-import logging
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,10 +71,9 @@ from torch import nn
 from agents.apex_dqn import NatureCNN
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.kv_cache import KVCache, hop_length
+from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.replay.items import Sequence
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -376,7 +373,7 @@ def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: 
     for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
         trials.append((obs(len(ids), 1), kv, torch.tensor(ids, device=dev), torch.tensor(length, device=dev),
                        max(length) + 1))  # fmt: skip
-    return _compile_checked(OneTokenStep(network, slots), network, trials)
+    return compile_checked(OneTokenStep(network, slots), network, trials)
 
 
 def compile_context_encode(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
@@ -386,7 +383,7 @@ def compile_context_encode(network: TransformerQNetwork, slots: int, obs_shape: 
     obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
     trials = [(obs(1, 3), kv, torch.tensor([1], device=dev), torch.tensor([3], device=dev)),
               (obs(2, slots), kv, torch.tensor([3, 0], device=dev), torch.tensor([slots, 2], device=dev))]  # fmt: skip
-    return _compile_checked(ContextEncode(network, slots), network, trials)
+    return compile_checked(ContextEncode(network, slots), network, trials)
 
 
 def _random_inputs(network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype):
@@ -405,32 +402,6 @@ def _random_inputs(network, slots: int, obs_shape: tuple[int, ...], obs_dtype: n
         return torch.as_tensor(x.astype(obs_dtype), device=device)
 
     return obs, kv.to(device), device
-
-
-def _compile_checked(module: nn.Module, network: nn.Module, trials: list[tuple]):
-    """``(torch.jit.script(module), True)`` if the compiled module reads the network's parameters and
-    gives the module's outputs and cache writes (argument 1, cloned per call) on every trial within
-    float rounding; else ``(module, False)`` (logged: the actor acts eagerly, just as exactly)."""
-    name = type(module).__name__
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scripted = torch.jit.script(module)
-        if not {p.data_ptr() for p in scripted.parameters()} <= {p.data_ptr() for p in network.parameters()}:
-            log.info("acting with the eager %s: its TorchScript copy holds other parameters", name)
-            return module, False
-        with torch.inference_mode():
-            for args in trials:
-                kv_a, kv_b = args[1].clone(), args[1].clone()
-                qa, qb = module(args[0], kv_a, *args[2:]), scripted(args[0], kv_b, *args[2:])
-                if not (torch.allclose(qa, qb, rtol=1e-5, atol=1e-6) and torch.allclose(kv_a, kv_b, rtol=1e-5, atol=1e-6)):
-                    log.info("acting with the eager %s: its TorchScript compilation differs", name)
-                    return module, False
-    except Exception as exc:  # noqa: BLE001 - any module TorchScript cannot compile (a custom torso): eager
-        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        log.info("acting with the eager %s (TorchScript: %s)", name, why)
-        return module, False
-    return scripted, True
 
 
 # ----------------------------------------------------------------------------- TD errors and priorities

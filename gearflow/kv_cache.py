@@ -30,10 +30,15 @@ and when the weights change, so its cost is spread over ``hop`` steps.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import torch
 
-__all__ = ["KVCache", "hop_length"]
+__all__ = ["KVCache", "compile_checked", "hop_length"]
+
+log = logging.getLogger(__name__)
 
 
 def hop_length(context: int, hop: int = 0) -> int:
@@ -114,3 +119,33 @@ class KVCache:
             src = kv_new[torch.as_tensor(rows, device=dev), :, :, :, torch.as_tensor(cols, device=dev)]  # (N, L, 2, nh, hs)
         self.kv[torch.as_tensor(ids[rows], device=dev), :, :, :, torch.as_tensor(slot, device=dev)] = src
         self.length[ids] += n_new
+
+
+def compile_checked(module: torch.nn.Module, network: torch.nn.Module, trials: list[tuple]):
+    """An agent's cached acting module compiled with TorchScript: ``(torch.jit.script(module), True)``
+    if the compiled module reads ``network``'s parameters (weight syncs copy into them in place) and
+    gives ``module``'s outputs and cache writes on every trial within float rounding; else
+    ``(module, False)`` (logged: the actor acts with the eager module, just as exactly).
+
+    ``trials``: argument tuples ``(x, kv, ...)``, ``kv`` a cache tensor cloned for each of the two
+    calls (the modules write into it in place)."""
+    name = type(module).__name__
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.script(module)
+        if not {p.data_ptr() for p in scripted.parameters()} <= {p.data_ptr() for p in network.parameters()}:
+            log.info("acting with the eager %s: its TorchScript copy holds other parameters", name)
+            return module, False
+        with torch.inference_mode():
+            for args in trials:
+                kv_a, kv_b = args[1].clone(), args[1].clone()
+                qa, qb = module(args[0], kv_a, *args[2:]), scripted(args[0], kv_b, *args[2:])
+                if not (torch.allclose(qa, qb, rtol=1e-5, atol=1e-6) and torch.allclose(kv_a, kv_b, rtol=1e-5, atol=1e-6)):
+                    log.info("acting with the eager %s: its TorchScript compilation differs", name)
+                    return module, False
+    except Exception as exc:  # noqa: BLE001 - any module TorchScript cannot compile (a custom torso): eager
+        why = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.info("acting with the eager %s (TorchScript: %s)", name, why)
+        return module, False
+    return scripted, True
