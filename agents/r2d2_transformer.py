@@ -75,7 +75,6 @@ from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.replay.items import Sequence
 
 
-
 @dataclass
 class Config:
     d_model: int = 64
