@@ -44,6 +44,9 @@ tokens a_{t−1}, R̂_t, s_t only. A full context hops (drops its oldest
 episode's start and after new weights; the actions then equal a full recompute
 over the same K − H + 1 .. K steps (timesteps are embedded by episode step, so
 a step's tokens do not depend on where the context starts).
+A step's three tokens run through :class:`StepTokens`, compiled with TorchScript
+(written into the env's next three slots in place, no per-module Python); rows
+that re-encode take :meth:`DecisionTransformer.extend`.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from torch import nn
 
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.kv_cache import KVCache, hop_length
+from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.replay.items import Episode
 
 
@@ -255,6 +258,78 @@ class DecisionTransformer(nn.Module):
         return self.head(self.ln(x)), torch.stack(kv_new, dim=1)
 
 
+class StepTokens(nn.Module):
+    """The cached actor's step when each row brings one env step after cached ones: its three new
+    tokens a_{t−1}, R̂_t, s_t go into the env's slots ``length .. length + 2`` (in place) and attend
+    to the slots before them and to each other, causally; returns the head's output at s_t (k, H),
+    that of :meth:`DecisionTransformer.extend` for these rows. Inputs: ``obs`` (k, obs_dim) s_t,
+    ``kv`` the whole cache (E, L, 2, nh, S, hs), ``ids`` (k,) the envs, ``length`` (k,) their cached
+    tokens, ``used = max(length) + 3`` (slots read), ``rtg`` (k,) R̂_t scaled, ``prev_action`` (k,)
+    int or (k, A) in [-1, 1], ``t_prev`` / ``t`` (k,) the timesteps of steps t − 1 and t.
+
+    Built to be compiled (``torch.jit.script``), for a network in eval mode (dropout is not applied);
+    it holds the network's own submodules, so weight syncs reach it."""
+
+    def __init__(self, network: DecisionTransformer):
+        super().__init__()
+        n = network
+        self.embed_rtg, self.embed_obs, self.embed_action, self.embed_time = (n.embed_rtg, n.embed_obs,
+                                                                              n.embed_action, n.embed_time)  # fmt: skip
+        self.ln_in, self.blocks, self.ln, self.head = n.ln_in, n.blocks, n.ln, n.head
+        self.discrete, self.max_timestep, self.heads = bool(n.discrete), int(n.max_timestep), int(n.blocks[0].heads)
+
+    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor, used: int,
+                rtg: torch.Tensor, prev_action: torch.Tensor, t_prev: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        time = self.embed_time(t.long().clamp(0, self.max_timestep - 1))  # (k, D)
+        time_prev = self.embed_time(t_prev.long().clamp(0, self.max_timestep - 1))
+        if self.discrete:
+            a = self.embed_action(prev_action.long())
+        else:
+            a = self.embed_action(prev_action.float())
+        tokens = torch.stack([a + time_prev, self.embed_rtg(rtg.float().unsqueeze(1)) + time,
+                              self.embed_obs(obs.float().flatten(1)) + time], dim=1)  # (k, 3, D)  # fmt: skip
+        x = self.ln_in(tokens)
+        k, _, D = x.shape
+        nh = self.heads
+        slots = length.unsqueeze(1) + torch.arange(3, device=x.device).unsqueeze(0)  # (k, 3) the new tokens'
+        allowed = torch.arange(used, device=x.device).view(1, 1, used) <= slots.unsqueeze(2)  # (k, 3, used)
+        mask = allowed.unsqueeze(1)  # (k, 1, 3, used): cached slots, then causal among the new three
+        rows = ids.unsqueeze(1)  # (k, 1)
+        for layer, block in enumerate(self.blocks):
+            qkv = block.qkv(block.ln1(x)).view(k, 3, 3, nh, D // nh)  # (k, token, q/k/v, nh, hs)
+            kv_l = kv.select(1, layer)  # (E, 2, nh, S, hs)
+            kv_l[rows, :, :, slots] = qkv.narrow(2, 1, 2)  # (k, 3, 2, nh, hs) into slots length .. length + 2
+            g = kv_l.narrow(3, 0, used).index_select(0, ids)  # (k, 2, nh, used, hs)
+            y = F.scaled_dot_product_attention(qkv.select(2, 0).transpose(1, 2), g.select(1, 0), g.select(1, 1),
+                                               attn_mask=mask)  # (k, nh, 3, hs)  # fmt: skip
+            x = x + block.proj(y.transpose(1, 2).reshape(k, 3, D))
+            x = x + block.mlp(block.ln2(x))
+        return self.head(self.ln(x.select(1, 2)))  # (k, H) at s_t
+
+
+def compile_step_tokens(network: DecisionTransformer, slots: int, obs_dim: int, act_shape: tuple[int, ...]):
+    """:class:`StepTokens` compiled with TorchScript where that gives the eager module's outputs and
+    cache writes on random inputs (1 and 3 rows), else the module itself (:func:`compile_checked`).
+    Returns ``(step, compiled)``."""
+    dev = network.head.weight.device
+    first = network.blocks[0]
+    L, nh = len(network.blocks), first.heads
+    rng = np.random.default_rng(0)
+    kv = torch.as_tensor(rng.standard_normal((4, L, 2, nh, slots, first.proj.in_features // nh), np.float32)).to(dev)
+    trials = []
+    for ids, length in (([2], [2]), ([3, 0, 1], [slots - 3, 2, 5 if slots > 8 else 2])):
+        k = len(ids)
+        if network.discrete:
+            prev = torch.as_tensor(rng.integers(0, network.embed_action.num_embeddings, k), device=dev)
+        else:
+            prev = torch.as_tensor(rng.uniform(-1, 1, (k, *act_shape)).astype(np.float32), device=dev)
+        t = torch.as_tensor(rng.integers(1, 50, k), device=dev)
+        trials.append((torch.as_tensor(rng.standard_normal((k, obs_dim)).astype(np.float32), device=dev), kv,
+                       torch.tensor(ids, device=dev), torch.tensor(length, device=dev), max(length) + 3,
+                       torch.as_tensor(rng.standard_normal(k).astype(np.float32), device=dev), prev, t - 1, t))  # fmt: skip
+    return compile_checked(StepTokens(network), network, trials)
+
+
 # ----------------------------------------------------------------------------- action heads
 
 
@@ -296,6 +371,8 @@ class Agent:
         # what acting reads every recv or episode, as plain values (a config attribute costs tens of µs)
         self._rtg_scale, self._target_return = float(cfg.rtg_scale), float(cfg.target_return)
         self._priority_rule = (cfg.priority, cfg.return_offset)
+        self._step_held: tuple | None = None  # (network, slots, its StepTokens) for acting
+        self.step_compiled = False  # whether that step is the TorchScript one
         self.discrete = spec.num_actions is not None
         if self.discrete:
             self.act_dim, self.act_shape = int(spec.num_actions), ()
@@ -414,9 +491,30 @@ class Agent:
         """:meth:`act` over the same contexts (``obs``/``rtg``/``actions``/``timesteps`` (k, K, ...)
         of envs ``ids``, left-aligned, ``lengths`` (k,) steps), running the network only on each
         context's tokens after its ``cache.length`` cached ones: a_{t−1}, R̂_t, s_t per env step;
-        all ``3n − 1`` tokens up to s_t after ``cache.clear``."""
+        all ``3n − 1`` tokens up to s_t after ``cache.clear``.
+
+        Rows with one env step after cached ones (almost all) take the compiled :class:`StepTokens`
+        (:meth:`step_tokens`); the others (re-encodes after a clear) take
+        :meth:`DecisionTransformer.extend` in a second call over those rows only."""
         rng = self.rng if rng is None else rng
-        lengths = np.asarray(lengths, dtype=np.int64)
+        ids, lengths = np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        n_new = 3 * lengths - 1 - cache.length[ids]  # (k,) tokens up to s_t not in the cache
+        step = n_new == 3
+        if not isinstance(network, DecisionTransformer) or network.training or not step.any():
+            out = self._extend(network, cache, ids, obs, lengths, rtg, actions, timesteps)
+        elif step.all():
+            out = self._step(network, cache, ids, obs, lengths, rtg, actions, timesteps)
+        else:
+            out = torch.empty(len(ids), network.head.out_features, device=self.device)  # (k, H)
+            rest = ~step
+            out[torch.as_tensor(step, device=self.device)] = self._step(
+                network, cache, ids[step], obs[step], lengths[step], rtg[step], actions[step], timesteps[step])
+            out[torch.as_tensor(rest, device=self.device)] = self._extend(
+                network, cache, ids[rest], obs[rest], lengths[rest], rtg[rest], actions[rest], timesteps[rest])
+        return self._choose(out, epsilon, rng)
+
+    def _extend(self, network, cache: KVCache, ids, obs, lengths, rtg, actions, timesteps) -> torch.Tensor:
+        """The head's output (k, H) of rows with any number of new tokens (:meth:`DecisionTransformer.extend`)."""
         cached = cache.length[ids]
         n_new = 3 * lengths - 1 - cached  # (k,) tokens up to s_t not in the cache
         first_step = cached // 3
@@ -432,7 +530,35 @@ class Agent:
                                      torch.as_tensor(timesteps[r, steps], device=self.device), cached,
                                      cache.gather(ids), allowed, n_new)  # fmt: skip
         cache.append(ids, kv_new, n_new)
-        return self._choose(out, epsilon, rng)
+        return out
+
+    def _step(self, network, cache: KVCache, ids, obs, lengths, rtg, actions, timesteps) -> torch.Tensor:
+        """The head's output (k, H) of rows with one env step after cached ones (:class:`StepTokens`)."""
+        length = cache.length[ids]  # (k,) cached tokens: up to s_{t−1}
+        if (length + 3 > cache.slots).any():
+            r = int(np.argmax(length + 3 > cache.slots))
+            raise ValueError(f"env {int(ids[r])}: {int(length[r])} cached + 3 new tokens exceed the cache's "
+                             f"{cache.slots} slots")  # fmt: skip
+        dev, r, t = self.device, np.arange(len(ids)), lengths - 1  # t: the new step's index in the context
+        prev = torch.as_tensor(actions[r, t - 1], device=dev)
+        if not self.discrete:
+            prev = self._to_unit(prev)
+        out = self.step_tokens(network, cache.slots)(
+            torch.as_tensor(obs[r, t], device=dev), cache.kv, torch.as_tensor(ids, device=dev),
+            torch.as_tensor(length, device=dev), int(length.max()) + 3,
+            torch.as_tensor(rtg[r, t], device=dev, dtype=torch.float32) / self._rtg_scale, prev,
+            torch.as_tensor(timesteps[r, t - 1], device=dev), torch.as_tensor(timesteps[r, t], device=dev))  # fmt: skip
+        cache.length[ids] = length + 3
+        return out
+
+    def step_tokens(self, network: DecisionTransformer, slots: int):
+        """``network``'s :class:`StepTokens`, compiled where that gives the same results
+        (:func:`compile_step_tokens`); made on first use and kept. ``step_compiled`` says which."""
+        held = self._step_held
+        if held is None or held[0] is not network or held[1] != slots:
+            step, self.step_compiled = compile_step_tokens(network, slots, int(self.spec.obs_shape[0]), self.act_shape)
+            held = self._step_held = (network, slots, step)
+        return held[2]
 
     # ---- learning
     def setup_learner(self) -> None:

@@ -210,17 +210,17 @@ def test_decision_transformer_cached_actor_matches_a_full_recompute(C, env_id, m
 
         def act_cached(self, network, cache, ids, obs, epsilon, rng=None, **ctx):
             head = {}
-            extend = network.extend
+            choose = agent._choose
 
-            def spy(*args):
-                head["out"], kv = extend(*args)
-                return head["out"], kv
+            def spy(out, *args):  # the head's output at s_t of every row, whichever path made it
+                head["out"] = out
+                return choose(out, *args)
 
-            network.extend = spy
+            agent._choose = spy
             try:
                 out = agent.act_cached(network, cache, ids, obs, epsilon, rng, **ctx)
             finally:
-                del network.extend
+                del agent._choose
             for r, e in enumerate(ids.tolist()):
                 t = len(episodes.obs[e]) - 1
                 s = int(context_start(np.array([t]), C, H)[0])
@@ -247,6 +247,7 @@ def test_decision_transformer_cached_actor_matches_a_full_recompute(C, env_id, m
     actor.version += 1
     actor.run(max_steps=150)
     actor.close()
+    assert agent.step_compiled  # one-step rows took the compiled StepTokens
 
     assert episodes.longest > C + H and actor.episodes >= (4 if env_id == "CartPole-v1" else 0)  # Pendulum: 200
     assert sum(1 for row in rows if row[-1] >= C and (row[-1] - C) % H == 0) > 5  # contexts hopped

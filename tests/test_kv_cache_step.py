@@ -251,3 +251,72 @@ def test_actor_priorities_equal_the_learners_torch_code(seed):
     assert got.dtype == np.float64 and got.shape == (k,)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)  # float32 rounding (large |Q|)
     assert got[0] == 0 and (got[lengths > 1] > 0).any()  # a one-row window has no transition
+
+
+# ----------------------------------------------------------------------------- Decision Transformer
+
+
+def dt_make(C: int, env: str):
+    cfg = load_config(None, ["agent.name=agents.decision_transformer", "agent.d_model=32", "agent.num_heads=2",
+                             "agent.num_layers=2", f"agent.context={C}", "agent.target_return=100",
+                             "agent.rtg_scale=20", "replay.item=episode", "replay.max_episode_length=200"])  # fmt: skip
+    if env == "discrete":
+        spec = EnvSpec((3,), np.dtype(np.float32), 4)
+    else:
+        import gymnasium
+
+        spec = EnvSpec((3,), np.dtype(np.float32), None, gymnasium.spaces.Box(-2.0, 2.0, (2,), np.float32))
+    agent = make_agent(cfg, spec, "cpu")
+    net = agent.make_network().eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return agent, net
+
+
+@pytest.mark.parametrize("env", ["discrete", "continuous"])
+def test_dt_step_tokens_compiled_equals_a_full_recompute_in_mixed_batches(env):
+    """Rows stepping one env step (compiled StepTokens) and rows re-encoding (extend) in one call: the
+    head's output at s_t equals the network's forward over each row's context."""
+    from agents.decision_transformer import StepTokens, compile_step_tokens
+
+    C, E = 6, 3
+    agent, net = dt_make(C, env)
+    step, compiled = compile_step_tokens(net, 3 * C - 1, 3, agent.act_shape)
+    assert compiled and not isinstance(step, StepTokens)
+    rng = np.random.default_rng(4)
+    obs = rng.standard_normal((E, C, 3)).astype(np.float32)
+    rtg = (100 - np.cumsum(rng.random((E, C)), axis=1)).astype(np.float32)
+    acts = (rng.integers(0, 4, (E, C)) if env == "discrete" else rng.uniform(-2, 2, (E, C, 2)).astype(np.float32))
+    ts = np.arange(C)[None, :].repeat(E, 0) + np.array([[0], [7], [30]])
+    cache = agent.make_kv_cache(E)
+    outs = []
+    spy = agent._choose
+    agent._choose = lambda out, *a: (outs.append(out.clone()), spy(out, *a))[1]
+    ids, eps = np.arange(E), np.zeros(E)
+    with torch.inference_mode():
+        for t in range(C):
+            if t == 3:
+                cache.clear(np.array([1]))  # env 1 re-encodes its whole context at step 3
+            lengths = np.full(E, t + 1)
+            agent.act_cached(net, cache, ids, obs, eps, rng, lengths=lengths, rtg=rtg, actions=acts, timesteps=ts)
+            a = torch.as_tensor(acts[:, : t + 1])
+            ref = net(torch.as_tensor(rtg[:, : t + 1]) / 20.0, torch.as_tensor(obs[:, : t + 1]),
+                      a if env == "discrete" else agent._to_unit(a), torch.as_tensor(ts[:, : t + 1]))[:, t]  # fmt: skip
+            torch.testing.assert_close(outs[-1], ref, rtol=1e-4, atol=2e-5)
+    assert agent.step_compiled and cache.length.tolist() == [3 * C - 1] * E
+
+
+def test_dt_in_training_mode_acts_with_extend():
+    """Dropout would be live: the compiled step (eval only) is not used."""
+    agent, net = dt_make(4, "discrete")
+    net.train()
+    cache = agent.make_kv_cache(1)
+    z = np.zeros((1, 4, 3), np.float32)
+    with torch.inference_mode():
+        for t in range(3):
+            agent.act_cached(net, cache, np.array([0]), z, np.zeros(1), lengths=np.array([t + 1]),
+                             rtg=np.zeros((1, 4), np.float32), actions=np.zeros((1, 4), np.int64),
+                             timesteps=np.arange(4)[None])  # fmt: skip
+    assert agent._step_held is None and cache.length.tolist() == [8]
