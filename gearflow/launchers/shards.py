@@ -103,22 +103,39 @@ class TolerantSampler:
 class PushedParams:
     """A :class:`~gearflow.params.protocol.ParameterPublisher` that sends each version to every
     node (``params.push``). A push is answered before the next is sent (one version in flight
-    per node: a slow node delays the learner by one push at most, and never queues versions)."""
+    per node: a slow node delays the learner by one push at most, and never queues versions).
+    A node that does not answer misses the versions of its outage (logged once) and gets the
+    next one when it is back (a node restarted by Ray)."""
 
     def __init__(self, clients: list, timeout_s: float):
         self.clients, self.timeout_s = clients, float(timeout_s)
         self.version = 0
         self._pending: list = []
+        self._down: set[str] = set()
 
     def latest_version(self) -> int:
         return self.version
 
+    def _lost(self, c, exc: BaseException) -> None:
+        if c.address_text not in self._down:
+            self._down.add(c.address_text)
+            log.warning("shard node %s: weights not delivered (%s); it gets the next version once it answers",
+                        c.address_text, exc)  # fmt: skip
+
     def _wait(self) -> None:
+        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
+
         pending, self._pending = self._pending, []
         for c, fut in pending:
-            c.result(fut, "params.push", self.timeout_s)
+            try:
+                c.result(fut, "params.push", self.timeout_s)
+                self._down.discard(c.address_text)
+            except (ServiceUnavailable, RequestTimeout) as exc:
+                self._lost(c, exc)
 
     def publish(self, params: Any, version: int | None = None) -> int:
+        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
+
         state = params.state_dict() if isinstance(params, torch.nn.Module) else dict(params)
         version = self.version + 1 if version is None else int(version)
         if version <= self.version:
@@ -127,8 +144,12 @@ class PushedParams:
         bufs = [np.ascontiguousarray(state[n].detach().float().cpu().numpy() if state[n].dtype == torch.bfloat16
                                      else state[n].detach().cpu().numpy()) for n in names]  # fmt: skip
         self._wait()
-        self._pending = [(c, c.submit("params.push", {"version": version, "names": names}, bufs,
-                                      timeout_s=self.timeout_s)) for c in self.clients]  # fmt: skip
+        for c in self.clients:
+            try:
+                self._pending.append((c, c.submit("params.push", {"version": version, "names": names}, bufs,
+                                                  timeout_s=self.timeout_s)))  # fmt: skip
+            except (ServiceUnavailable, RequestTimeout) as exc:
+                self._lost(c, exc)
         self.version = version
         return version
 
