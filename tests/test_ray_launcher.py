@@ -27,16 +27,41 @@ def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path
     tests/test_distributed.py)."""
     from gearflow.launchers.ray import train_on_ray
 
-    monkeypatch.setenv("GEARFLOW_TOKEN", "ray-test-secret-0123")
+    token = "ray-test-secret-0123"
+    monkeypatch.setenv("GEARFLOW_TOKEN", token)
     killed = threading.Event()
 
     def kill_group_0_then_shard_1(handles):
+        """Kill by progress (the nodes' env steps, read as a learner does), not by the clock: the
+        group after 3,000 steps, the shard after 6,000; the run needs 20,000."""
+        from gearflow.transport.client import Client
+
+        def env_steps(clients) -> int:
+            total = 0
+            for c in clients:
+                try:
+                    total += int(c.call("run.progress", {"cursor": 1 << 40}, timeout_s=5)[0]["env_steps"])
+                except Exception:  # noqa: BLE001 - a node between instances
+                    pass
+            return total
+
+        def wait_for(clients, steps: int) -> None:
+            deadline = time.monotonic() + 180
+            while env_steps(clients) < steps and time.monotonic() < deadline:
+                time.sleep(0.2)
+
         def later():
-            time.sleep(4.0)  # the actors are acting by now (their learner is sampling)
-            ray.kill(handles["groups"][0], no_restart=False)  # Ray restarts it (cluster.max_restarts)
-            time.sleep(3.0)
-            ray.kill(handles["shards"][1], no_restart=False)  # same node, same port, a fresh table
-            killed.set()
+            infos = ray.get([s.info.remote() for s in handles["shards"]])
+            clients = [Client(i["address"], token, timeout_s=10) for i in infos]
+            try:
+                wait_for(clients, 3000)
+                ray.kill(handles["groups"][0], no_restart=False)  # Ray restarts it (cluster.max_restarts)
+                wait_for(clients, 6000)
+                ray.kill(handles["shards"][1], no_restart=False)  # same node, same port, a fresh table
+                killed.set()
+            finally:
+                for c in clients:
+                    c.close()
 
         threading.Thread(target=later, daemon=True).start()
 
