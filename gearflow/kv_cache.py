@@ -26,6 +26,13 @@ the others are no longer what a recompute over the shortened context gives.
 Exact equality with a recompute needs the re-encode; the actors do it when the
 context *hops* (drops its oldest ``hop`` steps at once, :func:`hop_context`)
 and when the weights change, so its cost is spread over ``hop`` steps.
+
+The agents run their common cases (one env step after cached tokens; a whole
+context into an empty cache) through small modules compiled with TorchScript
+that write ``kv`` in place (``agents.r2d2_transformer.OneTokenStep`` /
+``ContextEncode``, ``agents.decision_transformer.StepTokens``);
+:func:`compile_checked` compiles one and keeps it only if it reads the network's
+own parameters and matches the eager module, else the actor acts eagerly.
 """
 
 from __future__ import annotations
