@@ -2,12 +2,13 @@
 
     gearflow train CONFIG [KEY=VALUE ...]      train (single machine)
     gearflow train --resume RUN_DIR [KEY=VALUE ...]   continue a run from its latest checkpoint
+    gearflow train CONFIG launcher=ray         shard nodes, actor groups and learners on a Ray cluster
     gearflow actor --connect HOST:PORT [CONFIG]  actors for a run elsewhere (actor.remote_actors there)
     gearflow serve CONFIG [KEY=VALUE ...]      this node's replay shard and actors, for learners elsewhere
     gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
     gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
-    gearflow bench {replay,actors} [--json]    benchmarks that print JSON lines
+    gearflow bench {replay,keys,actors,transport,cluster}   benchmarks that print JSON lines
     gearflow replay gc                         remove shared memory left by crashed runs
     gearflow info                              versions and what is usable here
 
