@@ -399,7 +399,10 @@ def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
     if cfg.launcher != "local":
         raise ConfigError(f"launcher={cfg.launcher}: run it with the gearflow train command "
                           "(or gearflow.launchers.ray.train_on_ray); this function trains on this machine")  # fmt: skip
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - (0 if cfg.run.serial else cfg.actor.num_actors)))
+    # run.serial: one thread — the actor's many tiny acting ops share the process, and with two
+    # intra-op threads on a loaded machine each op waited for a descheduled thread (a serial
+    # R2D2 run took 220 s instead of 6 s next to two CPU hogs)
+    torch.set_num_threads(1 if cfg.run.serial else max(1, (os.cpu_count() or 2) - cfg.actor.num_actors))
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.
     sys.setswitchinterval(0.0005)
