@@ -90,8 +90,17 @@ def tmpfs(path: Path, size: int | str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def _remount(path: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+def _remount(path: Path, mode: str, timeout: float = 30.0) -> None:
+    """Remount ``path``; a read-only remount is refused (busy) while a file there is open for
+    writing — the run's checkpoint writer, for a moment — so it is retried until it takes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"mount -o remount,{mode} {path} kept failing: {r.stderr.strip()}")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
