@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from gearflow.config import to_yaml
 from gearflow.errors import GearflowError
+from gearflow.launchers.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
 
@@ -104,15 +105,7 @@ class LocalLauncher:
                 msg = self.metrics.get_nowait()
             except queue.Empty:
                 return
-            kind = msg.get("type") if isinstance(msg, dict) else None
-            if kind == "episode":
-                progress.add_episode(int(msg["actor"]), float(msg["actor/episode_return"]))
-            elif kind == "counters":
-                progress.actor_counters[int(msg["actor"])] = msg
-            elif kind == "error":
-                log.error("actor %s raised:\n%s", msg.get("actor"), msg.get("error"))
-                lines = str(msg.get("error", "")).strip().splitlines()
-                self.errors[int(msg["actor"])] = lines[-1] if lines else "?"
+            fold_report(progress, msg, self.errors)
 
     def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """Ask every actor to stop and wait for it; ``drain`` keeps reading the metrics

@@ -26,7 +26,6 @@ learner checkpoints let ``--resume`` continue with fresh nodes).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
@@ -36,11 +35,12 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gearflow.config import to_yaml
+from gearflow.distributed import fingerprint
 from gearflow.errors import GearflowError, MissingDependencyError
+from gearflow.launchers.reports import ReportSink
 
 log = logging.getLogger("gearflow.runner")
 
@@ -65,17 +65,6 @@ def _logging() -> None:
     from gearflow.log import inherited_verbosity, setup_logging
 
     setup_logging(inherited_verbosity())
-
-
-def parameters_digest(module) -> str:
-    """SHA-256 over a module's parameters and buffers (name, dtype, shape, bytes), in name order:
-    equal digests mean bit-identical weights (data-parallel learners are checked with it)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        a = t.detach().cpu().contiguous()
-        h.update(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
-        h.update(a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b"")
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------- roles (Ray actor classes)
@@ -157,22 +146,15 @@ class ShardRole:
         self.node.close()
 
 
-class _Collected:
+class _Collected(ReportSink):
     """What a group's LocalLauncher drains (as into a Progress), kept for the shard."""
 
     def __init__(self):
+        super().__init__()
         self.messages: list[dict] = []
-        outer = self
 
-        class _Counters(dict):
-            def __setitem__(self, actor, msg):
-                super().__setitem__(actor, msg)
-                outer.messages.append({**msg, "type": "counters", "actor": int(actor)})
-
-        self.actor_counters = _Counters()
-
-    def add_episode(self, actor: int, ret: float) -> None:
-        self.messages.append({"type": "episode", "actor": int(actor), "actor/episode_return": float(ret)})
+    def add(self, msg: dict) -> None:
+        self.messages.append(msg)
 
     def take(self) -> list[dict]:
         out, self.messages = self.messages, []
@@ -297,7 +279,7 @@ class LearnerRole:
         runner = Runner(cfg)
         summary = runner.run()
         summary["learner/rank"] = int(cfg.learner.rank)
-        summary["learner/parameters_sha256"] = parameters_digest(runner.agent.learner_network())
+        summary["learner/parameters_fingerprint"] = fingerprint(runner.agent.learner_network())
         return summary
 
 
@@ -408,7 +390,7 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
     summary["cluster/shards"], summary["cluster/learners"] = S, K
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
-    summary["cluster/parameters_identical"] = len({s["learner/parameters_sha256"] for s in summaries}) == 1
+    summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
     summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
     log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
              "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,

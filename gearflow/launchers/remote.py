@@ -50,6 +50,7 @@ from omegaconf import DictConfig
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
+from gearflow.launchers.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
 
@@ -141,19 +142,13 @@ class RemoteActors:
                 msg = self.reports.get_nowait()
             except queue.Empty:
                 return
-            kind, actor = msg["type"], int(msg["actor"])
-            if kind == "episode":
-                progress.add_episode(actor, float(msg["actor/episode_return"]))
-            elif kind == "counters":
-                progress.actor_counters[actor] = msg
-            elif kind == "joined":
-                log.info("remote actor %d joined from %s: partitions %s", actor, msg["peer"], self.partitions[actor])
+            kind = fold_report(progress, msg, self.errors, source="remote actor")
+            if kind == "joined":
+                log.info("remote actor %d joined from %s: partitions %s", int(msg["actor"]), msg["peer"],
+                         self.partitions[int(msg["actor"])])  # fmt: skip
             elif kind == "left":
-                log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", actor, msg["peer"])
-            else:
-                log.error("remote actor %d raised:\n%s", actor, msg.get("error"))
-                lines = str(msg.get("error", "")).strip().splitlines()
-                self.errors[actor] = lines[-1] if lines else "?"
+                log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", int(msg["actor"]),
+                            msg["peer"])  # fmt: skip
 
     def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """Tell joined actors the run is over (held inserts give up, the next report's reply

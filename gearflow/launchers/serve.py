@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import collections
 import json
-import secrets
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gearflow.errors import ConfigError
 from gearflow.launchers.local import ActorFailed, LocalLauncher
+from gearflow.launchers.reports import ReportSink, fold_report
 
 log = logging.getLogger("gearflow.serve")
 
@@ -54,28 +55,21 @@ MAX_PROGRESS = 100_000  # reports kept for learners that poll late (oldest dropp
 MAX_PROGRESS_REPLY = 4096  # reports per run.progress reply
 
 
-class _Relay:
+class _Relay(ReportSink):
     """What the node's actors report, numbered, for ``run.progress``: LocalLauncher.drain folds
-    into it as into a Progress (``add_episode``, ``actor_counters[...] = msg``), remote actors'
-    reports arrive through ``put`` (the queue interface of :class:`~gearflow.launchers.remote.Members`)."""
+    into it as into a Progress, remote actors' reports arrive through ``put`` (the queue
+    interface of :class:`~gearflow.launchers.remote.Members`)."""
 
     def __init__(self, offset: int):
+        super().__init__()
         self.offset = offset
         self.log: collections.deque = collections.deque(maxlen=MAX_PROGRESS)
         self.first = 0  # sequence number of log[0]
         self.lock = threading.Lock()
         self.episodes = 0
         self.returns: collections.deque = collections.deque(maxlen=100)
-        relay = self
 
-        class _Counters(dict):
-            def __setitem__(self, actor, msg):
-                super().__setitem__(actor, msg)
-                relay._add({**msg, "type": "counters", "actor": int(actor)})
-
-        self.actor_counters = _Counters()
-
-    def _add(self, msg: dict) -> None:
+    def add(self, msg: dict) -> None:
         msg = {k: v for k, v in msg.items() if isinstance(v, (int, float, str, bool)) or v is None}
         msg["actor"] = self.offset + int(msg["actor"])
         with self.lock:
@@ -86,17 +80,12 @@ class _Relay:
     def add_episode(self, actor: int, ret: float) -> None:
         self.episodes += 1
         self.returns.append(ret)
-        self._add({"type": "episode", "actor": actor, "actor/episode_return": float(ret)})
+        super().add_episode(actor, ret)
 
     def put(self, msg: dict) -> None:  # remote actors (run.join / run.report of Members)
-        kind = msg.get("type")
-        if kind == "episode":
-            self.add_episode(int(msg["actor"]), float(msg["actor/episode_return"]))
-        elif kind == "counters":
-            self.actor_counters[int(msg["actor"])] = msg
-        elif kind == "error":
-            log.error("remote actor %s raised:\n%s", msg.get("actor"), msg.get("error"))
-            self._add(msg)
+        kind = fold_report(self, msg, source="remote actor")
+        if kind == "error":
+            self.add(msg)
         elif kind in ("joined", "left"):
             log.info("remote actor %s %s (%s)", msg.get("actor"), kind, msg.get("peer"))
 

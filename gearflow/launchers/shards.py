@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
+from gearflow.launchers.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
 
@@ -276,15 +277,7 @@ class RemoteShards:
             if not self.publisher:  # another learner publishes: the nodes know the latest version
                 self.params.version = max(self.params.version, int(meta.get("weights_version", 0)))
             for m in meta["messages"]:
-                kind, actor = m.get("type"), int(m["actor"])
-                if kind == "episode":
-                    progress.add_episode(actor, float(m["actor/episode_return"]))
-                elif kind == "counters":
-                    progress.actor_counters[actor] = m
-                elif kind == "error":
-                    log.error("actor %d on shard node %s raised:\n%s", actor, c.address_text, m.get("error"))
-                    lines = str(m.get("error", "")).strip().splitlines()
-                    self.errors[actor] = lines[-1] if lines else "?"
+                fold_report(progress, m, self.errors, source=f"shard node {c.address_text}: actor")
 
     def _lost(self, i: int, exc: BaseException) -> None:
         if i not in self._down:
