@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.reports import fold_report
+from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 
 log = logging.getLogger("gearflow.runner")
 
@@ -61,8 +62,6 @@ class TolerantSampler:
         return getattr(self.inner, name)
 
     def sample(self, batch_size: int, timeout_s: float | None = None):
-        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-
         try:
             batch = self.inner.sample(batch_size, timeout_s)
         except (ServiceUnavailable, RequestTimeout) as exc:
@@ -80,8 +79,6 @@ class TolerantSampler:
         return batch
 
     def update_priorities(self, keys, priorities) -> int:
-        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-
         try:
             return self.inner.update_priorities(keys, priorities)
         except (ServiceUnavailable, RequestTimeout) as exc:
@@ -89,8 +86,6 @@ class TolerantSampler:
             return 0
 
     def stats(self) -> dict[str, float]:
-        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-
         try:
             self._stats = self.inner.stats()
         except (ServiceUnavailable, RequestTimeout) as exc:
@@ -124,8 +119,6 @@ class PushedParams:
                         c.address_text, exc)  # fmt: skip
 
     def _wait(self) -> None:
-        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-
         pending, self._pending = self._pending, []
         for c, fut in pending:
             try:
@@ -135,8 +128,6 @@ class PushedParams:
                 self._lost(c, exc)
 
     def publish(self, params: Any, version: int | None = None) -> int:
-        from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-
         state = params.state_dict() if isinstance(params, torch.nn.Module) else dict(params)
         version = self.version + 1 if version is None else int(version)
         if version <= self.version:
@@ -167,7 +158,6 @@ class RemoteShards:
     def __init__(self, cfg: DictConfig, agent, *, publisher: bool = True, seed: int | None = None):
         from gearflow.native.rdma import choose_transport
         from gearflow.transport.auth import resolve_token
-        from gearflow.transport.client import Client
         from gearflow.transport.remote import RemoteSampler
 
         t = cfg.transport
