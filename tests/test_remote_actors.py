@@ -143,6 +143,7 @@ def _counting_cfg():
         "env.factory=helpers_envs:make", "env.num_envs=4", "env.batch_size=0", "actor.num_actors=1",
         "actor.n_step=3", "actor.gamma=0.9", "actor.epsilon=1.0", "agent.hidden_sizes=[]", "agent.dueling=false",
         "replay.capacity=4096", "run.seed=5",
+        "actor.weight_sync_period=100000",  # no flush at a weight sync: only the writer's own hook ships
     ])  # fmt: skip
 
 
@@ -158,12 +159,15 @@ def _act_into(cfg, writer, steps: int) -> None:
         actor.run(max_steps=steps)
 
 
-def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monkeypatch):
+@pytest.mark.parametrize("kind", ["RemoteWriter", "ShippingWriter"])
+def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monkeypatch, kind):
     """The same actor (same seed, random policy, CountingEnv) once through a local Writer and once
-    through a RemoteWriter into a ShardService: every column, every item record, every counter equal."""
+    through a RemoteWriter (or the ShippingWriter remote actors use) into a ShardService: every
+    column, every item record, every counter equal — over 150 steps per stream, so each 128-step
+    ring wraps (a shipment split at the wrap)."""
     from gearflow.agent import make_agent
     from gearflow.replay.items import Transition
-    from gearflow.transport.remote import RemoteWriter
+    from gearflow.transport import remote
     from gearflow.transport.shard import ShardService
 
     monkeypatch.syspath_prepend(TESTS)
@@ -171,18 +175,19 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
     probe = make_vec_env(cfg.env, seed=0)
     spec = TableSpec.parse(make_agent(cfg, probe.env_spec, "cpu").replay_columns())
     probe.close()
-    stores = [SharedStorage.create(spec, 4, 512) for _ in range(2)]
+    stores = [SharedStorage.create(spec, 4, 128) for _ in range(2)]
     try:
         _act_into(cfg, Writer(stores[0], np.arange(4)), 600)
         table = Table(stores[1], Transition(next_columns=("obs",)), make_selector("uniform", 4 * stores[1].items_per_partition))
         with ShardService(table, token=TOKEN) as shard:
-            writer = RemoteWriter(("127.0.0.1", shard.port), 4, TOKEN, partitions=[0, 1, 2, 3])
+            writer = getattr(remote, kind)(("127.0.0.1", shard.port), 4, TOKEN, partitions=[0, 1, 2, 3])
             _act_into(cfg, writer, 600)
             writer.close()
         a, b = stores
         for c in (COMMIT, PUBLISHED, EPISODES):
             np.testing.assert_array_equal(a.counters[:, c], b.counters[:, c])
         assert int(a.counters[:, PUBLISHED].sum()) > 400
+        assert int(a.counters[:, COMMIT].min()) > 128  # every ring wrapped
         for name in spec.names:
             np.testing.assert_array_equal(a.columns[name], b.columns[name], err_msg=name)
         for rec in ("item_start", "item_length", "item_priority"):
