@@ -228,3 +228,68 @@ def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
     assert learner_log.read_text().count("remote actor 0 joined") >= 2  # rejoined after the restart
     assert actors.wait(timeout=90) == 0, actors_log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_remote_actors_held_past_the_rate_limiters_timeout_rejoin(tmp_path):
+    """The learner is paused (SIGSTOP) longer than replay.timeout_s: its shard's rate limiter
+    holds the remote actors' inserts until they time out. The actors rejoin and wait again
+    rather than exit (nothing would restart them); once the learner goes on, the run reaches
+    its step limit on their data alone and both sides exit 0."""
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=8000",
+                                             "replay.timeout_s=2")  # fmt: skip
+    actors_log = tmp_path / "actors.err"
+    actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
+    _wait_for(learner_log, r"progress: steps [1-9]", learner)
+    os.kill(learner.pid, signal.SIGSTOP)
+    try:
+        _wait_for(actors_log, r"rejoining the run", actors, timeout=120)
+    finally:
+        os.kill(learner.pid, signal.SIGCONT)
+    code, out = _finish(learner)
+    assert code == 0, learner_log.read_text()[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
+    assert actors.wait(timeout=90) == 0, actors_log.read_text()[-3000:]
+    assert "died" not in actors_log.read_text()  # rejoined, not restarted
+
+
+def test_places_one_per_connection_and_a_rejoin_keeps_its_place():
+    """``run.join`` over real connections: a connection gets a free place (or the one it asks
+    for); joining again on the same connection (an actor whose writer was reset) keeps that
+    place; another connection cannot take a held place; a closed connection frees it."""
+    import multiprocessing as mp
+    import queue
+
+    from gearflow.launchers.remote import Members
+    from gearflow.transport.client import Client
+    from gearflow.transport.service import Service
+
+    reports = queue.Queue()
+    members = Members("cfg: 1", {0: [0, 1], 1: [2, 3]}, reports, mp.Event())
+    with Service(token=TOKEN) as service:
+        service.register("run.join", members.join, with_connection=True)
+        a, b, c = (Client(("127.0.0.1", service.port), TOKEN, timeout_s=10) for _ in range(3))
+        try:
+            assert a.call("run.join", {"actor": None})[0]["actor"] == 0
+            assert a.call("run.join", {"actor": None})[0]["partitions"] == [0, 1]  # the same place again
+            assert a.call("run.join", {"actor": 0})[0]["actor"] == 0
+            with pytest.raises(ValueError, match="this connection holds remote actor 0's place; it cannot join as actor 1"):
+                a.call("run.join", {"actor": 1})
+            with pytest.raises(ValueError, match="remote actor 0 is already joined"):
+                b.call("run.join", {"actor": 0})
+            assert b.call("run.join", {"actor": None})[0]["actor"] == 1
+            with pytest.raises(ValueError, match="all 2 remote actor places are taken"):
+                c.call("run.join", {"actor": None})
+            a.close()
+            deadline = time.monotonic() + 10
+            while 0 in members.joined and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c.call("run.join", {"actor": None})[0]["actor"] == 0  # freed by the closed connection
+        finally:
+            for client in (a, b, c):
+                client.close()
+    seen = []
+    while not reports.empty():
+        m = reports.get_nowait()
+        seen.append((m["type"], m["actor"]))
+    assert seen[:6] == [("joined", 0)] * 3 + [("joined", 1), ("left", 0), ("joined", 0)]  # then b and c leave

@@ -79,44 +79,51 @@ def run_remote_actor(address: str, local_cfg=None, *, token: Optional[str] = Non
                      stop_event=None, parent_pid: Optional[int] = None, wait_s: float = 60.0,
                      timeout_s: float = 30.0, loop: str = "auto") -> int:  # fmt: skip
     """Join the run at ``address`` and act until it is over (or ``stop_event``); returns the env
-    steps done. Raises :class:`GearflowError` when the learner stays unreachable for ``wait_s``."""
+    steps done. Raises :class:`GearflowError` when the learner stays unreachable for ``wait_s``.
+    An insert the shard's rate limiter held past ``replay.timeout_s`` (the learner paused, not
+    sampling) ends the membership, not the actor: it rejoins and waits again."""
+    from gearflow.replay.rate_limiter import RateLimiterTimeout
     from gearflow.transport.client import Client, ServiceUnavailable
     from gearflow.transport.shard import SessionLost
 
     stop = _Stop(stop_event, parent_pid)
     control = Client(address, token, timeout_s=timeout_s, loop=loop)
-    steps, since = 0, time.monotonic()
+    steps, since, place = 0, time.monotonic(), [actor]
     try:
         while not stop.is_set():
             try:
-                steps += _act(control, address, local_cfg, token, actor, stop, timeout_s, loop)
+                steps += _act(control, address, local_cfg, token, place, stop, timeout_s, loop)
                 since = time.monotonic()
             except (ServiceUnavailable, SessionLost) as exc:
                 if time.monotonic() - since > wait_s:
                     raise GearflowError(f"the learner at {address} has been unreachable for {wait_s:.0f} s: {exc}") from None
                 log.warning("learner at %s unreachable (%s); retrying for up to %.0f s", address, exc, wait_s)
                 time.sleep(min(1.0, wait_s / 10))
+            except RateLimiterTimeout as exc:  # the learner answers but has not sampled: wait on, from a new membership
+                log.warning("remote actor: %s; rejoining the run", exc)
+                since = time.monotonic()
         return steps
     finally:
         control.close()
 
 
-def _act(control, address, local_cfg, token, want, stop: _Stop, timeout_s: float, loop: str) -> int:
-    """One membership: join, act until stopped or the connection fails; returns env steps."""
+def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s: float, loop: str) -> int:
+    """One membership: join (``place[0]``: the place asked for, None for any; set to the one
+    given, so that a rejoin asks for it again), act until stopped or the connection fails;
+    returns env steps."""
     from gearflow.actors import actor_class_for
     from gearflow.actors.base import actor_epsilon, env_seed
     from gearflow.agent import make_agent, resolve_device
     from gearflow.envs import make_vec_env
     from gearflow.transport.remote import RemoteParams, RemoteWriter, ShippingWriter
 
-    meta, _ = control.call("run.join", {"actor": want})
+    meta, _ = control.call("run.join", {"actor": place[0]})
     if meta.get("stop"):
         stop.run_over = True
         return 0
     k, parts = int(meta["actor"]), [int(p) for p in meta["partitions"]]
     cfg = _learner_config(meta["config"], local_cfg)
-    if want is None:
-        want = k  # a rejoin asks for the same place
+    place[0] = k  # a rejoin asks for the same place
     torch.set_num_threads(1)
     env = writer = actor = reporter = None
     try:

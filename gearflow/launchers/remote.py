@@ -190,6 +190,12 @@ class Members:
         want = meta.get("actor")
         if want is not None and (type(want) is not int or want not in self.partitions):
             raise ValueError(f"actor {want!r} is not a remote actor of this run (remote actors: {sorted(self.partitions)})")
+        mine = conn.state.get("actor")
+        if mine is not None:  # a rejoin on the connection that holds a place (its writer was reset): the same place
+            if want not in (None, mine):
+                raise ValueError(f"this connection holds remote actor {mine}'s place; it cannot join as actor {want}")
+            self.reports.put({"type": "joined", "actor": mine, "peer": str(conn.peer)})
+            return {"actor": mine, "partitions": self.partitions[mine], "config": self.cfg_yaml}, []
         with self.lock:
             free = [a for a in sorted(self.partitions) if a not in self.joined]
             if want is not None:
