@@ -5,7 +5,8 @@ Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex
 * ``random`` — one :class:`~gearflow.actors.Actor` with a random policy (no
   network) writing n-step transitions into a real shared-memory table, against
   a bare EnvPool loop with random actions and the same ``num_envs`` /
-  ``batch_size``, timed in the same run. ``ratio`` = actor / bare.
+  ``batch_size``, stepped in alternating slices of the same run (median rate of 5
+  slices each, as every actor workload here). ``ratio`` = actor / bare.
 * ``policy`` — the same actor with the config's agent (apex_dqn's MLP) acting
   ε-greedily over the Ape-X ladder.
 * ``learner`` — a short real run of the config (actor processes + learner):
@@ -35,8 +36,8 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from gearflow.actors.process import make_actor
-from gearflow.bench import record
 from gearflow.agent import ActOutput, make_agent
+from gearflow.bench import record
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
 from gearflow.replay.spec import TableSpec
@@ -100,21 +101,55 @@ def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
         storage.unlink()
 
 
-def _bare_loop(cfg, seconds: float) -> float:
-    """Env steps/s of the plainest async EnvPool loop with random actions."""
+@contextlib.contextmanager
+def _bare_stepper(cfg):
+    """One recv/send of the plainest async EnvPool loop with random actions (returns the env
+    steps it made): the floor of the actor workloads."""
     env = make_vec_env(cfg.env, seed=0)
     rng = np.random.default_rng(0)
     try:
         env.async_reset()
         n = env.num_actions
-        steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            obs, _, _, _, ids = env.recv()
+
+        def step() -> int:
+            *_, ids = env.recv()
             env.send(rng.integers(0, n, len(ids), dtype=np.int64), ids)
-            steps += len(ids)
-        return steps / (time.perf_counter() - start)
+            return len(ids)
+
+        yield step
     finally:
         env.close()
+
+
+@contextlib.contextmanager
+def _actor_stepper(cfg, random_policy: bool):
+    """``actor.step`` of the config's actor (a random policy, or the config's agent) writing a
+    scratch table, warmed up (first episodes, first items)."""
+    env = make_vec_env(cfg.env, seed=0)
+    agent = make_agent(cfg, env.env_spec, "cpu")
+    if random_policy:
+        agent = RandomPolicy(agent, env.num_actions)
+    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // env.num_envs)) as actor:
+        for _ in range(20):
+            actor.step()
+        yield actor.step
+
+
+def _alternating(steppers: dict, seconds: float, rounds: int = 5) -> tuple[dict, dict]:
+    """Steps each stepper (a callable returning the env steps it made) in ``rounds`` alternating
+    slices of ``seconds / rounds`` (the order rotating each round), so a load change on a shared
+    machine hits every one alike: ``({name: median steps/s over its slices}, {name: steps})``."""
+    names = list(steppers)
+    rates: dict = {n: [] for n in names}
+    total = dict.fromkeys(names, 0)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, steps, start = steppers[name], 0, time.perf_counter()
+            while time.perf_counter() - start < seconds / rounds:
+                steps += step()
+            rates[name].append(steps / (time.perf_counter() - start))
+            total[name] += steps
+    return {n: float(np.median(r)) for n, r in rates.items()}, total
 
 
 class TimedPolicy:
@@ -141,18 +176,9 @@ class TimedPolicy:
 
 
 def _actor_rate(cfg, seconds: float, random_policy: bool) -> float:
-    env = make_vec_env(cfg.env, seed=0)
-    agent = make_agent(cfg, env.env_spec, "cpu")
-    if random_policy:
-        agent = RandomPolicy(agent, env.num_actions)
-    E = env.num_envs
-    with scratch_actor(cfg, agent, env, max(4096, cfg.replay.capacity // E)) as actor:
-        for _ in range(20):
-            actor.step()  # warm up: first episodes, first items
-        steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            steps += actor.step()
-        return steps / (time.perf_counter() - start)
+    """Env steps/s of the config's actor alone (``bench cluster``'s actor figure)."""
+    with _actor_stepper(cfg, random_policy) as step:
+        return _alternating({"actor": step}, seconds, rounds=1)[0]["actor"]
 
 
 def _transformer(workload: str, seconds: float, seed: int, emit: Emit, rounds: int = 5) -> None:
@@ -177,16 +203,7 @@ def _transformer(workload: str, seconds: float, seed: int, emit: Emit, rounds: i
                 for _ in range(20):
                     actors[kv].step()  # warm up: first episodes, first items
                 agents[kv].seconds, agents[kv].calls = 0.0, 0
-            rates = {False: [], True: []}
-            steps_total = {False: 0, True: 0}
-            for _ in range(rounds):
-                for kv in (False, True):
-                    steps, start = 0, time.perf_counter()
-                    while time.perf_counter() - start < seconds / rounds:
-                        steps += actors[kv].step()
-                    rates[kv].append(steps / (time.perf_counter() - start))
-                    steps_total[kv] += steps
-        rate = {kv: float(np.median(r)) for kv, r in rates.items()}
+            rate, steps_total = _alternating({kv: actors[kv].step for kv in (False, True)}, seconds, rounds)
         act_us = {kv: 1e6 * a.seconds / max(1, a.calls) for kv, a in agents.items()}
         ended = lengths[False] + lengths[True]
         # of the episodes that ended; without one, the steps per env (a lower bound: none ended)
@@ -214,12 +231,15 @@ def run(args, wanted: list[str], emit: Emit) -> int:
 
         raise GearflowError(f"unknown workload(s) {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     shape = f"num_envs={cfg.env.num_envs},batch_size={cfg.env.batch_size or max(1, cfg.env.num_envs // 2)}"
-    if "random" in todo or "policy" in todo:
-        bare = _bare_loop(cfg, seconds)
-    if "random" in todo:
-        emit(_record("random", f"env_steps_per_s[{cfg.env.id},{shape}]", _actor_rate(cfg, seconds, True), "steps/s", bare))
-    if "policy" in todo:
-        emit(_record("policy", f"env_steps_per_s[{cfg.env.id},{shape}]", _actor_rate(cfg, seconds, False), "steps/s", bare))
+    acting = [w for w in ("random", "policy") if w in todo]
+    if acting:  # each actor and the bare loop in alternating slices of one run
+        with contextlib.ExitStack() as stack:
+            steppers = {"bare": stack.enter_context(_bare_stepper(cfg))}
+            for w in acting:
+                steppers[w] = stack.enter_context(_actor_stepper(cfg, random_policy=w == "random"))
+            rate, _ = _alternating(steppers, seconds * len(steppers))
+        for w in acting:
+            emit(_record(w, f"env_steps_per_s[{cfg.env.id},{shape}]", rate[w], "steps/s", rate["bare"]))
     if "learner" in todo:
         run_cfg = OmegaConf.merge(
             cfg,
