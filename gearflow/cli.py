@@ -277,21 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Agents, env factories and obs transforms are named by import path: find a user's module in
-    # the current directory, as `python -m gearflow` does, then in the CONFIG file's directory
-    # (`gearflow train examples/custom_agent/my_dqn.yaml` finds my_dqn.py from anywhere); both
-    # after installed packages, so they shadow none. Actor processes are spawned with this
-    # sys.path, so they import it too.
+    # the current directory, as `python -m gearflow` does, after installed packages, so it shadows
+    # none; load_config adds the CONFIG file's directory and run.module_dirs (so `gearflow train
+    # examples/custom_agent/my_dqn.yaml` finds my_dqn.py from anywhere, and so do --resume and
+    # eval of its run). Actor processes are spawned with this sys.path, so they import it too.
     import os
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    search = [os.getcwd()]
-    config = getattr(args, "config", None)  # with --resume, "config" may be a KEY=VALUE override
-    if config and os.path.isfile(config):
-        search.append(os.path.dirname(os.path.abspath(config)))
-    for where in search:
-        if where not in sys.path:
-            sys.path.append(where)
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     verbosity = -1 if args.quiet else (1 if args.verbose else 0)
     setup_logging(verbosity)
     try:

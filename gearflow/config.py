@@ -228,6 +228,12 @@ class RunConfig:
     """Terminal progress: ``auto`` (a live panel on a TTY, log lines otherwise), ``live`` or ``log``."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory (next to metrics.jsonl/.csv)."""
+    module_dirs: list = field(default_factory=list)
+    """Directories searched, after installed packages, for the agent, env factory and obs transform
+    modules the config names (a relative one in a YAML file: from that file's directory). A config
+    file's own directory is searched too, and added here when the file does not set this key, so
+    a run's saved config finds them again (``--resume``, ``gearflow eval``, actor processes,
+    remote actors, Ray roles)."""
 
 
 @dataclass
@@ -346,7 +352,7 @@ def explain(cfg: DictConfig) -> str:
 
 def import_agent_module(name: str, key: str = "agent.name"):
     """The agent module ``name`` (an import path: ``agents.apex_dqn``, or a user's module found on
-    ``sys.path``, where the CLI also puts the config file's directory). The one place agent
+    ``sys.path``, where :func:`load_config` also puts ``run.module_dirs`` and the config file's directory). The one place agent
     modules are loaded: its ``Config`` here, its ``Agent`` in :func:`gearflow.agent.load_agent_class`.
     ``key`` starts the error message."""
     try:
@@ -447,8 +453,46 @@ def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, dict]]:
     return parsed
 
 
+def _module_dirs(path: Path | None, yaml_data: dict, parsed: list[tuple[str, dict]]) -> tuple[list[str], list[str]]:
+    """``(searched, recorded)``: ``run.module_dirs`` as absolute paths (the last that gives it wins,
+    as a merge would), then the config file's own directory — searched always, recorded in
+    ``run.module_dirs`` when the file does not set that key (a run's saved config does: reading
+    it back gives what was saved)."""
+    dirs: list[str] = []
+    for where, data, base in [(str(path), yaml_data, path.parent if path is not None else Path.cwd()),
+                              *((f"override '{i}'", d, Path.cwd()) for i, d in parsed)]:  # fmt: skip
+        run = data.get("run")
+        if not isinstance(run, dict) or "module_dirs" not in run:
+            continue
+        given = run["module_dirs"]
+        if not isinstance(given, (list, tuple)) or not all(isinstance(d, str) and d for d in given):
+            raise ConfigError(f"{where}: run.module_dirs must be a list of directory paths, got {given!r}")
+        dirs = [str((base / Path(d).expanduser()).resolve()) for d in given]
+    recorded = list(dict.fromkeys(dirs))
+    if path is None:
+        return recorded, recorded
+    own = str(path.resolve().parent)
+    if "module_dirs" not in (yaml_data.get("run") or {}):
+        recorded = list(dict.fromkeys([*recorded, own]))
+    return list(dict.fromkeys([*recorded, own])), recorded
+
+
+def use_module_dirs(dirs: Sequence[str]) -> None:
+    """Append ``dirs`` (``run.module_dirs``) to ``sys.path`` after what is there, so a user's
+    modules are found and shadow no installed package; a directory missing here (a run's config
+    read on another machine) is skipped."""
+    import os
+    import sys
+
+    for d in dirs:
+        if d not in sys.path and os.path.isdir(d):
+            sys.path.append(d)
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Defaults ← YAML file ← overrides, then validation. Raises :class:`ConfigError`."""
+    """Defaults ← YAML file ← overrides, then validation. Raises :class:`ConfigError`.
+    The modules the config names are searched for in ``run.module_dirs`` and the file's own
+    directory too (added to ``sys.path``, after installed packages)."""
     yaml_data = _read_yaml(Path(path)) if path is not None else {}
     parsed = _parse_overrides(overrides)
     source = str(path) if path is not None else "defaults"
@@ -456,6 +500,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         if group not in GearflowConfig.__dataclass_fields__:
             valid = ", ".join(GearflowConfig.__dataclass_fields__)
             raise ConfigError(f"{source}: unknown group '{group}'; valid groups: {valid}")
+    searched, module_dirs = _module_dirs(Path(path) if path is not None else None, yaml_data, parsed)
+    use_module_dirs(searched)
 
     agent_name, agent_source = DEFAULT_AGENT, "defaults"
     for where, data in [(source, yaml_data), *((f"override '{i}'", d) for i, d in parsed)]:
@@ -488,6 +534,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         provenance.update({key: f"override '{item}'" for key in _leaf_keys(data)})
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "gearflow"
+    cfg.run.module_dirs = module_dirs
     validate(cfg, provenance)
     return cfg
 

@@ -605,3 +605,40 @@ def test_parse_period(text, want):
 def test_a_gpu_by_index_is_a_valid_device():
     cfg = load_config(CARTPOLE, ["learner.device=cuda:1", "replay.device=cuda:1", "actor.device=cpu"])
     assert (cfg.learner.device, cfg.replay.device) == ("cuda:1", "cuda:1")
+
+
+# ------------------------------------------------------------------ run.module_dirs
+
+
+def test_module_dirs_find_an_agent_module_and_are_recorded(tmp_path, monkeypatch):
+    """An agent module in a directory named by run.module_dirs (relative to the YAML file) is
+    imported; the file's own directory is recorded too; a saved config reads back the same."""
+    name = f"agent_{uuid.uuid4().hex[:8]}"  # never imported before: only module_dirs can find it
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / f"{name}.py").write_text((Path(__file__).parents[1] / "examples" / "custom_agent" / "my_dqn.py").read_text())
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    cfg_dir = tmp_path / "cfgs"
+    cfg_dir.mkdir()
+    path = _write_yaml(cfg_dir / "mine.yaml", f"agent:\n  name: {name}\nrun:\n  module_dirs: [../lib]\n")
+    cfg = load_config(path)
+    assert cfg.agent.name == name and list(cfg.run.module_dirs) == [str(lib.resolve())]
+    assert str(lib.resolve()) in sys.path and str(cfg_dir.resolve()) in sys.path  # both searched
+    plain = _write_yaml(cfg_dir / "plain.yaml", "run:\n  seed: 3\n")  # no module_dirs: its directory recorded
+    assert list(load_config(plain).run.module_dirs) == [str(cfg_dir.resolve())]
+    monkeypatch.chdir(tmp_path)
+    assert list(load_config(plain, ["run.module_dirs=[lib]"]).run.module_dirs) == [str(lib.resolve()), str(cfg_dir.resolve())]
+    saved = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert OmegaConf.to_container(load_config(saved)) == OmegaConf.to_container(cfg)
+
+
+@pytest.mark.parametrize("value", ["lib", "[1]", "['']"])
+def test_module_dirs_must_be_a_list_of_paths(value):
+    with pytest.raises(ConfigError, match=r"run.module_dirs must be a list of directory paths"):
+        load_config(None, [f"run.module_dirs={value}"])
+
+
+def test_an_agent_module_nowhere_on_the_path_is_one_line(tmp_path):
+    path = _write_yaml(tmp_path / "x.yaml", f"agent:\n  name: agent_{uuid.uuid4().hex[:8]}\n")
+    with pytest.raises(ConfigError, match=r"agent.name: cannot import agent module 'agent_"):
+        load_config(path)

@@ -71,3 +71,30 @@ def test_the_agent_next_to_its_config_is_found_from_any_directory(tmp_path, wher
     # learner got to an update in 1,500 steps depends on the machine's load: not asserted)
     assert summary["stop_reason"] == "reached run.max_env_steps=1500"
     assert summary["actor/restarts"] == 0, "an actor process died (could it import my_dqn?)"
+
+
+@pytest.mark.slow
+def test_a_run_of_an_agent_next_to_its_config_resumes_and_evaluates_from_another_directory(tmp_path):
+    """Trained from the repository root with the README's relative path, the run records where
+    my_dqn.py was found (run.module_dirs in its config.yaml); `gearflow train --resume` and
+    `gearflow eval` of it, started in another directory, import it from there."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = tmp_path / "run"
+    common = ["run.max_seconds=200", "replay.min_size_to_sample=200", "learner.batch_size=32", "run.progress=log"]
+    proc = subprocess.run([*gearflow_command(), "train", "examples/custom_agent/my_dqn.yaml", "run.max_env_steps=1500",
+                           *common, f"run.dir={run}"], capture_output=True, text=True, timeout=280, cwd=ROOT,
+                          env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(EXAMPLE) in (run / "config.yaml").read_text()  # run.module_dirs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([*gearflow_command(), "train", "--resume", str(run), "run.max_env_steps=3000"],
+                          capture_output=True, text=True, timeout=280, cwd=elsewhere, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["stop_reason"] == "reached run.max_env_steps=3000"
+    assert summary["actor/restarts"] == 0, "an actor process died (could it import my_dqn?)"
+    proc = subprocess.run([*gearflow_command(), "eval", str(run), "--episodes", "2"], capture_output=True, text=True,
+                          timeout=280, cwd=elsewhere, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["eval/episodes"] == 2

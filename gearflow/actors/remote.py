@@ -58,7 +58,10 @@ def _learner_config(text: str, local) -> Any:
     None) must agree with it on the env and the agent."""
     from omegaconf import OmegaConf
 
+    from gearflow.config import use_module_dirs
+
     cfg = OmegaConf.create(text)
+    use_module_dirs(cfg.run.get("module_dirs") or [])  # where they exist here too
     if local is None:
         return cfg
     for group in ("env", "agent"):

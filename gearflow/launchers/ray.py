@@ -58,7 +58,11 @@ def require_ray():
 
 
 def _cfg(cfg_yaml: str) -> DictConfig:
-    return OmegaConf.create(cfg_yaml)
+    from gearflow.config import use_module_dirs
+
+    cfg = OmegaConf.create(cfg_yaml)
+    use_module_dirs(cfg.run.get("module_dirs") or [])  # a user's agent module, found as by the driver
+    return cfg
 
 
 def _logging() -> None:
