@@ -14,3 +14,10 @@ class MissingDependencyError(GearflowError, ImportError):
 
     The message is one line that says what needs it and how to install it.
     """
+
+
+class CheckpointNotWritten(GearflowError):
+    """A run's final checkpoint could not be written (a full or read-only disk): the message names
+    the checkpoint ``--resume`` continues from instead. ``gearflow train`` exits 4."""
+
+    exit_code = 4

@@ -27,6 +27,8 @@ Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
     2    a user error (config, run directory, checkpoint): one line, nothing started or left
     3    an actor failed more than ``actor.max_restarts`` times: the final checkpoint is
          written and ``--resume`` continues the run
+    4    the final checkpoint could not be written (a full or read-only disk): the error
+         names the last checkpoint written, from which ``--resume`` continues
     130  stopped by SIGINT, 143 by SIGTERM (128 + the signal, as a shell reports it), after
          the final checkpoint: ``--resume`` continues the run
 """
@@ -48,7 +50,7 @@ from gearflow.actors.base import env_seed
 from gearflow.agent import make_agent, resolve_device
 from gearflow.config import save_config
 from gearflow.envs import make_vec_env
-from gearflow.errors import ConfigError, GearflowError
+from gearflow.errors import CheckpointNotWritten, ConfigError, GearflowError
 from gearflow.geometry import replay_geometry
 from gearflow.launchers.local import ActorFailed, LocalLauncher
 from gearflow.learner import BetaSchedule, Learner, Prefetcher, Progress, SerialBatches
@@ -328,13 +330,23 @@ class Runner:
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
             metrics_log.write(summary)
+            unsaved = None
             if learner.checkpoints_on:  # SIGTERM/SIGINT included: resume continues here
-                summary["checkpoint"] = str(learner.save_checkpoint(metric_offsets=before_summary))
+                try:
+                    summary["checkpoint"] = str(learner.save_checkpoint(metric_offsets=before_summary))
+                except OSError as exc:  # a full or read-only disk: the checkpoints before it stay
+                    unsaved = self._unsaved(exc)
+                    summary["checkpoint_error"] = str(unsaved)
             if self.stop_signal:
                 summary["stop_signal"] = signal.Signals(self.stop_signal).name
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            try:
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            except OSError as exc:
+                log.error("summary.json not written: %s", exc)
             if self._failure is not None:
                 raise self._explain(self._failure, summary)
+            if unsaved is not None:
+                raise unsaved
             return summary
         finally:
             self._stop.set()
@@ -358,6 +370,13 @@ class Runner:
                 file_log.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _unsaved(self, exc: OSError) -> CheckpointNotWritten:
+        """The error of a final checkpoint that could not be written, naming the one to resume from."""
+        last = self.checkpoints.paths()
+        where = (f"gearflow train --resume {self.run_dir} continues from {last[0].name}" if last
+                 else "no earlier checkpoint of this run exists")  # fmt: skip
+        return CheckpointNotWritten(f"the final checkpoint could not be written ({exc}); {where}")
 
     def _explain(self, failure: ActorFailed, summary: dict) -> ActorFailed:
         self._drain()  # the actor's own traceback, if it sent one

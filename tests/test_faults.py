@@ -292,6 +292,25 @@ def test_actor_restarts_exhausted_checkpoint_and_resume(tmp_path):
 
 
 @needs_mount
+@pytest.mark.parametrize("free_kib", [0, 20, 44, 68, 92])
+def test_a_checkpoint_that_fills_the_disk_is_an_oserror_and_leaves_nothing(tmp_path, free_kib):
+    """Whichever byte of learner.pt finds the disk full — none written, or a part (torch's zip
+    writer then fails again while closing, as a RuntimeError) — the save raises an OSError (what
+    the learner treats as "not written, training goes on"), removes its partial files and keeps
+    the checkpoint before it."""
+    with tmpfs(tmp_path / "d", "1m") as d:
+        ck = RunCheckpoints(d / "checkpoints")
+        first = ck.save(1, {"agent": {"w": torch.ones(4)}, "rng": rng_states()}, {"updates": 1})
+        filler = d / "filler"
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(d).free - free_kib * 1024)
+        with pytest.raises(OSError):
+            ck.save(2, {"agent": {"w": torch.zeros(64 * 1024)}, "rng": rng_states()}, {"updates": 2})  # 256 KiB
+        assert ck.paths() == [first] and sorted(p.name for p in (d / "checkpoints").iterdir()) == [first.name]
+        assert RunCheckpoints.load(first).runner == {"updates": 1}
+
+
+@needs_mount
 def test_periodic_checkpoint_on_a_full_then_read_only_disk(tmp_path):
     run = tmp_path / "run"
     ckdir = run / "checkpoints"
@@ -350,6 +369,28 @@ def test_periodic_checkpoint_on_a_full_then_read_only_disk(tmp_path):
         assert first.exists() or len(RunCheckpoints(ckdir).paths()) == 3  # rotated out only by newer ones
         summary = json.loads(out.strip().splitlines()[-1])
         assert summary["stop_signal"] == "SIGTERM" and Path(summary["checkpoint"]).is_dir()
+
+
+@needs_mount
+def test_a_final_checkpoint_on_a_full_disk_is_one_line_and_exit_4(tmp_path):
+    """The run ends but its final checkpoint cannot be written (the checkpoints' disk is full):
+    `gearflow train` says so in one line naming what --resume would continue from, writes the
+    summary with the error, and exits 4 — not a traceback, not 0."""
+    run = tmp_path / "run"
+    ckdir = run / "checkpoints"
+    with tmpfs(ckdir, "1m"):
+        with open(ckdir / "filler", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(ckdir).free)
+        cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *SERIAL, f"run.dir={run}",
+               "run.max_env_steps=400", "run.checkpoint_every=1h"]  # fmt: skip
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+        assert r.returncode == 4, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+        assert ("gearflow train: error: the final checkpoint could not be written ([Errno 28] No space left on device"
+                in r.stderr and "no earlier checkpoint of this run exists" in r.stderr), r.stderr[-2000:]
+        assert RunCheckpoints(ckdir).paths() == [] and not list(ckdir.glob("*.tmp-*"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "reached run.max_env_steps=400" and "No space left" in summary["checkpoint_error"]
 
 
 # ------------------------------------------------------------------ rows 5 and 10: missing replay, bad manifests

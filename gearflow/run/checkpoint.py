@@ -126,6 +126,21 @@ class Checkpoint:
         return d if d.is_dir() else None
 
 
+def _save_torch(obj: Any, f) -> None:
+    """``torch.save(obj, f)``, where a failed write (a full disk) is an :class:`OSError`: torch's
+    zip writer reports one as a ``RuntimeError`` when the file's buffer took part of a record
+    ("unexpected pos ..."), raised while closing, over the ``OSError`` that caused it."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as exc:
+        seen: BaseException | None = exc
+        while seen is not None and not isinstance(seen, OSError):
+            seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            raise
+        raise OSError(seen.errno, f"{seen.strerror or seen} (writing {getattr(f, 'name', 'learner.pt')})") from exc
+
+
 class RunCheckpoints:
     """The ``checkpoints`` directory of a run: atomic saves, rotation, newest-valid loading."""
 
@@ -156,7 +171,7 @@ class RunCheckpoints:
         tmp.mkdir()
         try:
             with open(tmp / "learner.pt", "wb") as f:  # a full disk is an OSError (a path: RuntimeError)
-                torch.save(learner, f)
+                _save_torch(learner, f)
             (tmp / "runner.json").write_text(json.dumps(runner, indent=1))
             extra = []
             if table is not None:
