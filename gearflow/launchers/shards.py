@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.reports import fold_report
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
+from gearflow.transport.remote import LEARNER_PREFETCH
 
 log = logging.getLogger("gearflow.runner")
 
@@ -181,7 +182,7 @@ class RemoteShards:
             if self.choice.transport == "rdma":
                 self.sampler = self._rdma_sampler(cfg)
             else:
-                self.sampler = RemoteSampler(self.addresses, token, prefetch=1, timeout_s=self.timeout_s,
+                self.sampler = RemoteSampler(self.addresses, token, prefetch=LEARNER_PREFETCH, timeout_s=self.timeout_s,
                                              num_buffers=int(cfg.learner.prefetch) + 2,
                                              seed=cfg.run.seed if seed is None else seed, loop=str(t.loop))  # fmt: skip
             log.info("learner samples %d shard node(s) %s over %s (%s)", len(self.clients), ", ".join(self.addresses),

@@ -16,8 +16,9 @@ take turns), so load that comes and goes on a shared machine hits both alike.
   to the shard): env steps/s and the ratios.
 * ``actor``: the Ape-X actor itself (EnvPool CartPole) locally, through a RemoteWriter and
   through a ShippingWriter: env steps/s and the ratios.
-* ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, against a raw
-  TCP socket moving the same bytes per request (request → that many bytes back): batches/s,
+* ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, requested
+  ``LEARNER_PREFETCH`` rounds ahead as a learner over shard nodes does, against a raw TCP
+  socket moving the same bytes per request (request → that many bytes back): batches/s,
   GB/s and the ratio.
 * ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
   with the raw socket's round trip of the same bytes as floor.
@@ -34,7 +35,7 @@ import numpy as np
 
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
 from gearflow.replay.items import Transition
-from gearflow.transport.remote import RemoteSampler, RemoteWriter, ShippingWriter
+from gearflow.transport.remote import LEARNER_PREFETCH, RemoteSampler, RemoteWriter, ShippingWriter
 from gearflow.transport.shard import ShardService
 
 TOKEN = "gearflow-bench-token"
@@ -218,7 +219,7 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
                      stream=s)  # fmt: skip
             w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
         w.close()
-        sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=1)
+        sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=LEARNER_PREFETCH)  # as a learner samples
         b0 = sampler.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
