@@ -280,11 +280,14 @@ def _check_batch(kind_name: str, P: int, starts: np.ndarray, sample) -> tuple[in
 
 
 def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2, batch_size: int = 128,
-          seed: int = 0, min_redraws: int = 0, trust_reach: bool = True) -> dict[str, int | float]:  # fmt: skip
-    """Sample under a concurrent writer for ``seconds`` (on until ``min_redraws`` redraws, at
-    most 3 × as long); counts of rows checked and wrong. ``trust_reach=False`` puts back the
-    rule without the stack's reach (first step ≥ RESERVE - S): the check must then find torn
-    stacks (it is what proves the check can see them)."""
+          seed: int = 0, min_redraws: int = 0, trust_reach: bool = True, min_torn_stacks: int = 0,
+          max_seconds: float | None = None) -> dict[str, int | float]:  # fmt: skip
+    """Sample under a concurrent writer for ``seconds`` (on until ``min_redraws`` redraws and
+    ``min_torn_stacks`` torn stacks are seen, at most ``max_seconds``, default 3 × as long);
+    counts of rows checked and wrong. ``trust_reach=False`` puts back the rule without the
+    stack's reach (first step ≥ RESERVE - S): the check must then find torn stacks (it is what
+    proves the check can see them)."""
+    limit = 3 * seconds if max_seconds is None else max(float(max_seconds), seconds)
     spec = TableSpec.parse({"obs": f"uint8[{STACK},{FRAME[0]},{FRAME[1]}] stack={STACK}", "stamp": "int64"})
     storage = SharedStorage.create(spec, partitions, steps)
     P, R = storage.num_partitions, storage.items_per_partition
@@ -295,7 +298,7 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
     starts, _ = _cycle_items(kind_name)
     ctx = mp.get_context("spawn")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_stress_writer, args=(storage.name, kind_name, 3 * seconds + 5, go, stop, out), daemon=True)
+    proc = ctx.Process(target=_stress_writer, args=(storage.name, kind_name, limit + 5, go, stop, out), daemon=True)
     rows = bad_keys = torn_rows = batches = 0
     rng = np.random.default_rng(seed)
     try:
@@ -305,7 +308,7 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
         begin = time.perf_counter()
         while proc.is_alive():
             elapsed = time.perf_counter() - begin
-            if elapsed > 3 * seconds or (elapsed > seconds and table.torn >= min_redraws):
+            if elapsed > limit or (elapsed > seconds and table.torn >= min_redraws and torn_rows >= min_torn_stacks):
                 break
             s = table.sample(batch_size)
             k, t = _check_batch(kind_name, P, starts, s)
@@ -313,7 +316,7 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
             table.update_priorities(s.keys, rng.random(batch_size) + 0.01)
         elapsed = time.perf_counter() - begin
         stop.set()
-        written = out.get(timeout=3 * seconds + 60)
+        written = out.get(timeout=limit + 60)
         proc.join(timeout=30)
     finally:
         if proc.is_alive():
