@@ -40,8 +40,8 @@ def test_redraw_keeps_the_records_of_rows_it_did_not_redraw(make_table):
     table.scan()
     real_gather, calls = table._gather, []
 
-    def gather_then_write(slots, rec, out, only=None):
-        real_gather(slots, rec, out, only)
+    def gather_then_write(slots, rec, out, only=None, tensors=None):
+        real_gather(slots, rec, out, only, tensors)
         if not calls:  # between the first gather and its seqlock check, a writer laps
             # the step ring past item 0's step (so some row is torn and redrawn) and
             # the record ring (so every slot now names a newer item)

@@ -390,11 +390,11 @@ class OverwritingTable(Table):
 
     during_gather = None
 
-    def _gather(self, slots, rec, out, only=None):
+    def _gather(self, slots, rec, out, only=None, tensors=None):
         if self.during_gather is not None:
             fn, self.during_gather = self.during_gather, None
             fn()
-        return super()._gather(slots, rec, out, only)
+        return super()._gather(slots, rec, out, only, tensors)
 
 
 def _torn_setup(make_table, selector, kind):

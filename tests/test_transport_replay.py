@@ -64,12 +64,16 @@ def shard_of():
         s.stop()
 
 
-def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of, tmp_path):
+@pytest.mark.parametrize("wire", [None, 0], ids=["gathered", "out-of-segment"])
+def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of, tmp_path, wire):
+    """``wire=0``: the shard sends every column's rows straight out of its segment (the path
+    of wide columns such as frames), not gathered into the table's buffers."""
     E, S, n = 4, 64, 3
     kw = dict(spec=APEX, P=E, S=S, selector="prioritized", kind=Transition(next_columns=("obs",)),
               selector_kwargs={"alpha": 0.6, "beta": 0.4})  # fmt: skip
     local, served = make_table(**kw), make_table(**kw)
-    shard, port = shard_of(served)
+    shard, port = shard_of(served, wire_min_row_bytes=wire)
+    assert shard.wire.columns == ([] if wire is None else list(APEX))
     remote = RemoteWriter(("127.0.0.1", port), num_streams=E, token=TOKEN, timeout_s=10, max_in_flight=2)
     assert isinstance(remote, WriterLike)
     assert remote.partitions.tolist() == list(range(E))

@@ -125,7 +125,18 @@ class ItemKind:
         raise NotImplementedError
 
     def gather(self, tensors: dict[str, torch.Tensor], out: dict[str, torch.Tensor], rows: dict[str, np.ndarray], lengths: np.ndarray) -> None:
+        """Fill ``out`` from the storage ``tensors`` (only the columns ``tensors`` holds: a
+        column left out is left to :meth:`wire_rows`)."""
         raise NotImplementedError
+
+    def wire_rows(self, columns, rows: dict[str, np.ndarray], lengths: np.ndarray) -> dict[str, tuple[str, np.ndarray, np.ndarray | None]] | None:
+        """Where each row of the outputs of storage ``columns`` comes from, for a reader that
+        copies the storage's rows itself (the shard service writes them to the socket without
+        a gather): ``{output: (column, flat storage rows (N,), zero (N,) bool or None)}``, the
+        N rows of the output flattened over its leading item dimensions; a ``zero`` row is
+        sent as zeros (padding). Stacked-frame columns are never listed (they are gathered as
+        usual). None: this kind has no such map (every column is gathered)."""
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -164,11 +175,24 @@ class Transition(ItemKind):
             else:
                 torch.index_select(src, 0, first, out=dst)  # (B, *shape)
         for name in self.next_columns:
+            if name not in tensors:
+                continue  # left to wire_rows
             src, dst = gatherable(tensors[name]), gatherable(out["next_" + name])
             if name in stacks:
                 torch.index_select(src, 0, _flat_index(stacks[name][1]), out=dst.view(-1, *src.shape[1:]))
             else:
                 torch.index_select(src, 0, last, out=dst)
+
+    def wire_rows(self, columns, rows, lengths):
+        stacked = rows.get("stacks") or {}
+        out = {}
+        for col in columns:
+            if col in stacked:
+                continue
+            out[col] = (col, rows["first"], None)
+            if col in self.next_columns:
+                out["next_" + col] = (col, rows["last"], None)
+        return out
 
     def to_dict(self):
         return {"kind": self.name, "next_columns": list(self.next_columns)}
@@ -222,6 +246,16 @@ class Sequence(ItemKind):
             return {"window": (parts * S + first)[:, None] + self._arange(T)}  # step_rows without a wrap
         offs = np.minimum(self._arange(T), (lengths - 1)[:, None])  # (B, T): padding repeats the last step
         return {"window": step_rows(parts[:, None], starts[:, None] + offs, S)}
+
+    def wire_rows(self, columns, rows, lengths):
+        stacked = rows.get("stacks") or {}
+        window = rows["window"]  # (B, T): padding repeats the last step's row
+        B, T = window.shape
+        zero = None
+        if lengths.min() < T:
+            zero = (self._arange(T)[None, :] >= lengths[:, None]).reshape(-1)
+        flat = window.reshape(-1)
+        return {col: (col, flat, zero) for col in columns if col not in stacked}
 
     def _arange(self, T: int) -> np.ndarray:
         cached = self.__dict__.get("_arange_cache")

@@ -311,17 +311,25 @@ class Table(TableIngest):
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """Draw a batch with the selector; blocks while the rate limiter says so."""
+        return self._draw(batch_size, timeout_s)[0]
+
+    def _draw(self, batch_size: int, timeout_s: float | None, tensors: dict | None = None):
+        """:meth:`sample`, returning ``(sample, slots, records)``; ``tensors`` (default every
+        column's): the storage columns gathered into the batch, the others left for the
+        caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self.scan()
         self.wait_until_ready(batch_size, timeout_s)
         if self._device is not None:
-            return self._sample_on_device(batch_size, timeout_s)
+            if tensors is not None:
+                raise ValueError("a device table gathers every column on the GPU")
+            return self._sample_on_device(batch_size, timeout_s), None, None
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self._buffers_for(batch_size)
         rec = self._records(slots)  # (3, B): start, seq, length
-        self._gather(slots, rec, out)
+        self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)
         deadline, masses = None, None
         while bad.size:
@@ -340,17 +348,32 @@ class Table(TableIngest):
             # into slots that other rows still hold, and those rows keep the records (and so
             # the keys) of the items they gathered
             rec[:, bad] = self._records(fresh.slots)
-            self._gather(slots, rec, out, only=bad)
+            self._gather(slots, rec, out, only=bad, tensors=tensors)
             bad = bad[self._torn(slots[bad], rec[:, bad])]
         self.samples += batch_size
         self._publish_insert_limit()
         keys = rec[1] * self._P + slots // self._R
-        return Sample(
+        sample = Sample(
             data=out,
             keys=torch.from_numpy(keys),
             weights=torch.from_numpy(np.asarray(weights, dtype=np.float32)),
             probabilities=torch.from_numpy(np.asarray(probs, dtype=np.float64)),
         )
+        return sample, slots, rec
+
+    def rows_of(self, slots: np.ndarray, rec: np.ndarray) -> tuple[dict, np.ndarray]:
+        """The item kind's storage rows of the items at ``slots`` (records ``rec`` as
+        :meth:`_draw` returns them) and their lengths."""
+        stack = {} if self._stacks is None else {"stacks": self._stacks}
+        return self.kind.rows(slots // self._R, rec[0], rec[2], self._S, **stack), rec[2]
+
+    def overwritten(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
+        """Positions of the items (drawn at ``slots`` with records ``rec``) whose steps writers
+        may have overwritten since the draw: the seqlock rule of the gather, without its
+        shortcut (a scan since the draw must not hide them), for a reader that copied the rows
+        after the draw."""
+        reserve = self.storage.counters[:, RESERVE]
+        return np.flatnonzero(rec[0] < reserve[slots // self._R] - self._S_trust)
 
     def _evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
@@ -381,7 +404,9 @@ class Table(TableIngest):
         _hotpath.take_rows(self._slot_rec, 3, slots, rec)
         return rec
 
-    def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None) -> None:
+    def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None,
+                tensors: dict | None = None) -> None:  # fmt: skip
+        tensors = self.storage.tensors if tensors is None else tensors
         parts = slots // self._R
         starts, lengths = rec[0], rec[2]
         stack = {} if self._stacks is None else {"stacks": self._stacks}
@@ -394,7 +419,7 @@ class Table(TableIngest):
                 torch.set_num_threads(n)
             t0 = time.perf_counter()
             try:
-                self.kind.gather(self.storage.tensors, out, rows, lengths)
+                self.kind.gather(tensors, out, rows, lengths)
             finally:
                 if n != before:
                     torch.set_num_threads(before)
@@ -403,7 +428,7 @@ class Table(TableIngest):
         # replacements: gather the few redrawn items, then place them (rare path)
         sub = {k: torch.empty((only.size, *v.shape[1:]), dtype=v.dtype) for k, v in out.items()}
         p, s, n = parts[only], starts[only], lengths[only]
-        self.kind.gather(self.storage.tensors, sub, self.kind.rows(p, s, n, self._S, **stack), n)
+        self.kind.gather(tensors, sub, self.kind.rows(p, s, n, self._S, **stack), n)
         idx = torch.from_numpy(only)
         for k, v in out.items():
             gatherable(v).index_copy_(0, idx, gatherable(sub[k]))

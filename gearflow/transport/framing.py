@@ -21,7 +21,8 @@ frames are read into one reused staging buffer and parsed out of it; a large buf
 block is read straight into its destination (``alloc(nbytes)``, a pooled buffer on
 the service side), so uvloop's ``recv_into`` fills it without an intermediate copy.
 Sending (:func:`encode`): a list ``[header + envelope, buf0, pad, buf1, ...]`` of
-bytes and ``memoryview`` s of the arrays themselves, for ``transport.writelines``
+bytes and ``memoryview`` s of the arrays themselves (a :class:`Chunks` buffer: its pieces,
+say rows of a shared-memory column), for ``transport.writelines``
 (uvloop: one ``writev``, no copy). The arrays must not change until the transport
 has drained them.
 
@@ -59,6 +60,7 @@ __all__ = [
     "VERSION",
     "FrameError",
     "FrameLimits",
+    "Chunks",
     "FrameReader",
     "FramedProtocol",
     "as_array",
@@ -126,13 +128,32 @@ def as_array(x: Any) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
+class Chunks:
+    """One buffer of a frame sent as several byte pieces (``memoryview`` s: rows of a
+    shared-memory column, say), declared to the receiver as an array of ``dtype`` and
+    ``shape``: the pieces' bytes must add up to its size. The receiver sees one array."""
+
+    __slots__ = ("dtype", "shape", "parts", "nbytes", "ndim")
+
+    def __init__(self, dtype: Any, shape: Sequence[int], parts: list):
+        self.dtype, self.shape, self.parts = np.dtype(dtype), tuple(int(n) for n in shape), parts
+        self.ndim = len(self.shape)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        got = sum(p.nbytes for p in parts)
+        if got != self.nbytes:
+            raise ValueError(f"pieces of {got} bytes for a {self.dtype.name}{list(self.shape)} buffer of {self.nbytes}")
+        if self.dtype.name not in DTYPES:
+            raise FrameError(f"buffer dtype {self.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
+
+
 def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequence[Any] = (),
            limits: FrameLimits | None = None) -> list:
     """The parts of one frame for ``transport.writelines``: the header and envelope as one bytes
-    object, then each buffer's bytes (a view of the array: no copy) and its padding.
+    object, then each buffer's bytes (a view of the array, or a :class:`Chunks` ' pieces: no
+    copy) and its padding.
 
     Raises :class:`FrameError` for a frame the receiver's ``limits`` would refuse."""
-    arrays = [as_array(b) for b in buffers]
+    arrays = [b if type(b) is Chunks else as_array(b) for b in buffers]
     descr, total = [], 0
     for a in arrays:
         total = _align(total) + a.nbytes
@@ -150,7 +171,9 @@ def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequ
         pad = _align(pos) - pos
         if pad:
             parts.append(_ZEROS[:pad])
-        if a.nbytes:
+        if type(a) is Chunks:
+            parts.extend(a.parts)
+        elif a.nbytes:
             parts.append(memoryview(a.reshape(-1)).cast("B"))
         pos += pad + a.nbytes
     return parts

@@ -525,6 +525,7 @@ class RemoteSampler:
         self._stale = False  # a round failed: read the totals afresh before the next split
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
+        self.torn = 0  # items the shards marked torn in their replies, redrawn here
         self._buffers: list[dict[str, torch.Tensor]] = []
         self._buffer_batch, self._next = -1, 0
         infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
@@ -614,6 +615,7 @@ class RemoteSampler:
                 drawn[i] = max(float(meta["total"]), 0.0)  # the shard's total at its draw
                 if b:
                     replies.append((i, b, meta, bufs))
+            replies = [self._mend(r, timeout_s) for r in replies]
             s = drawn.sum()
             self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
             # the rounds ahead are requested after this round's replies: split by the totals they
@@ -631,6 +633,53 @@ class RemoteSampler:
                           keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                           probabilities=torch.from_numpy(probs))  # fmt: skip
         return self._combine(batch_size, q, parts, replies)
+
+    def _mend(self, reply: tuple, timeout_s: float) -> tuple:
+        """A reply sent out of the shard's segment ends with ``torn``: items a writer overwrote
+        while the reply was written. Each is replaced by a fresh draw from the same shard (until
+        none is torn), and the batch reweighed against the shard's newest total, as a local
+        table replaces torn items."""
+        i, b, meta, bufs = reply
+        if not meta.get("torn"):
+            return reply
+        *bufs, torn = bufs
+        bad = self._torn_of(i, torn, b)
+        if not bad.size:
+            return i, b, meta, bufs
+        masses = bufs[1] * max(float(meta["total"]), 0.0)  # each item's mass at its draw
+        m = {"timeout_s": timeout_s}
+        if self.selector.beta is not None:
+            m["beta"] = float(self.selector.beta)
+        deadline = time.monotonic() + timeout_s
+        while bad.size:
+            if time.monotonic() > deadline:  # as a local table gives up
+                raise RateLimiterTimeout(f"replay: writers kept overwriting the drawn items of shard {i} faster than "
+                                         f"they could be sent ({self.torn} redrawn so far); its rings are too small "
+                                         f"for the write rate")  # fmt: skip
+            self.torn += int(bad.size)
+            tag, fut = self._submit(i, "replay.sample", {**m, "batch_size": int(bad.size)}, timeout_s=timeout_s + self.timeout_s)
+            meta, fresh = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
+            self._note(i, tag, meta)
+            again = self._torn_of(i, fresh.pop(), bad.size) if meta.get("torn") else bad[:0]
+            for a, f in zip(bufs, fresh):
+                a[bad] = f
+            masses[bad] = fresh[1] * max(float(meta["total"]), 0.0)
+            bad = bad[again]
+        total = max(float(meta["total"]), 0.0)
+        if total > 0:
+            np.divide(masses, total, out=bufs[1])  # one normalisation, against the shard now
+            beta = self.selector.beta if self.selector.beta is not None else meta.get("beta")
+            if beta is not None and self.selector.importance_sampled:
+                w = (float(meta["count"]) * bufs[1]) ** -float(beta)
+                bufs[2][:] = w / w.max()
+        return i, b, meta, bufs
+
+    def _torn_of(self, i: int, torn: np.ndarray, b: int) -> np.ndarray:
+        """Positions a reply's ``torn`` buffer marks (checked: uint8, one per item)."""
+        if torn.dtype != np.uint8 or torn.shape != (b,):
+            raise ValueError(f"shard {i} ({self._clients[i].address_text}) sent a torn buffer of {torn.dtype}"
+                             f"{list(torn.shape)} for {b} items")  # fmt: skip
+        return np.flatnonzero(torn)
 
     def _out(self, batch_size: int, meta: dict, bufs: list) -> dict[str, torch.Tensor]:
         if batch_size != self._buffer_batch:

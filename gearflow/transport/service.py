@@ -9,7 +9,11 @@
 Handlers. ``register(name, handler)``: a handler takes ``(meta: dict, buffers: list[np.ndarray])``
 (``with_connection=True``: also the :class:`Connection`) and returns ``(meta, buffers)``, or
 ``(meta, buffers, on_sent)`` where ``on_sent()`` is called once the reply's buffers have left
-the transport (until then they must not change), or ``None`` (an empty reply). The request's
+the transport (until then they must not change), or ``(meta, buffers, on_sent, tail)``: the
+last buffer (non-empty) is written only once everything before it has left the process and
+``tail()`` has filled it in place — a trailer that can say what happened while the rest was
+written (the shard's torn items); no other reply of the connection starts before it — or
+``None`` (an empty reply). The request's
 buffers are views of a pooled receive buffer: valid only during the call (copy to keep).
 Sync handlers run in the service's thread pool (they may block: rate limiters, locks);
 ``inline=True`` runs a quick one on the loop (no thread hop) — one that finds it would block
@@ -268,7 +272,7 @@ class _ServerProtocol(FramedProtocol):
                 return
             rid, op, meta, arrays, block = item
             h = svc._handlers.get(op)
-            on_sent = None
+            on_sent = tail = None
             try:
                 if h is None:
                     raise KeyError(f"no handler for message type {op!r} (registered: {sorted(svc._handlers)[:20]})")
@@ -287,6 +291,8 @@ class _ServerProtocol(FramedProtocol):
                                                             if h.inline else functools.partial(h.fn, *args))  # fmt: skip
                 if result is None:
                     meta_out, bufs = {}, []
+                elif len(result) == 4:
+                    meta_out, bufs, on_sent, tail = result
                 elif len(result) == 3:
                     meta_out, bufs, on_sent = result
                 else:
@@ -299,6 +305,7 @@ class _ServerProtocol(FramedProtocol):
                 if on_sent is not None:
                     on_sent()
                     on_sent = None
+                tail = None
                 name = type(exc).__name__
                 message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
                 log.debug("transport: %s from %s failed: %s: %s", op, self.conn.peer, name, message)
@@ -307,7 +314,24 @@ class _ServerProtocol(FramedProtocol):
             finally:
                 del arrays
                 self.pool.put(block)
-            self.send(parts, functools.partial(self._replied, on_sent))
+            if tail is None:
+                self.send(parts, functools.partial(self._replied, on_sent))
+                continue
+            # the last buffer is written once the rest has drained (left the process) and
+            # ``tail`` has filled it; no other reply may start before it on this connection
+            done = loop.create_future()
+            self.send(parts[:-1], functools.partial(self._tail, tail, parts[-1], on_sent, done))
+            await done
+
+    def _tail(self, tail: Callable[[], None], last, on_sent, done: asyncio.Future) -> None:
+        try:
+            tail()
+        except Exception:  # its reply cannot be completed truthfully: end the connection
+            log.exception("transport: completing a reply to %s failed; closing the connection", self.conn.peer)
+            self.transport.close()
+        self.send([last], functools.partial(self._replied, on_sent))
+        if not done.done():
+            done.set_result(None)
 
     def _replied(self, on_sent: Callable[[], None] | None) -> None:
         """A reply has drained: its request no longer counts; reading resumes below the limit."""

@@ -22,9 +22,13 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
 * ``replay.sample`` — the shard's own draw: keys, probabilities, IS weights, the data, and
   the shard's priority total and item count at the draw (under the table lock, after the
   scan the draw made): what a several-shard sampler needs to draw like one table (see
-  :mod:`gearflow.transport.remote`). The batch goes out of the table's own buffers (no copy);
-  sample ``j`` waits until the reply of sample ``j - num_buffers`` has left the socket,
-  since it reuses that buffer set.
+  :mod:`gearflow.transport.remote`). Wide columns (rows of ≥ ``wire_min_row_bytes``, 1024:
+  frames, observations) are not gathered: their rows go to the socket straight out of the
+  segment (:mod:`gearflow.transport.wire`), and the reply's last buffer ``torn`` (``"torn":
+  true`` in its meta), written after the rest has left the process, marks the items writers
+  overwrote meanwhile, for the sampler to redraw. The other columns go out of the table's
+  own buffers (no copy); sample ``j`` waits until the reply of sample ``j - num_buffers`` has
+  left the socket, since it reuses that buffer set.
 * ``replay.total`` — the total and count only (after a scan): a several-shard round's shard
   that was given no draw still reports them, so its share of the next split is current.
 * ``replay.update_priorities`` (replies with the total and count it left), ``replay.stats``,
@@ -65,6 +69,7 @@ from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import ServiceUnavailable, register_error
 from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
+from gearflow.transport.wire import WireRows
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +118,9 @@ class ShardService:
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  limits: ServiceLimits | None = None, loop: str = "auto",
                  checkpoint_dir: str | None = None, service: Service | None = None,
-                 learners: bool = True):  # fmt: skip
+                 learners: bool = True, wire_min_row_bytes: int | None = 1024):  # fmt: skip
         self.table, self.params = table, params
+        self.wire = WireRows(table, wire_min_row_bytes if learners else None)  # wide columns: out of the segment
         P = table.storage.num_partitions
         parts = list(range(P)) if partitions is None else [int(p) for p in partitions]
         if any(not 0 <= p < P for p in parts) or len(set(parts)) != len(parts):
@@ -303,6 +309,12 @@ class ShardService:
         """Draw a batch under the table lock; returns ``(sample, total, count, release)``: call
         ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule).
         ``deferred=False`` (on the service's loop): raise :class:`Defer` rather than wait."""
+        batch, _, _, total, count, release = self._draw(batch_size, timeout_s, beta, deferred, None)
+        return batch, total, count, release
+
+    def _draw(self, batch_size: int, timeout_s: float | None, beta: float | None, deferred: bool, tensors):
+        """:meth:`sample` gathering only ``tensors`` (None: every column), with the draw's slots
+        and records: ``(sample, slots, records, total, count, release)``."""
         t = self.table
         timeout_s = t.sample_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -322,13 +334,12 @@ class ShardService:
                 j = self._samples
             if beta is not None and t.selector.importance_sampled:
                 t.selector.beta = float(beta)
-            if deferred:
-                batch = t.sample(batch_size, timeout_s=max(0.0, deadline - time.monotonic()))
-            else:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
-                try:
-                    batch = t.sample(batch_size, timeout_s=0.0)
-                except RateLimiterTimeout:
-                    raise Defer from None
+            try:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
+                batch, slots, rec = t._draw(batch_size, max(0.0, deadline - time.monotonic()) if deferred else 0.0, tensors)
+            except RateLimiterTimeout:
+                if deferred:
+                    raise
+                raise Defer from None
             total, count = priority_total(t)
             self._samples = j + 1
             self._unsent.add(j)
@@ -340,20 +351,18 @@ class ShardService:
                 self._unsent.discard(j)
                 self.lock.notify_all()
 
-        return batch, total, count, release
+        return batch, slots, rec, total, count, release
 
     def _sample(self, meta: dict, bufs, deferred: bool = False):
         b = meta.get("batch_size")
         if type(b) is not int or b < 1:
             raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
-        beta = meta.get("beta")
-        timeout = meta.get("timeout_s")
-        batch, total, count, release = self.sample(b, timeout if isinstance(timeout, (int, float)) else None,
-                                                   beta if isinstance(beta, (int, float)) else None, deferred)  # fmt: skip
-        names = list(batch.data)
-        out = [batch.keys, batch.probabilities, batch.weights, *(batch.data[n] for n in names)]
-        beta_now = getattr(self.table.selector, "beta", None)
-        return {"names": names, "total": total, "count": count, "beta": beta_now}, out, release
+        beta, timeout = meta.get("beta"), meta.get("timeout_s")
+        batch, slots, rec, total, count, release = self._draw(
+            b, timeout if isinstance(timeout, (int, float)) else None, beta if isinstance(beta, (int, float)) else None,
+            deferred, self.wire.gathered)  # fmt: skip
+        meta = {"total": total, "count": count, "beta": getattr(self.table.selector, "beta", None)}
+        return self.wire.reply(batch, slots, rec, meta, release)
 
     def _total(self, meta: dict, bufs, deferred: bool = False):
         """The table's priority total and live count now (after a scan), as a draw would see them."""
@@ -387,6 +396,8 @@ class ShardService:
             writing = len(self._owner)
         stats.update(self.service.stats())
         stats["replay/remote_partitions"] = writing
+        if self.wire:
+            stats["replay/torn_resampled"] = stats.get("replay/torn_resampled", 0) + self.wire.torn
         return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count}, []
 
     def _checkpoint(self, meta: dict, bufs):

@@ -1,0 +1,111 @@
+"""Sample replies sent straight out of the shard's shared-memory segment.
+
+A learner's batch over TCP would otherwise be copied twice on the shard: gathered into the
+table's batch buffers, then into the socket. :class:`WireRows` leaves the wide columns
+(rows of at least ``min_row_bytes``: frames, observations) out of the gather and hands
+the socket the rows themselves — one ``memoryview`` per run of consecutive storage rows,
+written by ``writev`` — so the kernel's copy is the only one, as a raw socket's would be.
+
+The narrow columns, keys, probabilities and weights are gathered as before. Since the
+kernel reads the wide rows while the reply drains, a writer may overwrite them meanwhile:
+the reply's last buffer, ``torn`` (uint8, one per item), is filled only once everything
+before it has left the process (the service's reply *tail*), by the table's seqlock rule
+(:meth:`~gearflow.replay.table.Table.overwritten`). The sampler redraws the items marked
+there, as a local table redraws torn items (:class:`~gearflow.transport.remote.RemoteSampler`).
+
+    wire = WireRows(table, min_row_bytes=1024)
+    batch, slots, rec = table._draw(256, None, wire.gathered)      # under the table lock
+    meta, bufs, on_sent, tail = wire.reply(batch, slots, rec, {"total": ...}, release)
+    # bufs[-1] is torn: the service writes it after the rest, once tail() has filled it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from gearflow.replay.items import ItemKind
+from gearflow.transport.framing import Chunks
+
+__all__ = ["WireRows"]
+
+
+class WireRows:
+    """Which of ``table``'s columns a sample reply sends out of the segment, and the reply
+    buffers of one draw. ``columns``: none when the kind has no
+    :meth:`~gearflow.replay.items.ItemKind.wire_rows` map, or ``min_row_bytes`` is None."""
+
+    def __init__(self, table, min_row_bytes: int | None = 1024):
+        st = table.storage
+        self.table = table
+        stacked = st.spec.stacked or {}
+        kind_maps = type(table.kind).wire_rows is not ItemKind.wire_rows
+        self.columns: list[str] = []
+        if min_row_bytes is not None and kind_maps and not getattr(table, "_device", None):
+            self.columns = [c.name for c in st.spec if c.name not in stacked
+                            and st.columns[c.name][0].nbytes >= min_row_bytes]  # fmt: skip
+        # the storage columns the table gathers (one dict, kept: the kinds cache plans by it)
+        self.gathered = {n: t for n, t in st.tensors.items() if n not in self.columns} if self.columns else None
+        self._flat = {n: memoryview(st.columns[n].reshape(-1).view(np.uint8)) for n in self.columns}
+        self._row_bytes = {n: st.columns[n][0].nbytes for n in self.columns}
+        self._zeros = memoryview(np.zeros(0, np.uint8))
+        self.torn = 0  # items marked torn in replies (the sampler redraws them)
+
+    def __bool__(self) -> bool:
+        return bool(self.columns)
+
+    def reply(self, batch, slots: np.ndarray, rec: np.ndarray, meta: dict, release: Callable[[], None]) -> tuple:
+        """The ``replay.sample`` handler's result for a draw ``(batch, slots, rec)`` made with
+        :attr:`gathered`: ``meta`` with the output ``names``; the buffers — keys,
+        probabilities, weights, every output (the wide ones as :class:`Chunks` of segment
+        rows) — and ``release`` (the batch's buffer set is free once the reply is sent). With
+        wide columns, a last buffer ``torn`` (``meta["torn"]``) and the tail that fills it
+        once the rest has been written (counting the items it marks in :attr:`torn`)."""
+        names = list(batch.data)
+        bufs = [batch.keys, batch.probabilities, batch.weights]
+        if not self.columns:
+            return {**meta, "names": names}, [*bufs, *(batch.data[n] for n in names)], release
+        try:
+            rows, lengths = self.table.rows_of(slots, rec)
+            wired = self.table.kind.wire_rows(self.columns, rows, lengths)
+            for name in names:
+                out = batch.data[name]
+                w = wired.get(name)
+                if w is None:
+                    bufs.append(out)
+                    continue
+                col, idx, zero = w
+                pieces = self._pieces(self._flat[col], self._row_bytes[col], idx, zero)
+                bufs.append(Chunks(out.numpy().dtype, tuple(out.shape), pieces))
+        except BaseException:
+            release()
+            raise
+        torn = np.zeros(slots.size, np.uint8)
+
+        def tail() -> None:
+            bad = self.table.overwritten(slots, rec)
+            if bad.size:
+                torn[bad] = 1
+                self.torn += int(bad.size)
+
+        return {**meta, "names": names, "torn": True}, [*bufs, torn], release, tail
+
+    def _pieces(self, flat: memoryview, rb: int, idx: np.ndarray, zero: np.ndarray | None) -> list:
+        """Runs of consecutive rows ``idx`` (and of padding rows, ``zero``) as views."""
+        n = idx.size
+        cut = np.diff(idx) != 1
+        if zero is not None:
+            both = zero[1:] & zero[:-1]
+            cut = (cut & ~both) | (zero[1:] != zero[:-1])
+        starts = np.flatnonzero(np.concatenate(([True], cut)))
+        sizes = (np.append(starts[1:], n) - starts) * rb
+        first = idx[starts] * rb
+        if zero is None:
+            return [flat[a:a + m] for a, m in zip(first.tolist(), sizes.tolist())]
+        z = zero[starts].tolist()
+        need = int(sizes[zero[starts]].max()) if any(z) else 0
+        if need > self._zeros.nbytes:
+            self._zeros = memoryview(np.zeros(need, np.uint8))
+        zeros = self._zeros
+        return [zeros[:m] if zk else flat[a:a + m] for a, m, zk in zip(first.tolist(), sizes.tolist(), z)]
