@@ -46,6 +46,7 @@ from gearflow.replay import (
     Writer,
     make_selector,
 )
+from gearflow.replay.rate_limiter import RateLimiterTimeout
 
 Emit = Callable[[dict], None]
 COPY_SPEC = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool"}
@@ -281,12 +282,17 @@ def _check_batch(kind_name: str, P: int, starts: np.ndarray, sample) -> tuple[in
 
 def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2, batch_size: int = 128,
           seed: int = 0, min_redraws: int = 0, trust_reach: bool = True, min_torn_stacks: int = 0,
-          max_seconds: float | None = None) -> dict[str, int | float]:  # fmt: skip
-    """Sample under a concurrent writer for ``seconds`` (on until ``min_redraws`` redraws and
-    ``min_torn_stacks`` torn stacks are seen, at most ``max_seconds``, default 3 × as long);
-    counts of rows checked and wrong. ``trust_reach=False`` puts back the rule without the
-    stack's reach (first step ≥ RESERVE - S): the check must then find torn stacks (it is what
-    proves the check can see them)."""
+          max_seconds: float | None = None, min_batches: int = 0, sample_timeout_s: float = 5.0) -> dict[str, int | float]:  # fmt: skip
+    """Sample under a concurrent writer for ``seconds`` (on until ``min_redraws`` redraws,
+    ``min_torn_stacks`` torn stacks and ``min_batches`` batches are seen, at most
+    ``max_seconds``, default 3 × as long); counts of rows checked and wrong. ``trust_reach=False``
+    puts back the rule without the stack's reach (first step ≥ RESERVE - S): the check must
+    then find torn stacks (it is what proves the check can see them).
+
+    The writer laps these tiny rings every millisecond or so: a sampler descheduled on a
+    loaded machine can lose every redraw round of a sample for ``sample_timeout_s``, and the
+    table then gives up with ``RateLimiterTimeout`` (as designed: it never returns torn rows).
+    Such samples are counted (``gave_up``) and drawn again."""
     limit = 3 * seconds if max_seconds is None else max(float(max_seconds), seconds)
     spec = TableSpec.parse({"obs": f"uint8[{STACK},{FRAME[0]},{FRAME[1]}] stack={STACK}", "stamp": "int64"})
     storage = SharedStorage.create(spec, partitions, steps)
@@ -299,7 +305,7 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
     ctx = mp.get_context("spawn")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=_stress_writer, args=(storage.name, kind_name, limit + 5, go, stop, out), daemon=True)
-    rows = bad_keys = torn_rows = batches = 0
+    rows = bad_keys = torn_rows = batches = gave_up = 0
     rng = np.random.default_rng(seed)
     try:
         proc.start()
@@ -308,9 +314,14 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
         begin = time.perf_counter()
         while proc.is_alive():
             elapsed = time.perf_counter() - begin
-            if elapsed > limit or (elapsed > seconds and table.torn >= min_redraws and torn_rows >= min_torn_stacks):
+            if elapsed > limit or (elapsed > seconds and table.torn >= min_redraws and torn_rows >= min_torn_stacks
+                                   and batches >= min_batches):  # fmt: skip
                 break
-            s = table.sample(batch_size)
+            try:
+                s = table.sample(batch_size, timeout_s=sample_timeout_s)
+            except RateLimiterTimeout:
+                gave_up += 1
+                continue
             k, t = _check_batch(kind_name, P, starts, s)
             bad_keys, torn_rows, rows, batches = bad_keys + k, torn_rows + t, rows + batch_size, batches + 1
             table.update_priorities(s.keys, rng.random(batch_size) + 0.01)
@@ -324,4 +335,5 @@ def check(kind_name: str, seconds: float, steps: int = 256, partitions: int = 2,
             proc.join(timeout=10)
         table.close()
     return {"rows_checked": rows, "bad_keys": bad_keys, "torn_stacks": torn_rows, "redrawn_items": table.torn,
-            "batches": batches, "steps_written": written, "evictions": table.evictions, "seconds": elapsed}  # fmt: skip
+            "batches": batches, "steps_written": written, "evictions": table.evictions, "seconds": elapsed,
+            "gave_up": gave_up}  # fmt: skip
