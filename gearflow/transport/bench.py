@@ -19,7 +19,8 @@ take turns), so load that comes and goes on a shared machine hits both alike.
 * ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, requested
   ``LEARNER_PREFETCH`` rounds ahead as a learner over shard nodes does, against a raw TCP
   socket moving the same bytes per request (request → that many bytes back): batches/s,
-  GB/s and the ratio.
+  GB/s and the ratio; and the same from a shard that gathers the rows into its batch
+  buffers before sending them (the path before replies went out of the segment).
 * ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
   with the raw socket's round trip of the same bytes as floor.
 """
@@ -61,10 +62,10 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
     return out
 
 
-def _serve_shard(spec: dict, P: int, S: int, selector: str, conn) -> None:
+def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn) -> None:
     """Child process: a table and its shard service; sends the port, serves until told to stop."""
     table = _table(spec, P, S, selector)
-    shard = ShardService(table, token=TOKEN)
+    shard = ShardService(table, token=TOKEN, wire_min_row_bytes=wire)
     conn.send(shard.start())
     try:
         conn.recv()
@@ -76,12 +77,12 @@ def _serve_shard(spec: dict, P: int, S: int, selector: str, conn) -> None:
 class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
-    def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform"):
+    def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, child), daemon=True)
+        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
@@ -200,47 +201,60 @@ def _timed(fn, seconds: float, min_calls: int = 5) -> list[float]:
     return times
 
 
-def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
-    """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
-    alternating slices; the ratio is the median of the per-round ratios."""
+def _atari_shard(obs, items: int, wire: int | None) -> ShardProcess:
+    """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
-    shard = ShardProcess(spec, 4, items // 4 + 8)
-    port = shard.port
+    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire)
+    w = RemoteWriter(("127.0.0.1", shard.port), num_streams=4, token=TOKEN)
+    k = items // 4
+    rng = np.random.default_rng(0)
+    for s in range(4):
+        w.extend({"obs": rng.integers(0, 255, (k, *obs), dtype=np.uint8), "action": np.arange(k),
+                  "ret": np.zeros(k, np.float32), "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)},
+                 stream=s)  # fmt: skip
+        w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
+    w.close()
+    return shard
+
+
+def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
+    """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
+    alternating slices; the ratio is the median of the per-round ratios. The same sampler over
+    a shard that gathers every column into its batch buffers before sending
+    (``wire_min_row_bytes=None``) is measured in the same rounds: ``ratio_gathered``."""
+    shards, samplers = [], []
     raw = _RawServer()
-    c = sampler = None
+    c = None
     try:
-        w = RemoteWriter(("127.0.0.1", port), num_streams=4, token=TOKEN)
-        k = items // 4
-        rng = np.random.default_rng(0)
-        for s in range(4):
-            w.extend({"obs": rng.integers(0, 255, (k, *obs), dtype=np.uint8), "action": np.arange(k),
-                      "ret": np.zeros(k, np.float32), "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)},
-                     stream=s)  # fmt: skip
-            w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
-        w.close()
-        sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=LEARNER_PREFETCH)  # as a learner samples
-        b0 = sampler.sample(batch)
+        for wire in (1024, None):
+            shards.append(_atari_shard(obs, items, wire))
+            samplers.append(RemoteSampler(("127.0.0.1", shards[-1].port), token=TOKEN, prefetch=LEARNER_PREFETCH))
+        b0 = samplers[0].sample(batch)  # as a learner samples: LEARNER_PREFETCH rounds ahead
+        samplers[1].sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
-        remote, floor = [], []
+        remote, gathered, floor = [], [], []
         for r in range(rounds):
-            pair = [(remote, lambda: sampler.sample(batch)), (floor, lambda: call(nbytes))]
-            for out, fn in pair[r % 2:] + pair[:r % 2]:
+            paths = [(remote, lambda: samplers[0].sample(batch)), (gathered, lambda: samplers[1].sample(batch)),
+                     (floor, lambda: call(nbytes))]  # fmt: skip
+            for out, fn in paths[r % 3:] + paths[:r % 3]:
                 t = _timed(fn, seconds / rounds)
                 out.append(len(t) / sum(t))
     finally:
-        if sampler is not None:
-            sampler.close()
+        for sm in samplers:
+            sm.close()
         if c is not None:
             c.close()
         raw.close()
-        shard.close()
-    r, f = float(np.median(remote)), float(np.median(floor))
+        for sh in shards:
+            sh.close()
+    r, g, f = float(np.median(remote)), float(np.median(gathered)), float(np.median(floor))
     return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,
             "remote_batches_per_s": r, "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f,
-            "raw_socket_gb_per_s": f * nbytes / 1e9,
-            "ratio": float(np.median(np.array(remote) / np.array(floor)))}  # fmt: skip
+            "raw_socket_gb_per_s": f * nbytes / 1e9, "gathered_gb_per_s": g * nbytes / 1e9,
+            "ratio": float(np.median(np.array(remote) / np.array(floor))),
+            "ratio_gathered": float(np.median(np.array(gathered) / np.array(floor)))}  # fmt: skip
 
 
 def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
