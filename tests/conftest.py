@@ -121,3 +121,24 @@ def storage_factory():
         if st.header is not None:
             st.close()
         st.unlink()
+
+
+SHARD_TOKEN = "test-token-0123456789"  # the shards shard_of starts, unless a test names another
+
+
+@pytest.fixture
+def shard_of():
+    """``shard_of(table, token=SHARD_TOKEN, **kw) -> (ShardService, port)``: a started shard
+    service over ``table`` on loopback, stopped at teardown."""
+    from gearflow.transport.shard import ShardService
+
+    made = []
+
+    def make(table, token: str = SHARD_TOKEN, **kw):
+        s = ShardService(table, token=token, **kw)
+        made.append(s)
+        return s, s.start()
+
+    yield make
+    for s in made:
+        s.stop()

@@ -33,9 +33,8 @@ from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE
 from gearflow.replay.writer import Writer
 from gearflow.transport.remote import SHARD_SHIFT, RemoteParams, RemoteSampler, RemoteWriter
-from gearflow.transport.shard import ShardService
 
-TOKEN = "test-token-0123456789"
+TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
 COUNTERS = [RESERVE, COMMIT, PUBLISHED, EPISODES, REC_RESERVE]
 
@@ -47,21 +46,6 @@ def assert_same_storage(a, b):
     np.testing.assert_array_equal(a.item_start, b.item_start)
     np.testing.assert_array_equal(a.item_length, b.item_length)
     np.testing.assert_array_equal(a.item_priority.view(np.int64), b.item_priority.view(np.int64))
-
-
-@pytest.fixture
-def shard_of():
-    """``shard_of(table, **kw) -> (ShardService, port)``, stopped at teardown."""
-    made = []
-
-    def make(table, **kw):
-        s = ShardService(table, token=TOKEN, **kw)
-        made.append(s)
-        return s, s.start()
-
-    yield make
-    for s in made:
-        s.stop()
 
 
 @pytest.mark.parametrize("wire", [None, 0], ids=["gathered", "out-of-segment"])

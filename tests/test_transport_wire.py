@@ -21,24 +21,8 @@ import torch
 from gearflow.replay import Episode, Sequence, Transition, Writer
 from gearflow.transport.client import Client
 from gearflow.transport.remote import RemoteSampler
-from gearflow.transport.shard import ShardService
 
-TOKEN = "test-token-0123456789"
-
-
-@pytest.fixture
-def serve():
-    made = []
-
-    def make(table, **kw):
-        s = ShardService(table, token=TOKEN, **kw)
-        made.append(s)
-        s.start()
-        return s
-
-    yield make
-    for s in made:
-        s.stop()
+TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
 
 
 def _frame(step: np.ndarray, part: np.ndarray, n: int) -> np.ndarray:
@@ -91,12 +75,12 @@ SPEC = {"frame": "uint8[1500]", "stk": "uint8[2,8,8] stack=2", "step": "int64"}
 
 @pytest.mark.parametrize("kind", [Transition(next_columns=("frame", "stk", "step")), Sequence(length=8, period=4),
                                   Episode(max_episode_length=20)], ids=["transition", "sequence", "episode"])  # fmt: skip
-def test_out_of_segment_replies_equal_the_tables_gather(make_table, serve, kind):
+def test_out_of_segment_replies_equal_the_tables_gather(make_table, shard_of, kind):
     table = make_table(spec=SPEC, P=3, S=64, kind=kind, selector="prioritized",
                        selector_kwargs={"alpha": 0.6, "beta": 0.4})  # fmt: skip
     L = 3 if isinstance(kind, Transition) else 20
     _fill(table, 150, L)  # every ring wrapped twice
-    shard = serve(table)  # default: rows of ≥ 1024 bytes go out of the segment
+    shard, _ = shard_of(table)  # default: rows of ≥ 1024 bytes go out of the segment
     assert shard.wire.columns == ["frame"]  # not the stacked column, not the narrow one
     sampler = RemoteSampler(("127.0.0.1", shard.port), token=TOKEN, prefetch=1, timeout_s=10)
     padded = 0
@@ -116,7 +100,7 @@ def test_out_of_segment_replies_equal_the_tables_gather(make_table, serve, kind)
         assert padded > 100  # padding rows went out as zeros, and were compared
 
 
-def test_rows_overwritten_while_on_the_wire_are_redrawn(make_table, serve):
+def test_rows_overwritten_while_on_the_wire_are_redrawn(make_table, shard_of):
     """A 16 MiB reply, the learner's socket paused after the draw: the kernel's buffers take a
     few MiB; a writer then overwrites the whole ring before the rest is written."""
     n = 1 << 18  # 256 KiB frames
@@ -132,7 +116,7 @@ def test_rows_overwritten_while_on_the_wire_are_redrawn(make_table, serve):
         w.flush()
 
     write(64)
-    shard = serve(table)
+    shard, _ = shard_of(table)
     client = Client(("127.0.0.1", shard.port), token=TOKEN, timeout_s=30)
     sampler = RemoteSampler(client, token=TOKEN, prefetch=0, timeout_s=30)
     out: dict = {}

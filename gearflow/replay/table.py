@@ -373,7 +373,10 @@ class Table(TableIngest):
         shortcut (a scan since the draw must not hide them), for a reader that copied the rows
         after the draw."""
         reserve = self.storage.counters[:, RESERVE]
-        return np.flatnonzero(rec[0] < reserve[slots // self._R] - self._S_trust)
+        starts = rec[0]
+        if starts.min() >= reserve.max() - self._S_trust:  # nothing can be torn (the usual case)
+            return _NONE
+        return np.flatnonzero(starts < reserve[slots // self._R] - self._S_trust)
 
     def _evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
@@ -438,11 +441,7 @@ class Table(TableIngest):
         back to) may have been overwritten (seqlock check)."""
         if self._counter_total() == self._seen_total:  # read after the copy
             return _NONE  # no writer has moved since this sample's scan evicted the overwritten
-        reserve = self.storage.counters[:, RESERVE]
-        starts = rec[0]
-        if starts.min() >= reserve.max() - self._S_trust:  # nothing can be torn (the usual case)
-            return _NONE
-        return np.flatnonzero(starts < reserve[slots // self._R] - self._S_trust)
+        return self.overwritten(slots, rec)
 
     def _sample_on_device(self, batch_size: int, timeout_s: float | None) -> Sample:
         """:meth:`sample` with selection and gather on the GPU (``device="cuda"``): the same

@@ -668,11 +668,20 @@ class RemoteSampler:
         total = max(float(meta["total"]), 0.0)
         if total > 0:
             np.divide(masses, total, out=bufs[1])  # one normalisation, against the shard now
-            beta = self.selector.beta if self.selector.beta is not None else meta.get("beta")
-            if beta is not None and self.selector.importance_sampled:
-                w = (float(meta["count"]) * bufs[1]) ** -float(beta)
-                bufs[2][:] = w / w.max()
+            w = self._is_weights(float(meta["count"]), bufs[1], meta)
+            if w is not None:
+                bufs[2][:] = w
         return i, b, meta, bufs
+
+    def _is_weights(self, count: float, probs: np.ndarray, meta: dict) -> np.ndarray | None:
+        """IS weights ``(N·P)^-β / max`` over the batch (a local table's rule); None without
+        importance sampling (uniform: the shards' weights, ones, stand). β: the learner's, else
+        the shard's (``meta``)."""
+        beta = self.selector.beta if self.selector.beta is not None else meta.get("beta")
+        if beta is None or not self.selector.importance_sampled:
+            return None
+        w = (count * probs) ** -float(beta)
+        return w / w.max()
 
     def _torn_of(self, i: int, torn: np.ndarray, b: int) -> np.ndarray:
         """Positions a reply's ``torn`` buffer marks (checked: uint8, one per item)."""
@@ -708,11 +717,9 @@ class RemoteSampler:
             keys |= i << SHARD_SHIFT
             np.multiply(bufs[1], q[i], out=probs[row:row + b])
             row += b
-        beta = self.selector.beta if self.selector.beta is not None else replies[0][2].get("beta")
-        if beta is not None and self.selector.importance_sampled:
-            w = (float(self._counts.sum()) * probs) ** -float(beta)
-            out["weights"].copy_(torch.from_numpy(w / w.max()))
-        # else no importance sampling (uniform): the shards' weights (ones) stand
+        w = self._is_weights(float(self._counts.sum()), probs, replies[0][2])
+        if w is not None:
+            out["weights"].copy_(torch.from_numpy(w))
         out["probabilities"].copy_(torch.from_numpy(probs))
         return Sample(data={n: out[n] for n in names[3:]}, keys=out["keys"], weights=out["weights"],
                       probabilities=out["probabilities"])  # fmt: skip
