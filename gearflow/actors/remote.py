@@ -128,7 +128,12 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
     cfg = _learner_config(meta["config"], local_cfg)
     place[0] = k  # a rejoin asks for the same place
     torch.set_num_threads(1)
-    env = writer = actor = reporter = None
+    env = writer = actor = None
+    # reporting starts with the membership, not after the env and agent are built: a run that
+    # ends while this actor is still setting up (seconds on a loaded machine) reaches it as
+    # "stop" on the next report, before the shard stops (it waits 5 s for joined actors)
+    reporter = _Reporter(control, stop)
+    reporter.start()
     try:
         env = make_vec_env(cfg.env, seed=env_seed(cfg, k))
         if env.num_envs != len(parts):
@@ -139,7 +144,6 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
         kind = RemoteWriter if cfg.replay.frame_stack else ShippingWriter
         writer = kind(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
                       timeout_s=timeout_s, loop=loop)  # fmt: skip
-        reporter = _Reporter(control, stop)
 
         def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
             reporter.put({"type": "episode", "env": int(env_index), "actor/episode_return": float(ret),
@@ -157,7 +161,6 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
                                     "actor/env_steps_per_s": rate}))  # fmt: skip
 
         log.info("remote actor %d: %d envs (%s), partitions %s of %s", k, env.num_envs, env.backend, parts, address)
-        reporter.start()
         try:
             actor.run(stop, on_tick=on_tick)
             on_tick(actor)
@@ -175,8 +178,7 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
         reporter.close(flush=True)
         return int(actor.env_steps)
     finally:
-        if reporter is not None:
-            reporter.close()
+        reporter.close()
         if actor is not None:
             actor.close()
         elif env is not None:
