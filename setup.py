@@ -13,6 +13,12 @@ setup(
             ["gearflow/replay/_hotpath.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "gearflow._decode",
+            ["gearflow/_decode.c"],
+            extra_compile_args=["-O3", "-fopenmp-simd"],
+            optional=True,
+        ),
     ]
 )

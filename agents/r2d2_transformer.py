@@ -54,13 +54,16 @@ A cached step with one new step per env (nearly every row of every recv) runs
 :class:`OneTokenStep`, compiled with TorchScript: embed the step, then per block
 write its keys and values into the env's next slot in place, attend over the
 slots in use with the ALiBi bias read from a table, MLP; no per-step allocation
-of caches, no Python per module or per env. Rows that re-encode take
-:meth:`TransformerQNetwork.extend` in their own call.
+of caches, no Python per module or per env. On the CPU the same step runs in C
+(:class:`NativeOneTokenStep`, ``gearflow/_decode.c``; ``agent.native_step``): one call per
+recv instead of TorchScript's ~60 operator calls, checked against the compiled step before
+it is used. Rows that re-encode take :class:`ContextEncode` (compiled) in their own call.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +76,13 @@ from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.replay.items import Sequence
+
+log = logging.getLogger(__name__)
+
+try:  # the C one-token step (setup.py builds it; optional)
+    from gearflow import _decode
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _decode = None
 
 
 @dataclass
@@ -91,6 +101,9 @@ class Config:
     """Actors cache each env's keys and values and run the network on one new step per env step,
     re-encoding the context when it hops and when the weights change (false: re-run the last
     ``context`` steps every step)."""
+    native_step: bool = True
+    """With ``kv_cache`` on the CPU: the one-token step in C (``gearflow._decode``, built with the
+    package) where it gives the TorchScript step's Q-values and cache writes; false: TorchScript."""
     context_hop: int = 0
     """With ``kv_cache``: steps a full context drops at once (0: ``context // 2``); the actor's context
     is then ``context − hop + 1`` to ``context`` steps, the same steps a recompute attends over."""
@@ -282,6 +295,11 @@ class _AnyToken(nn.Module):
         return self.embed(obs)
 
 
+def _token(embed: nn.Module) -> nn.Module:
+    """The embedding as a token module TorchScript compiles."""
+    return {FrameEmbedding: _FrameToken, VectorEmbedding: _VectorToken}.get(type(embed), _AnyToken)(embed)
+
+
 class OneTokenStep(nn.Module):
     """The cached actor's step when every row brings exactly one new step: ``obs`` (k, 1, *obs_shape),
     ``kv`` the whole cache (E, L, 2, nh, S, hs) (:class:`gearflow.kv_cache.KVCache` ``.kv``),
@@ -299,9 +317,7 @@ class OneTokenStep(nn.Module):
 
     def __init__(self, network: TransformerQNetwork, slots: int):
         super().__init__()
-        embed = network.embed
-        token = {FrameEmbedding: _FrameToken, VectorEmbedding: _VectorToken}.get(type(embed), _AnyToken)
-        self.token, self.blocks, self.ln, self.head = token(embed), network.blocks, network.ln, network.head
+        self.token, self.blocks, self.ln, self.head = _token(network.embed), network.blocks, network.ln, network.head
         self.heads = int(network.blocks[0].heads)
         slopes = torch.as_tensor(-network._neg_slopes.reshape(-1))  # (nh,) from numpy: never a meta tensor
         pos = torch.arange(slots)
@@ -359,6 +375,97 @@ class ContextEncode(nn.Module):
             x = x + block.mlp(block.ln2(x))
         x = x[torch.arange(k, device=x.device), n - 1]  # (k, D) each row's last step
         return self.head(self.ln(x))  # (k, A)
+
+
+class NativeOneTokenStep:
+    """:class:`OneTokenStep` in C (``gearflow._decode.step``): one call per recv runs the blocks,
+    the final norm and the head for every row, writing each row's keys and values into its env's
+    slot ``length`` of the cache in place. It reads the network's parameters in place (buffer
+    views of the same tensors: weight syncs reach it). A vector observation's linear embedding
+    runs in C too; any other embedding (the Nature CNN) runs in torch first.
+
+    ``NativeOneTokenStep(network, slots)`` raises ``ValueError`` naming what it cannot run (no C
+    module, a device other than the CPU, parameters not float32, another block layout);
+    :func:`native_one_token_step` builds it and checks it against the TorchScript step."""
+
+    def __init__(self, network: TransformerQNetwork, slots: int):
+        if _decode is None:
+            raise ValueError("the C module gearflow._decode is not built (python setup.py build_ext --inplace)")
+        params = list(network.parameters())
+        if any(p.device.type != "cpu" for p in params):
+            raise ValueError("the network is not on the CPU")
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("the network's parameters are not all float32")
+        norms = [network.ln] + [m for b in network.blocks for m in (b.ln1, b.ln2)]
+        if any(n.weight is None or n.bias is None for n in norms) or len({n.eps for n in norms}) != 1:
+            raise ValueError("the layer norms are not affine with one eps")
+        for b in network.blocks:
+            mlp = list(b.mlp)
+            if len(mlp) != 3 or not isinstance(mlp[0], nn.Linear) or not isinstance(mlp[2], nn.Linear) or \
+                    type(mlp[1]) is not nn.GELU or mlp[1].approximate != "none":  # fmt: skip
+                raise ValueError("a block's MLP is not Linear, GELU (exact), Linear")
+        if not isinstance(network, TransformerQNetwork):
+            raise ValueError(f"a {type(network).__name__} is not a TransformerQNetwork")
+        self.vector = type(network.embed) is VectorEmbedding
+        self.token = None if self.vector else _token(network.embed)  # torch: the CNN's token
+        first = network.blocks[0]
+        D, nh = first.proj.in_features, first.heads
+        F, A = first.mlp[0].out_features, network.head.out_features
+
+        def w(t: torch.Tensor) -> np.ndarray:
+            return t.detach().numpy()  # a view: the parameter's own memory
+
+        inw = (w(network.embed.linear.weight), w(network.embed.linear.bias)) if self.vector else (None, None)
+        layers = [w(t) for b in network.blocks for t in (
+            b.ln1.weight, b.ln1.bias, b.qkv.weight, b.qkv.bias, b.proj.weight, b.proj.bias,
+            b.ln2.weight, b.ln2.bias, b.mlp[0].weight, b.mlp[0].bias, b.mlp[2].weight, b.mlp[2].bias)]  # fmt: skip
+        self.slopes = np.ascontiguousarray(-network._neg_slopes.reshape(-1), dtype=np.float32)
+        weights = (*inw, *layers, w(network.ln.weight), w(network.ln.bias), w(network.head.weight),
+                   w(network.head.bias), self.slopes)  # fmt: skip
+        self.in_dim = int(network.embed.linear.in_features) if self.vector else 0
+        self.plan = _decode.plan(weights, len(network.blocks), D, nh, F, A, self.in_dim, float(network.ln.eps))
+        self.num_actions, self.slots = A, int(slots)
+
+    def __call__(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor,
+                 used: int) -> torch.Tensor:
+        """:class:`OneTokenStep`'s call (torch tensors in, Q-values (k, A) out; ``used`` is not
+        needed: each row attends to its slots ``≤ length``)."""
+        return torch.from_numpy(self.values(obs.cpu().numpy(), kv.numpy(), ids.numpy(), length.numpy()))
+
+    def values(self, obs, cache_kv: np.ndarray, ids: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Q-values (k, A) float32: ``obs`` (k, 1, *obs_shape) one new step per row, ``cache_kv`` the
+        cache as a numpy view (E, L, 2, nh, S, hs), ``ids`` / ``length`` (k,) int64: each row's env
+        and the new step's slot (the actor's path: no torch call for a vector observation)."""
+        k = len(ids)
+        if self.vector:
+            x = np.ascontiguousarray(np.asarray(obs).reshape(k, self.in_dim), dtype=np.float32)
+        else:
+            x = self.token(torch.as_tensor(obs)).select(1, 0).contiguous().numpy()
+        out = np.empty((k, self.num_actions), dtype=np.float32)
+        _decode.step(self.plan, x, cache_kv, np.ascontiguousarray(ids, dtype=np.int64),
+                     np.ascontiguousarray(length, dtype=np.int64), out)  # fmt: skip
+        return out
+
+
+def native_one_token_step(network: TransformerQNetwork, slots: int, reference, obs_shape, obs_dtype):
+    """``(NativeOneTokenStep(network, slots), "")`` where it runs and gives ``reference``'s (the
+    TorchScript or eager :class:`OneTokenStep`) Q-values and cache writes within float rounding
+    on random observations and caches (1 and 3 rows), else ``(None, why)``."""
+    try:
+        native = NativeOneTokenStep(network, slots)
+    except ValueError as e:
+        return None, str(e)
+    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
+    with torch.inference_mode():
+        for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
+            x = obs(len(ids), 1)
+            kv_a, kv_b = kv.clone(), kv.clone()
+            qa = reference(x, kv_a, torch.tensor(ids), torch.tensor(length), max(length) + 1).numpy()
+            qb = native.values(x.numpy(), kv_b.numpy(), np.array(ids), np.array(length))
+            if not (np.allclose(qa, qb, rtol=1e-4, atol=1e-5) and torch.allclose(kv_a, kv_b, rtol=1e-4, atol=1e-5)):
+                err = float(np.abs(qa - qb).max())
+                return None, f"its Q-values differ from the TorchScript step's by {err:.3g}"
+    return native, ""
 
 
 def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
@@ -534,6 +641,7 @@ class Agent:
         self._priority_args = (self.n_step, self.gamma, float(cfg.rescale_eps), int(self.kind.burn_in), float(cfg.eta))
         self._acting_held: tuple | None = None  # (network, slots, OneTokenStep, ContextEncode) for acting
         self.one_token_compiled = self.encode_compiled = False  # whether those are TorchScript's
+        self.one_token_native = False  # whether the one-token step runs in C (NativeOneTokenStep)
 
     # ---- replay: one row per step, windows of rows
     def replay_columns(self) -> dict[str, str]:
@@ -636,8 +744,12 @@ class Agent:
             r = int(np.argmax(length >= cache.slots))
             raise ValueError(f"env {int(ids[r])}: {int(length[r])} cached + 1 new tokens exceed the cache's "
                              f"{cache.slots} slots")  # fmt: skip
-        dev = self.device
         step = self.acting_modules(network, cache.slots)[0]
+        if isinstance(step, NativeOneTokenStep):
+            values = step.values(obs, cache.host_view(), ids, length)
+            cache.length[ids] = length + 1
+            return values
+        dev = self.device
         q = step(torch.as_tensor(obs, device=dev), cache.kv, torch.as_tensor(ids, device=dev),
                  torch.as_tensor(length, device=dev), int(length.max()) + 1)  # fmt: skip
         cache.length[ids] = length + 1
@@ -671,6 +783,13 @@ class Agent:
             shape, dtype = self.spec.obs_shape, self.spec.obs_dtype
             step, self.one_token_compiled = compile_one_token_step(network, slots, shape, dtype)
             encode, self.encode_compiled = compile_context_encode(network, slots, shape, dtype)
+            self.one_token_native, why = False, "agent.native_step is false"
+            if self.cfg.native_step:
+                native, why = native_one_token_step(network, slots, step, shape, dtype)
+                if native is not None:
+                    step, self.one_token_native = native, True
+            if not self.one_token_native:
+                log.info("acting with the TorchScript one-token step: %s", why)
             held = self._acting_held = (network, slots, step, encode)
         return held[2], held[3]
 

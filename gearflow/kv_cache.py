@@ -32,7 +32,9 @@ context into an empty cache) through small modules compiled with TorchScript
 that write ``kv`` in place (``agents.r2d2_transformer.OneTokenStep`` /
 ``ContextEncode``, ``agents.decision_transformer.StepTokens``);
 :func:`compile_checked` compiles one and keeps it only if it reads the network's
-own parameters and matches the eager module, else the actor acts eagerly.
+own parameters and matches the eager module, else the actor acts eagerly. On the CPU,
+R2D2's one-token step runs in C (``gearflow._decode``, ``agents.r2d2_transformer.NativeOneTokenStep``:
+the whole step in one call over :meth:`KVCache.host_view`), where it matches the compiled step.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ class KVCache:
         self.kv = torch.zeros(num_envs, num_layers, 2, num_heads, slots, head_dim, dtype=dtype, device=device)
         self.length = np.zeros(num_envs, dtype=np.int64)
         self.device = torch.device(device)
+        self._host: np.ndarray | None = None
+
+    def host_view(self) -> np.ndarray:
+        """``kv`` as a numpy array sharing its memory (a CPU cache; made once)."""
+        if self._host is None:
+            self._host = self.kv.numpy()
+        return self._host
 
     def clear(self, ids=None) -> None:
         """Empty the caches of envs ``ids`` (all when None); their slots are never read again
