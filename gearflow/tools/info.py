@@ -36,19 +36,20 @@ def _package(name: str) -> Row:
 def collect() -> list[Row]:
     rows = [Row("python", True, f"{platform.python_version()} ({platform.machine()})")]
     rows += [_package(name) for name in PACKAGES]
-    rows.append(_hotpath())
+    rows.append(_c_module("replay C hot path", "gearflow.replay._hotpath", "using the numpy reference (slower)"))
+    rows.append(_c_module("C decode step", "gearflow._decode", "transformer actors step with TorchScript (slower)"))
     probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), probe_pyverbs()]
     rows += [Row(p.name, p.ok, p.detail) for p in probes]
     return rows
 
 
-def _hotpath() -> Row:
-    """The C replay hot path (sum tree, window rows), built at install when a compiler exists."""
+def _c_module(label: str, module: str, fallback: str) -> Row:
+    """A C module of the package (setup.py builds it at install where a compiler exists)."""
     try:
-        importlib.import_module("gearflow.replay._hotpath")
+        importlib.import_module(module)
     except ImportError as exc:
-        return Row("replay C hot path", False, f"not built ({exc}); using the numpy reference (slower)")
-    return Row("replay C hot path", True, "built")
+        return Row(label, False, f"not built ({exc}); {fallback}")
+    return Row(label, True, "built")
 
 
 def render(rows: list[Row]) -> str:
