@@ -405,7 +405,7 @@ class NativeOneTokenStep:
                     type(mlp[1]) is not nn.GELU or mlp[1].approximate != "none":  # fmt: skip
                 raise ValueError("a block's MLP is not Linear, GELU (exact), Linear")
         if not isinstance(network, TransformerQNetwork):
-            raise ValueError(f"a {type(network).__name__} is not a TransformerQNetwork")
+            raise ValueError(f"a {type(network).__name__} is not a TransformerQNetwork")  # noqa: TRY004 - what it cannot run
         self.vector = type(network.embed) is VectorEmbedding
         self.token = None if self.vector else _token(network.embed)  # torch: the CNN's token
         first = network.blocks[0]
@@ -455,7 +455,7 @@ def native_one_token_step(network: TransformerQNetwork, slots: int, reference, o
         native = NativeOneTokenStep(network, slots)
     except ValueError as e:
         return None, str(e)
-    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
+    obs, kv, _ = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
     with torch.inference_mode():
         for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
             x = obs(len(ids), 1)

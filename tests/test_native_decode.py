@@ -13,11 +13,11 @@ from torch import nn
 
 _decode = pytest.importorskip("gearflow._decode", reason="the C decode module is not built")
 
-import agents.r2d2_transformer as r2d2  # noqa: E402
-from agents.r2d2_transformer import NativeOneTokenStep, OneTokenStep, native_one_token_step  # noqa: E402
-from gearflow.agent import make_agent  # noqa: E402
-from gearflow.config import load_config  # noqa: E402
-from gearflow.envs import EnvSpec  # noqa: E402
+import agents.r2d2_transformer as r2d2
+from agents.r2d2_transformer import NativeOneTokenStep, OneTokenStep, native_one_token_step
+from gearflow.agent import make_agent
+from gearflow.config import load_config
+from gearflow.envs import EnvSpec
 
 
 def make(C: int = 8, layers: int = 2, d: int = 32, heads: int = 4, native: bool = True, obs_shape=(3,)):
@@ -170,14 +170,15 @@ def test_bad_input_is_refused_before_anything_is_written():
     kv[:] = 7.0
     obs = np.zeros((2, 1, 3), np.float32)
     cases = [
-        (dict(ids=np.array([0, 3]), length=np.array([0, 0])), ValueError, "row 1: env 3 of 3"),
-        (dict(ids=np.array([0, 1]), length=np.array([0, 4])), ValueError, "row 1: env 1 of 3, slot 4 of 4"),
-        (dict(ids=np.array([1, 1]), length=np.array([0, 1])), ValueError, "env 1 appears twice"),
-        (dict(ids=np.array([0, 1], np.int32), length=np.array([0, 1])), TypeError, "ids and length must be int64"),
+        ([0, 3], [0, 0], np.int64, ValueError, "row 1: env 3 of 3"),
+        ([0, 1], [0, 4], np.int64, ValueError, "row 1: env 1 of 3, slot 4 of 4"),
+        ([1, 1], [0, 1], np.int64, ValueError, "env 1 appears twice"),
+        ([0, 1], [0, 1], np.int32, TypeError, "ids and length must be int64"),
     ]
-    for kw, exc, msg in cases:
+    for ids, length, dtype, exc, msg in cases:
         with pytest.raises(exc, match=msg):
-            _decode.step(native.plan, obs.reshape(2, 3), kv, kw["ids"], kw["length"], np.empty((2, 3), np.float32))
+            _decode.step(native.plan, obs.reshape(2, 3), kv, np.array(ids, dtype), np.array(length),
+                         np.empty((2, 3), np.float32))  # fmt: skip
     with pytest.raises(ValueError, match="kv must be \\(E, 2, 2, 4, S, 8\\) float32"):
         _decode.step(native.plan, obs.reshape(2, 3), kv[:, :1].copy(), np.array([0, 1]), np.array([0, 0]),
                      np.empty((2, 3), np.float32))  # fmt: skip
