@@ -457,7 +457,7 @@ def native_one_token_step(network: TransformerQNetwork, slots: int, reference, o
         return None, str(e)
     obs, kv, _ = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
     with torch.inference_mode():
-        for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
+        for ids, length in _one_token_rows(slots):
             x = obs(len(ids), 1)
             kv_a, kv_b = kv.clone(), kv.clone()
             qa = reference(x, kv_a, torch.tensor(ids), torch.tensor(length), max(length) + 1).numpy()
@@ -476,7 +476,7 @@ def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: 
     ``(step, compiled)``."""
     obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
     trials = []
-    for ids, length in (([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])):
+    for ids, length in _one_token_rows(slots):
         trials.append((obs(len(ids), 1), kv, torch.tensor(ids, device=dev), torch.tensor(length, device=dev),
                        max(length) + 1))  # fmt: skip
     return compile_checked(OneTokenStep(network, slots), network, trials)
@@ -490,6 +490,12 @@ def compile_context_encode(network: TransformerQNetwork, slots: int, obs_shape: 
     trials = [(obs(1, 3), kv, torch.tensor([1], device=dev), torch.tensor([3], device=dev)),
               (obs(2, slots), kv, torch.tensor([3, 0], device=dev), torch.tensor([slots, 2], device=dev))]  # fmt: skip
     return compile_checked(ContextEncode(network, slots), network, trials)
+
+
+def _one_token_rows(slots: int) -> tuple:
+    """The rows the one-token steps are checked on: (envs, their slots) of 1 and 3 rows, the
+    first and last slot included (:func:`compile_one_token_step`, :func:`native_one_token_step`)."""
+    return ([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])
 
 
 def _random_inputs(network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype):

@@ -340,29 +340,31 @@ static PyObject *step(PyObject *self, PyObject *args) {
     }
     const int64_t E = kv.shape[0], S = kv.shape[4];
     const int64_t *pi = ids.buf, *pl = len.buf;
+    if (R == 0) goto ok;
+    /* one block: the step's scratch floats, then a byte per env (which envs this call has) */
+    const size_t n = (size_t)R * (3 * P->D + 3 * P->D + P->F) + (size_t)S + 16;
+    scratch = malloc(sizeof(float) * n + (size_t)E);
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *seen = (unsigned char *)(scratch + n);
+    memset(seen, 0, (size_t)E);
     for (Py_ssize_t r = 0; r < R; r++) {
         if (pi[r] < 0 || pi[r] >= E || pl[r] < 0 || pl[r] >= S) {
             PyErr_Format(PyExc_ValueError, "step: row %zd: env %lld of %lld, slot %lld of %lld", r, (long long)pi[r],
                          (long long)E, (long long)pl[r], (long long)S);
             goto done;
         }
-        for (Py_ssize_t q = 0; q < r; q++)
-            if (pi[q] == pi[r]) {
-                PyErr_Format(PyExc_ValueError, "step: env %lld appears twice", (long long)pi[r]);
-                goto done;
-            }
-    }
-    if (R > 0) {
-        size_t n = (size_t)R * (3 * P->D + 3 * P->D + P->F) + (size_t)S + 16;
-        scratch = malloc(sizeof(float) * n);
-        if (scratch == NULL) {
-            PyErr_NoMemory();
+        if (seen[pi[r]]++) {
+            PyErr_Format(PyExc_ValueError, "step: env %lld appears twice", (long long)pi[r]);
             goto done;
         }
-        Py_BEGIN_ALLOW_THREADS
-        run_step(P, inp.buf, kv.buf, S, pi, pl, (int)R, out.buf, scratch);
-        Py_END_ALLOW_THREADS
     }
+    Py_BEGIN_ALLOW_THREADS
+    run_step(P, inp.buf, kv.buf, S, pi, pl, (int)R, out.buf, scratch);
+    Py_END_ALLOW_THREADS
+ok:
     ret = Py_None;
     Py_INCREF(ret);
 done:

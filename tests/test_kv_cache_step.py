@@ -25,10 +25,13 @@ from gearflow.config import load_config
 from gearflow.envs import EnvSpec
 
 
-def make(C: int = 8, obs_shape=(3,), dtype=np.float32, layers: int = 2, d: int = 32):
-    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", f"agent.d_model={d}", "agent.num_heads=4",
+def make(C: int = 8, obs_shape=(3,), dtype=np.float32, layers: int = 2, d: int = 32, heads: int = 4,
+         native: bool = False):  # fmt: skip
+    """An R2D2 agent and its network, weights moved far from the init. ``native=False``: the
+    TorchScript steps (this file's); the C step is tests/test_native_decode.py's."""
+    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", f"agent.d_model={d}", f"agent.num_heads={heads}",
                              f"agent.num_layers={layers}", f"agent.context={C}", "replay.item=sequence",
-                             "agent.native_step=false"])  # the TorchScript steps (the C one: test_native_decode.py)  # fmt: skip
+                             f"agent.native_step={str(native).lower()}"])  # fmt: skip
     agent = make_agent(cfg, EnvSpec(tuple(obs_shape), np.dtype(dtype), 3), "cpu")
     net = agent.make_network().eval()
     g = torch.Generator().manual_seed(1)

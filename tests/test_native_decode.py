@@ -6,6 +6,8 @@ resets, hops and a weight change) are tests/test_kv_cache.py's, which act with t
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,29 +17,13 @@ _decode = pytest.importorskip("gearflow._decode", reason="the C decode module is
 
 import agents.r2d2_transformer as r2d2
 from agents.r2d2_transformer import NativeOneTokenStep, OneTokenStep, native_one_token_step
-from gearflow.agent import make_agent
-from gearflow.config import load_config
-from gearflow.envs import EnvSpec
+from tests.test_kv_cache_step import forward_last
+from tests.test_kv_cache_step import make as make_agent_and_network
 
 
 def make(C: int = 8, layers: int = 2, d: int = 32, heads: int = 4, native: bool = True, obs_shape=(3,)):
-    cfg = load_config(None, ["agent.name=agents.r2d2_transformer", f"agent.d_model={d}", f"agent.num_heads={heads}",
-                             f"agent.num_layers={layers}", f"agent.context={C}", "replay.item=sequence",
-                             f"agent.native_step={str(native).lower()}"])  # fmt: skip
     dtype = np.uint8 if len(obs_shape) == 3 else np.float32
-    agent = make_agent(cfg, EnvSpec(tuple(obs_shape), np.dtype(dtype), 3), "cpu")
-    net = agent.make_network().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # weights far from the init, so a wrong bias, slot or norm would show
-        for p in net.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return agent, net
-
-
-def forward_last(net, episodes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        q = net(torch.as_tensor(episodes))
-    return q[np.arange(len(lengths)), lengths - 1].numpy()
+    return make_agent_and_network(C, obs_shape, dtype, layers, d, heads, native)
 
 
 @pytest.mark.parametrize("layers,d,heads", [(1, 32, 4), (3, 32, 4), (2, 24, 3)])
@@ -139,7 +125,8 @@ def test_networks_the_c_step_cannot_run_act_with_torchscript_and_say_why(change,
     with caplog.at_level("INFO", logger="agents.r2d2_transformer"):
         agent.acting_modules(net, 6)
     assert not agent.one_token_native and agent.one_token_compiled
-    assert any("acting with the TorchScript one-token step" in r.message and r.message.count(" ") > 5 for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "acting with the TorchScript one-token step" in r.getMessage()]
+    assert len(said) == 1 and re.search(why, said[0])  # the reason, in the log
 
 
 def test_without_the_c_module_the_agent_says_so_and_acts_with_torchscript(monkeypatch):
