@@ -86,8 +86,11 @@ def test_a_killed_remote_actor_does_not_stop_the_learner(tmp_path):
     actors = _gearflow("actor", "--connect", address, "--actors", "1", log=actors_log)
     _wait_for(learner_log, r"remote actor 1 joined", learner)
     _wait_for(learner_log, r"progress: steps [1-9]", learner)
-    # kill the whole remote side at once (parent and its actor process): no goodbye is sent
-    for pid in _children(actors.pid) + [actors.pid]:
+    # kill the whole remote side at once (parent and its actor process): no goodbye is sent. Not
+    # Python's resource tracker: it unlinks the dead side's named semaphores (else left in /dev/shm)
+    remote = _spawned_children(actors.pid)
+    assert len(remote) == 1, "the remote side's actor process was not found"
+    for pid in remote + [actors.pid]:
         os.kill(pid, signal.SIGKILL)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
@@ -199,7 +202,7 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
 
 
 def _spawned_children(pid: int) -> list[int]:
-    """The learner's spawned children (multiprocessing's spawn_main; not its resource tracker)."""
+    """A gearflow process's spawned children (multiprocessing's spawn_main; not its resource tracker)."""
     out = []
     for child in _children(pid):
         try:
