@@ -391,6 +391,10 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         if started:
             ray.shutdown()
     summary = dict(summaries[0])
+    # each learner counts the env steps the nodes reported to it; a shard killed between two of a
+    # learner's polls takes the steps since that learner's last poll with it, so the learners' counts
+    # can differ by those (a rank stopped by another's limit may be just under it): the highest
+    summary["actor/env_steps"] = max(s["actor/env_steps"] for s in summaries)
     summary["cluster/shards"], summary["cluster/learners"] = S, K
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
