@@ -85,6 +85,25 @@ def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path
     assert not ray.is_initialized()  # the launcher started Ray, and shut it down
 
 
+def test_the_run_summary_counts_the_learners_highest_env_steps():
+    """Rank 0 stopped by rank 1's limit counted fewer steps (a killed shard took the steps since its
+    last poll): the run's summary gives rank 1's count, and the rest from rank 0 and the nodes."""
+    from gearflow.launchers.ray import run_summary
+
+    ranks = [{"actor/env_steps": 19977, "learner/updates": 4271, "learner/parameters_fingerprint": "a",
+              "stop_reason": "stopped with the other learners"},
+             {"actor/env_steps": 20004, "learner/updates": 4271, "learner/parameters_fingerprint": "a",
+              "stop_reason": "reached run.max_env_steps=20000"}]  # fmt: skip
+    nodes = [{"actor/env_steps": 12000}, {"actor/env_steps": 2000}]
+    s = run_summary(ranks, nodes, {"group-0": 1, "shard-1": 1, "shard-0": 0}, 2, 2)
+    assert s["actor/env_steps"] == 20004 and s["stop_reason"] == "stopped with the other learners"
+    assert s["cluster/group_restarts"] == 1 and s["cluster/shard_restarts"] == 1
+    assert s["cluster/node_env_steps"] == [12000, 2000] and s["cluster/parameters_identical"] is True
+    ranks[1]["learner/parameters_fingerprint"] = "b"
+    assert run_summary(ranks, nodes, {}, 2, 2)["cluster/parameters_identical"] is False
+    assert ranks[0]["actor/env_steps"] == 19977  # the learners' own summaries are left as they were
+
+
 def test_missing_ray_is_one_line(monkeypatch):
     import builtins
 

@@ -390,20 +390,28 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
             ray.kill(h, no_restart=True)
         if started:
             ray.shutdown()
-    summary = dict(summaries[0])
-    # each learner counts the env steps the nodes reported to it; a shard killed between two of a
-    # learner's polls takes the steps since that learner's last poll with it, so the learners' counts
-    # can differ by those (a rank stopped by another's limit may be just under it): the highest
-    summary["actor/env_steps"] = max(s["actor/env_steps"] for s in summaries)
-    summary["cluster/shards"], summary["cluster/learners"] = S, K
-    summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
-    summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
-    summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
-    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
+    summary = run_summary(summaries, node_summaries, restarts, S, K)
     log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
              "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
              summary["actor/return_last100"], summary["cluster/parameters_identical"])  # fmt: skip
+    return summary
+
+
+def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dict[str, int], shards: int,
+                learners: int) -> dict[str, Any]:
+    """The run's summary from its learners' (rank 0 first), its nodes' and the registry's restarts.
+
+    Each learner counts the env steps the nodes reported to it; a shard killed between two of a
+    learner's polls takes the steps since that learner's last poll with it, so the learners' counts
+    can differ by those (a rank stopped by another's limit may be just under it): the highest."""
+    summary = dict(summaries[0])
+    summary["actor/env_steps"] = max(s["actor/env_steps"] for s in summaries)
+    summary["cluster/shards"], summary["cluster/learners"] = shards, learners
+    summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
+    summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
+    summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
+    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
     return summary
 
 
