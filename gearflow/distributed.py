@@ -42,10 +42,13 @@ are not global in the agents today: prioritized IS weights are max-normalised wi
 rank's share (the table normalises what it sampled), and the DT loss divides by the valid
 steps of the local share (exact when shares hold the same number of valid steps).
 
-The loop needs one more collective: :meth:`DataParallel.agree` (one two-integer all_reduce per
-iteration) makes every rank learn in the same iterations (only when all have a batch) and
+The loop needs one more collective: :meth:`DataParallel.agree` (one three-integer all_reduce
+per iteration) makes every rank learn in the same iterations (only when all have a batch) and
 stop in the same one (when any wants to); otherwise one rank's gradient all_reduce would pair
-with another rank's next-iteration one, or wait for a rank that stopped.
+with another rank's next-iteration one, or wait for a rank that stopped. Its third integer is
+the ranks' highest env-step count: each rank counts what the shard nodes report to it, and a
+shard killed between two of a rank's polls takes the steps since that rank's last poll with it,
+so the counts can differ; every rank then uses the highest (its rows, its limits, β).
 
 Every rank's ``learn()`` must call ``optimizer.step()`` the same number of times in the same
 order (the reference agents do: the DT temperature step depends only on the config). A learner
@@ -186,6 +189,7 @@ class DataParallel:
         self.allreduce_s = 0.0  # seconds in gradient all_reduce hooks (host time; NCCL: enqueue + flag sync)
         self.allreduce_calls = 0
         self.agree_s = 0.0  # seconds in agree()
+        self.env_steps = 0  # the highest env-step count a rank gave the last agree()
         self.agree_calls = 0
         self._reported = (0.0, 0, 0.0, 0)
 
@@ -312,15 +316,17 @@ class DataParallel:
         return [int(t) for t in every]
 
     # ------------------------------------------------------------------ the loop
-    def agree(self, have_batch: bool, stop: bool) -> tuple[bool, bool]:
+    def agree(self, have_batch: bool, stop: bool, env_steps: int = 0) -> tuple[bool, bool]:
         """One per learner-loop iteration, on every rank: ``(learn, stop)`` with ``learn`` true
         only when every rank has a batch (one that has a batch and does not learn keeps it for
-        the next iteration) and ``stop`` true when any rank wants to stop."""
+        the next iteration) and ``stop`` true when any rank wants to stop. ``env_steps``: this
+        rank's count; :attr:`env_steps` is then the highest any rank gave."""
         self._require_joined()
         t0 = time.perf_counter()
-        votes = torch.tensor([0 if have_batch else 1, 1 if stop else 0], dtype=torch.int32, device=self.comm_device)
-        self._all_reduce(votes, "agree()")  # SUM: ranks without a batch, ranks that stop
-        missing, stopping = votes.tolist()
+        votes = torch.tensor([0 if have_batch else 1, 1 if stop else 0, int(env_steps)], dtype=torch.int64,
+                             device=self.comm_device)  # fmt: skip
+        self._all_reduce(votes, "agree()", dist.ReduceOp.MAX)  # any rank without a batch, any that stops, the count
+        missing, stopping, self.env_steps = votes.tolist()
         self.agree_s += time.perf_counter() - t0
         self.agree_calls += 1
         return missing == 0 and not stopping, stopping > 0
@@ -338,11 +344,11 @@ class DataParallel:
         self._reported = (self.allreduce_s, self.allreduce_calls, self.agree_s, self.agree_calls)
         return row
 
-    def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """``dist.all_reduce`` (SUM); a peer that died (gloo: connection reset, at once) or hangs
+    def _all_reduce(self, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM) -> None:
+        """``dist.all_reduce`` (``op``); a peer that died (gloo: connection reset, at once) or hangs
         (after ``timeout_s``) is a GearflowError that says so."""
         try:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, op=op)
         except (RuntimeError, dist.DistError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise GearflowError(

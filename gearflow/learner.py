@@ -189,6 +189,9 @@ class Learner:
                  device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None,
                  parallel: Optional["DataParallel"] = None):  # fmt: skip
         self.cfg, self.agent, self.table, self.params, self.progress = cfg, agent, table, params, progress
+        if parallel is not None:  # the ranks' highest count (each misses what a killed shard took with it)
+            own = env_steps
+            env_steps = lambda: max(own(), parallel.env_steps)
         self.env_steps, self.actor_version, self.checkpoints = env_steps, actor_version, checkpoints
         self.beta, self.device, self.parallel = beta, device, parallel
         self.publisher = parallel is None or parallel.is_publisher  # rank 0: weights and checkpoints
@@ -293,7 +296,9 @@ class Learner:
         Data-parallel (``parallel``): each iteration the ranks agree (:meth:`DataParallel.agree
         <gearflow.distributed.DataParallel.agree>`) to learn only when every rank has a batch
         (a rank's batch waits for the next iteration otherwise) and to stop when any rank has a
-        reason; a rank stopped by another's reason returns "stopped with the other learners"."""
+        reason; a rank stopped by another's reason returns "stopped with the other learners".
+        ``env_steps()`` is then the ranks' highest count as of the last agree, or this rank's own
+        if higher."""
         p, every = self.progress, self.cfg.run.log_every_s
         self._last_checkpoint = (time.monotonic(), p.updates)
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
@@ -310,7 +315,7 @@ class Learner:
             else:
                 reason = self.done() or between()
                 batch = pending if pending is not None or reason else next_batch()
-                learn, stop = self.parallel.agree(batch is not None, bool(reason))
+                learn, stop = self.parallel.agree(batch is not None, bool(reason), self.env_steps())
                 if stop:
                     reason = reason or "stopped with the other learners"
                     break

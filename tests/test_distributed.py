@@ -214,10 +214,11 @@ def _run_loop(rank, world, port, out: Path):
 
     try:
         parallel.setup(agent)
-        learner = Learner(cfg, agent, table, params, Progress(), env_steps=lambda: 0, actor_version=lambda: 0,
+        own_steps = lambda: 10 * iterations[0] + 5 * rank  # rank 1 counts 5 more
+        learner = Learner(cfg, agent, table, params, Progress(), env_steps=own_steps, actor_version=lambda: 0,
                           parallel=parallel)  # fmt: skip
         reason, _ = learner.run(next_batch, between=between, emit=rows.append)
-        torch.save({"reason": reason, "updates": learner.progress.updates, "learned": table.learned,
+        torch.save({"reason": reason, "env_steps": learner.env_steps(), "own_steps": own_steps(), "updates": learner.progress.updates, "learned": table.learned,
                     "fetched": fetched, "published": params.published, "params": flat_params(agent.online),
                     "checkpoints_on": learner.checkpoints_on, "world_size": [r["learner/world_size"] for r in rows]},
                    out / f"rank{rank}.pt")  # fmt: skip
@@ -241,6 +242,10 @@ def test_learner_loop_learns_in_step_and_stops_together(tmp_path):
     assert torch.equal(r0["params"], r1["params"])
     assert r0["published"] == r0["updates"] // 3 and r1["published"] == 0
     assert r0["world_size"] and set(r0["world_size"]) == {2.0}
+    # the ranks' env-step counts differ (a killed shard takes different steps from each): both use
+    # the highest, as of the last agree (iteration 31)
+    assert (r0["own_steps"], r1["own_steps"]) == (310, 315)
+    assert r0["env_steps"] == r1["env_steps"] == 315
 
 
 def _run_on_replay(rank, world, port, out: Path, num_buffers: int):

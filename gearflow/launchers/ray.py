@@ -402,9 +402,9 @@ def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dic
                 learners: int) -> dict[str, Any]:
     """The run's summary from its learners' (rank 0 first), its nodes' and the registry's restarts.
 
-    Each learner counts the env steps the nodes reported to it; a shard killed between two of a
-    learner's polls takes the steps since that learner's last poll with it, so the learners' counts
-    can differ by those (a rank stopped by another's limit may be just under it): the highest."""
+    Each learner counts the env steps the nodes reported to it and the learners share their highest
+    at every iteration (``DataParallel.agree``); a rank's count can still rise by a poll after the
+    last agree, so the summary gives the highest of the learners' final counts."""
     summary = dict(summaries[0])
     summary["actor/env_steps"] = max(s["actor/env_steps"] for s in summaries)
     summary["cluster/shards"], summary["cluster/learners"] = shards, learners
