@@ -29,6 +29,7 @@ from torch import nn
 
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Transition
 
 
@@ -100,7 +101,8 @@ class NatureCNN(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """Torso + (dueling) head: Q(s, ·) of shape (B, A)."""
+    """Torso + (dueling) head: Q(s, ·) of shape (B, A), float32 (the head runs in fp32 under
+    bf16 autocast: targets and TD errors need more than bf16's 8 bits; gearflow/precision.py)."""
 
     def __init__(self, torso: nn.Module, num_actions: int, dueling: bool):
         super().__init__()
@@ -113,23 +115,24 @@ class QNetwork(nn.Module):
             self.q = nn.Linear(torso.out_dim, num_actions)
 
     def forward(self, obs):
-        h = self.torso(obs)  # (B, D)
-        if not self.dueling:
-            return self.q(h)  # (B, A)
-        adv = self.advantage(h)  # (B, A)
-        return self.value(h) + adv - adv.mean(dim=1, keepdim=True)  # (B, A)
+        h = self.torso(obs)  # (B, D), bf16 under the learner's autocast
+        with fp32(h):
+            h = h.float()
+            if not self.dueling:
+                return self.q(h)  # (B, A)
+            adv = self.advantage(h)  # (B, A)
+            return self.value(h) + adv - adv.mean(dim=1, keepdim=True)  # (B, A)
 
 
-def n_step_targets(online: nn.Module, target: nn.Module, next_obs, ret, disc, double: bool):
-    """y = ret + disc · Q_target(next_obs, a*), a* = argmax Q_online (double) or Q_target."""
+def n_step_targets(online: nn.Module, target: nn.Module, next_obs, ret, disc, double: bool, bf16: bool = False):
+    """y = ret + disc · Q_target(next_obs, a*), a* = argmax Q_online (double) or Q_target; (B,) float32.
+    ``bf16``: the forward passes under bf16 autocast, the targets in fp32."""
     with torch.no_grad():
-        next_q_target = target(next_obs)  # (B, A)
-        if double:
-            best = online(next_obs).argmax(dim=1, keepdim=True)  # (B, 1)
-        else:
-            best = next_q_target.argmax(dim=1, keepdim=True)
-        bootstrap = next_q_target.gather(1, best).squeeze(1)  # (B,)
-        return ret + disc * bootstrap  # (B,)
+        with bf16_forward(next_obs.device, bf16):
+            next_q_target = target(next_obs)  # (B, A)
+            best = (online(next_obs) if double else next_q_target).argmax(dim=1, keepdim=True)  # (B, 1)
+        bootstrap = next_q_target.float().gather(1, best).squeeze(1)  # (B,)
+        return ret.float() + disc.float() * bootstrap  # (B,)
 
 
 # ----------------------------------------------------------------------------- agent
@@ -157,6 +160,7 @@ class Agent:
         self.gamma = float(full_cfg.actor.gamma)
         self.n_step = int(full_cfg.actor.n_step)
         self.rng = np.random.default_rng(int(full_cfg.run.seed))
+        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
         self.online: Optional[nn.Module] = None
 
     # ---- replay: one row per step; a transition spans rows t..t+n
@@ -210,7 +214,8 @@ class Agent:
             raise RuntimeError("call setup_learner() first")
         return self.online
 
-    def learn(self, batch):
+    def loss(self, batch):
+        """PER-weighted Huber loss, targets y (B,), TD errors (B,) and Q(s, ·) (B, A): fp32."""
         d = {
             k: batch.data[k].to(self.device, non_blocking=True)
             for k in ("obs", "action", "ret", "disc", "next_obs")
@@ -218,15 +223,19 @@ class Agent:
         weights = batch.weights.to(self.device, non_blocking=True)  # (B,) importance weights
 
         y = n_step_targets(
-            self.online, self.target, d["next_obs"], d["ret"], d["disc"], self.cfg.double
+            self.online, self.target, d["next_obs"], d["ret"], d["disc"], self.cfg.double, self.bf16
         )  # (B,)
-        q = self.online(d["obs"])  # (B, A)
+        with bf16_forward(self.device, self.bf16):
+            q = self.online(d["obs"]).float()  # (B, A)
         q_sa = q.gather(1, d["action"].long().unsqueeze(1)).squeeze(1)  # (B,)
         td = y - q_sa  # (B,)
         loss = (
             weights * F.huber_loss(q_sa, y, reduction="none", delta=self.cfg.huber_delta)
         ).mean()
+        return loss, y, td, q
 
+    def learn(self, batch):
+        loss, _, td, q = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)

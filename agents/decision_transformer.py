@@ -62,6 +62,7 @@ from torch import nn
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kv_cache import KVCache, compile_checked, hop_length
+from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Episode
 
 
@@ -229,8 +230,9 @@ class DecisionTransformer(nn.Module):
         x = self.drop(self.ln_in(tokens.reshape(B, 3 * K, -1)))  # (B, 3K, D)
         for block in self.blocks:
             x = block(x)
-        x = self.ln(x).view(B, K, 3, -1)[:, :, 1]  # (B, K, D): outputs at the s_t tokens
-        return self.head(x)  # (B, K, H)
+        with fp32(x):  # the final norm and head in fp32 under bf16 autocast (gearflow/precision.py)
+            x = self.ln(x.float()).view(B, K, 3, -1)[:, :, 1]  # (B, K, D): outputs at the s_t tokens
+            return self.head(x)  # (B, K, H) float32
 
     def extend(self, rtg, obs, action, timestep, first_token, kv_old, allowed, n_new):
         """The cached step (:class:`gearflow.kv_cache.KVCache`). ``rtg``/``obs``/``action``/
@@ -394,6 +396,7 @@ class Agent:
         self.target_entropy = -float(self.act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
         self.rng = np.random.default_rng(int(full_cfg.run.seed))
         self.generator = torch.Generator().manual_seed(int(full_cfg.run.seed))
+        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward pass under bf16 autocast
         self.online: nn.Module | None = None
 
     # ---- replay: one row per step; items are whole episodes (their last T rows)
@@ -580,11 +583,13 @@ class Agent:
         """Masked action loss of windows ``w`` (:func:`sample_windows`): (loss, entropy, metrics).
 
         Only steps with ``mask`` count; each window's valid steps are averaged over the batch's
-        valid steps (ODT), so padding changes nothing."""
+        valid steps (ODT), so padding changes nothing. The forward pass under bf16 autocast with
+        ``learner.bf16``; the losses from its fp32 head output."""
         mask = w["mask"]  # (B, K)
         steps = mask.sum().clamp(min=1)
         a = w["action"] if self.discrete else self._to_unit(w["action"])
-        out = self.online(w["rtg"] / self.cfg.rtg_scale, w["obs"], a, w["timestep"])  # (B, K, H)
+        with bf16_forward(self.device, self.bf16):
+            out = self.online(w["rtg"] / self.cfg.rtg_scale, w["obs"], a, w["timestep"]).float()  # (B, K, H)
         if self.discrete:
             ce = F.cross_entropy(out.flatten(0, 1).float(), w["action"].long().flatten(), reduction="none")
             ce = torch.where(mask.flatten(), ce, torch.zeros_like(ce))

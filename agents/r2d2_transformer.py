@@ -75,6 +75,7 @@ from agents.apex_dqn import NatureCNN
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kv_cache import KVCache, compile_checked, hop_length
+from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Sequence
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ def torso_for(obs_shape: tuple[int, ...], torso: str) -> str:
 class TransformerQNetwork(nn.Module):
     """Observations (B, T, *obs_shape) → Q-values (B, T, A); step t attends to steps ≤ t.
 
-    Causal, so padding after a sequence's last step never changes its outputs.
+    Causal, so padding after a sequence's last step never changes its outputs. The final norm
+    and Q head run in fp32 under bf16 autocast (targets rescale Q: gearflow/precision.py).
     """
 
     def __init__(self, obs_shape: tuple[int, ...], num_actions: int, cfg: Config):
@@ -238,7 +240,8 @@ class TransformerQNetwork(nn.Module):
         bias = self.attention_bias(x.shape[1], x.device)
         for block in self.blocks:
             x, _ = block(x, bias)
-        return self.head(self.ln(x))  # (B, T, A)
+        with fp32(x):
+            return self.head(self.ln(x.float()))  # (B, T, A) float32
 
     def extend(self, obs, kv_old, allowed, dist, last):
         """The cached step (:class:`gearflow.kv_cache.KVCache`): ``obs`` (k, Tn, *obs_shape) each
@@ -642,6 +645,7 @@ class Agent:
         self.gamma = float(full_cfg.actor.gamma)
         self.n_step = int(full_cfg.actor.n_step)
         self.rng = np.random.default_rng(int(full_cfg.run.seed))
+        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
         self.online: nn.Module | None = None
         # n, γ, ε of h, burn-in, η of actor_priorities (plain numbers: a config attribute costs µs)
         self._priority_args = (self.n_step, self.gamma, float(cfg.rescale_eps), int(self.kind.burn_in), float(cfg.eta))
@@ -821,13 +825,15 @@ class Agent:
         return self.online
 
     def loss(self, batch):
-        """Weighted masked squared TD loss, TD errors (B, T) and the loss mask (B, T)."""
+        """Weighted masked squared TD loss, TD errors (B, T), the loss mask (B, T) and Q (B, T, A):
+        the forward passes under bf16 autocast with ``learner.bf16``, rescaling and TD errors in fp32."""
         d = {k: batch.data[k].to(self.device, non_blocking=True)
              for k in ("obs", "action", "reward", "discount", "first", "mask", "length")}  # fmt: skip
         weights = batch.weights.to(self.device, non_blocking=True)  # (B,) importance weights
-        q = self.online(d["obs"])  # (B, T, A)
-        with torch.no_grad():
-            q_target = self.target(d["obs"])  # (B, T, A)
+        with bf16_forward(self.device, self.bf16):
+            q = self.online(d["obs"]).float()  # (B, T, A)
+            with torch.no_grad():
+                q_target = self.target(d["obs"]).float()  # (B, T, A)
         td = sequence_td(q, q.detach(), q_target, d["action"], d["reward"], d["discount"], d["length"],
                          self.n_step, self.gamma, self.cfg.rescale_eps)  # fmt: skip
         valid = loss_mask(d["mask"], d["first"], self.kind.burn_in)  # (B, T)

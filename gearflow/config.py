@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import logging
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from gearflow.errors import ConfigError
 from gearflow.geometry import min_steps_per_partition, replay_geometry
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.replay.selectors import SELECTORS
+
+log = logging.getLogger(__name__)
 
 ITEM_KINDS = ("transition", "sequence", "episode")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
@@ -176,7 +179,8 @@ class LearnerConfig:
     publish_every: int = 10
     """Learner updates between weight publications to the actors."""
     bf16: bool = False
-    """Run ``agent.learn`` under bfloat16 autocast (CUDA; also accepted on CPU)."""
+    """bfloat16 autocast over the agent's forward passes (CUDA; also accepted on CPU); targets, TD
+    errors, priorities, backward and the optimizer step stay fp32 (gearflow/precision.py)."""
     compile: bool = False
     """``torch.compile`` the learner network in place before training."""
     world_size: int = 1
@@ -681,10 +685,16 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
 
 @lru_cache(maxsize=None)
 def envpool_ids() -> frozenset[str]:
-    """Task ids this EnvPool install can make (empty without EnvPool); cached."""
+    """Task ids this EnvPool install can make (empty without EnvPool, or when it cannot be
+    imported: envpool without its assets raises FileNotFoundError for ``atari/roms``; point
+    ``ENVPOOL_ASSETS_PATH`` at a folder that has them, launch/device_kit.sh); cached."""
     try:
         import envpool
     except ImportError:
+        return frozenset()
+    except OSError as exc:  # FileNotFoundError: envpool-assets missing, ENVPOOL_ASSETS_PATH not set
+        log.warning("envpool cannot be imported (%s: %s); using gymnasium's ids only "
+                    "(install envpool-assets or set ENVPOOL_ASSETS_PATH)", type(exc).__name__, exc)
         return frozenset()
     return frozenset(envpool.list_all_envs())
 

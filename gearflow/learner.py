@@ -206,8 +206,10 @@ class Learner:
     # ------------------------------------------------------------------ one update
     def learn_step(self, batch) -> dict[str, float]:
         t0 = time.perf_counter()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.learner.bf16):
-            metrics, priorities = self.agent.learn(batch)
+        # learner.bf16: the agent runs its forward passes under bf16 autocast and computes
+        # targets, TD errors, priorities, backward and the optimizer step in fp32
+        # (gearflow/precision.py), so no autocast here.
+        metrics, priorities = self.agent.learn(batch)
         if isinstance(priorities, torch.Tensor):
             priorities = priorities.detach().float()
         with self.lock:

@@ -1,4 +1,4 @@
-"""The learner loop around ``agent.learn``: bf16 autocast, in-place compile, throughput metrics."""
+"""The learner loop around ``agent.learn``: bf16, in-place compile, throughput metrics."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
         learn = runner.agent.learn
 
         def recording_learn(batch):
+            assert not torch.is_autocast_enabled("cpu")  # the agent autocasts its forward passes only
             metrics, priorities = learn(batch)
             learned.append(priorities.detach().float().double().numpy().copy())
             return metrics, priorities
@@ -68,16 +69,20 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
 
 
 def test_bf16_autocast_really_runs_the_forward_in_bf16():
+    """learner.bf16: the torso in bf16; Q-values, priorities and the optimizer step in fp32
+    (more in tests/test_bf16_learning.py)."""
     from tests.test_apex_dqn import make
 
-    agent = make()
+    agent = make(["learner.bf16=true"])
     agent.setup_learner()
-    seen = []
-    agent.online.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, priorities = agent.learn(batch())
-    assert torch.bfloat16 in seen
-    assert priorities.float().isfinite().all()
+    seen, q_dtypes, step_autocast = [], [], []
+    agent.online.torso.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    agent.online.register_forward_hook(lambda m, i, o: q_dtypes.append(o.dtype))
+    agent.optimizer.register_step_pre_hook(lambda *a: step_autocast.append(torch.is_autocast_enabled("cpu")))
+    _, priorities = agent.learn(batch())
+    assert torch.bfloat16 in seen and set(q_dtypes) == {torch.float32}
+    assert priorities.dtype == torch.float32 and priorities.isfinite().all()
+    assert step_autocast == [False]
 
 
 def test_compile_is_applied_in_place_before_training(tmp_path):
