@@ -55,8 +55,22 @@ __all__ = [
 class ActOutput:
     """What ``act`` returns for ``k`` observations."""
 
-    actions: np.ndarray  # int64 (k,): the actions to send, exploration included
+    actions: np.ndarray  # the actions to send, exploration included: int64 (k,) for a discrete
+    #                      action space, float32 (k, *action_shape) for a continuous one
     values: Optional[np.ndarray] = None  # float32 (k, A): Q-values the actor's priorities use
+    # Continuous actions cannot index ``values``: such an agent gives the two values an n-step
+    # item's initial priority |ret + disc · q_bootstrap(s_{t+n}) − q_action(s_t)| needs instead.
+    q_action: Optional[np.ndarray] = None  # float32 (k,): Q(s, a) of the actions sent
+    q_bootstrap: Optional[np.ndarray] = None  # float32 (k,): the value s bootstraps with, V(s) = Q(s, μ(s))
+
+    def priority_values(self):
+        """What the Ape-X adder's initial priorities read: ``values`` (k, A), the pair
+        ``(q_action, q_bootstrap)`` when the agent gave those, or None."""
+        if self.q_action is None:
+            return self.values
+        if self.q_bootstrap is None:
+            raise ValueError("ActOutput.q_action needs q_bootstrap too (the value of s as a bootstrap row)")
+        return (self.q_action, self.q_bootstrap)
 
 
 @runtime_checkable

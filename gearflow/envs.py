@@ -94,6 +94,15 @@ def import_path(path: str, key: str) -> Callable:
     return obj
 
 
+def _batch_of_one(x):
+    """One sample of a space as a batch of one: arrays (1, ...), dicts and tuples of them kept."""
+    if isinstance(x, dict):
+        return {k: _batch_of_one(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(_batch_of_one(v) for v in x)
+    return np.asarray(x)[None]
+
+
 class _Adapter:
     """Shared part of both backends: obs transform and the spec properties."""
 
@@ -112,12 +121,13 @@ class _Adapter:
         self.num_envs, self.batch_size = int(num_envs), int(batch_size)
         self.single_observation_space, self.single_action_space = obs_space, act_space
         self._transform = transform
-        if obs_space is None or getattr(obs_space, "shape", None) is None:
+        if obs_space is None or (getattr(obs_space, "shape", None) is None and transform is None):
             raise ConfigError(
                 f"env.id={env_id!r}: observation space {obs_space} is not an array space "
-                "(dict/tuple observations need an env.obs_transform that returns an array)"
+                "(dict/tuple observations need an env.obs_transform that returns an array, "
+                "e.g. gearflow.transforms:flatten_float32)"
             )
-        probe = np.asarray(obs_space.sample())[None]  # (1, *raw_shape)
+        probe = _batch_of_one(obs_space.sample())  # (1, *raw_shape), or a dict/tuple of such
         if transform is not None:
             probe = np.asarray(transform(probe))
             if probe.ndim < 1 or probe.shape[0] != 1:

@@ -21,7 +21,9 @@ Every argument of ``add`` is per env of the batch: ``ids`` (b,) int64 env indice
 (= writer streams), ``obs`` (b, *obs) (with a stacked-frame ``obs`` column, ``stack=k``,
 the env's stacks ``(b, k, *frame)``, of which only the newest frame is written), ``reward``/``terminated``/``truncated`` (b,),
 ``first`` (b,) bool (``obs`` is an episode's step 0), ``actions`` (b, ...) the
-actions just sent, ``values`` (b, A) the Q-values acted with or ``None``,
+actions just sent (int (b,), or float (b, *action_shape) for continuous actions), ``values``
+(b, A) the Q-values acted with or ``None`` (:class:`TransitionAdder` also takes the pair
+``(q_action, q_bootstrap)`` (b,), (b,) of an agent whose actions cannot index Q-values),
 ``version`` the weights version acted with.
 """
 
@@ -113,7 +115,9 @@ class TransitionAdder(Adder):
     stream's episode is closed in the writer.
 
     Initial priorities (Ape-X, no max-priority): |ret + disc · max_a Q(s_last, a) − Q(s_t, a_t)|
-    from the Q-values computed when acting.
+    from the Q-values computed when acting; with ``values`` the pair ``(q_action, q_bootstrap)``
+    (continuous actions, ``agents.apex_dpg``): |ret + disc · q_bootstrap(s_last) − q_action(s_t)|.
+    The ``action`` column may have a shape (``float32[6]``): staged and written per row as is.
 
     With the C module built and a local :class:`~gearflow.replay.Writer`, ``add`` is one
     ``_hotpath.nstep_add`` call per recv (staging, returns, rows written into the table,
@@ -132,7 +136,7 @@ class TransitionAdder(Adder):
         dt = self._dt
         # Staged steps: step t of env e sits in slot t % n until its row is appended.
         self._obs = np.zeros((E, n, *obs_col.row_shape), dtype=obs_col.dtype)  # (E, n, *obs) or (E, n, *frame)
-        self._action = np.zeros((E, n), dtype=dt["action"])
+        self._action = np.zeros((E, n, *writer.spec["action"].shape), dtype=dt["action"])  # (E, n[, A])
         self._version = np.zeros((E, n), dtype=dt["version"])
         # running n-step return and γ^(rewards so far) of each staged step; disc 0 = empty slot
         self._acc = np.zeros((E, n, 2), dtype=np.float64)  # (E, n, [ret, disc])
@@ -151,6 +155,7 @@ class TransitionAdder(Adder):
         self._pending_items: list[tuple] = []
         self._end_pending = np.zeros(E, dtype=bool)
         self._recvs_since_flush = 0
+        self._adds = 0  # add calls so far
         self._native = None  # the C context (_hotpath.nstep_*), or None: the numpy reference below
         why_not = self._native_unsupported(writer)
         if native and why_not:
@@ -186,6 +191,8 @@ class TransitionAdder(Adder):
                            ("ret", ("float32", "float64")), ("disc", ("float32", "float64"))):  # fmt: skip
             if dt[col].name not in kinds:
                 return f"column {col!r} is {dt[col].name}; the C path takes {' or '.join(kinds)}"
+        if writer.spec["action"].shape != ():
+            return f"column 'action' is {writer.spec['action'].describe()}; the C path takes one action per step"
         return ""
 
     def _make_native(self, capacity: int) -> None:
@@ -224,6 +231,13 @@ class TransitionAdder(Adder):
         """Replay bookkeeping for one recv: one C call (or the numpy reference: a fixed number
         of numpy calls for the batch, plus one ``extend`` per env whose episode ended); items
         are queued for :meth:`flush_items`, every ``flush_every`` recvs."""
+        if self._native is not None and isinstance(values, tuple):  # (q_action, q_bootstrap): numpy only
+            if self._adds:
+                raise ValueError("TransitionAdder: values became a (q_action, q_bootstrap) pair after the C path "
+                                 "had started; an agent gives one or the other from its first act")
+            log.info("n-step adder: priorities from (q_action, q_bootstrap); the numpy path writes")
+            self._native = None
+        self._adds += 1
         if self._native is None:
             return self._add_reference(ids, obs, reward, terminated, truncated, actions, values, version)
         obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
@@ -273,6 +287,8 @@ class TransitionAdder(Adder):
         obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
         if values is None:  # an agent without Q-values: priorities fall back to |ret|
             qsa = max_q = np.zeros(b)
+        elif isinstance(values, tuple):  # continuous actions: Q(s_t, a_t) and V(s_t) as given
+            qsa, max_q = (np.asarray(v, dtype=np.float64).reshape(b) for v in values)
         else:
             qsa = values[self._arange[:b], actions]  # Q(s_t, a_t) (b,)
             max_q = values.max(axis=1)  # max_a Q(s_t, a) (b,)
@@ -322,8 +338,13 @@ class TransitionAdder(Adder):
             if not block:
                 w.insert_timeout_s = 0.0
             try:
-                w.create_items(prio, lengths, streams, ends)
-                published = prio.size
+                if hasattr(w, "expired_items"):  # a local Writer: items the ring overtook since they were
+                    before = w.expired_items       # queued are dropped and counted, as the C path does
+                    w.create_items(prio, lengths, streams, ends, expired="drop")
+                    published = prio.size - (w.expired_items - before)
+                else:
+                    w.create_items(prio, lengths, streams, ends)
+                    published = prio.size
             except RateLimiterTimeout:
                 if block:
                     raise
@@ -405,7 +426,8 @@ class TransitionAdder(Adder):
         sl = slots[:, n:]
         rows = {
             "obs": np.concatenate([self._obs[E, sl], final_obs[:, None]], axis=1),  # (D, n+1, ...)
-            "action": np.concatenate([self._action[E, sl], np.zeros((D, 1), dt["action"])], axis=1),
+            "action": np.concatenate([self._action[E, sl], np.zeros((D, 1, *self._action.shape[2:]), dt["action"])],
+                                     axis=1),
             "ret": np.concatenate([ret_s, np.zeros((D, 1))], axis=1).astype(dt["ret"]),
             "disc": np.concatenate([disc_s, np.zeros((D, 1))], axis=1).astype(dt["disc"]),
             "version": np.concatenate([self._version[E, sl], np.full((D, 1), version, dt["version"])], axis=1),

@@ -3,7 +3,10 @@ its :class:`~gearflow.actors.adders.TransitionAdder` writes n-step transitions.
 
     out = agent.act(policy, obs, epsilon[ids], rng)     # actions (b,), Q-values (b, A)
 
-The Q-values acted with give the items' initial priorities (Ape-X, no max-priority).
+The Q-values acted with give the items' initial priorities (Ape-X, no max-priority); an agent
+of continuous actions (``agents.apex_dpg``: actions (b, A) float32) gives ``out.q_action``
+(Q(s, a) of what it sent) and ``out.q_bootstrap`` (Q(s, μ(s))) instead, and reads its ε as the
+scale of its exploration noise.
 ``policy`` is the network's forward traced with TorchScript (:func:`traced_policy`: the
 same parameters, no per-module Python: 18 µs instead of 34 µs for apex_dqn's MLP on a
 batch of 4), or the network itself where tracing would change what it computes.
@@ -123,7 +126,8 @@ class Actor(ActorBase):
         with self._no_grad:
             out = self.agent.act(self.policy, obs, self.epsilon[ids], self.rng)
         self.env.send(out.actions, env_ids)  # the envs step while we write replay
-        self._observe(ids, obs, reward, terminated, truncated, out.actions, out.values)
+        values = out.values if out.q_action is None else out.priority_values()  # (b, A), or the pair (b,), (b,)
+        self._observe(ids, obs, reward, terminated, truncated, out.actions, values)
         return self._count_steps(ids.size)
 
 

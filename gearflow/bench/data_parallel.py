@@ -61,8 +61,10 @@ def random_batch(agent, size: int, seed: int, key0: int = 0) -> Sample:
     data = {}
     for c in spec.columns:
         dtype = getattr(torch, c.dtype.name)
-        if c.name == "action":
+        if c.name == "action" and not dtype.is_floating_point:
             data[c.name] = torch.randint(0, agent.num_actions, (size,), generator=g)
+        elif c.name == "action":  # continuous actions: in [-1, 1], inside any box the agent normalises by
+            data[c.name] = (torch.rand(size, *c.shape, generator=g) * 2 - 1).to(dtype)
         elif c.name == "disc":
             data[c.name] = torch.rand(size, generator=g)
         elif dtype.is_floating_point:
