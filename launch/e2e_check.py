@@ -1,17 +1,23 @@
 """One timed end-to-end run of a config (actor processes → replay → learner), reported as one
 JSON line: the ``gpu_check.sh`` end-to-end steps, also runnable on a CPU to check the keys.
 
-    python launch/e2e_check.py NAME CONFIG [--seconds 120] [KEY=VALUE ...]
+    python launch/e2e_check.py NAME CONFIG [--seconds 120] [--jsonl FILE] [--run-dir DIR] [--plan] [KEY=VALUE ...]
 
 The run is ``gearflow.runner.train`` in this process (the learner runs here; the actors are
-its spawned processes) with ``run.max_seconds`` set, no env-step limit, no checkpoints, in a
-temporary run directory. Printed (one line, prefixed ``gpu_check: e2e``)::
+its spawned processes) with ``run.max_seconds`` set, no env-step limit, no checkpoints, in
+``--run-dir`` (its metrics.jsonl is written as the run goes) or a temporary run directory.
+``--jsonl``: a ``{"name", "progress": {...}}`` line is appended every ``--progress-s`` seconds
+(the newest metric row's rates and the GPU memory so far: a killed run keeps them) and the
+report at the end. ``--plan``: the report carries the dry run's memory plan of the same
+config (``plan``: the learner's planned bytes, ``gearflow.tools.dryrun.memory_plan``) next to
+the measured GPU memory. Printed (one line, prefixed ``gpu_check: e2e``)::
 
     {"name", "config", "overrides", "stop_reason", "elapsed_s", "updates", "updates_per_s",
      "tokens_per_s", "samples_per_s", "env_steps_per_s", "learner_wait_fraction",
      "steady": {"rows", "updates_per_s", "tokens_per_s", "env_steps_per_s"},
      "learner_device", "replay_device", "bf16",
-     "gpu": {"name", "total_gib", "peak_used_gib", "torch_max_allocated_gib", "torch_max_reserved_gib"} | null}
+     "gpu": {"name", "total_gib", "peak_used_gib", "torch_max_allocated_gib", "torch_max_reserved_gib"} | null,
+     "plan": {"learner_total_gib", "parameters", "activation_gib", "replay_host_gib", ...} | absent}
 
 ``updates_per_s`` etc. are over the whole run (filling the replay included); ``steady`` is the
 mean of the metric rows logged after the first learner update (one row per 5 s).
@@ -44,6 +50,7 @@ class GpuMemory:
         import torch
 
         self.torch, self.peak, self.total = torch, 0, 0
+        self.available = torch.cuda.is_available()
         self._stop = threading.Event()
         self._thread = None
         if torch.cuda.is_available():
@@ -59,11 +66,10 @@ class GpuMemory:
                 return
             self.peak = max(self.peak, total - free)
 
-    def report(self) -> dict | None:
-        self._stop.set()
-        if self._thread is None:
+    def now(self) -> dict | None:
+        """The figures so far (the run goes on)."""
+        if not self.available:
             return None
-        self._thread.join(timeout=2)
         t = self.torch.cuda
         return {
             "name": t.get_device_name(0),
@@ -73,17 +79,82 @@ class GpuMemory:
             "torch_max_reserved_gib": round(t.max_memory_reserved() / GIB, 3),
         }
 
+    def report(self) -> dict | None:
+        self._stop.set()
+        if self._thread is None:
+            return None
+        self._thread.join(timeout=2)
+        return self.now()
 
-def steady_rates(metrics_path: Path) -> dict:
-    """Means of the logged rates over the rows after the first learner update."""
+
+def append_line(path: str | None, row: dict) -> None:
+    """One JSON line, flushed: what a kill leaves is still whole lines."""
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+
+def read_rows(metrics_path: Path) -> list[dict]:
     rows = []
     if metrics_path.is_file():
         for line in metrics_path.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except json.JSONDecodeError:  # a row being written
                 continue
-    rows = [r for r in rows if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
+    return rows
+
+
+PROGRESS_KEYS = ("time/elapsed_s", "actor/env_steps", "learner/updates", "learner/updates_per_s",
+                 "learner/tokens_per_s", "learner/samples_per_s", "actor/env_steps_per_s", "learner/wait_fraction")
+
+
+class ProgressLines:
+    """Appends the newest metric row's figures and the GPU memory so far every ``period_s``."""
+
+    def __init__(self, name: str, jsonl: str | None, metrics_path: Path, gpu: GpuMemory, period_s: float):
+        self.name, self.jsonl, self.metrics_path, self.gpu = name, jsonl, metrics_path, gpu
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        if jsonl:
+            self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                rows = read_rows(self.metrics_path)
+                last = rows[-1] if rows else {}
+                append_line(self.jsonl, {"name": self.name, "t": round(time.time(), 3), "progress": {
+                    **{k: last[k] for k in PROGRESS_KEYS if k in last}, "rows": len(rows), "gpu": self.gpu.now()}})
+            except Exception as exc:  # noqa: BLE001 - a progress line is never worth the run
+                append_line(self.jsonl, {"name": self.name, "progress_error": f"{type(exc).__name__}: {exc}"})
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def memory_plan_gib(cfg) -> dict:
+    """The dry run's figures of ``cfg`` that a GPU run measures against (GiB)."""
+    from gearflow.tools.dryrun import memory_plan
+
+    plan = memory_plan(cfg)
+    learner, replay = plan["learner"], plan.get("replay", {})
+    out = {"learner_total_gib": round(learner["total_bytes"] / GIB, 3), "parameters": learner["parameters"],
+           "parameter_gib": round(learner["parameter_bytes"] / GIB, 3),
+           "optimizer_state_gib": round(learner["optimizer_state_bytes"] / GIB, 3),
+           "activation_gib": None if learner["activation_bytes"] is None else round(learner["activation_bytes"] / GIB, 3),
+           "activation_method": learner["activation_method"],
+           "batch_gib": round(learner["batch_bytes"] / GIB, 3)}  # fmt: skip
+    for key in ("segment_bytes", "total_bytes"):
+        if isinstance(replay.get(key), (int, float)):
+            out[f"replay_{key.replace('_bytes', '')}_gib"] = round(replay[key] / GIB, 3)
+    return out
+
+
+def steady_rates(metrics_path: Path) -> dict:
+    """Means of the logged rates over the rows after the first learner update."""
+    rows = [r for r in read_rows(metrics_path) if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
     keys = {"updates_per_s": "learner/updates_per_s", "tokens_per_s": "learner/tokens_per_s",
             "env_steps_per_s": "actor/env_steps_per_s"}  # fmt: skip
     out = {"rows": len(rows)}
@@ -99,6 +170,10 @@ def main(argv=None) -> int:
     parser.add_argument("config", help="YAML config (relative to the repository root or absolute)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE dotlist overrides")
     parser.add_argument("--seconds", type=float, default=120.0, help="run.max_seconds of the run")
+    parser.add_argument("--jsonl", default=None, help="append progress lines and the report here (flushed)")
+    parser.add_argument("--run-dir", default=None, help="the run's directory (default: a temporary one)")
+    parser.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--plan", action="store_true", help="add the dry run's memory plan to the report")
     args = parser.parse_intermixed_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -107,13 +182,24 @@ def main(argv=None) -> int:
 
     config = Path(args.config) if Path(args.config).is_absolute() else ROOT / args.config
     with tempfile.TemporaryDirectory(prefix="gearflow-e2e-") as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = Path(args.run_dir).resolve() if args.run_dir else Path(tmp) / "run"
         overrides = [*args.overrides, f"run.max_seconds={args.seconds}", "run.max_env_steps=0", "run.stop_at_return=0",
                      "run.checkpoint_every=0", f"run.dir={run_dir}", "run.progress=log", "run.tensorboard=false"]  # fmt: skip
         cfg = load_config(config, overrides)
+        plan = None
+        if args.plan:
+            try:
+                plan = memory_plan_gib(cfg)
+            except Exception as exc:  # noqa: BLE001 - the run still says something
+                plan = {"error": f"{type(exc).__name__}: {exc}"}
+            append_line(args.jsonl, {"name": args.name, "plan": plan})
         gpu = GpuMemory()
+        progress = ProgressLines(args.name, args.jsonl, run_dir / "metrics.jsonl", gpu, args.progress_s)
         start = time.monotonic()
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        finally:
+            progress.stop()
         wall = time.monotonic() - start
         elapsed = float(summary["time/elapsed_s"])
         report = {
@@ -135,6 +221,9 @@ def main(argv=None) -> int:
             "bf16": bool(cfg.learner.bf16),
             "gpu": gpu.report(),
         }
+        if plan is not None:
+            report["plan"] = plan
+    append_line(args.jsonl, report)
     print("gpu_check: e2e " + json.dumps(report), flush=True)
     return 0 if report["updates"] > 0 else 1
 

@@ -1,150 +1,138 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA replay path (gearflow/native): prerequisites, the CUDA
-# tests and a short micro-benchmark, all output in one log file.
+# GPU check of the CUDA path in one call: prerequisites, the CUDA tests, the CUDA replay
+# benchmark and three short end-to-end runs, every log and result under one folder.
 #
-#   launch/gpu_check.sh [LOG]        # LOG defaults to ./gpu_check.log
+#   launch/gpu_check.sh [--out DIR] [--budget S] [--tests-s S] [--bench-s S] [--e2e-s S]
+#                       [--gato-s S] [--bench-scale X]
 #
-# Installs nothing. Set up a fresh GPU machine first (README, "GPU replay"):
-#   pip install torch --index-url https://download.pytorch.org/whl/cu128   # a CUDA build of torch
-#   pip install -e '.[gpu,dev]'            # CuPy for CUDA 12 ('.[gpu-cu13,dev]' for CUDA 13)
-#   pip install 'cupy-cuda12x[ctk]'        # only without a system CUDA toolkit (no NVRTC)
+#   --out DIR       where everything goes (default ./gpu_check_out): gpu_check.log (all
+#                   output), gpu_check.jsonl (one JSON line per result, appended and flushed
+#                   as each is measured: a killed check keeps what it measured),
+#                   bench_cuda.jsonl, e2e_<name>/ (each run's metrics.jsonl, written as it goes)
+#   --budget S      the whole check's wall-clock limit (default 450): a step never gets more
+#                   than what is left, and a step that would get under 20 s is skipped (noted).
+#                   With the device kit's install (~10-20 s) the call stays under 480 s.
+#   --tests-s S     limit of the CUDA tests (default 100)
+#   --bench-s S     limit of the CUDA replay benchmark (default 60)
+#   --e2e-s S       run.max_seconds of pong_apex and the R2D2 transformer (default 40; each
+#                   step's limit is this + 35 s for start-up and shut-down)
+#   --gato-s S      run.max_seconds of configs/paper/gato_80m.yaml (default 40)
+#   --bench-scale X gearflow bench replay --scale (default 1: 10^6 / 10^7 priorities)
 #
-# Steps, each under its own time limit (at most 14 min 50 s in all; about 8 min
-# expected on an H200):
-#   1. prerequisites (90 s): pytest, a CUDA build of torch that sees a GPU, and
-#      CuPy compiling (NVRTC) and running a test kernel. The first one missing
-#      is named with the command that installs it, and the check STOPS here
-#      with exit 1: without them the CUDA tests would only skip.
-#   2. environment (30 s + 10 s): `gearflow info`, nvidia-smi (for the log).
-#   3. cuda tests (240 s): pytest -m cuda tests/test_native.py tests/test_device_replay.py.
-#      A skipped CUDA test fails the step (except the one that needs 2 GPUs):
-#      kernels vs CPU references; Table(device="cuda") batches vs what was
-#      written; rows stamp-checked against keys while the learner's stream is
-#      busy; a batch torch still reads not overwritten; cuda:N; impossible
-#      slots redrawn; redraws keep the other rows' records; restore onto the
-#      device; the draw distribution against the CPU selector (power-checked).
-#   4. cuda benchmark (180 s): gearflow bench replay --device cuda --json
-#      (zero-copy gather GB/s vs pinned cudaMemcpy vs CPU gather + H2D; device
-#      sampling at 10^6 and 10^7; Table(device="cuda") end to end, rows verified).
-#   5. e2e pong_apex (170 s): configs/pong_apex.yaml for 120 s, learner and replay
-#      on CUDA (device priority vector, zero-copy gather from the shared segment),
-#      learner.bf16=true, actors on the CPU (launch/e2e_check.py).
-#   6. e2e r2d2 transformer (170 s): configs/paper/mat_2m.yaml (R2D2 with a causal
-#      transformer over Nature-CNN frame tokens, Pong, 80-step windows) for 120 s,
-#      learner and replay on CUDA, bf16, actors on the CPU with the key/value cache,
-#      replay.capacity=200000 and replay.min_size_to_sample=500 so that learning
-#      starts within seconds.
-#   Each e2e step prints one line "gpu_check: e2e {json}" (into the log, and again at
-#   the end on the terminal): updates/s, tokens/s (steps learned from), samples/s,
-#   env steps/s, the learner's wait fraction (over the run and in steady state),
-#   the GPU's peak used memory (all processes) and the learner's torch allocator peak.
-# Exit status: 0 when every step passed. Set PYTHON to choose the interpreter.
+# Works from a checkout without installing gearflow: the repository root goes on PYTHONPATH
+# (for the helpers, pytest's conftest and the spawned actors). On a machine without network,
+# install the device kit first (launch/device_kit.sh prints the whole command; README,
+# "GPU replay"). Set PYTHON to choose the interpreter (the H200: PYTHON=python3).
+#
+# Steps (limits at the defaults: 45 + 15 + 10 + 100 + 60 + 75 + 75 + 75 = 455 s at most,
+# each cut to what the budget has left):
+#   1. prerequisites (45 s): imports everything the steps use (gearflow, its C modules,
+#      omegaconf, gymnasium, envpool making Pong-v5, the agents, pytest + conftest), then a
+#      CUDA build of torch that sees a GPU, then CuPy compiling (NVRTC) and running a kernel.
+#      The first one missing is named ("gpu_check: MISSING: ...") and the check STOPS, exit 1:
+#      without them the CUDA tests would only skip.
+#   2. environment (15 s + 10 s): gearflow info, nvidia-smi.
+#   3. cuda tests: pytest -m cuda tests/test_native.py tests/test_device_replay.py, a JSON line
+#      per test; a skipped CUDA test fails the step (except the one that needs 2 GPUs): kernels
+#      vs CPU references, Table(device="cuda") batches vs what was written, rows vs keys while
+#      the learner's stream is busy, buffers reused only after the consumer's stream is past
+#      them, restore onto the device, the draw distribution against the CPU selector.
+#   4. cuda benchmark: gearflow bench replay --device cuda --json (zero-copy gather GB/s vs
+#      pinned cudaMemcpy vs CPU gather + H2D, stacked-frame bytes read, device sampling at
+#      10^6 and 10^7, Table(device="cuda") end to end, rows verified).
+#   5-7. end to end (launch/e2e_check.py, learner and replay on CUDA, learner.bf16=true, actors
+#      on the CPU): pong_apex; the R2D2 transformer (configs/paper/mat_2m.yaml, the key/value
+#      cache, replay.capacity=200000, learning from 500 items); configs/paper/gato_80m.yaml with
+#      the dry run's memory plan beside the measured GPU memory. A progress line every 10 s, then
+#      the report: updates/s, tokens/s, samples/s, env steps/s, learner wait fraction, GPU memory.
+# Exit status: 0 when every step passed; 1 when one failed or prerequisites are missing.
 set -euo pipefail
 
-LOG="$(realpath -m -- "${1:-gpu_check.log}")"
-PY="${PYTHON:-python}"
-cd "$(dirname -- "$0")/.."
-: >"$LOG"
-failed=0
-work="$(mktemp -d)"
-trap 'rm -rf "$work"; echo "gpu_check: $([ "$failed" = 0 ] && echo "all steps passed" || echo "FAILED"); log: $LOG"' EXIT
+OUT=gpu_check_out BUDGET=450 TESTS_S=100 BENCH_S=60 E2E_S=40 GATO_S=40 BENCH_SCALE=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --tests-s) TESTS_S=$2; shift 2 ;;
+    --bench-s) BENCH_S=$2; shift 2 ;;
+    --e2e-s) E2E_S=$2; shift 2 ;;
+    --gato-s) GATO_S=$2; shift 2 ;;
+    --bench-scale) BENCH_SCALE=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2 rc=0
+PY="${PYTHON:-python}"
+mkdir -p "$OUT"
+OUT="$(realpath -- "$OUT")"
+LOG="$OUT/gpu_check.log" JSONL="$OUT/gpu_check.jsonl"
+cd "$(dirname -- "$0")/.."
+ROOT="$PWD"
+case ":${PYTHONPATH:-}:" in *":$ROOT:"*) ;; *) export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+export PYTHONUNBUFFERED=1
+: >"$LOG"
+: >"$JSONL"
+START=$SECONDS
+failed=0
+trap 'echo "gpu_check: $([ "$failed" = 0 ] && echo "all steps passed" || echo "FAILED") in $((SECONDS - START)) s; results: $JSONL; log: $LOG"' EXIT
+
+result() {  # result JSON-OBJECT-BODY: one line into the results file, flushed by the shell's append
+  printf '{"step": %s, "t": %s, %s}\n' "$1" "$(date +%s)" "$2" >>"$JSONL"
+}
+
+step() {  # step NAME LIMIT COMMAND...: run under min(LIMIT, what the budget has left)
+  local name=$1 limit=$2 rc=0 left t0
   shift 2
-  echo "gpu_check: $name (limit ${limit}s)"
+  left=$((BUDGET - (SECONDS - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
+    echo "gpu_check: $name SKIPPED (${left}s of the ${BUDGET}s budget left)"
+    result "\"$name\"" "\"status\": \"skipped\", \"reason\": \"budget\", \"left_s\": $left"
+    failed=1
+    return 1
+  fi
+  echo "gpu_check: $name (limit ${limit}s, $((SECONDS - START))s elapsed)"
   printf '\n===== %s: %s (limit %ss, %s)\n' "$name" "$*" "$limit" "$(date -Is)" >>"$LOG"
-  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
-  if [ "$rc" = 0 ]; then
-    printf '===== %s: ok\n' "$name" >>"$LOG"
-  else
-    [ "$rc" = 124 ] && printf '===== %s: timed out after %ss\n' "$name" "$limit" >>"$LOG"
-    printf '===== %s: FAILED (exit %s)\n' "$name" "$rc" >>"$LOG"
-    echo "gpu_check: $name FAILED (exit $rc)"
+  t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
+  local status=ok
+  if [ "$rc" != 0 ]; then
+    status=failed
+    [ "$rc" = 124 ] && status=timed_out
+    echo "gpu_check: $name FAILED ($status, exit $rc)"
     failed=1
   fi
+  printf '===== %s: %s (exit %s, %ss)\n' "$name" "$status" "$rc" "$((SECONDS - t0))" >>"$LOG"
+  result "\"$name\"" "\"status\": \"$status\", \"exit\": $rc, \"s\": $((SECONDS - t0)), \"limit_s\": $limit"
   return "$rc"
 }
 
-cat >"$work/prerequisites.py" <<'EOF'
-import importlib.util
-import sys
-
-missing = []
-if importlib.util.find_spec("pytest") is None:
-    missing.append("pytest: pip install -e '.[gpu,dev]'")
-try:
-    import torch
-except ImportError as exc:
-    missing.append(f"torch: {exc}")
-else:
-    if not torch.backends.cuda.is_built():
-        missing.append(f"torch {torch.__version__} is a CPU-only build: "
-                       "pip install torch --index-url https://download.pytorch.org/whl/cu128")
-    elif not torch.cuda.is_available():
-        missing.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: "
-                       "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
-    else:
-        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
-try:
-    from gearflow.native import probe_cupy
-except ImportError as exc:
-    missing.append(f"gearflow: {exc}; pip install -e '.[gpu,dev]'")
-else:
-    probe = probe_cupy()
-    print(f"cupy: {probe.detail}")
-    if not probe.ok:
-        missing.append(f"CuPy cannot run a kernel: {probe.detail}")
-for m in missing:
-    print(f"gpu_check: MISSING: {m}")
-sys.exit(1 if missing else 0)
-EOF
-
-cat >"$work/cuda_tests.py" <<'EOF'
-import sys
-
-import pytest
-
-ALLOWED_SKIPS = ("needs 2 GPUs",)  # an H200 machine has one
-
-
-class Outcomes:
-    def __init__(self):
-        self.passed, self.skipped = 0, []
-
-    def pytest_runtest_logreport(self, report):
-        if report.skipped:
-            reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            self.skipped.append((report.nodeid, reason))
-        elif report.when == "call" and report.passed:
-            self.passed += 1
-
-
-seen = Outcomes()
-rc = pytest.main(["-m", "cuda", "tests/test_native.py", "tests/test_device_replay.py", "-q", "-rs",
-                  "-p", "no:cacheprovider"], plugins=[seen])
-bad = [(n, r) for n, r in seen.skipped if not any(a in r for a in ALLOWED_SKIPS)]
-for nodeid, reason in bad:
-    print(f"gpu_check: a CUDA test was SKIPPED (counted as a failure): {nodeid}: {reason}")
-print(f"gpu_check: {seen.passed} CUDA tests passed, {len(seen.skipped)} skipped ({len(bad)} not allowed)")
-sys.exit(int(rc) or (1 if bad or seen.passed == 0 else 0))
-EOF
-
-if ! step "prerequisites" 90 "$PY" "$work/prerequisites.py"; then
-  grep '^gpu_check: MISSING' "$LOG" >&2 || true
-  echo "gpu_check: stopped: without these the CUDA tests would only skip (this script installs nothing)" >&2
+if ! step "prerequisites" 45 "$PY" launch/gpu_check_steps.py prerequisites --jsonl "$JSONL"; then
+  grep '^gpu_check: MISSING' "$LOG" >&2 || tail -20 "$LOG" >&2
+  echo "gpu_check: stopped: without these the CUDA steps would only skip (this script installs nothing)" >&2
   exit 1
 fi
-step "environment" 30 "$PY" -m gearflow info || true
+step "environment" 15 "$PY" -m gearflow info || true
 if command -v nvidia-smi >/dev/null; then
   step "nvidia-smi" 10 nvidia-smi || true
 fi
-step "cuda tests" 240 "$PY" "$work/cuda_tests.py" || true
-step "cuda benchmark" 180 "$PY" -m gearflow bench replay --device cuda --json || true
+step "cuda tests" "$TESTS_S" "$PY" launch/gpu_check_steps.py cuda-tests --jsonl "$JSONL" || true
+# bench lines go to the log and, one JSON record per line as measured, to bench_cuda.jsonl
+step "cuda benchmark" "$BENCH_S" bash -c '"$1" -m gearflow bench replay --device cuda --json --scale "$2" \
+  | tee "$3"' _ "$PY" "$BENCH_SCALE" "$OUT/bench_cuda.jsonl" || true
+
 E2E_CUDA=(learner.device=cuda replay.device=cuda learner.bf16=true actor.device=cpu)
-step "e2e pong_apex" 170 "$PY" launch/e2e_check.py pong_apex configs/pong_apex.yaml --seconds 120 \
-  "${E2E_CUDA[@]}" || true
-step "e2e r2d2 transformer" 170 "$PY" launch/e2e_check.py r2d2_transformer configs/paper/mat_2m.yaml \
-  --seconds 120 "${E2E_CUDA[@]}" replay.capacity=200000 replay.min_size_to_sample=500 || true
-grep '^gpu_check: e2e ' "$LOG" || echo "gpu_check: no end-to-end report (see the log)"
+e2e() {  # e2e NAME CONFIG SECONDS [ARGS...]
+  local name=$1 config=$2 seconds=$3
+  shift 3
+  step "e2e $name" "$((seconds + 35))" "$PY" launch/e2e_check.py "$name" "$config" --seconds "$seconds" \
+    --jsonl "$JSONL" --run-dir "$OUT/e2e_$name" "$@" || true
+}
+e2e pong_apex configs/pong_apex.yaml "$E2E_S" "${E2E_CUDA[@]}"
+e2e r2d2_transformer configs/paper/mat_2m.yaml "$E2E_S" "${E2E_CUDA[@]}" replay.capacity=200000 \
+  replay.min_size_to_sample=500
+e2e gato_80m configs/paper/gato_80m.yaml "$GATO_S" --plan "${E2E_CUDA[@]}" replay.capacity=200000 \
+  replay.min_size_to_sample=500
+grep '^gpu_check: e2e ' "$LOG" || echo "gpu_check: no end-to-end report (see $LOG)"
 [ "$failed" = 0 ]

@@ -4,6 +4,7 @@ it sets exist and its one-line report carries every figure, from a real (serial)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,47 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_script_parses():
-    proc = subprocess.run(["bash", "-n", str(ROOT / "launch" / "gpu_check.sh")], capture_output=True, text=True, check=False)
+@pytest.mark.parametrize("script", ["gpu_check.sh", "device_kit.sh"])
+def test_launch_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_gpu_check_stops_at_its_first_cuda_requirement_naming_it(tmp_path):
+    """On this CPU machine: every import of every step passes, then the check stops at the CUDA
+    build of torch (or the GPU it does not see), exit 1, with a JSON line per result written."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    missing = [ln for ln in proc.stderr.splitlines() if ln.startswith("gpu_check: MISSING: ")]
+    assert len(missing) == 1 and ("CPU-only build" in missing[0] or "sees no GPU" in missing[0]), proc.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    imports = {r["check"]: r["ok"] for r in rows if r.get("check", "").startswith("import ")}
+    assert imports["import gearflow.runner"] and imports["import envpool"] and imports["import tests/conftest.py"]
+    assert all(ok for name, ok in imports.items() if name not in ("import gearflow.replay._hotpath", "import gearflow._decode"))
+    assert rows[-1] == {**rows[-1], "step": "prerequisites", "status": "failed", "exit": 1}
+    assert (tmp_path / "gpu_check.log").read_text().count("===== prerequisites") == 2  # started, ended
+
+
+def test_envpool_ids_without_envpool_assets_is_no_ids_not_a_crash(tmp_path):
+    """envpool without its assets raises FileNotFoundError on import (the H200: envpool's wheel but
+    no envpool-assets); a config whose env gymnasium has still loads."""
+    code = ("from gearflow.config import envpool_ids, load_config; assert envpool_ids() == frozenset(); "
+            "print(load_config('configs/cartpole_apex.yaml', []).env.id)")  # fmt: skip
+    env = {**os.environ, "ENVPOOL_ASSETS_PATH": str(tmp_path)}  # an empty folder: no atari/roms
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "CartPole-v1"
+    assert "envpool cannot be imported (FileNotFoundError" in proc.stderr
 
 
 @pytest.mark.slow
 def test_e2e_check_reports_a_short_run(tmp_path):
+    jsonl = tmp_path / "results.jsonl"
     cmd = [sys.executable, "launch/e2e_check.py", "cpu_apex", "configs/cartpole_apex.yaml", "--seconds", "8",
-           "run.serial=true", "learner.device=cpu", "replay.device=cpu", "learner.bf16=true", "actor.device=cpu",
+           "--jsonl", str(jsonl), "--run-dir", str(tmp_path / "run"), "--progress-s", "2", "run.serial=true", "learner.device=cpu", "replay.device=cpu", "learner.bf16=true", "actor.device=cpu",
            "replay.min_size_to_sample=200", "run.log_every_s=1"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,3 +67,8 @@ def test_e2e_check_reports_a_short_run(tmp_path):
     assert report["steady"]["rows"] >= 1 and report["steady"]["updates_per_s"] > 0
     assert (report["learner_device"], report["replay_device"], report["bf16"]) == ("cpu", "cpu", True)
     assert report["gpu"] is None  # no GPU here: no memory figures
+    # as it went: progress lines (a kill keeps them), then the same report; the run's own rows
+    rows = [json.loads(ln) for ln in jsonl.read_text().splitlines()]
+    assert rows[-1] == report and len([r for r in rows if "progress" in r]) >= 2
+    assert any(r["progress"].get("learner/updates", 0) > 0 for r in rows if "progress" in r)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
