@@ -1,8 +1,8 @@
 """gearflow.replay.rate_limiter against Reverb's RateLimiter arithmetic.
 
-Reference (reverb/cc/rate_limiter.cc, with ``deletes = 0`` and ``size = inserts``)::
+Reference (reverb/cc/rate_limiter.cc; ``size = inserts - deletes``)::
 
-    CanInsert(n): if inserts + n <= min_size: true
+    CanInsert(n): if inserts - deletes + n <= min_size: true
                   else (inserts + n) * spi - samples <= max_diff
     CanSample(n): if size < min_size: false
                   else inserts * spi - samples - n >= min_diff
@@ -31,8 +31,8 @@ class ReverbRef:
             self.min_diff = min_size * spi - e
             self.max_diff = min_size * spi + e
 
-    def can_insert(self, inserts, samples, n):
-        if inserts + n <= self.m:
+    def can_insert(self, inserts, samples, n, deletes=0):
+        if inserts - deletes + n <= self.m:
             return True
         return (inserts + n) * self.spi - samples <= self.max_diff
 
@@ -52,6 +52,12 @@ PARAMS = [
     (2, 0.5, 1.0),
     (3, 2.5, 3.0),
     (6, 0.25, 1.5),
+    # ratios that are not binary fractions: Reverb's product decides at the float boundaries
+    (1, 0.01, 1.0),
+    (2, 0.1, 1.0),
+    (3, 0.3, 1.0),
+    (1, 0.7, 1.3),
+    (4, 1 / 3, 1.0),
 ]
 
 
@@ -80,6 +86,22 @@ def test_matches_reverb(m, spi, e):
         assert ref.can_insert(0, samples, limit) and not ref.can_insert(0, samples, limit + 1), (
             samples
         )
+    # stage 1: deletes (evictions) take the size below min_size, and inserts go on
+    for inserts, samples, n, deletes in itertools.product(range(0, 40, 3), range(0, 60, 7), (1, 2, 5), range(0, 40, 4)):
+        if deletes > inserts:
+            continue
+        assert lim.can_insert(inserts, samples, n, deletes) == ref.can_insert(inserts, samples, n, deletes), (
+            inserts, samples, n, deletes,
+        )  # fmt: skip
+
+
+def test_insert_limit_is_reverbs_product_at_float_boundaries():
+    """Reverb's CanInsert computes ``(inserts + n) * spi - samples <= max_diff``; a division
+    (``floor((max_diff + samples) / spi)``) allowed 301 at 2 samples and 400 at 3."""
+    lim = RateLimiter(min_size_to_sample=1, samples_per_insert=0.01, error_buffer=1.0)
+    assert [lim.insert_limit(s) for s in (2, 3)] == [300, 401]
+    assert lim.can_insert(299, 2, 1) and not lim.can_insert(300, 2, 1)
+    assert lim.can_insert(400, 3, 1) and not lim.can_insert(401, 3, 1)
 
 
 def test_insert_limit_examples():

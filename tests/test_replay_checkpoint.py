@@ -163,6 +163,8 @@ def test_items_overwritten_during_the_copy_are_left_out(make_table, tmp_path, mo
         # items 36..45 start on overwritten rows: left out; 46..96 kept
         assert min(seen) >= 46 and max(seen) == 96
         assert restored.size == 51
+        # the items dropped during the copy count as evictions: size = inserts - evictions
+        assert restored.size == restored.inserts - restored.evictions and restored.evictions == 13
         assert restored.storage.counters[0, COMMIT] == 100  # the steps written during the copy are not in it
     finally:
         restored.close()
@@ -206,3 +208,28 @@ def test_saving_again_replaces_the_checkpoint_atomically(make_table, tmp_path):
         assert restored.inserts == table.inserts
     finally:
         restored.close()
+
+
+def test_a_pickle_in_selector_npz_is_refused_and_never_run(make_table, tmp_path):
+    """A checkpoint whose selector.npz holds an object array (a pickle: code that runs on load),
+    manifest and all rewritten to match, is refused by name; the payload does not run."""
+    from gearflow.replay.checkpoint import write_manifest
+
+    table = make_table(spec=SPEC, P=1, S=32, kind=Transition(next_columns=("obs",)), selector="prioritized")
+    fill(table, 20, 3)
+    ck = save_checkpoint(table, tmp_path / "ck")
+    ran = tmp_path / "payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(ran), "w"))
+
+    with np.load(ck / "selector.npz") as f:
+        state = {k: f[k] for k in f.files}
+    state["rng_state"] = np.array([Payload()], dtype=object)
+    np.savez(ck / "selector.npz", **state)
+    (ck / "MANIFEST.json").unlink()
+    write_manifest(ck)
+    with pytest.raises(CheckpointError, match="selector.npz holds a pickled object array, refused"):
+        restore_checkpoint(ck)
+    assert not ran.exists()

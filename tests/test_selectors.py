@@ -283,13 +283,6 @@ def test_prioritized_zero_priority_is_never_sampled():
     assert len(np.unique(seen)) == 66
 
 
-def test_prioritized_all_zero_priorities_cannot_sample():
-    selector = make_selector("prioritized", 10, seed=0)
-    fill(selector, [1, 2], [0.0, 0.0])
-    with pytest.raises(ValueError, match="zero priority"):
-        selector.sample(4)
-
-
 @pytest.fixture(params=["c", "numpy"])
 def tree_impl(request, monkeypatch):
     """Run a sum-tree test on the C descent/update and on the numpy reference."""
@@ -300,6 +293,23 @@ def tree_impl(request, monkeypatch):
     elif selectors._hotpath is None:
         pytest.skip("the C sum tree was not built (no compiler at install time)")
     return request.param
+
+
+def test_all_zero_priorities_results_in_uniform_sampling(tree_impl):
+    """Reverb's item_selectors_test: with every priority 0 the prioritized selector samples
+    uniformly (P = 1/N, weights 1) instead of raising; one positive priority ends it."""
+    selector = make_selector("prioritized", 10, seed=0, alpha=0.6, beta=0.4)
+    fill(selector, [1, 2, 7], [0.0, 0.0, 0.0])
+    seen = np.concatenate([selector.sample(64).slots for _ in range(60)])
+    counts = np.bincount(seen, minlength=10)
+    assert counts.sum() == 3840 and set(np.flatnonzero(counts)) == {1, 2, 7}
+    assert counts[[1, 2, 7]].min() > 1100  # 1280 expected each (binomial sd ~29)
+    batch = selector.sample(5)
+    np.testing.assert_array_equal(batch.probabilities, np.full(5, 1 / 3))
+    np.testing.assert_array_equal(batch.weights, np.ones(5, np.float32))
+    assert batch.total is None and selector.reweigh(np.zeros(5)) is None
+    selector.update(np.array([2]), np.array([1.0]))  # a positive one: proportional again
+    assert set(selector.sample(32).slots.tolist()) == {2}
 
 
 def test_c_sum_tree_is_built_where_a_compiler_exists():

@@ -43,6 +43,7 @@ from gearflow.replay import (
     Writer,
     make_selector,
 )
+from gearflow.replay.storage import RESERVE
 
 OBS_BYTES = 4 * 84 * 84  # Atari-sized rows (the other cases use smaller ones to check more rows)
 
@@ -174,10 +175,16 @@ def _check_batch(case: Case, P: int, sample) -> tuple[int, int]:
 
 
 def check(
-    case: Case, seconds: float, batch_size: int = 256, seed: int = 0, min_redraws: int = 0, max_seconds: float | None = None
+    case: Case, seconds: float, batch_size: int = 256, seed: int = 0, min_redraws: int = 0, max_seconds: float | None = None,
+    lap_every: int = 0,
 ) -> dict[str, int | float]:
     """Run one configuration for ``seconds``, or on until ``min_redraws`` items were redrawn
-    (at most ``max_seconds``); the counts of what was checked and what was wrong."""
+    (at most ``max_seconds``); the counts of what was checked and what was wrong.
+
+    ``lap_every``: every that many samples, the sampler waits after its gather, before the
+    seqlock re-check, until the writer has written a whole ring past every partition's
+    position at the draw (progress, not time: it reads the counters), so that sample's items
+    are overwritten mid-gather and redrawn however loaded the machine is (the tests)."""
     max_seconds = max(seconds, max_seconds or seconds)
     spec = TableSpec.parse({"obs": f"uint8[{case.obs_bytes}]", "stamp": "int64"})
     storage = SharedStorage.create(spec, case.partitions, case.steps, case.records)
@@ -190,6 +197,8 @@ def check(
     proc = ctx.Process(target=_writer, args=(storage.name, case, max_seconds + 5, go, stop, out), daemon=True)
     rows = bad_keys = torn_rows = batches = applied = 0
     rng = np.random.default_rng(seed)
+    if lap_every:
+        _lap_the_gather(table, proc, lambda: lap_every and batches % lap_every == lap_every - 1)
     try:
         proc.start()
         go.set()
@@ -223,6 +232,20 @@ def check(
         "priority_updates_applied": applied,
         "seconds": elapsed,
     }
+
+
+def _lap_the_gather(table: Table, proc, due: Callable[[], bool]) -> None:
+    """Make ``table``'s first gather of each sample for which ``due()`` holds wait until every
+    partition's RESERVE is a whole ring past where it stood (the writer ``proc`` laps it)."""
+    gather, counters, S = table._gather, table.storage.counters, table.storage.steps_per_partition
+
+    def lapped(slots, rec, out, only=None, tensors=None):
+        target = counters[:, RESERVE] + S if only is None and due() else None
+        gather(slots, rec, out, only=only, tensors=tensors)
+        while target is not None and (counters[:, RESERVE] < target).any() and proc.is_alive():
+            time.sleep(0.0005)
+
+    table._gather = lapped
 
 
 def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:

@@ -27,7 +27,7 @@ _EXPORTS = {
     "RateLimiter": "rate_limiter", "RateLimiterTimeout": "rate_limiter",
     "Selection": "selectors", "Selector": "selectors", "make_selector": "selectors",
     "Column": "spec", "TableSpec": "spec",
-    "SharedStorage": "storage", "gc_segments": "storage",
+    "SharedStorage": "storage", "TableClosed": "storage", "gc_segments": "storage",
     "Sample": "table", "Table": "table",
     "TrajectoryWriter": "writer", "Writer": "writer",
     "SamplerLike": "protocols", "WriterLike": "protocols",

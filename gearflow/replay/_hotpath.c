@@ -641,7 +641,7 @@ done:
 /* stream_items(item_start: int64[R], item_length: int32[R], item_priority: float64[R],
  *              counters: int64[8] (the partition's, shared), ends: int64[m], num_steps: int | int64[m],
  *              priorities: float64[m], S, pos, episode_start, last_item_start, stream,
- *              published_field, rec_reserve_field) -> start of the last item
+ *              published_field, rec_reserve_field, trusted_steps) -> start of the last item
  * Writer.create_items for m items of one stream (item j: steps [ends[j] - n_j, ends[j])):
  * every check of the Python path, in its order and with its messages, then the record
  * ring's write protocol: REC_RESERVE bumped, records written (ring wrap included),
@@ -649,9 +649,9 @@ done:
 static PyObject *stream_items(PyObject *self, PyObject *args) {
     Py_buffer stb, lnb, prb, cb, eb, pb;
     PyObject *nobj;
-    Py_ssize_t S, pos, ep0, last_start, stream, f_pub, f_rres;
-    if (!PyArg_ParseTuple(args, "w*w*w*w*y*Oy*nnnnnnn", &stb, &lnb, &prb, &cb, &eb, &nobj, &pb, &S, &pos, &ep0,
-                          &last_start, &stream, &f_pub, &f_rres))
+    Py_ssize_t S, pos, ep0, last_start, stream, f_pub, f_rres, trust;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*y*Oy*nnnnnnnn", &stb, &lnb, &prb, &cb, &eb, &nobj, &pb, &S, &pos, &ep0,
+                          &last_start, &stream, &f_pub, &f_rres, &trust))
         return NULL;
     PyObject *result = NULL;
     Py_buffer nb = {0};
@@ -695,6 +695,13 @@ static PyObject *stream_items(PyObject *self, PyObject *args) {
         if (ends[j] - NSTEPS(j) < ep0) {
             PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %zd has %lld steps "
                          "in its current episode", (long long)NSTEPS(j), stream, (long long)(ends[j] - ep0));
+            goto done;
+        }
+    for (Py_ssize_t j = 0; j < m; j++)  /* Reverb's CreateItemRejectsExpiredCellRefs: steps the ring overwrote */
+        if (ends[j] - NSTEPS(j) < pos - trust) {
+            PyErr_Format(PyExc_ValueError, "item starting at step %lld of stream %zd refers to steps the ring already "
+                         "overwrote: the stream holds steps >= %lld (%zd steps behind its next step %zd)",
+                         (long long)(ends[j] - NSTEPS(j)), stream, (long long)(pos - trust), trust, pos);
             goto done;
         }
     if (m > R) { PyErr_Format(PyExc_ValueError, "more than %zd items for one stream in one call", R); goto done; }
@@ -958,6 +965,8 @@ typedef struct {
     uint8_t *offsets;
     int32_t *rec_len;
     double *rec_prio;
+    int64_t trust;                         /* an item's first step must be >= pos - trust */
+    int64_t *expired;                      /* items dropped for starting before that (or NULL) */
 } NStep;
 
 static void nstep_free(PyObject *capsule) {
@@ -1028,7 +1037,13 @@ static PyObject *nstep_context(PyObject *self, PyObject *args) {
     GET(rec_len, int32_t *, "rec_len", 26, 0);
     GET(rec_prio, double *, "rec_prio", 27, 0);
     GET(header, int64_t *, "header", 28, 0);
+    int64_t *trusted;
+    GET(expired, int64_t *, "expired", 29, 1);
+    trusted = (int64_t *)array_ptr(arrays, "trusted", &L[30], 1);
+    if (PyErr_Occurred()) goto fail;
 #undef GET
+    c->trust = trusted && L[30] == 8 ? trusted[0] : S;
+    bad |= (c->expired && L[29] != 8) || (trusted && L[30] != 8) || c->trust < 1 || c->trust > S;
     c->obs_bytes = L[0] / En;
     c->act8 = L[1] == En * 8;
     c->ver8 = L[2] == En * 8;
@@ -1234,6 +1249,7 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
     NStep *c = (NStep *)PyCapsule_GetPointer(cap, "gearflow.nstep");
     if (c == NULL) return NULL;
     const Py_ssize_t m = *c->p_count, R = c->R, S = c->S;
+    Py_ssize_t dropped = 0;
     if (mode == 0 && m) {  /* the rate limiter: the table's inserts + m within its limit */
         const int64_t limit = __atomic_load_n(&c->header[H_INSERT_LIMIT_F], __ATOMIC_RELAXED);
         if (limit != NO_LIMIT_V) {
@@ -1268,9 +1284,15 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
             last[s] = start;
         }
         PyMem_Free(last);
-        /* the record ring's protocol, item by item: REC_RESERVE, the record, PUBLISHED */
+        /* the record ring's protocol, item by item: REC_RESERVE, the record, PUBLISHED; an item
+         * the ring overtook since it was queued is dropped and counted (Writer.create_items'
+         * expired="drop": the table would evict it unseen) */
         for (Py_ssize_t k = 0; k < m; k++) {
             const int64_t s = c->p_stream[k], p = c->parts[s], start = c->p_end[k] - c->p_len[k];
+            if (start < c->wpos[s] - c->trust) {
+                dropped++;
+                continue;
+            }
             int64_t *cnt = c->counters + p * 8;
             const int64_t seq = __atomic_load_n(&cnt[F_PUBLISHED], __ATOMIC_RELAXED);
             if (__atomic_load_n(&cnt[F_REC_RESERVE], __ATOMIC_RELAXED) < seq + 1)
@@ -1292,7 +1314,8 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
             c->counters[c->parts[e] * 8 + F_EPISODES] += 1;
             c->end_pending[e] = 0;
         }
-    return PyLong_FromSsize_t(mode == 2 ? 0 : m);
+    if (dropped && c->expired) *c->expired += dropped;
+    return PyLong_FromSsize_t(mode == 2 ? 0 : m - dropped);
 }
 
 /* put_rows(dst (N, ...) C-contiguous, rows int64[k], src (k, ...) rows of contiguous bytes)
@@ -1385,7 +1408,7 @@ static PyMethodDef methods[] = {
      "update_by_key_raw(levels, fanout, keys_addr, prios_addr, n, prios_f32, P, R, slot_rec, slot_live, alpha) -> applied"},
     {"stream_items", stream_items, METH_VARARGS,
      "stream_items(start, length, priority, counters, ends, num_steps, priorities, S, pos, ep0, last_start, "
-     "stream, published_field, rec_reserve_field) -> last start"},
+     "stream, published_field, rec_reserve_field, trusted_steps) -> last start"},
     {"scan", scan, METH_VARARGS,
      "scan(counters, item_start, item_length, item_priority, ingested, live_lo, seen_reserve, S, max_len, "
      "seen_total, first_p, slot_rec, slot_live, new_slots, new_prios, gone) -> (total, next_p, new, gone, replaced, bad)"},

@@ -104,6 +104,19 @@ def check_manifest(directory: Path, what: str, required: tuple[str, ...] = ()) -
             raise CheckpointError(f"{directory}: {rel} is corrupt (CRC-32 mismatch)")
 
 
+def _plain_arrays(path: Path, name: str) -> dict[str, np.ndarray]:
+    """The arrays of ``path / name`` (an ``.npz``), read without pickles: an object array (a
+    pickle, which would run code on load) is a :class:`CheckpointError` naming the file."""
+    with np.load(path / name) as f:  # allow_pickle=False: numpy refuses object arrays
+        try:
+            return {k: f[k] for k in f.files}
+        except ValueError as exc:
+            if "allow_pickle" not in str(exc):
+                raise
+            raise CheckpointError(f"{path}: {name} holds a pickled object array, refused "
+                                  "(a replay checkpoint holds plain arrays only)") from None
+
+
 def _scalarize(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v) for k, v in state.items()}
 
@@ -223,11 +236,10 @@ config); ``num_buffers`` is the fewest buffer sets the table keeps.
         storage.counters[:, PUBLISHED] = np.asarray(meta["published"], dtype=np.int64)
         storage.counters[:, EPISODES] = np.asarray(meta["episodes"], dtype=np.int64)
 
-        sel_state = _scalarize(dict(np.load(path / "selector.npz")))
+        sel_state = _scalarize(_plain_arrays(path, "selector.npz"))
         selector = make_selector(meta["selector"], P * R)
         selector.load_state_dict(sel_state)
-        with np.load(path / "table.npz") as t:
-            arrays = {k: t[k] for k in t.files}
+        arrays = _plain_arrays(path, "table.npz")
         if arrays["dropped"].size:
             selector.remove(arrays["dropped"])
         table = Table(

@@ -31,7 +31,7 @@ __all__ = ["EVICT_PROBE", "TableIngest"]
 class TableIngest:
     """Scan, ingest, evict, state and stats of a table (set up by :meth:`_init_ingest`; the
     table provides ``storage``, ``kind``, ``selector``, ``_device``, ``_P``, ``_R``, ``_S``, ``_S_trust``,
-    ``_max_item_steps`` and ``_publish_insert_limit``)."""
+    ``_max_item_steps``, ``rate_limiter`` and ``_publish_insert_limit``)."""
 
     def _init_ingest(self, P: int, R: int) -> None:
         # per slot (P*R): the record as ingested, so later ring overwrites cannot change it
@@ -69,8 +69,14 @@ class TableIngest:
 
         Where the C module is built, one C pass over every partition (``_hotpath.scan``) does
         what :meth:`_scan_reference` does, and the selector is told in two calls."""
-        if _hotpath is None:
-            return self._scan_reference()
+        evictions = self.evictions
+        ingested = self._scan_reference() if _hotpath is None else self._scan_native()
+        if self.evictions != evictions and self.size < self.rate_limiter.min_size_to_sample:
+            self._publish_insert_limit()  # stage 1: eviction took the table below its minimum size
+        return ingested
+
+    def _scan_native(self) -> int:
+        """:meth:`scan` in one C pass (``_hotpath.scan``)."""
         P, sel = self._P, self.selector
         first_p, ingested = 0, 0
         head, tail = self._scan_args()
@@ -229,6 +235,8 @@ class TableIngest:
             self._device.load(self._slot_live, self._slot_start, self._slot_seq, self._slot_length)
 
     def stats(self) -> dict[str, float]:
+        if self._closed:
+            self._refuse_closed("no stats")
         c = self.storage.counters
         fill = self.partition_fill()
         return {

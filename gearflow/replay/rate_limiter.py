@@ -4,8 +4,15 @@ Let ``diff = inserts * samples_per_insert - samples``. With an error buffer
 ``e`` and ``min_size_to_sample = m``::
 
     min_diff = m * spi - e        max_diff = m * spi + e
-    an insert of k items may go  iff  diff + k * spi <= max_diff
+    an insert of k items may go  iff  size + k <= m                    (stage 1)
+                                 or   (inserts + k) * spi - samples <= max_diff
     a sample of b items may go   iff  size >= m  and  diff - b >= min_diff
+
+Stage 1 is Reverb's too (``UnblocksInsertsIfDeletedItemsBringsSizeBelowMinSize``): when
+eviction takes the table below ``m`` while the writers are held at their limit, inserts
+go on until samples can, instead of both waiting for each other. The sums are Reverb's
+own expressions in float64 (``(inserts + k) * spi``, not a division), so the limit
+matches Reverb's at every float boundary.
 
 ``samples_per_insert = 0`` keeps only the minimum size (Reverb's ``MinSize``).
 The limiter itself is pure arithmetic; the table applies it to samples and
@@ -64,14 +71,25 @@ class RateLimiter:
             return True
         return inserts * self.samples_per_insert - samples - n >= self.min_diff
 
-    def can_insert(self, inserts: int, samples: int, n: int) -> bool:
-        return inserts + n <= self.insert_limit(samples)
+    def can_insert(self, inserts: int, samples: int, n: int, deletes: int = 0) -> bool:
+        """Reverb's ``CanInsert``: ``inserts - deletes + n <= min_size_to_sample`` (stage 1),
+        else ``(inserts + n) * spi - samples <= max_diff``."""
+        return inserts + n <= self.insert_limit(samples, deletes)
 
-    def insert_limit(self, samples: int) -> int:
-        """Total items that may have been inserted once ``samples`` items were sampled."""
+    def insert_limit(self, samples: int, deletes: int = 0) -> int:
+        """Total items that may have been inserted once ``samples`` items were sampled and
+        ``deletes`` removed (evicted): the largest ``k`` with ``k * spi - samples <= max_diff``
+        (Reverb's product, evaluated in float64), or ``deletes + min_size_to_sample`` when
+        that is larger (stage 1: the table is below its minimum size)."""
         if self.samples_per_insert == 0:
             return NO_LIMIT
-        return int(math.floor((self.max_diff + samples) / self.samples_per_insert))
+        spi, top = self.samples_per_insert, self.max_diff
+        k = int(math.floor((top + samples) / spi))  # within one of the answer; the product decides
+        while k * spi - samples > top:
+            k -= 1
+        while (k + 1) * spi - samples <= top:
+            k += 1
+        return max(k, deletes + self.min_size_to_sample)
 
     def why_blocked(self, size: int, inserts: int, samples: int, n: int) -> str:
         if size < self.min_size_to_sample:

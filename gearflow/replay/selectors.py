@@ -566,6 +566,10 @@ class PrioritizedSelector(Selector):
 
     ``beta`` may be reassigned at any time (learners anneal it); ``alpha``
     applies to priorities stored from then on.
+
+    When every live slot has priority 0 the draw is uniform (P(i) = 1/N, weights 1), as
+    Reverb's prioritized selector does, so a learner whose TD errors all reach 0 keeps
+    training.
     """
 
     name = "prioritized"
@@ -659,7 +663,14 @@ class PrioritizedSelector(Selector):
     def _sample(self, batch_size: int) -> Selection:
         total = self.tree.total
         if total <= 0:
-            raise ValueError(f"cannot sample: all {self._count} live items have zero priority")
+            # Reverb's AllZeroPrioritiesResultsInUniformSampling: a learner whose TD errors all
+            # reached 0 keeps sampling (P = 1/N, weights 1) instead of crashing
+            picks = self._rng.integers(self._count, size=batch_size)  # (B,)
+            return Selection(
+                slots=self._live_slots[picks],
+                probabilities=np.full(batch_size, 1.0 / self._count),
+                weights=np.ones(batch_size, dtype=np.float32),
+            )  # total None: not proportional to the tree's masses
         uniforms = self._rng.random(batch_size)  # (B,)
         if self.tree.native:  # the same arithmetic in one C pass
             slots = np.empty(batch_size, dtype=np.int64)
@@ -679,7 +690,10 @@ class PrioritizedSelector(Selector):
 
     def reweigh(self, masses):
         """P(i) = m_i / total and w_i = (N P(i)) ** -beta / max over the batch, with the total
-        and N of now: one normalisation for every row, whichever draw it came from."""
+        and N of now: one normalisation for every row, whichever draw it came from (None when
+        every mass is 0 now: the rows keep their draws' uniform probabilities)."""
+        if self.tree.total <= 0:
+            return None
         probabilities = np.asarray(masses, dtype=np.float64) / self.tree.total
         weights = (self._count * probabilities) ** -self.beta
         return probabilities, (weights / weights.max()).astype(np.float32)

@@ -5,7 +5,7 @@ whole segment can be registered with ``cudaHostRegister`` or an RDMA memory
 region as it is)::
 
     header     int64[16] (magic, version, P, S, R, owner pid, spec length, size,
-               insert limit, samples, -, -, owner identity: boot id, PID namespace,
+               insert limit, samples, closed, -, owner identity: boot id, PID namespace,
                process start time, run tag) then the spec as JSON
     counters   int64[P, 8]          one 64-byte cache line per partition:
                RESERVE   steps that may be being written: rows of steps < RESERVE - S
@@ -67,7 +67,11 @@ HEADER_FIELDS = 16
 COUNTER_FIELDS = 8  # 64 bytes: one cache line per partition, no false sharing between writers
 
 # header fields
-H_MAGIC, H_VERSION, H_P, H_S, H_R, H_OWNER, H_SPEC_LEN, H_SIZE, H_INSERT_LIMIT, H_SAMPLES = range(10)
+H_MAGIC, H_VERSION, H_P, H_S, H_R, H_OWNER, H_SPEC_LEN, H_SIZE, H_INSERT_LIMIT, H_SAMPLES, H_CLOSED = range(11)
+# H_CLOSED: 1 once the table's owner closed it. Table.close() also sets the insert limit to
+# CLOSED_LIMIT, so a writer's one limit check (which every publish makes) fails and its slow
+# path reads H_CLOSED: no extra load on the insert path
+CLOSED_LIMIT = -1
 # owner identity (the same fields in the parameter store's header): a PID alone cannot say
 # whether a segment's owner is alive when /dev/shm is shared by several PID namespaces
 # (containers) or survived a reboot, so gc needs the whole identity to remove a segment
@@ -460,6 +464,19 @@ def gc_segments(
 
 class PartitionOwned(GearflowError):
     """A writer asked for a partition that a live writer already writes."""
+
+
+class TableClosed(GearflowError, RuntimeError):
+    """The replay table was closed: a sample, priority update or scan after (or blocked across)
+    ``Table.close()``, or a writer publishing into a closed table's segment (Reverb's
+    cancellation of a closed table)."""
+
+
+def release_partitions(storage: "SharedStorage", partitions: np.ndarray) -> None:
+    """Undo :func:`claim_partitions` for the partitions this process holds, so a writer in
+    another process may take them over while this one lives (``Writer.close``)."""
+    mine = partitions[storage.counters[partitions, WRITER_PID] == os.getpid()]
+    storage.counters[mine, WRITER_PID] = 0
 
 
 def claim_partitions(storage: "SharedStorage", partitions: np.ndarray) -> None:

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -51,12 +52,15 @@ from gearflow.replay.items import FrameStacks, ItemKind, gatherable
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
 from gearflow.replay.storage import (
+    CLOSED_LIMIT,
+    H_CLOSED,
     H_INSERT_LIMIT,
     H_SAMPLES,
     PUBLISHED,
     RESERVE,
     SHM_DIR,
     SharedStorage,
+    TableClosed,
 )
 
 log = logging.getLogger(__name__)
@@ -199,6 +203,14 @@ class Sample:
     keys: torch.Tensor  # int64 (B,)
     weights: torch.Tensor  # float32 (B,) importance weights, max 1
     probabilities: torch.Tensor  # float64 (B,)
+    on_release: Any = field(default=None, repr=False, compare=False)  # the device path's (stream) -> None
+
+    def release(self, stream: Any = None) -> None:
+        """Every read of this batch is queued on ``stream`` (default: torch's current stream):
+        on the GPU path its buffer set is refilled only after that stream passes this point
+        (gearflow/native/device_replay.py); nothing on the CPU path."""
+        if self.on_release is not None:
+            self.on_release(stream)
 
 
 class Table(TableIngest):
@@ -242,6 +254,8 @@ class Table(TableIngest):
         self._buffers: list[dict[str, torch.Tensor]] = []
         self._buffer_batch = -1
         self._next_buffer = 0
+        self._closed = False
+        self._active = 0  # samples / waits in progress (close() lets them leave first)
         storage.header[H_SAMPLES] = 0
         self._publish_insert_limit()
 
@@ -252,7 +266,14 @@ class Table(TableIngest):
         self._publish_insert_limit()
 
     def _publish_insert_limit(self) -> None:
-        self.storage.header[H_INSERT_LIMIT] = self.rate_limiter.insert_limit(self.samples)
+        lim = self.rate_limiter
+        deletes = 0
+        if self.size < lim.min_size_to_sample:
+            # Reverb's stage 1: inserts go on while the table is below its minimum size. Items
+            # published but not held (evicted, or dropped at ingest) are the deletes, so a
+            # writer may publish until held + not yet scanned + new = min_size_to_sample.
+            deletes = int(self._ingested.sum()) - self.size
+        self.storage.header[H_INSERT_LIMIT] = lim.insert_limit(self.samples, deletes)
         self.storage.header[H_SAMPLES] = self.samples
 
     @property
@@ -281,23 +302,43 @@ class Table(TableIngest):
         self._next_buffer = (self._next_buffer + 1) % self.num_buffers
         return buf
 
+    def _refuse_closed(self, what: str) -> None:
+        raise TableClosed(f"replay table {self.storage.name} is closed: {what}")
+
+    def scan(self) -> int:
+        if self._closed:
+            self._refuse_closed("cannot scan")
+        return super().scan()
+
     def can_sample(self, batch_size: int) -> bool:
         """Whether the rate limiter allows sampling ``batch_size`` items now (no scan, no wait)."""
+        if self._closed:
+            self._refuse_closed(f"cannot sample {batch_size}")
         lim = self.rate_limiter
         if lim.samples_per_insert == 0 and self.size >= lim.min_size_to_sample:
             return True  # the usual case, without reading the insert counters
         return lim.can_sample(self.size, int(self.storage.counters[:, PUBLISHED].sum()), self.samples, batch_size)
 
     def wait_until_ready(self, batch_size: int, timeout_s: float | None = None) -> None:
-        """Block (scanning) until the rate limiter allows sampling ``batch_size`` items."""
+        """Block (scanning) until the rate limiter allows sampling ``batch_size`` items;
+        :class:`TableClosed` when the table is (or gets) closed meanwhile."""
         if self.can_sample(batch_size):
             return
+        self._active += 1
+        try:
+            self._wait_until_ready(batch_size, timeout_s)
+        finally:
+            self._active -= 1
+
+    def _wait_until_ready(self, batch_size: int, timeout_s: float | None) -> None:
         lim = self.rate_limiter
         total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
         timeout_s = self.sample_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         delay = 1e-4
         while True:
+            if self._closed:  # close() in another thread: it waits for this call to leave
+                self._refuse_closed(f"closed while a sample of {batch_size} waited for the rate limiter")
             self.scan()
             if lim.can_sample(self.size, total(), self.samples, batch_size):
                 return
@@ -310,13 +351,23 @@ class Table(TableIngest):
             delay = min(delay * 2, MAX_BACKOFF_S)
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
-        """Draw a batch with the selector; blocks while the rate limiter says so."""
+        """Draw a batch with the selector; blocks while the rate limiter says so.
+        :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
         return self._draw(batch_size, timeout_s)[0]
 
     def _draw(self, batch_size: int, timeout_s: float | None, tensors: dict | None = None):
         """:meth:`sample`, returning ``(sample, slots, records)``; ``tensors`` (default every
         column's): the storage columns gathered into the batch, the others left for the
         caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`)."""
+        if self._closed:
+            self._refuse_closed(f"cannot sample {batch_size}")
+        self._active += 1
+        try:
+            return self._draw_open(batch_size, timeout_s, tensors)
+        finally:
+            self._active -= 1
+
+    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self.scan()
@@ -468,7 +519,7 @@ class Table(TableIngest):
         self.samples += batch_size
         self._publish_insert_limit()
         data, keys, weights, probs = dev.batch(out)
-        return Sample(data=data, keys=keys, weights=weights, probabilities=probs)
+        return Sample(data=data, keys=keys, weights=weights, probabilities=probs, on_release=partial(dev.release, out))
 
     @property
     def device(self) -> str:
@@ -480,6 +531,8 @@ class Table(TableIngest):
         """New priorities by key; keys of evicted items are ignored. Returns how many applied.
 
         A priority that is not finite and ≥ 0 raises ValueError and nothing changes."""
+        if self._closed:
+            self._refuse_closed("cannot update priorities")
         if self._device is None and type(keys) is torch.Tensor and type(priorities) is torch.Tensor:
             applied = self.selector.update_by_key_tensors(keys, priorities, self._key_index)
             if applied is not None:  # a learner's CPU tensors, read where they are
@@ -500,8 +553,22 @@ class Table(TableIngest):
         return int(slots.size)
 
     # ------------------------------------------------------------------ close
-    def close(self) -> None:
-        """Free the buffers; the owner unlinks the shared-memory segment."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Free the buffers; the owner unlinks the shared-memory segment. Idempotent.
+
+        Afterwards every call raises :class:`TableClosed`; a sample blocked in another thread
+        is woken with it (close waits up to ``wait_s`` for such calls to leave before the
+        segment is unmapped), and writers of the segment (other processes too) get it at
+        their next publish: the header says the table is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.storage.owner:
+            self.storage.header[H_CLOSED] = 1
+            self.storage.header[H_INSERT_LIMIT] = CLOSED_LIMIT  # every writer's limit check now fails
+        deadline = time.monotonic() + wait_s
+        while self._active > 0 and time.monotonic() < deadline:
+            time.sleep(MAX_BACKOFF_S)  # a blocked sample re-checks at least this often
         self._buffers = []
         if self._device is not None:
             self._device.close()  # unregisters the segment: before it is unmapped

@@ -41,6 +41,7 @@ _put_rows = getattr(_hotpath, "put_rows", None)  # large rows of append; None: t
 from gearflow.replay.storage import (
     COMMIT,
     EPISODES,
+    H_CLOSED,
     H_INSERT_LIMIT,
     H_SAMPLES,
     HEARTBEAT_NS,
@@ -48,13 +49,21 @@ from gearflow.replay.storage import (
     REC_RESERVE,
     RESERVE,
     SharedStorage,
+    TableClosed,
     claim_partitions,
+    release_partitions,
     step_rows,
 )
 
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
 OFFSET_MAX = MAX_STACK - 1  # a step's offset in its episode is stored capped (uint8)
+
+
+def _expired_message(start: int, stream: int, pos: int, trust: int) -> str:
+    """The error of an item over steps the ring already overwrote (the C path says the same)."""
+    return (f"item starting at step {start} of stream {stream} refers to steps the ring already "
+            f"overwrote: the stream holds steps >= {pos - trust} ({trust} steps behind its next step {pos})")
 
 
 class InsertAborted(GearflowError):
@@ -126,6 +135,10 @@ class Writer(StreamPositions):
         self.insert_timeout_s = insert_timeout_s
         self._S = storage.steps_per_partition
         self._R = storage.items_per_partition
+        self._trust = storage.trusted_steps  # an item's first step must be >= next step - this
+        # expired items dropped by create_items(expired="drop") and the C adder (int64[1]: the C
+        # adder counts into it in place)
+        self._expired = np.zeros(1, dtype=np.int64)
         claim_partitions(storage, parts)  # refused while another live writer has one of them
         c = storage.counters
         # A writer that died mid-write left RESERVE ahead of COMMIT: those rows may be
@@ -134,6 +147,7 @@ class Writer(StreamPositions):
         c[parts, COMMIT] = self._pos
         c[parts, RESERVE] = self._pos
         self.abort: Callable[[], bool] | None = None  # polled while an insert waits on the rate limiter
+        self._closed = False  # close(): partitions handed over, writes refused
         if prefault:
             storage.prefault(parts)  # no page faults in the env loop's first lap
         self._episode_start = self._pos.copy()
@@ -149,7 +163,9 @@ class Writer(StreamPositions):
         table's ``columns`` (by name, ``[P * S, *shape]``), ``partitions``, ``counters``
         (``[P, 8]``), the item records ``rec_start`` / ``rec_len`` / ``rec_prio`` (``[P, R]``),
         ``header``, ``offsets`` (stacked frames, else ``None``) and this writer's per-stream
-        state ``pos`` / ``episode_start`` / ``last_start`` (int64 ``[streams]``). A C path
+        state ``pos`` / ``episode_start`` / ``last_start`` (int64 ``[streams]``), ``trusted``
+        (int64 ``[1]``: an item's first step must be ``>= pos - trusted``) and ``expired`` (int64
+        ``[1]``: items dropped for starting before that, counted in place). A C path
         that keeps these as the numpy methods do (seqlocks, record ring, episode starts)
         leaves the writer exactly as :meth:`append` / :meth:`create_items` /
         :meth:`end_episode` would; ``_hotpath.nstep_*`` is the one user."""
@@ -159,7 +175,14 @@ class Writer(StreamPositions):
             "rec_start": st.item_start, "rec_len": st.item_length, "rec_prio": st.item_priority,
             "header": st.header, "offsets": self._offsets, "pos": self._pos,
             "episode_start": self._episode_start, "last_start": self._last_item_start,
+            "trusted": np.array([self._trust], dtype=np.int64), "expired": self._expired,
         }  # fmt: skip
+
+    @property
+    def expired_items(self) -> int:
+        """Items dropped because the ring had already overwritten their first steps
+        (``create_items(expired="drop")``; the C n-step adder drops them the same way)."""
+        return int(self._expired[0])
 
     def wait_for_insert(self, m: int) -> None:
         """Block until the rate limiter takes ``m`` more items (``insert_timeout_s``, then
@@ -183,6 +206,8 @@ class Writer(StreamPositions):
 
         Returns the absolute step index given to each stream's step.
         """
+        if self._closed:
+            self._refuse_closed()
         s = self._streams(streams)
         if np.unique(s).size != s.size:
             raise ValueError("append writes one step per stream: streams must be distinct")
@@ -215,6 +240,8 @@ class Writer(StreamPositions):
 
         Returns the absolute index of the first of them.
         """
+        if self._closed:
+            self._refuse_closed()
         first_col = steps.get(self.storage.spec.columns[0].name)
         arrays, n = self.storage.spec.check_batch(steps, n=len(first_col) if hasattr(first_col, "__len__") else None)
         if n > self._S:
@@ -250,12 +277,18 @@ class Writer(StreamPositions):
         return pos
 
     # ------------------------------------------------------------------ items
-    def create_items(self, priorities, num_steps, streams=None, ends=None) -> None:
+    def create_items(self, priorities, num_steps, streams=None, ends=None, *, expired: str = "raise") -> None:
         """Publish items: item ``j`` covers steps ``[ends[j] - num_steps[j], ends[j])`` of
         ``streams[j]`` (``ends`` defaults to each stream's next step, i.e. the last
         ``num_steps`` steps). ``streams`` may be one int for many items of one stream.
         Items never cross an episode boundary, and a stream's items are published in
         order of their first step.
+
+        An item whose first step the ring already overwrote (older than the stream's next
+        step less ``S``, less a stack's reach with stacked frames) is refused with a
+        ValueError and nothing is published (Reverb's expired cell refs); ``expired="drop"``
+        skips such items instead and counts them (:attr:`expired_items`): an adder whose
+        queued items a tiny ring overtook between two flushes.
 
         Blocks while the table's rate limiter forbids the insert, up to
         ``insert_timeout_s``, then raises :class:`RateLimiterTimeout`.
@@ -265,6 +298,13 @@ class Writer(StreamPositions):
         else:
             prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
         m = prio.size
+        if self._closed:
+            self._refuse_closed()
+        if expired != "raise":
+            if expired != "drop":
+                raise ValueError(f'expired must be "raise" or "drop", got {expired!r}')
+            prio, num_steps, streams, ends = self._drop_expired(prio, num_steps, streams, ends)
+            m = prio.size
         if m == 0:
             return
         if isinstance(streams, (int, np.integer)) or (streams is not None and np.ndim(streams) == 0):
@@ -302,6 +342,23 @@ class Writer(StreamPositions):
         c[parts[last], PUBLISHED] = ends  # publish after the records are written
         self._last_item_start[s[last]] = start[last]
 
+    def _drop_expired(self, prio, num_steps, streams, ends):
+        """``create_items``' arguments without the items that start before the ring's trusted
+        steps (counted in :attr:`expired_items`)."""
+        m = prio.size
+        if m == 0:
+            return prio, num_steps, streams, ends
+        s = np.full(m, int(streams)) if streams is not None and np.ndim(streams) == 0 else self._streams(streams)
+        if s.size != m:
+            return prio, num_steps, streams, ends  # the usual checks say what is wrong
+        lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
+        end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
+        keep = end - lengths >= self._pos[s] - self._trust
+        if keep.all():
+            return prio, num_steps, streams, ends
+        self._expired[0] += int(m - keep.sum())
+        return prio[keep], lengths[keep], s[keep], end[keep]
+
     def _create_stream_items(self, prio: np.ndarray, num_steps, stream: int, ends) -> None:
         """``create_items`` for many items of one stream (the ``extend`` path): one C call
         where built (the same checks and messages), else a few numpy calls."""
@@ -326,7 +383,7 @@ class Writer(StreamPositions):
                 rows = self._record_rows[stream] = (st.item_start[p], st.item_length[p], st.item_priority[p], st.counters[p])
             self._last_item_start[stream] = _hotpath.stream_items(
                 *rows, end, n, prio, self._S, pos, int(self._episode_start[stream]),
-                int(self._last_item_start[stream]), stream, PUBLISHED, REC_RESERVE,
+                int(self._last_item_start[stream]), stream, PUBLISHED, REC_RESERVE, self._trust,
             )  # fmt: skip
             return
         m, S, R = prio.size, self._S, self._R
@@ -371,6 +428,10 @@ class Writer(StreamPositions):
                 f"item of {lengths[j]} steps crosses an episode boundary: stream {streams[j]} has "
                 f"{int(end[j] - e0)} steps in its current episode"
             )
+        expired = start < pos - self._trust
+        if expired.any():  # Reverb's CreateItemRejectsExpiredCellRefs: the table would evict it unseen
+            j = int(np.argmax(expired))
+            raise ValueError(_expired_message(int(start[j]), int(streams[j]), int(pos[j] if np.ndim(pos) else pos), self._trust))
         return start
 
     def _wait_for_insert(self, m: int) -> None:
@@ -381,6 +442,8 @@ class Writer(StreamPositions):
         deadline = time.monotonic() + self.insert_timeout_s
         delay = 1e-4
         while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
+            if header[H_CLOSED]:  # Table.close() set the limit below any count: it never opens again
+                raise TableClosed(f"insert of {m} item(s) refused: the replay table {self.storage.name} was closed")
             if self.abort is not None and self.abort():
                 raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
             if time.monotonic() > deadline:
@@ -411,6 +474,25 @@ class Writer(StreamPositions):
         written, so this only stamps the partitions' heartbeat (used by supervisors)."""
         self.storage.counters[self.partitions, HEARTBEAT_NS] = time.monotonic_ns()
 
+    def close(self) -> None:
+        """Hand the partitions over: they stop being this process's, so a writer in another
+        process may continue them (after their last step) while this one lives, e.g. offline
+        data prefilled here, then an actor. Everything written stays published; this writer
+        refuses further writes. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        release_partitions(self.storage, self.partitions)
+
+    def _refuse_closed(self) -> None:
+        raise ValueError(f"this writer was closed: partitions {self.partitions.tolist()} were handed over")
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class TrajectoryWriter:
     """One stream, Reverb's names: ``append`` / ``extend`` / ``create_item`` / ``end_episode`` / ``flush``.
@@ -439,6 +521,8 @@ class TrajectoryWriter:
         """One unbatched step; returns its absolute index."""
         values = self._w.storage.spec.check_row(step)  # every column checked before a byte is stored
         w, c = self._w, self._counters
+        if w._closed:
+            w._refuse_closed()
         pos = int(w._pos[0])
         row = self._base + pos % self._S  # step_rows for one step, as scalars (the per-step path)
         c[RESERVE] = pos + 1
@@ -456,6 +540,8 @@ class TrajectoryWriter:
     def create_item(self, priority: float, num_steps: int) -> None:
         """An item over the last ``num_steps`` steps of the current episode."""
         w, c = self._w, self._counters
+        if w._closed:
+            w._refuse_closed()
         try:
             prio, n = float(priority), operator.index(num_steps)
         except TypeError:
@@ -470,6 +556,8 @@ class TrajectoryWriter:
             raise ValueError(
                 f"item of {n} steps crosses an episode boundary: stream 0 has {pos - ep0} steps in its current episode"
             )
+        if start < pos - w._trust:  # only with stacked frames: n > S - their reach
+            raise ValueError(_expired_message(start, 0, pos, w._trust))
         if start < w._last_item_start[0]:
             raise ValueError("items of a stream must be created in order of their first step")
         if int(w.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
@@ -488,3 +576,13 @@ class TrajectoryWriter:
 
     def flush(self) -> None:
         self._w.flush()
+
+    def close(self) -> None:
+        """:meth:`Writer.close`: the partition is handed over (another process may continue it)."""
+        self._w.close()
+
+    def __enter__(self) -> TrajectoryWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
