@@ -228,6 +228,9 @@ class Learner:
             self._pending_tokens = total if self._pending_tokens is None else self._pending_tokens + total
         if "version" in batch.data:  # how many publications old the sampled data is
             self._last_batch_version = (self.params.latest_version(), batch.data["version"].double().mean())
+        release = getattr(batch, "release", None)  # every read of the batch is queued on this stream:
+        if release is not None:  # the GPU path may refill its buffers once the stream passes here
+            release()
         if p.updates % self.cfg.learner.publish_every == 0 and self.publisher:
             self.params.publish(self.agent.learner_network())
         if self.beta is not None:

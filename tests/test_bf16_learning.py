@@ -12,7 +12,6 @@ most) and well below what the whole-``learn`` autocast gave (Ape-X: targets 0.07
 from __future__ import annotations
 
 import contextlib
-import copy
 from pathlib import Path
 
 import numpy as np

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import logging
 import os
 import statistics
@@ -35,6 +36,7 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -115,17 +117,27 @@ def test_table_on_cuda_without_cupy_fails_cleanly_and_leaves_the_storage_to_its_
 
 @no_cupy_here
 def test_gpu_check_stops_at_its_first_step_naming_what_is_missing(tmp_path):
-    """launch/gpu_check.sh on a machine where the CUDA tests would only skip: it says what is
-    missing (with the install command) and exits 1 before running any test."""
+    """launch/gpu_check.sh on a machine where the CUDA tests would only skip: every import of
+    every step passes, then it names the first CUDA requirement missing (with the install
+    command) and exits 1 before running any test, a JSON line per result written."""
     script = Path(__file__).resolve().parents[1] / "launch" / "gpu_check.sh"
-    proc = subprocess.run(["bash", str(script), str(tmp_path / "gpu_check.log")], capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(script), "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, check=False, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "gpu_check: MISSING: CuPy cannot run a kernel: not installed" in proc.stderr
-    assert "pip install 'gearflow[gpu]'" in proc.stderr and "would only skip" in proc.stderr
+    missing = [ln for ln in proc.stderr.splitlines() if ln.startswith("gpu_check: MISSING: ")]
+    assert len(missing) == 1 and "would only skip" in proc.stderr, proc.stderr
     if not TORCH_CUDA.ok and "CPU-only" in TORCH_CUDA.detail:
-        assert "is a CPU-only build: pip install torch --index-url" in proc.stderr
+        assert "is a CPU-only build: a CUDA build of torch is needed (pip install torch --index-url" in missing[0]
+    elif not TORCH_CUDA.ok:
+        assert "sees no GPU" in missing[0]
+    else:
+        assert "CuPy cannot run a kernel: not installed" in missing[0] and "pip install 'gearflow[gpu]'" in missing[0]
     assert "cuda tests" not in proc.stdout and "prerequisites FAILED" in proc.stdout
+    rows = [json.loads(ln) for ln in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    imports = {r["check"]: r["ok"] for r in rows if r.get("check", "").startswith("import ")}
+    assert imports["import gearflow.runner"] and imports["import envpool"] and imports["import tests/conftest.py"]
+    assert all(ok for name, ok in imports.items() if name not in ("import gearflow.replay._hotpath", "import gearflow._decode"))
+    assert rows[-1] == {**rows[-1], "step": "prerequisites", "status": "failed", "exit": 1}
 
 
 def test_table_device_argument_is_checked(make_table):
@@ -281,9 +293,12 @@ class HostCupy(FakeCupy):
             return f"Stream(0x{self.ptr:x}, cuda:{self.device_id})"
 
     class Event:
-        def __init__(self, disable_timing=False):
+        made: ClassVar[list] = []  # every event made: (block, disable_timing)
+
+        def __init__(self, block=False, disable_timing=False):
             TRACE.events += 1
-            self.recorded_on = None
+            HostCupy.Event.made.append((block, disable_timing))
+            self.recorded_on, self.block = None, block
 
         def record(self, stream=None):  # CuPy reads stream.ptr only
             self.recorded_on = stream.ptr
@@ -571,6 +586,96 @@ def test_emulated_sample_is_one_stream_on_its_device_with_one_host_sync(emulated
     assert s.keys.data_ptr() == first.keys.data_ptr() and s.weights.data_ptr() == first.weights.data_ptr()
     assert s.probabilities.data_ptr() == first.probabilities.data_ptr()
     assert all(s.data[k].data_ptr() == first.data[k].data_ptr() for k in s.data)
+
+
+SIDE = 0x51DE  # a consumer's side stream (a raw cudaStream_t): not torch's current one when sampling
+
+
+def _waits_on(ops, stream_ptr):
+    return [i for i, (what, _, st) in enumerate(ops)
+            if what == f"wait for an event recorded on stream 0x{stream_ptr:x}" and st == "stream"]  # fmt: skip
+
+
+def _first_gather(ops):
+    return next(i for i, (what, _, _) in enumerate(ops) if what.startswith("kernel gather_"))
+
+
+@needs_emulation
+@pytest.mark.parametrize("kind_name", ["transition", "sequence"])
+def test_emulated_buffers_are_refilled_only_after_a_side_stream_consumer_released_them(emulated_table, kind_name):
+    """A learner reading its batches on a side stream (not the stream the table samples from):
+    ``Sample.release(stream)`` records an event there, and the batch's buffer set is refilled
+    only after the replay stream waited for it (before the first gather kernel writes the set);
+    the other set is not held back by it; the wait happens once per release; the event is
+    made once per (set, stream) and reused."""
+    kind = KINDS[kind_name]
+    table, device = emulated_table("uniform", kind, num_buffers=2)
+    rec = _fill(table, kind)
+    a = table.sample(7)  # set 0
+    TRACE.reset()
+    a.release(SIDE)  # the consumer queued every read of a on SIDE
+    assert _ops_of(device) == [("event.record", 0, SIDE)] and TRACE.events == 1 and not TRACE.syncs
+    TRACE.reset()
+    b = table.sample(7)  # set 1: a's release does not concern it
+    assert not _waits_on(_ops_of(device), SIDE)
+    TRACE.reset()
+    c = table.sample(7)  # set 0 again: after SIDE passed a's release, and after torch's current stream
+    ops = _ops_of(device)
+    (wait,) = _waits_on(ops, SIDE)
+    assert wait < _first_gather(ops) and _waits_on(ops, CONSUMER) == [1]
+    check_batch(c, rec, kind, 2, 7)
+    assert c.keys.data_ptr() == a.keys.data_ptr() and b.keys.data_ptr() != a.keys.data_ptr()
+    for _ in range(2):  # set 1, set 0: the release was waited for once, not again
+        TRACE.reset()
+        table.sample(7)
+        assert not _waits_on(_ops_of(device), SIDE)
+    TRACE.reset()
+    c.release(SIDE)  # the same (set, stream): its event is reused
+    c.release()  # default: torch's current stream (the emulated consumer's)
+    assert TRACE.events == 1  # one new event, for (set 0, CONSUMER)
+    table.sample(7)  # set 1
+    TRACE.reset()
+    table.sample(7)  # set 0: both releases waited for
+    ops = _ops_of(device)
+    assert len(_waits_on(ops, SIDE)) == 1 and len(_waits_on(ops, CONSUMER)) == 2
+
+
+@needs_emulation
+def test_emulated_buffers_replaced_on_a_batch_size_change_live_while_torch_may_read_them(emulated_table):
+    """A batch-size change replaces the buffer sets; the old ones are not dropped (their CuPy
+    memory back in the pool for this stream's next allocation) while a consumer may still read
+    them: their releases are still waited for, and they go only after num_buffers samples."""
+    import gc
+    import weakref
+
+    kind = KINDS["sequence"]
+    table, device = emulated_table("uniform", kind, num_buffers=2)
+    _fill(table, kind)
+    a = table.sample(7)
+    old = [weakref.ref(x) for x in device._buffers]
+    a.release(SIDE)
+    del a
+    TRACE.reset()
+    table.sample(5)  # new sets; a's (retired) release is waited for before anything is gathered
+    ops = _ops_of(device)
+    (wait,) = _waits_on(ops, SIDE)
+    assert wait < _first_gather(ops)
+    gc.collect()
+    assert all(r() is not None for r in old)  # still held: a batch lives num_buffers - 1 samples
+    table.sample(5)
+    gc.collect()
+    assert all(r() is None for r in old)  # two samples on, each after the consumer's stream: freed
+    table.sample(5)
+
+
+@needs_emulation
+def test_emulated_gather_sync_is_a_blocking_event(emulated_table):
+    """The sample's one host sync waits on an event made with cudaEventBlockingSync (CuPy's
+    block=True): the sampling thread sleeps in the driver instead of spinning a core."""
+    HostCupy.Event.made.clear()
+    _, device = emulated_table("uniform", KINDS["transition"])
+    assert device._gathered.block is True and (True, True) in HostCupy.Event.made
+    assert device._consumer_done.block is False  # only ever waited for on the device
 
 
 @needs_emulation

@@ -721,6 +721,10 @@ static ucontext_t gf_scheduler;
 static std::vector<ucontext_t> gf_fibers;
 static unsigned gf_current;
 static inline void __syncthreads() { swapcontext(&gf_fibers[gf_current], &gf_scheduler); }
+// host-link reads the kernels count (GF_COUNT_READ in gather.cu), read and reset by the tests
+static unsigned long long gf_bytes_read = 0;
+extern "C" unsigned long long gf_emu_bytes_read() { unsigned long long n = gf_bytes_read; gf_bytes_read = 0; return n; }
+#define GF_COUNT_READ(bytes) (gf_bytes_read += (bytes))
 static inline int atomicMax(int* p, int v) { int old = *p; if (v > old) *p = v; return old; }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     unsigned long long old = *p; *p = old + v; return old;
@@ -828,6 +832,36 @@ def emulated(tmp_path_factory):
     g = CudaGather(cp, EmulatedModule(compile_emulated(KERNEL_DIR / "gather.cu", out)))
     s = CudaSelect(cp, EmulatedModule(compile_emulated(KERNEL_DIR / "select.cu", out)))
     return g, s, cp
+
+
+@needs_emulation
+def test_emulated_stack_kernel_reads_each_frame_once_per_window(tmp_path):
+    """gather_stacks reads a frame over the host link once per window, however many stack slots
+    hold it (bytes counted by the emulation): an 80-step window of 4-frame stacks reads 83
+    frames, not 320; one that crosses an episode start, or starts at an episode's first step
+    (its first frame repeated), reads only the frames its stacks hold. The output equals the
+    numpy reference."""
+    from gearflow.native.gather import gather_stacks, stack_frames_read, stack_rows
+
+    module = EmulatedModule(compile_emulated(KERNEL_DIR / "gather.cu", tmp_path))
+    g = CudaGather(FakeCupy(), module)
+    P, S, K, T, row = 1, 400, 4, 80, 64
+    col = np.random.default_rng(0).integers(0, 256, size=(P * S, row), dtype=np.uint8)
+    ep_start = np.where(np.arange(S) < 150, 0, 150)  # episodes start at steps 0 and 150
+    off = np.minimum(np.arange(S) - ep_start, 255).astype(np.uint8)
+    parts, starts, lengths = np.zeros(3, np.int64), np.array([100, 140, 1]), np.array([80, 80, 40], np.int32)
+    dst = dev(np.zeros((3, T, K, row), np.uint8))
+    module.lib.gf_emu_bytes_read.restype = ctypes.c_ulonglong
+    module.lib.gf_emu_bytes_read()
+    g.gather_stacks(col.ctypes.data, row, S, K, off.ctypes.data, parts, starts, lengths, T, dst, num_rows=P * S)
+    read = module.lib.gf_emu_bytes_read()
+    ref = np.empty((3, T, K, row), np.uint8)
+    gather_stacks(col, row, S, K, off, parts, starts, lengths, T, ref)
+    assert dst.tobytes() == ref.tobytes()
+    frames = [stack_frames_read(off, parts[i : i + 1], starts[i : i + 1], lengths[i : i + 1], S, K) for i in range(3)]
+    assert frames == [83, 83, 41] and stack_rows(T, K) == 83  # steps 97..179, 137..219, 0..40
+    assert read == sum(frames) * row  # each once: 207 frames, where one read per slot is 800
+    assert int(lengths.sum()) * K == 800
 
 
 @needs_emulation

@@ -69,6 +69,11 @@ def gather(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
             emit(_record("cuda_gather", name, r["GB/s"], "GB/s", pinned))  # ratio: fraction of the link
             if r["kind"] == "rows" and r["row_bytes"] == OBS_ROW and staging:
                 emit(_record("cuda_gather", f"zero_copy_rows_{OBS_ROW}B_vs_staging_GB_per_s", r["GB/s"], "GB/s", staging))
+        elif r["bench"] == "gather/stacks":  # frames read once per window: bytes over the link counted
+            emit(_record("cuda_gather", "stacks_MB_read_per_batch", r["MB_read"], "MB"))
+            emit(_record("cuda_gather", "stacks_MB_read_once_per_slot_would_be", r["MB_read_per_slot"], "MB"))
+            emit(_record("cuda_gather", "stacks_read_GB_per_s", r["GB/s_read"], "GB/s", pinned))
+            emit(_record("cuda_gather", "stacks_written_GB_per_s", r["GB/s_written"], "GB/s"))
     if pinned is not None:
         emit(_record("cuda_gather", "pinned_memcpy_GB_per_s", pinned, "GB/s"))
     if staging is not None:

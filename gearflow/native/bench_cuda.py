@@ -5,6 +5,11 @@ Prints one JSON object per measurement:
 * ``gather/zero_copy``   — the gather kernels reading rows straight out of
   registered, mapped host memory into device memory (transitions: B rows;
   sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths.
+* ``gather/stacks`` — the stacked-frame kernel (one 84x84 frame stored per step, K = 4
+  stacks of R2D2's 80-step windows rebuilt at sample time) with the bytes it reads over
+  the host link counted: each frame once per window (``MB_read``: the distinct frames its
+  stacks hold, ``gather.stack_frames_read``) against once per slot (``MB_read_per_slot``,
+  K times: the kernel before), and GB/s of stacks written.
 * ``gather/pinned_memcpy`` — ``cudaMemcpyAsync`` of the same number of bytes,
   contiguous, from the same pinned host memory: what the link moves at best.
 * ``gather/cpu_then_h2d`` — the CPU path: ``np.take`` of the same rows into a
@@ -35,11 +40,12 @@ from typing import Any
 import numpy as np
 
 from gearflow.native import require_cupy
-from gearflow.native.gather import CudaGather
+from gearflow.native.gather import CudaGather, gather_stacks, stack_frames_read
 from gearflow.native.hostmem import register_host
 from gearflow.native.select import CudaSelect, num_chunks
 
 OBS_ROW = 4 * 84 * 84  # an Atari frame stack, uint8: 28224 bytes = 1764 * 16
+FRAME = 84 * 84  # one stored frame of a stacked column: 7056 bytes = 441 * 16
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -131,6 +137,8 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
                       "T": T, "kernel": plan.kernel, "MB": round(moved / 1e6, 2),
                       "GB/s": round(moved / ms / 1e6, 2)})
 
+            bench_stacks(cupy, gather, stream, host, reg, args, rng, failures, emit)
+
             # floors for the transition batch of the Atari row width
             moved = args.batch * OBS_ROW
             dev = cupy.empty(moved, dtype=cupy.uint8)
@@ -159,6 +167,42 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
             mm.close()
         except BufferError:  # a numpy view of it is still referenced: freed with it
             pass
+
+
+def bench_stacks(cupy: Any, gather: CudaGather, stream: Any, host: np.ndarray, reg: Any, args: argparse.Namespace,
+                 rng: np.random.Generator, failures: list[str], emit: Callable[[dict], None]) -> None:
+    """The stacked-frame gather of ``args.seq_batch`` windows of ``args.seq_len`` steps, K = 4, from
+    ``host`` (registered): frames in the front, the step offsets (episodes of 27..1000 steps) in
+    the last P * S bytes; checked against the numpy reference, timed, bytes read counted."""
+    K, P, B, T = 4, args.partitions, args.seq_batch, args.seq_len
+    S = (host.nbytes // (FRAME + 1)) // P
+    offsets = host[host.nbytes - P * S:]  # uint8[P * S]: each step's offset in its episode (capped)
+    ends = np.cumsum(rng.integers(27, 1000, size=P * S // 27 + 1))
+    ep_start = np.concatenate([[0], ends])[np.searchsorted(ends, np.arange(P * S), side="right")]
+    offsets[:] = np.minimum(np.arange(P * S) - ep_start, 255).astype(np.uint8)
+    column = host[: P * S * FRAME].reshape(P * S, FRAME)
+    parts = rng.integers(0, P, size=B).astype(np.int64)
+    starts = rng.integers(0, 10 * S, size=B).astype(np.int64)
+    lengths = np.full(B, T, dtype=np.int32)
+    lengths[::4] = T // 2
+    pd, sd, ld = (cupy.asarray(a) for a in (parts, starts, lengths))
+    out = cupy.empty((B, T, K, FRAME), dtype=cupy.uint8)
+    off_ptr = reg.device_ptr + (host.nbytes - P * S)
+    run = partial(gather.gather_stacks, reg.device_ptr, FRAME, S, K, off_ptr, pd, sd, ld, T, out, num_rows=P * S)
+    plan = run()
+    stream.synchronize()
+    ref = np.empty((B, T, K, FRAME), np.uint8)
+    gather_stacks(column, FRAME, S, K, offsets, parts, starts, lengths, T, ref)
+    if not np.array_equal(out.get(), ref):
+        failures.append("gather_stacks: kernel != numpy")
+    ms = gpu_ms(cupy, stream, run, args.repeats)
+    read = stack_frames_read(offsets, parts, starts, lengths, S, K) * FRAME
+    per_slot = int(lengths.sum()) * K * FRAME
+    written = per_slot  # every valid slot is written
+    emit({"bench": "gather/stacks", "K": K, "batch": B, "T": T, "kernel": plan.kernel,
+          "MB_read": round(read / 1e6, 2), "MB_read_per_slot": round(per_slot / 1e6, 2),
+          "read_ratio": round(per_slot / max(read, 1), 2), "MB_written": round(written / 1e6, 2),
+          "GB/s_read": round(read / ms / 1e6, 2), "GB/s_written": round(written / ms / 1e6, 2)})
 
 
 def _sample(sel: CudaSelect, cupy: Any, masses: Any, sums: Any, n: int, batch: int) -> None:

@@ -30,7 +30,8 @@ A sample, every device operation queued on :attr:`DeviceReplay.stream` under
    same set, all from the draw's records; the count of impossible slots copied
    into pinned host memory;
 4. one reused event recorded and waited for: **the sample's one host
-   synchronization**. The table then reads the RESERVE counters (the seqlock
+   synchronization** (a blocking-sync event: the sampling thread sleeps in the
+   driver instead of spinning a CPU core). The table then reads the RESERVE counters (the seqlock
    rule of ``Table._torn``, via :func:`gather.torn_items` on the draw's
    records); torn items are evicted, impossible and torn rows redrawn
    (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
@@ -44,6 +45,19 @@ redrawn rows only, so a scan that reuses the slot of another row of the batch
 reach torch through DLPack over the buffer set: CUDA tensors, no copy, written
 before the host synchronization and not written again until a later sample's
 step 1 has waited for the consumer.
+
+Buffer sets and streams: a set is refilled only after the replay stream has
+waited for (a) the work torch's current stream on the device had queued when
+the sample began (step 1: the consumer that reads batches on the stream it
+samples from, the learner's legacy default stream) and (b) every event the
+consumer recorded with :meth:`DeviceReplay.release` since the set's last fill
+(``Sample.release(stream)``: the learner calls it after its step, on the
+stream its step ran on; a consumer on a side stream or in a CUDA graph passes
+that stream). Events are one per (set, consumer stream), made once and reused.
+Sets replaced on a batch-size change are kept, their release events still
+waited for, until ``num_buffers`` later samples have synchronized: their CuPy
+memory never returns to the pool (and a later allocation on this stream)
+while torch may still read it.
 
 Example (GPU; ``Table(..., device="cuda")`` does exactly this)::
 
@@ -68,7 +82,7 @@ import logging
 import threading
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -186,6 +200,11 @@ class DeviceBuffers:
     keys: tuple[Any, Any]  # int64 (B,)
     weights: tuple[Any, Any]  # float32 (B,)
     probabilities: tuple[Any, Any]  # float64 (B,)
+    # consumer stream (raw cudaStream_t) -> the reused event recorded there by release(); and the
+    # streams whose event was recorded since this set's last fill (waited for before the next)
+    released: dict[int, Any] = field(default_factory=dict)
+    recorded: set[int] = field(default_factory=set)
+    retired_for: int = 0  # samples synchronized since the set was replaced (batch-size change)
 
 
 def _torch_stream(device_id: int) -> int | None:
@@ -348,7 +367,7 @@ class DeviceReplay:
             self._on = _OnDevice(cp, device_id, self.stream)
             # reused every sample (no event created per sample): "gathered" is the one host sync,
             # "consumer" orders this stream after the consumer's queued reads of the buffer sets
-            self._gathered = cp.cuda.Event(disable_timing=True)
+            self._gathered = cp.cuda.Event(block=True, disable_timing=True)  # the host sleeps on it
             self._consumer_done = cp.cuda.Event(disable_timing=True)
             self._consumer = _RawStream(0)  # the consumer's stream, re-pointed per sample
             self._pinned = cp.cuda.alloc_pinned_memory(8)  # int64: impossible slots of the last gather
@@ -370,6 +389,7 @@ class DeviceReplay:
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
         self._buffers: list[DeviceBuffers] = []
+        self._retired: list[DeviceBuffers] = []  # replaced sets torch may still read (see the docstring)
         self._buffer_key: tuple[int, int] = (-1, -1)
         self._next_buffer = 0
         self._invalid_rounds = 0
@@ -516,11 +536,44 @@ class DeviceReplay:
         with self._on:
             return cp.asnumpy(draw.slots[cp.asarray(np.asarray(positions, dtype=np.int64))])
 
+    def _stream_ptr(self, stream: Any) -> int | None:
+        """Raw ``cudaStream_t`` of ``stream``: None → torch's current stream on the device; a
+        ``torch.cuda.Stream`` (``cuda_stream``), a CuPy stream (``ptr``) or an int."""
+        if stream is None:
+            return self._consumer_stream()
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        return int(stream)
+
+    def release(self, out: DeviceBuffers, stream: Any = None) -> None:
+        """The consumer has queued every read of the batch in ``out`` on ``stream`` (default:
+        torch's current stream on the device): record that point, so the set is refilled only
+        after the consumer's stream has passed it. One reused event per (set, stream); no wait."""
+        ptr = self._stream_ptr(stream)
+        if ptr is None:  # no CUDA consumer (CPU torch, the emulation without one)
+            return
+        with self.cupy.cuda.Device(self.device_id):
+            event = out.released.get(ptr)
+            if event is None:
+                event = out.released[ptr] = self.cupy.cuda.Event(disable_timing=True)
+            event.record(_RawStream(ptr))
+            out.recorded.add(ptr)
+
+    def _wait_for_release(self, out: DeviceBuffers) -> None:  # inside self._on
+        """Order this stream after the consumers' recorded releases of ``out`` (then forget them)."""
+        for ptr in sorted(out.recorded):
+            self.stream.wait_event(out.released[ptr])
+        out.recorded.clear()
+
     def buffers(self, batch_size: int, num_buffers: int) -> DeviceBuffers:
         """The next of ``num_buffers`` preallocated output sets. A batch stays valid for
-        ``num_buffers - 1`` further samples; a set is refilled only after the sample's
-        :meth:`draw` made the stream wait for the consumer's queued work."""
+        ``num_buffers - 1`` further samples, or until it is released (:meth:`release`) and
+        its set comes round again: a set is refilled only after the sample's :meth:`draw`
+        made the stream wait for torch's current stream, and after the stream waited for every
+        release the consumer recorded on its own stream since the set's last fill."""
         if (batch_size, num_buffers) != self._buffer_key:
+            self._retired.extend(self._buffers)  # kept until no consumer can still read them
             from gearflow.replay.items import TORCH_DTYPES
 
             numpy_dtype = {t: d for d, t in TORCH_DTYPES.items()}
@@ -544,6 +597,11 @@ class DeviceReplay:
             self._buffer_key, self._next_buffer = (batch_size, num_buffers), 0
         out = self._buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % num_buffers
+        with self._on:
+            self._wait_for_release(out)
+            for old in self._retired:
+                self._wait_for_release(old)
+                old.retired_for += 1  # this sample waited for the consumer stream too (draw)
         return out
 
     def gather(self, draw: DeviceDraw, out: DeviceBuffers) -> None:
@@ -561,6 +619,9 @@ class DeviceReplay:
             self._gathered.record(self.stream)
         self._gathered.synchronize()
         draw.num_invalid = int(self._status_host[0])
+        if self._retired:  # this stream waited for their consumers before the sync: after num_buffers
+            keep = max(1, self._buffer_key[1])  # samples (a batch's life), their memory may go
+            self._retired = [old for old in self._retired if old.retired_for < keep]
 
     def invalid(self, draw: DeviceDraw) -> np.ndarray:
         """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
@@ -605,7 +666,7 @@ class DeviceReplay:
         self._pending, self._pending_n = [], 0
         with self.cupy.cuda.Device(self.device_id):
             self.stream.synchronize()
-            self._buffers, self._buffer_key = [], (-1, -1)
+            self._buffers, self._retired, self._buffer_key = [], [], (-1, -1)
             self._reg.close()
 
     def __repr__(self) -> str:

@@ -119,6 +119,29 @@ def plan_gather(kind: str, row_bytes: int, rows: int, src_ptr: int, dst_ptr: int
     return GatherPlan(f"gather_{kind}_v{width}", width, units, grid_for(rows, ty), (tx, ty, 1))
 
 
+def stack_rows(T: int, K: int) -> int:
+    """Source frames the stack kernel reads per window, at most: ``T + K - 1`` (each once, written
+    into every slot that holds it), not ``T * K`` (once per slot).
+
+    >>> stack_rows(80, 4), 80 * 4     # R2D2's 80-step windows of 4-frame stacks
+    (83, 320)
+    """
+    return int(T) + int(K) - 1
+
+
+def stack_frames_read(offsets, parts, starts, lengths, S: int, K: int) -> int:
+    """Frames the stack kernel reads for these windows (host numpy): the distinct steps their
+    stacks hold (what the benchmark counts as bytes over the host link)."""
+    off = np.asarray(offsets)
+    total = 0
+    back = np.arange(K - 1, -1, -1, dtype=np.int64)
+    for p, start, n in zip(np.asarray(parts), np.asarray(starts), np.asarray(lengths)):
+        steps = int(start) + np.arange(max(int(n), 0), dtype=np.int64)
+        depth = off[int(p) * S + steps % S].astype(np.int64)
+        total += len(np.unique(steps[:, None] - np.minimum(back, depth[:, None])))
+    return total
+
+
 # ---------------------------------------------------------------------------- index helpers
 def transition_rows(parts, starts, lengths, S: int):
     """Rows of a transition's first and last step: ``(p*S + start % S, p*S + (start+length-1) % S)``.
@@ -480,7 +503,7 @@ class CudaGather:
             raise ValueError("dst must be C-contiguous")
         if B == 0:
             return None
-        plan = plan_gather("stacks", row_bytes, B * T * K, src, out.ptr)
+        plan = plan_gather("stacks", row_bytes, B * stack_rows(T, K), src, out.ptr)  # a frame read once per window
         with stream_scope(stream):
             parts, starts, lengths = (
                 self._upload(a, n) for a, n in ((parts, "parts"), (starts, "starts"), (lengths, "lengths"))

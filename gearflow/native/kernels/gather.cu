@@ -50,6 +50,13 @@ typedef long long i64;
 
 // Copy n units of type V from src to dst, lanes `lane`, `lane + lanes`, ...;
 // four loads in flight per thread before their stores (host-link latency).
+// Most frames a stacked column stacks (K; gearflow/replay/spec.py MAX_STACK).
+#define GF_MAX_STACK 256
+// Bytes read over the host link, counted by the tests' CPU emulation (nothing on a GPU).
+#ifndef GF_COUNT_READ
+#define GF_COUNT_READ(bytes) ((void)0)
+#endif
+
 template <typename V>
 __device__ __forceinline__ void gf_copy_units(const V* __restrict__ src, V* __restrict__ dst,
                                               i64 n, int lane, int lanes)
@@ -145,8 +152,19 @@ __device__ __forceinline__ void gf_gather_rows(
 // column is one frame (row_bytes = one frame's bytes) and the segment's step_offset block,
 // uint8[P * S], holds each step's offset in its episode, capped at 255. The K-frame stack of
 // step t is steps t - min(K-1-f, offsets[row of t]) for f < K (oldest first): before an
-// episode's start its first frame repeats. Each output frame reads its step's offset byte
-// (mapped host memory, like the frames) and one frame:
+// episode's start its first frame repeats.
+//
+// Each source frame is read over the host link ONCE per window, and written to every output
+// slot that holds it (up to K of them): source row i in [0, T + K - 1) of item b is the
+// frame of step s = starts[b] + i - (K - 1) (the oldest a stack of the window reaches, up
+// to its last step). The output (j, f) holds step start + j - min(K-1-f, offset[start+j]),
+// which is always in [start - (K-1), start + j], so the (T + K - 1) rows cover every slot;
+// a frame no slot holds (before an episode's start, or in another episode) is not read.
+// Row i reads the offset bytes of the K candidate steps j in [i - (K-1), i] once, then per
+// unit one load and a store into each slot that holds the frame.
+// Row i also zero-fills the padding steps j = i >= n (all K slots). Reads: (n + K - 1)
+// frames per window at most instead of n * K (R2D2's 80-step windows of 4 frames: 83
+// frames instead of 320).
 //
 // dst[b, j, f, :] = frame f of the stack of step starts[b] + j   for j < min(lengths[b], T)
 // dst[b, j, f, :] = 0                                             otherwise (padding)
@@ -156,6 +174,7 @@ __device__ __forceinline__ void gf_gather_rows(
 //   dst      [B, T, K, row_bytes] bytes, C-contiguous (a transition's obs: T = 1, lengths 1;
 //            its next_obs: starts + lengths - 1). No mask: the windows kernel of the
 //            item's other columns writes it (or the caller, when every column is stacked).
+//   rows     the launch covers B * (T + K - 1) source rows (gather.py: stack_rows)
 // A step index made negative by a torn offset byte stays inside its partition's ring (the
 // item is then redrawn by the seqlock check): no index reads outside the column.
 template <typename V>
@@ -168,29 +187,51 @@ __device__ __forceinline__ void gf_gather_stacks(
     const i64 units = row_bytes / (i64)sizeof(V);
     const int lane = threadIdx.x;
     const int lanes = blockDim.x;
-    const i64 per_item = (i64)T * K;
+    const i64 per_item = (i64)T + K - 1;                  // source rows per window
     const i64 rows = B * per_item;
+    const i64 frame_units = units;                        // output slot (b, j, f) is one frame
     for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows;
          r += (i64)gridDim.x * blockDim.y) {
         const i64 b = r / per_item;
-        const i64 rem = r - b * per_item;
-        const int j = (int)(rem / K);
-        const i64 f = rem - (i64)j * K;
+        const i64 i = r - b * per_item;                   // source row: step start + i - (K-1)
         const i64 p = parts[b];
         const i64 start = starts[b];
         int n = lengths[b];
         n = n < 0 ? 0 : (n > T ? T : n);
-        const bool valid = j < n && p >= 0 && p < num_parts && start >= 0 && K >= 1;
-        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
-        if (valid) {
+        const bool item_ok = p >= 0 && p < num_parts && start >= 0 && K >= 1;
+        V* item_out = reinterpret_cast<V*>(dst + b * (i64)T * K * row_bytes);
+        if (i < T && (i >= n || !item_ok)) {              // padding step j = i: all K slots zero
+            for (i64 f = 0; f < K; ++f) gf_zero_units(item_out + (i * K + f) * frame_units, units, lane, lanes);
+        }
+        if (!item_ok) continue;
+        const i64 s = start + i - (K - 1);                // the source step this row reads
+        // Step t = start + j holds s in its slots f with t - min(K-1-f, d_t) == s, where
+        // g = t - s = j - i + K - 1 in [0, K-1]: none if g > d_t, the one slot f = K-1-g if
+        // g < d_t, and f in [0, K-1-g] (the episode's first frame repeated) if g == d_t.
+        i64 j0 = i - (K - 1);
+        if (j0 < 0) j0 = 0;
+        const i64 j1 = i < n - 1 ? i : (i64)n - 1;
+        unsigned char depth[GF_MAX_STACK];                 // d_t of the steps j0..j1 (each read once)
+        bool held = false;
+        for (i64 j = j0; j <= j1; ++j) {
             const i64 t = start + j;
-            const i64 depth = offsets[p * S + t % S];     // the step's offset in its episode (capped)
-            const i64 back = K - 1 - f;                   // frames before the newest
-            i64 m = (t - (back < depth ? back : depth)) % S;
-            if (m < 0) m += S;                            // only a torn offset gets here
-            gf_copy_units(reinterpret_cast<const V*>(src + (p * S + m) * row_bytes), out, units, lane, lanes);
-        } else {
-            gf_zero_units(out, units, lane, lanes);
+            depth[j - j0] = offsets[p * S + t % S];       // the step's offset in its episode (capped)
+            held = held || (j - i + K - 1) <= (i64)depth[j - j0];
+        }
+        if (!held) continue;                               // no slot holds this frame: not read
+        i64 m = s % S;
+        if (m < 0) m += S;                                 // a window that starts < K-1 steps in
+        const V* in = reinterpret_cast<const V*>(src + (p * S + m) * row_bytes);
+        for (i64 u = lane; u < units; u += lanes) {
+            const V v = in[u];                             // the one read of this unit
+            GF_COUNT_READ(sizeof(V));
+            for (i64 j = j0; j <= j1; ++j) {
+                const i64 g = j - i + K - 1;
+                const i64 d = depth[j - j0];
+                if (g > d) continue;
+                const i64 f_lo = g < d ? K - 1 - g : 0;
+                for (i64 f = f_lo; f <= K - 1 - g; ++f) item_out[(j * K + f) * frame_units + u] = v;
+            }
         }
     }
 }
