@@ -88,9 +88,10 @@ if awk -v t="$total_mib" -v l="$LIMIT_MIB" 'BEGIN {exit !(t > l)}'; then
 fi
 
 # 5. the device command: from the checkout's root, with KIT carried next to it; OUT: where
-#    every log and JSON goes (the device tool's $OUT; any folder elsewhere)
+#    every log and JSON goes (the device tool's $OUT; any folder elsewhere). Without pip there,
+#    the wheels are unzipped into the same folder (a wheel is a zip; these need no install step).
 cat >"$KIT/COMMAND" <<EOF
-K=$KIT; S=/tmp/gearflow-kit-site; python3 -m pip install -q --no-index --no-deps --target \$S \$K/wheels/*.whl && cp \$K/native/gearflow/*.so gearflow/ && cp \$K/native/gearflow/replay/*.so gearflow/replay/ && PYTHONPATH=\$PWD:\$S PYTHON=python3 ENVPOOL_ASSETS_PATH=\$(realpath \$K/envpool_assets) bash launch/gpu_check.sh --out "\${OUT:-gpu_check_out}"
+K=$KIT; S=/tmp/gearflow-kit-site; { python3 -m pip install -q --no-index --no-deps --target \$S \$K/wheels/*.whl || python3 -c "import glob, sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob(sys.argv[2] + '/*.whl')]" \$S \$K/wheels; } && cp \$K/native/gearflow/*.so gearflow/ && cp \$K/native/gearflow/replay/*.so gearflow/replay/ && PYTHONPATH=\$PWD:\$S PYTHON=python3 ENVPOOL_ASSETS_PATH=\$(realpath \$K/envpool_assets) bash launch/gpu_check.sh --out "\${OUT:-gpu_check_out}"
 EOF
 say "device command (from the repository root; carry $KIT):"
 cat "$KIT/COMMAND"

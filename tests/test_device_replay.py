@@ -1105,6 +1105,30 @@ def test_cuda_a_batch_torch_still_reads_is_not_overwritten(make_table):
 
 @pytest.mark.cuda
 @needs_gpu
+def test_cuda_a_batch_read_on_a_side_stream_is_not_overwritten_once_released(make_table):
+    """A learner on a side stream (not the stream the table samples from): its reads of batch 0
+    are queued behind a long kernel there, it releases the batch on that stream, and the
+    prefetcher samples until batch 0's set is refilled. What the side stream read must be
+    batch 0 as it was returned (without the release the refill would not wait for it)."""
+    kind = KINDS["transition"]
+    table, _ = _stamp_table(make_table, kind)  # two buffer sets: the third sample reuses the first's
+    side = torch.cuda.Stream()
+    s0 = table.sample(16)
+    want = _cpu(s0)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)  # the learner's step, on its own stream ...
+        read = {"keys": s0.keys.clone(), "weights": s0.weights.clone(), **{k: v.clone() for k, v in s0.data.items()}}
+    s0.release(side)  # ... every read of batch 0 is queued there
+    for _ in range(3):
+        _prefetch(table, 16)
+    torch.cuda.synchronize()
+    assert torch.equal(read["keys"].cpu(), want.keys) and torch.equal(read["weights"].cpu(), want.weights)
+    assert all(torch.equal(read[k].cpu(), want.data[k]) for k in want.data)
+
+
+@pytest.mark.cuda
+@needs_gpu
 def test_cuda_table_on_an_explicit_device_index(make_table):
     kind = KINDS["sequence"]
     table, _ = _stamp_table(make_table, kind)
