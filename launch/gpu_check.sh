@@ -46,6 +46,8 @@
 #      (its actors on the GPU, learning from 200 windows) with the dry run's memory plan beside
 #      the measured GPU memory. A progress line every 10 s, then
 #      the report: updates/s, tokens/s, samples/s, env steps/s, learner wait fraction, GPU memory.
+#      A run stopped at its limit gets SIGTERM (it shuts down and reports; SIGKILL 10 s later),
+#      then `gearflow replay gc` removes the shared memory of dead runs before the next.
 # Exit status: 0 when every step passed; 1 when one failed or prerequisites are missing.
 set -euo pipefail
 
@@ -96,11 +98,11 @@ step() {  # step NAME LIMIT COMMAND...: run under min(LIMIT, what the budget has
   echo "gpu_check: $name (limit ${limit}s, $((SECONDS - START))s elapsed)"
   printf '\n===== %s: %s (limit %ss, %s)\n' "$name" "$*" "$limit" "$(date -Is)" >>"$LOG"
   t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?  # SIGTERM: a run stops cleanly
   local status=ok
   if [ "$rc" != 0 ]; then
     status=failed
-    [ "$rc" = 124 ] && status=timed_out
+    { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && status=timed_out
     echo "gpu_check: $name FAILED ($status, exit $rc)"
     failed=1
   fi
@@ -129,6 +131,9 @@ e2e() {  # e2e NAME CONFIG SECONDS [ARGS...]
   shift 3
   step "e2e $name" "$((seconds + 35))" "$PY" launch/e2e_check.py "$name" "$config" --seconds "$seconds" \
     --jsonl "$JSONL" --run-dir "$OUT/e2e_$name" "$@" || true
+  # a run killed at its limit leaves its shared-memory segments (replay, parameters): the next
+  # run should not find the memory taken (removes only segments whose owner is dead)
+  "$PY" -m gearflow replay gc >>"$LOG" 2>&1 || true
 }
 e2e pong_apex configs/pong_apex.yaml "$E2E_S" "${E2E_CUDA[@]}"
 e2e r2d2_transformer configs/paper/mat_2m.yaml "$E2E_S" "${E2E_CUDA[@]}" replay.capacity=200000 \
