@@ -202,6 +202,10 @@ class Learner:
         self._checkpoint_period = parse_period(cfg.run.checkpoint_every)
         self._last_checkpoint = (time.monotonic(), progress.updates)
         self.metric_offsets: Callable[[], dict[str, int]] = dict  # where a resume continues the metric files
+        if cfg.learner.bf16 and not getattr(agent, "bf16", False):  # the agent applies bf16 itself
+            log.warning("learner.bf16=true, but agent %s does not say it runs its forward passes in bf16 (no "
+                        "true 'bf16' attribute): it learns in fp32; see docs/custom_agent.md, 'bf16'",
+                        type(agent).__module__)  # fmt: skip
 
     # ------------------------------------------------------------------ one update
     def learn_step(self, batch) -> dict[str, float]:

@@ -85,6 +85,23 @@ def test_bf16_autocast_really_runs_the_forward_in_bf16():
     assert step_autocast == [False]
 
 
+def test_bf16_with_an_agent_that_does_not_apply_it_is_said(caplog):
+    """The learner no longer autocasts agent.learn: an agent without the bf16 pattern
+    (docs/custom_agent.md) learns in fp32, and the learner says so once, at start."""
+    from types import SimpleNamespace
+
+    from gearflow.learner import Learner, Progress
+
+    cfg = load_config(None, ["learner.bf16=true"])
+    with caplog.at_level("WARNING", logger="gearflow.runner"):
+        Learner(cfg, SimpleNamespace(), None, None, Progress(), env_steps=lambda: 0, actor_version=lambda: 0)
+    assert "does not say it runs its forward passes in bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gearflow.runner"):
+        Learner(cfg, SimpleNamespace(bf16=True), None, None, Progress(), env_steps=lambda: 0, actor_version=lambda: 0)
+    assert "bf16" not in caplog.text
+
+
 def test_compile_is_applied_in_place_before_training(tmp_path):
     runner = _runner(tmp_path, "learner.compile=true")
     try:
