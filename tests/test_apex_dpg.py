@@ -92,11 +92,11 @@ def test_targets_take_the_twin_minimum_and_clip_the_smoothing_noise():
     # no smoothing: u = 0.5 → Q'_1 = 2, Q'_2 = 2 → y = 1 + 0.5·2 (row 3 terminated: y = ret)
     y = n_step_targets(net, next_obs, ret, disc, None, 0.5)
     torch.testing.assert_close(y, torch.tensor([2.0, 2.0, 2.0]))
-    # noise +0.9 is clipped to +0.5 → u = 1.0: Q'_1 = 3, Q'_2 = 4 → min 3; noise −0.2 → u = 0.3:
-    # Q'_1 = 1.6, Q'_2 = 1.2 → min 1.2
-    noise = torch.tensor([[0.9], [-0.2], [5.0]])
+    # noise +0.9 is clipped to +0.5 → u = 1.0: Q'_1 = 3, Q'_2 = 4 → min 3; noise −1.2 is clipped to
+    # −0.5 → u = 0: Q'_1 = 1, Q'_2 = 0 → min 0 (unclipped, u = −0.7 would give −2.8)
+    noise = torch.tensor([[0.9], [-1.2], [5.0]])
     y = n_step_targets(net, next_obs, ret, disc, noise, 0.5)
-    torch.testing.assert_close(y, torch.tensor([1 + 0.5 * 3.0, 1 + 0.5 * 1.2, 2.0]))
+    torch.testing.assert_close(y, torch.tensor([1 + 0.5 * 3.0, 1 + 0.5 * 0.0, 2.0]))
     # a clip of 0.8 lets +0.9 through as 0.8; μ + 0.8 = 1.3 is clipped to the box, u = 1 (as above)
     y = n_step_targets(net, next_obs, ret, disc, torch.tensor([[0.9], [-0.8], [0.0]]), 0.8)
     # u = 1.0 → min(3, 4) = 3; u = -0.3 → Q'_1 = 0.4, Q'_2 = -1.2 + 1 - 1 = -1.2 → -1.2
@@ -161,6 +161,19 @@ def test_the_critic_step_follows_the_weighted_gradient_and_the_policy_ascends_q1
     torch.testing.assert_close(db.view(-1), torch.tensor([0.01, 0.01]))
     # the policy raises μ (∂Q₁/∂u > 0 after the critic step): its bias by +lr
     assert (after["policy.0.bias"] - before["policy.0.bias"]).item() == pytest.approx(0.01, rel=1e-4)
+
+
+def test_the_preactivation_penalty_adds_to_the_policy_loss():
+    data = {"obs": torch.zeros(2, 3), "action": torch.zeros(2, 1), "ret": torch.zeros(2), "disc": torch.zeros(2),
+            "version": torch.zeros(2, dtype=torch.int64), "next_obs": torch.zeros(2, 3)}  # fmt: skip
+    losses = {}
+    for lam in (0.0, 0.1):
+        agent = learner(["agent.critic_lr=0", "agent.policy_lr=0", "agent.policy_delay=1", f"agent.preact_l2={lam}"])
+        metrics, _ = agent.learn(sample(data, [1.0, 1.0]))
+        losses[lam] = metrics["learner/policy_loss"]
+    # obs = 0: pre = atanh(0.5), μ = 0.5, Q_1 = 2·0.5 = 1 → −1; the penalty adds 0.1 · atanh(0.5)²
+    assert losses[0.0] == pytest.approx(-1.0, rel=1e-6)
+    assert losses[0.1] == pytest.approx(-1.0 + 0.1 * math.atanh(0.5) ** 2, rel=1e-6)
 
 
 def test_policy_delay_and_polyak_targets():
