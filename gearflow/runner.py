@@ -73,7 +73,7 @@ __all__ = ["ActorFailed", "Runner", "check_run_dir", "make_run_dir", "train"]
 class Runner:
     """Builds one training run on this machine (:meth:`connect_components`) and runs it."""
 
-    def __init__(self, cfg: DictConfig, resume: bool = False):
+    def __init__(self, cfg: DictConfig, resume: bool = False, stop: threading.Event | None = None):
         self.cfg = cfg
         self.run_dir = make_run_dir(cfg)
         self.resume = resume  # continue from the run directory's latest valid checkpoint
@@ -91,7 +91,8 @@ class Runner:
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
-        self._stop = threading.Event()  # set by SIGINT/SIGTERM, also before the learner exists
+        # set by SIGINT/SIGTERM (or by whoever passed ``stop``), also before the learner exists
+        self._stop = stop if stop is not None else threading.Event()
 
     # ------------------------------------------------------------------ wiring
     def connect_components(self) -> None:
@@ -408,9 +409,10 @@ def _read_only(path: Path) -> bool:
         return False
 
 
-def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
+def train(cfg: DictConfig, resume: bool = False, stop: threading.Event | None = None) -> dict[str, float]:
     """Run ``cfg`` to completion (``resume``: from its run directory's latest checkpoint);
-    returns the final summary."""
+    returns the final summary. ``stop``: setting it from another thread stops the run as
+    SIGINT would (stop reason "stopped by signal", no ``stop_signal``)."""
     if cfg.run.dry_run:  # memory plan only: no actors, no shared memory, no run directory
         from gearflow.tools.dryrun import dry_run
 
@@ -425,7 +427,7 @@ def train(cfg: DictConfig, resume: bool = False) -> dict[str, float]:
     # The prefetch thread needs the GIL between the learner's many small torch calls;
     # at the default 5 ms switch interval it gets it too rarely to stay ahead.
     sys.setswitchinterval(0.0005)
-    runner = Runner(cfg, resume=resume)
+    runner = Runner(cfg, resume=resume, stop=stop)
     log.info("run directory %s", runner.run_dir)
     summary = runner.run()
     log.info(

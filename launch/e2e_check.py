@@ -1,14 +1,17 @@
 """One timed end-to-end run of a config (actor processes → replay → learner), reported as one
 JSON line: the ``gpu_check.sh`` end-to-end steps, also runnable on a CPU to check the keys.
 
-    python launch/e2e_check.py NAME CONFIG [--seconds 120] [--jsonl FILE] [--run-dir DIR] [--plan] [KEY=VALUE ...]
+    python launch/e2e_check.py NAME CONFIG [--seconds 120] [--steady-rows N] [--jsonl FILE] [--run-dir DIR] [--plan] [KEY=VALUE ...]
 
 The run is ``gearflow.runner.train`` in this process (the learner runs here; the actors are
 its spawned processes) with ``run.max_seconds`` set, no env-step limit, no checkpoints, in
 ``--run-dir`` (its metrics.jsonl is written as the run goes) or a temporary run directory.
 ``--jsonl``: a ``{"name", "progress": {...}}`` line is appended every ``--progress-s`` seconds
-(the newest metric row's rates and the GPU memory so far: a killed run keeps them) and the
-report at the end. ``--plan``: the report carries the dry run's memory plan of the same
+(the newest metric row's rates, the steady rows so far and the GPU memory so far: a killed run
+keeps them) and the report at the end. ``--steady-rows N``: the run stops at the first progress
+line that counts N steady rows (stop reason ``reached N steady rows``), ``--seconds`` being
+only its deadline: a check that asserts on the steady rates waits for them, not for a duration
+that a loaded machine spends starting up. ``--plan``: the report carries the dry run's memory plan of the same
 config (``plan``: the learner's planned bytes, ``gearflow.tools.dryrun.memory_plan``) next to
 the measured GPU memory. Printed (one line, prefixed ``gpu_check: e2e``)::
 
@@ -111,13 +114,17 @@ PROGRESS_KEYS = ("time/elapsed_s", "actor/env_steps", "learner/updates", "learne
 
 
 class ProgressLines:
-    """Appends the newest metric row's figures and the GPU memory so far every ``period_s``."""
+    """Appends the newest metric row's figures and the GPU memory so far every ``period_s``;
+    ``steady_rows``: sets ``run_stop`` (the run's stop event) at the first line that counts that
+    many steady rows, and ``reason`` says so."""
 
-    def __init__(self, name: str, jsonl: str | None, metrics_path: Path, gpu: GpuMemory, period_s: float):
+    def __init__(self, name: str, jsonl: str | None, metrics_path: Path, gpu: GpuMemory, period_s: float,
+                 steady_rows: int = 0, run_stop: threading.Event | None = None):  # fmt: skip
         self.name, self.jsonl, self.metrics_path, self.gpu = name, jsonl, metrics_path, gpu
+        self.steady_rows, self.run_stop, self.reason = steady_rows, run_stop, ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
-        if jsonl:
+        if jsonl or steady_rows:
             self._thread.start()
 
     def _run(self, period_s: float) -> None:
@@ -125,8 +132,14 @@ class ProgressLines:
             try:
                 rows = read_rows(self.metrics_path)
                 last = rows[-1] if rows else {}
+                steady = len(steady_of(rows))
                 append_line(self.jsonl, {"name": self.name, "t": round(time.time(), 3), "progress": {
-                    **{k: last[k] for k in PROGRESS_KEYS if k in last}, "rows": len(rows), "gpu": self.gpu.now()}})
+                    **{k: last[k] for k in PROGRESS_KEYS if k in last}, "rows": len(rows), "steady_rows": steady,
+                    "gpu": self.gpu.now()}})  # fmt: skip
+                if self.steady_rows and steady >= self.steady_rows and self.run_stop is not None:
+                    self.reason = f"reached {self.steady_rows} steady rows"
+                    self.run_stop.set()
+                    return
             except Exception as exc:  # noqa: BLE001 - a progress line is never worth the run
                 append_line(self.jsonl, {"name": self.name, "progress_error": f"{type(exc).__name__}: {exc}"})
 
@@ -152,9 +165,14 @@ def memory_plan_gib(cfg) -> dict:
     return out
 
 
+def steady_of(rows: list[dict]) -> list[dict]:
+    """The metric rows logged after the first learner update (the summary row has no rates)."""
+    return [r for r in rows if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
+
+
 def steady_rates(metrics_path: Path) -> dict:
     """Means of the logged rates over the rows after the first learner update."""
-    rows = [r for r in read_rows(metrics_path) if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
+    rows = steady_of(read_rows(metrics_path))
     keys = {"updates_per_s": "learner/updates_per_s", "tokens_per_s": "learner/tokens_per_s",
             "env_steps_per_s": "actor/env_steps_per_s"}  # fmt: skip
     out = {"rows": len(rows)}
@@ -169,7 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument("name", help="label of this step in the report")
     parser.add_argument("config", help="YAML config (relative to the repository root or absolute)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE dotlist overrides")
-    parser.add_argument("--seconds", type=float, default=120.0, help="run.max_seconds of the run")
+    parser.add_argument("--seconds", type=float, default=120.0,
+                        help="run.max_seconds of the run (with --steady-rows: its deadline)")
+    parser.add_argument("--steady-rows", type=int, default=0,
+                        help="stop once this many metric rows after the first update exist (0: run --seconds)")
     parser.add_argument("--jsonl", default=None, help="append progress lines and the report here (flushed)")
     parser.add_argument("--run-dir", default=None, help="the run's directory (default: a temporary one)")
     parser.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
@@ -194,19 +215,24 @@ def main(argv=None) -> int:
                 plan = {"error": f"{type(exc).__name__}: {exc}"}
             append_line(args.jsonl, {"name": args.name, "plan": plan})
         gpu = GpuMemory()
-        progress = ProgressLines(args.name, args.jsonl, run_dir / "metrics.jsonl", gpu, args.progress_s)
+        run_stop = threading.Event()
+        progress = ProgressLines(args.name, args.jsonl, run_dir / "metrics.jsonl", gpu, args.progress_s,
+                                 steady_rows=args.steady_rows, run_stop=run_stop)  # fmt: skip
         start = time.monotonic()
         try:
-            summary = train(cfg)
+            summary = train(cfg, stop=run_stop)
         finally:
             progress.stop()
         wall = time.monotonic() - start
         elapsed = float(summary["time/elapsed_s"])
+        reason = summary.get("stop_reason")
+        if progress.reason and reason == "stopped by signal" and "stop_signal" not in summary:
+            reason = progress.reason  # the stop this script asked for, not a signal
         report = {
             "name": args.name,
             "config": args.config,
             "overrides": list(args.overrides),
-            "stop_reason": summary.get("stop_reason"),
+            "stop_reason": reason,
             "elapsed_s": round(elapsed, 1),
             "wall_s": round(wall, 1),
             "updates": int(summary["learner/updates"]),
