@@ -503,6 +503,29 @@ def test_emulated_device_table_follows_updates_and_evictions(emulated_table):
 
 
 @needs_emulation
+def test_emulated_all_zero_priorities_sample_uniformly_as_the_cpu_selector(emulated_table):
+    """Every live priority 0: the device table samples uniformly (P = 1/N, weights 1) as the CPU
+    selector does (issue 33), instead of raising; one positive priority makes it proportional."""
+    kind = KINDS["transition"]
+    table, _ = emulated_table("prioritized", kind, S=64)
+    rec = _fill(table, kind)
+    keys = sorted(rec.key(p, s) for (p, s) in rec.items)
+    table.update_priorities(torch.tensor(keys), torch.zeros(len(keys)))
+    seen = []
+    for _ in range(20):
+        s = table.sample(16)
+        check_batch(s, rec, kind, 2, 16)
+        np.testing.assert_allclose(s.probabilities.numpy(), 1 / len(keys))
+        assert (s.weights == 1).all()
+        seen += s.keys.tolist()
+    counts = np.array([seen.count(k) for k in keys])
+    assert counts.min() > 0 and counts.sum() == 320  # stratified: every key drawn, ~320/N each
+    hot = keys[5]
+    table.update_priorities(torch.tensor([hot]), torch.tensor([1.0]))
+    assert (table.sample(8).keys == hot).all()
+
+
+@needs_emulation
 @pytest.mark.parametrize("kind_name", sorted(KINDS))
 def test_emulated_torn_items_are_redrawn_never_returned(emulated_table, kind_name):
     kind = KINDS[kind_name]

@@ -70,6 +70,8 @@ on construction, never at import time; so is the compiled kernel code
 (``gather=`` / ``select=``: a :class:`CudaGather` / :class:`CudaSelect`) and
 the consumer's stream (``consumer_stream=``: a callable returning a raw
 ``cudaStream_t``, default torch's current stream on the device).
+Every live priority 0 (prioritized): uniform draws over the selector's live
+slots (P = 1/N, weights 1), as the CPU selector does.
 Differences from the CPU selectors, by design: uniform draws are stratified
 like prioritized ones (same marginal 1/N, lower variance); the device RNG
 (CuPy's) is seeded from the selector's RNG state but is not part of a
@@ -483,8 +485,6 @@ class DeviceReplay:
         among ``num_live`` live items (stratified, proportional to mass) with their records."""
         if num_live < 1:
             raise ValueError("cannot sample from an empty table")
-        if self.prioritized and not self.selector.tree.total > 0:
-            raise ValueError(f"cannot sample: all {num_live} live items have zero priority")
         self._invalid_rounds = 0
         with self._on:
             self._wait_for_consumer()  # first: before anything this sample writes
@@ -493,6 +493,14 @@ class DeviceReplay:
 
     def _draw(self, batch_size: int, num_live: int) -> DeviceDraw:  # inside self._on
         u = self._rng.random_sample(batch_size)  # float64 (B,)
+        if self.prioritized and not self.selector.tree.total > 0:
+            # every live priority is 0: uniform among the live slots, as the CPU selector (and
+            # Reverb's) does, P = 1/N, weights 1; stratified like every device draw
+            cp = self.cupy
+            strata = (cp.arange(batch_size, dtype=cp.float64) + u) / batch_size  # float64 (B,) in [0, 1)
+            live = cp.asarray(np.ascontiguousarray(self.selector.live_slots, dtype=np.int64))  # (N,)
+            slots, probs = self._select.sample_uniform(num_live, strata, live)
+            return self._with_records(slots, probs, cp.ones(batch_size, dtype=cp.float32))
         slots, probs = self._select.sample_proportional(self._masses, u, chunk_sums=self._sums)
         return self._with_records(slots, probs, self._weights(probs, num_live))
 

@@ -194,6 +194,12 @@ class Selector:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, live={self._count})"
 
+    @property
+    def live_slots(self) -> np.ndarray:
+        """The live slots, densely packed, in no particular order: int64 (len(self),), a view
+        valid until the next insert or remove (the device sampler's all-zero uniform draw)."""
+        return self._live_slots[: self._count]
+
     # -- public API ---------------------------------------------------------
 
     def insert(self, slots: np.ndarray, priorities: np.ndarray, order: np.ndarray) -> None:
