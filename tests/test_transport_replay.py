@@ -329,3 +329,26 @@ def test_remote_params_fetch_only_new_versions(shard_of, make_table):
         src.close()
     finally:
         store.close()
+
+
+def test_sampling_a_closed_shard_table_raises_table_closed_naming_it(make_table, shard_of):
+    """A shard's clients get TableClosed by name (issue 33's closed table over the wire): before
+    it was registered with the transport, a RemoteError('TableClosed: ...')."""
+    from gearflow.replay.storage import TableClosed
+
+    table = make_table(spec=APEX, P=1, S=64)
+    w = Writer(table.storage, [0])
+    for i in range(4):
+        w.append({"obs": np.full((1, 3), i, np.float32), "action": np.array([i]), "ret": np.zeros(1, np.float32),
+                  "disc": np.zeros(1, np.float32), "version": np.zeros(1, np.int64)})  # fmt: skip
+        w.create_items([1.0], 1, streams=[0])
+    _, port = shard_of(table)
+    sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=0, timeout_s=10)
+    try:
+        assert sampler.sample(2).keys.numel() == 2
+        name = table.storage.name
+        table.close()
+        with pytest.raises(TableClosed, match=f"replay table {name} is closed"):
+            sampler.sample(2)
+    finally:
+        sampler.close()

@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
-from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
+from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned, TableClosed
 from gearflow.replay.writer import InsertAborted, Writer
 from gearflow.transport.client import ServiceUnavailable, register_error
 from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
@@ -85,7 +85,7 @@ class SessionLost(ServiceUnavailable):
     must open a new one."""
 
 
-for _cls in (RateLimiterTimeout, InsertAborted, PartitionOwned):
+for _cls in (RateLimiterTimeout, InsertAborted, PartitionOwned, TableClosed):
     register_error(_cls)
 
 
