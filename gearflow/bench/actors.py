@@ -175,7 +175,7 @@ class TimedPolicy:
         return self._timed(self._agent.act_cached, *args, **kwargs)
 
 
-def _actor_rate(cfg, seconds: float, random_policy: bool) -> float:
+def actor_rate(cfg, seconds: float, random_policy: bool) -> float:
     """Env steps/s of the config's actor alone (``bench cluster``'s actor figure)."""
     with _actor_stepper(cfg, random_policy) as step:
         return _alternating({"actor": step}, seconds, rounds=1)[0]["actor"]

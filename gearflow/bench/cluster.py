@@ -14,7 +14,7 @@ then ``"workload": "summary"``.
 
 * ``actor_env_steps_per_s`` (a): one actor process of the config (its env, ``num_envs`` /
   ``batch_size``, its agent acting ε-greedily, one torch thread) writing a shared-memory
-  table (``bench/actors.py``'s ``_actor_rate``).
+  table (``bench/actors.py``'s ``actor_rate``).
 * ``insert_steps_per_s`` (I): steps of the config's columns written in calls of 64 with their
   items *and ingested* (``Table.scan`` after each call): what a node's shard does per step.
 * ``shard_sample_s`` [(b, t)]: seconds per prioritized sample of b items from a local table of
@@ -330,14 +330,14 @@ def _best_threads(fn: Callable[[], object], seconds: float) -> float:
     (10-200 ms per CartPole learn step measured here, against ~1 ms on one thread)."""
     import torch
 
-    from gearflow.bench.replay import _timed
+    from gearflow.bench.replay import timed
 
     threads = torch.get_num_threads()
     try:
         costs = []
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            costs.append(_timed(fn, seconds, min_calls=3))
+            costs.append(timed(fn, seconds, min_calls=3))
     finally:
         torch.set_num_threads(threads)
     return min(costs)
@@ -346,7 +346,7 @@ def _best_threads(fn: Callable[[], object], seconds: float) -> float:
 def _replay_figures(cfg, agent, num_actions: int, seconds: float, quick: bool, seed: int) -> dict:
     """Insert + ingest steps/s, shard sample seconds at B and B/16, learn seconds at B and B/4."""
     from gearflow.bench.common import prioritized_table
-    from gearflow.bench.replay import _timed
+    from gearflow.bench.replay import timed
     from gearflow.replay import Writer
     from gearflow.replay.spec import replay_spec
 
@@ -370,7 +370,7 @@ def _replay_figures(cfg, agent, num_actions: int, seconds: float, quick: bool, s
         insert = calls * 64 / (time.perf_counter() - t0)
         table.scan()
         sizes = sorted({B, max(1, B // 16)})
-        sample_s = [[b, _timed(lambda b=b: table.sample(b), seconds / 2)] for b in sizes]
+        sample_s = [[b, timed(lambda b=b: table.sample(b), seconds / 2)] for b in sizes]
         first = table.sample(1)
         item_bytes = sum(t[0].numel() * t.element_size() for t in first.data.values()) + 8 + 4 + 8  # + key, weight, prob
 
@@ -473,15 +473,15 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
         prefetch = max(1, int(cfg.learner.prefetch))
         sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=prefetch)
         sampler.sample(B)
-        times = tb._timed(lambda: sampler.sample(B), seconds / 2)
+        times = tb.timed(lambda: sampler.sample(B), seconds / 2)
         batches_per_s = len(times) / sum(times)
         sampler.close()
         sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=0)
         sampler.sample(B)
-        lat = np.array(tb._timed(lambda: sampler.sample(B), seconds / 2)) * 1e6
+        lat = np.array(tb.timed(lambda: sampler.sample(B), seconds / 2)) * 1e6
         batch_bytes = B * item_bytes
         sampler.sample(8)
-        small = np.array(tb._timed(lambda: sampler.sample(8), seconds / 4)) * 1e6
+        small = np.array(tb.timed(lambda: sampler.sample(8), seconds / 4)) * 1e6
         sampler.close()
     finally:
         shard.close()
@@ -501,7 +501,7 @@ def measure(config: str, quick: bool = False, seed: int = 0) -> dict:
     import torch
 
     from gearflow.agent import make_agent, resolve_device
-    from gearflow.bench.actors import DEFAULT_CONFIG, _actor_rate
+    from gearflow.bench.actors import DEFAULT_CONFIG, actor_rate
     from gearflow.config import load_config
     from gearflow.envs import make_vec_env
 
@@ -516,7 +516,7 @@ def measure(config: str, quick: bool = False, seed: int = 0) -> dict:
     env.close()
     torch.set_num_threads(1)  # an actor process acts on one thread
     try:
-        actor = _actor_rate(cfg, seconds, random_policy=False)
+        actor = actor_rate(cfg, seconds, random_policy=False)
     finally:
         torch.set_num_threads(threads)
     device = resolve_device(cfg.learner.device)

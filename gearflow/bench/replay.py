@@ -54,7 +54,7 @@ def _record(workload: str, metric: str, value: float, unit: str, floor: float | 
     return record("replay", workload, metric, value, unit, floor)
 
 
-def _timed(fn: Callable[[], object], min_seconds: float, min_calls: int = 5) -> float:
+def timed(fn: Callable[[], object], min_seconds: float, min_calls: int = 5) -> float:
     """Seconds per call of ``fn`` (after one warm-up call)."""
     fn()
     calls, start = 0, time.perf_counter()
@@ -68,7 +68,7 @@ def _emit_rotating(emit: Emit, workload: str, table: Table, B: int, batch_gb: fl
     """The same sampling with 3 rotating output buffers (what a prefetching learner uses):
     the floor keeps writing one buffer, so this ratio includes the colder output cache."""
     table.num_buffers = 3
-    t = _timed(lambda: table.sample(B), min_s)
+    t = timed(lambda: table.sample(B), min_s)
     emit(_record(workload, "sample_GB_per_s_3_rotating_buffers", batch_gb / t, "GB/s", batch_gb / t_floor))
     table.num_buffers = 1
 
@@ -85,7 +85,7 @@ def _fill_transitions(writer: Writer, chunk: dict, steps: int, n_step: int, rng)
     return time.perf_counter() - start
 
 
-def _floor_gather(sources: dict[str, torch.Tensor], rows_per_column: dict[str, int], capacity: int, min_s: float, seed: int) -> float:
+def floor_gather(sources: dict[str, torch.Tensor], rows_per_column: dict[str, int], capacity: int, min_s: float, seed: int) -> float:
     """Seconds per batch for index_select of the same rows-per-column into preallocated outputs."""
     gen = torch.Generator().manual_seed(seed)
     outs = {k: torch.empty((n, *sources[k.split("#")[0]].shape[1:]), dtype=sources[k.split("#")[0]].dtype)
@@ -110,7 +110,7 @@ def _floor_gather(sources: dict[str, torch.Tensor], rows_per_column: dict[str, i
         costs = []
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            costs.append(_timed(gather, min_s))
+            costs.append(timed(gather, min_s))
     finally:
         torch.set_num_threads(threads)
     return min(costs)
@@ -139,9 +139,9 @@ def w1(emit: Emit, scale: float, seed: int) -> None:
         table.scan()
         B = 256
         min_s = max(0.5, 2.0 * scale)
-        t_sample = _timed(lambda: table.sample(B), min_s)
+        t_sample = timed(lambda: table.sample(B), min_s)
         rows = {"obs": B, "obs#next": B, "action": B, "reward": B, "done": B}
-        t_gather = _floor_gather(table.storage.tensors, rows, steps, min_s, seed)
+        t_gather = floor_gather(table.storage.tensors, rows, steps, min_s, seed)
         batch_gb = B * (spec.step_nbytes + spec["obs"].nbytes) / 1e9
         emit(_record("W1", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_gather))
         emit(_record("W1", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_gather))
@@ -150,7 +150,7 @@ def w1(emit: Emit, scale: float, seed: int) -> None:
         sample = table.sample(B)
         keys = sample.keys.clone()
         prios = torch.rand(B, dtype=torch.float64)
-        t_update = _timed(lambda: table.update_priorities(keys, prios), min_s)
+        t_update = timed(lambda: table.update_priorities(keys, prios), min_s)
         emit(_record("W1", "priority_updates_per_s", B / t_update, "priorities/s"))
     finally:
         table.close()
@@ -199,9 +199,9 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
         table.scan()
         B = 64
         min_s = max(0.5, 2.0 * scale)
-        t_sample = _timed(lambda: table.sample(B), min_s)
+        t_sample = timed(lambda: table.sample(B), min_s)
         rows = {name: B * T for name in spec.names}
-        t_gather = _floor_gather(table.storage.tensors, rows, P * steps, min_s, seed)
+        t_gather = floor_gather(table.storage.tensors, rows, P * steps, min_s, seed)
         batch_gb = B * T * spec.step_nbytes / 1e9
         emit(_record("W2", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_gather))
         emit(_record("W2", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_gather))
@@ -213,7 +213,7 @@ def w2(emit: Emit, scale: float, seed: int) -> None:
 # ----------------------------------------------------------------------------- W3
 
 
-def _stamp_obs(chunk: dict[str, np.ndarray], steps: np.ndarray) -> None:
+def stamp_obs(chunk: dict[str, np.ndarray], steps: np.ndarray) -> None:
     """Make every byte of each row say which step it is: obs (uint8[4,84,84]) viewed as int64
     words, each word = the step; ``stamp`` and ``action`` = the step; ``reward`` = step mod
     2^16 (exact in float32); ``done`` = step mod 3 == 0."""
@@ -240,7 +240,7 @@ def _w3_writer(name: str, seconds: float, go, stop, q) -> None:
 
         def insert() -> None:
             pos = int(writer.positions[0])
-            _stamp_obs(chunk, np.arange(pos, pos + 64, dtype=np.int64))
+            stamp_obs(chunk, np.arange(pos, pos + 64, dtype=np.int64))
             first = writer.extend(chunk)
             ends = first + np.arange(1, 65)
             ends = ends[ends - 4 >= writer.episode_starts()[0]]  # the first item starts at pos0
@@ -258,7 +258,7 @@ def _w3_writer(name: str, seconds: float, go, stop, q) -> None:
         storage.close()
 
 
-def _verify(sample, bases: list[tuple[int, int]]) -> int:
+def verify_stamps(sample, bases: list[tuple[int, int]]) -> int:
     """Rows of a W3 batch that are not exactly what its item's steps hold, every byte of
     every column compared. ``bases``: (first item seq, first step) of each writer run, in
     order; the item's first step comes from its key, not from the row."""
@@ -311,7 +311,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
                 samples, bad, start = 0, 0, time.perf_counter()
                 while proc.is_alive():
                     s = table.sample(256)
-                    bad += _verify(s, bases)
+                    bad += verify_stamps(s, bases)
                     samples += 1
                     elapsed = time.perf_counter() - start
                     if elapsed >= seconds and (table.torn > 0 or elapsed >= seconds + 120):
@@ -327,7 +327,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
                 samples, bad, start = 0, 0, time.perf_counter()
                 while time.perf_counter() - start < seconds:
                     s = table.sample(256)
-                    bad += _verify(s, bases)
+                    bad += verify_stamps(s, bases)
                     samples += 1
                 rates["sampler_solo"] = samples / (time.perf_counter() - start)
                 rates["torn_rows_solo"] = bad
@@ -373,7 +373,7 @@ def w4(emit: Emit, scale: float, seed: int) -> None:
                 writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
             table.scan()
             # best of 5 rounds (timeit's rule): the machine's noise only ever adds time
-            t = min(_timed(lambda: table.sample(256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
+            t = min(timed(lambda: table.sample(256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
             costs[n] = t
             emit(_record("W4", f"sample_us_at_{n}_items", t * 1e6, "us"))
         finally:

@@ -34,7 +34,7 @@ import numpy as np
 
 from gearflow.bench import record
 from gearflow.bench.common import random_steps
-from gearflow.bench.replay import Emit, _floor_gather, _stamp_obs, _timed, _verify
+from gearflow.bench.replay import Emit, floor_gather, stamp_obs, timed, verify_stamps
 from gearflow.errors import GearflowError
 from gearflow.native import require_cupy
 from gearflow.native.device_replay import resolve_replay_device
@@ -130,7 +130,7 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         chunk = random_steps(t.storage.spec, 64, rng)
         for _ in range(steps // 64):
             idx = np.arange(int(writer.positions[0]), int(writer.positions[0]) + 64)
-            _stamp_obs(chunk["obs"], idx)
+            stamp_obs(chunk["obs"], idx)
             chunk["stamp"][:] = idx
             first = writer.extend(chunk)
             ends = first + np.arange(1, 65)
@@ -142,21 +142,21 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         for i in range(20):
             if i % 2:  # the learner's stream busy with a long kernel (~10 ms) while the sample runs
                 torch.cuda._sleep(20_000_000)
-            bad += _verify(t.sample(B))
+            bad += verify_stamps(t.sample(B))
         emit(_record("cuda_table", "torn_or_corrupt_rows_returned", bad, "rows"))
         if bad:
             failures.append(f"Table(device='cuda'): {bad} sampled rows differ from what was written")
         min_s = max(0.5, 2.0 * scale)
-        t_sample = _timed(lambda: t.sample(B), min_s)
+        t_sample = timed(lambda: t.sample(B), min_s)
         rows = {"obs": B, "obs#next": B, "action": B, "reward": B, "done": B, "stamp": B}
-        t_floor = _floor_gather(t.storage.tensors, rows, steps, min_s, 0)
+        t_floor = floor_gather(t.storage.tensors, rows, steps, min_s, 0)
         batch_gb = B * (t.storage.spec.step_nbytes + t.storage.spec["obs"].nbytes) / 1e9
         # floor: the CPU index_select of the same rows into host memory (the CPU table's floor)
         emit(_record("cuda_table", "sample_GB_per_s", batch_gb / t_sample, "GB/s", batch_gb / t_floor))
         emit(_record("cuda_table", "sample_batches_per_s", 1 / t_sample, "batches/s", 1 / t_floor))
         s = t.sample(B)
         keys, prios = s.keys.clone(), torch.rand(B, dtype=torch.float64)
-        t_update = _timed(lambda: t.update_priorities(keys, prios), min_s)
+        t_update = timed(lambda: t.update_priorities(keys, prios), min_s)
         emit(_record("cuda_table", "priority_updates_per_s", B / t_update, "priorities/s"))
     finally:
         t.close()
@@ -176,7 +176,7 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
                 writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
             t.scan()
             emit(_record("cuda_table", f"fill_and_ingest_s_at_{n}_items", time.perf_counter() - start, "s"))
-            cost = min(_timed(partial(t.sample, 256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
+            cost = min(timed(partial(t.sample, 256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
             emit(_record("cuda_table", f"sample_us_at_{n}_items", cost * 1e6, "us"))
         finally:
             t.close()

@@ -188,7 +188,7 @@ class ActorGroupRole:
 
     def _attach(self, info: dict[str, Any]) -> None:
         from gearflow.launchers.local import LocalLauncher
-        from gearflow.replay.storage import WRITER_PID, SharedStorage, _pid_alive
+        from gearflow.replay.storage import WRITER_PID, SharedStorage, pid_alive
 
         parts = [np.asarray(p, dtype=np.int64) for p in info["partitions"]]
         # a killed group's actor processes leave when they see their parent gone: wait for them,
@@ -200,7 +200,7 @@ class ActorGroupRole:
             me = os.getpid()
             while time.monotonic() < deadline:
                 pids = storage.counters[every, WRITER_PID].tolist()
-                if not any(p and p != me and _pid_alive(int(p)) for p in pids):
+                if not any(p and p != me and pid_alive(int(p)) for p in pids):
                     break
                 time.sleep(0.1)
         finally:

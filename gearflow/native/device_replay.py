@@ -32,7 +32,7 @@ A sample, every device operation queued on :attr:`DeviceReplay.stream` under
 4. one reused event recorded and waited for: **the sample's one host
    synchronization** (a blocking-sync event: the sampling thread sleeps in the
    driver instead of spinning a CPU core). The table then reads the RESERVE counters (the seqlock
-   rule of ``Table._torn``, via :func:`gather.torn_items` on the draw's
+   rule of ``Table.overwritten``, via :func:`gather.torn_items` on the draw's
    records); torn items are evicted, impossible and torn rows redrawn
    (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
    gathered again. Nothing is returned before every row passed.

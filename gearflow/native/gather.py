@@ -42,7 +42,7 @@ Example (GPU)::
 Seqlock: the gather only reads; whether a writer overwrote an item's steps
 during the copy is decided afterwards from the partitions' RESERVE counters,
 read *after* the gather has finished (:func:`torn_items`, the rule of
-``Table._torn``). Torn items are replaced by the caller, never returned.
+``Table.overwritten``). Torn items are replaced by the caller, never returned.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def torn_items(parts, starts, reserve, S: int):
 
     ``reserve`` is int64[P], the partitions' RESERVE counters read *after* the
     gather finished (for a CUDA gather: after its stream synchronized). An item
-    is torn when ``start < RESERVE[p] - S`` (``Table._torn``'s rule): the
+    is torn when ``start < RESERVE[p] - S`` (``Table.overwritten``'s rule): the
     writer may have been writing its first rows while they were copied. Works on
     numpy and CuPy arrays alike.
 

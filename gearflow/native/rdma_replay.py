@@ -19,7 +19,7 @@ the records into rows with the item kind's own row rule, reads the sorted unique
 every column in ONE chain (:func:`~gearflow.native.rdma.plan_reads`: one READ per contiguous
 row run per column) whose last, fenced READ re-reads the partitions' counters; then applies
 the shared-memory path's seqlock rule (:func:`~gearflow.native.gather.torn_items`, the rule of
-``Table._torn``: an item whose first step is older than ``RESERVE - trusted_steps``, RESERVE
+``Table.overwritten``: an item whose first step is older than ``RESERVE - trusted_steps``, RESERVE
 read after the copy, may have been overwritten mid-read): torn rows are discarded and
 redrawn, the whole batch read and checked again, never returned. The kind's own ``gather``
 then fills the batch from the staged rows, so a batch is laid out exactly as
@@ -192,9 +192,9 @@ class RdmaShard:
         if redraw:  # the torn items go first (the table's torn-item path, counted in replay/torn_resampled)
             keys = np.ascontiguousarray(arrays["evict"], dtype=np.int64)
             with self.lock:
-                slots = t._key_index.slots(keys)
+                slots = t.slots_of(keys)
                 try:
-                    t._evict_torn(slots[slots >= 0], None, 0.0, "the learner's RDMA reads")
+                    t.evict_torn(slots[slots >= 0], None, 0.0, "the learner's RDMA reads")
                 except RateLimiterTimeout:
                     pass  # not enough items right now: waited for below, without the lock
         deadline, delay = time.monotonic() + timeout_s, 1e-4
@@ -218,10 +218,10 @@ class RdmaShard:
         masses reweighed with the batch's others; the RESERVE counters after the draw."""
         t = self.table
         sel = t.selector.sample(n)
-        rec = t._records(sel.slots)  # (3, n): start, seq, length
-        parts = sel.slots // t._R
+        rec = t.records(sel.slots)  # (3, n): start, seq, length
+        parts = t.partitions_of(sel.slots)
         out = {
-            "keys": rec[1] * t._P + parts,
+            "keys": t.keys_of(sel.slots, rec),
             "parts": parts,
             "starts": rec[0].copy(),
             "lengths": rec[2].copy(),
@@ -238,8 +238,7 @@ class RdmaShard:
             out["depth"] = self.storage.step_offset[self.storage.rows(parts, rec[0])].astype(np.int64)
         out["reserve"] = self.storage.counters[:, RESERVE].copy()
         if redraw is None:  # a redraw replaces rows of a batch already counted
-            t.samples += n
-            t._publish_insert_limit()
+            t.note_sampled(n)
         return out, sel.total
 
     def update(self, meta: dict, buffers: list) -> tuple[dict, list]:

@@ -401,7 +401,7 @@ def owner_status(head: np.ndarray) -> tuple[bool, str]:
     return False, f"pid {pid}: alive"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether a process with this PID exists in this PID namespace (PID only: see owner_status)."""
     if pid <= 0:
         return False
@@ -486,7 +486,7 @@ def claim_partitions(storage: "SharedStorage", partitions: np.ndarray) -> None:
     owners = storage.counters[partitions, WRITER_PID]
     me = os.getpid()
     for p, pid in zip(partitions.tolist(), owners.tolist()):
-        if pid and pid != me and _pid_alive(int(pid)):
+        if pid and pid != me and pid_alive(int(pid)):
             raise PartitionOwned(
                 f"partition {p} of {storage.name} already has a live writer (pid {pid}); "
                 "a second writer would mix its steps into the same ring"

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.ingest import TableIngest
+from gearflow.replay.layout import item_key, slot_partition
 from gearflow.replay.items import FrameStacks, ItemKind, gatherable
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
@@ -353,12 +354,14 @@ class Table(TableIngest):
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """Draw a batch with the selector; blocks while the rate limiter says so.
         :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
-        return self._draw(batch_size, timeout_s)[0]
+        return self.draw(batch_size, timeout_s)[0]
 
-    def _draw(self, batch_size: int, timeout_s: float | None, tensors: dict | None = None):
-        """:meth:`sample`, returning ``(sample, slots, records)``; ``tensors`` (default every
+    def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None):
+        """:meth:`sample`, returning ``(sample, slots, records)`` (records as :meth:`records`
+        gives them; slots and records None on a device table); ``tensors`` (default every
         column's): the storage columns gathered into the batch, the others left for the
-        caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`)."""
+        caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`).
+        The shard service's sample replies use it."""
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         self._active += 1
@@ -385,7 +388,7 @@ class Table(TableIngest):
         deadline, masses = None, None
         while bad.size:
             # steps overwritten while we copied: evict those items, draw replacements
-            deadline = self._evict_torn(slots[bad], deadline, timeout_s, "they could be gathered")
+            deadline = self.evict_torn(slots[bad], deadline, timeout_s, "they could be gathered")
             if masses is None and sel.total is not None:
                 masses = probs * sel.total  # each row's mass at its draw
             fresh = self.selector.sample(bad.size)
@@ -401,9 +404,8 @@ class Table(TableIngest):
             rec[:, bad] = self._records(fresh.slots)
             self._gather(slots, rec, out, only=bad, tensors=tensors)
             bad = bad[self._torn(slots[bad], rec[:, bad])]
-        self.samples += batch_size
-        self._publish_insert_limit()
-        keys = rec[1] * self._P + slots // self._R
+        self.note_sampled(batch_size)
+        keys = self.keys_of(slots, rec)
         sample = Sample(
             data=out,
             keys=torch.from_numpy(keys),
@@ -414,7 +416,7 @@ class Table(TableIngest):
 
     def rows_of(self, slots: np.ndarray, rec: np.ndarray) -> tuple[dict, np.ndarray]:
         """The item kind's storage rows of the items at ``slots`` (records ``rec`` as
-        :meth:`_draw` returns them) and their lengths."""
+        :meth:`draw` returns them) and their lengths."""
         stack = {} if self._stacks is None else {"stacks": self._stacks}
         return self.kind.rows(slots // self._R, rec[0], rec[2], self._S, **stack), rec[2]
 
@@ -429,7 +431,7 @@ class Table(TableIngest):
             return _NONE
         return np.flatnonzero(starts < reserve[slots // self._R] - self._S_trust)
 
-    def _evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
+    def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
         scan, everything else overwritten since the draw) and wait until replacements can be
         drawn. A sampler descheduled for a whole lap of a small ring can lose many rounds in a
@@ -448,6 +450,30 @@ class Table(TableIngest):
         self.scan()
         self.wait_until_ready(slots.size, timeout_s)
         return deadline
+
+    # ------------------------------------------------ the draw's pieces, for samplers of this table
+    # (the RDMA shard's select, which draws here and lets the learner read the rows itself)
+    def records(self, slots: np.ndarray) -> np.ndarray:
+        """The records of the items at ``slots``: int64 (3, B), rows start, seq, length."""
+        return self._records(slots)
+
+    def keys_of(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
+        """The keys of the items at ``slots`` with records ``rec``: int64 (B,)."""
+        return item_key(rec[1], slot_partition(slots, self._R), self._P)
+
+    def partitions_of(self, slots: np.ndarray) -> np.ndarray:
+        """The partition of each slot: int64 (B,)."""
+        return slot_partition(slots, self._R)
+
+    def slots_of(self, keys: np.ndarray) -> np.ndarray:
+        """The slot still holding each key, -1 where the item is gone: int64 (B,)."""
+        return self._key_index.slots(keys)
+
+    def note_sampled(self, n: int) -> None:
+        """Count ``n`` samples drawn (by :meth:`draw`, or by a sampler that drew from
+        :attr:`selector` itself) and republish the writers' insert limit."""
+        self.samples += n
+        self._publish_insert_limit()
 
     def _records(self, slots: np.ndarray) -> np.ndarray:
         """``_slot_rec[slots].T`` (3, B): rows start, seq, length; gathered in C with
@@ -509,7 +535,7 @@ class Table(TableIngest):
             if self._counter_total() != self._seen_total:  # a writer moved since this sample's scan
                 torn = dev.torn(draw, self.storage.counters[:, RESERVE])
                 if torn.size:
-                    deadline = self._evict_torn(dev.slots_at(draw, torn), deadline, timeout_s,
+                    deadline = self.evict_torn(dev.slots_at(draw, torn), deadline, timeout_s,
                                                 "the GPU could gather them")  # fmt: skip
                     redo = np.union1d(redo, torn)
             if not redo.size:

@@ -278,6 +278,12 @@ class FrameReader:
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
 
     # -------------------------------------------------------------- protocol side
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the reader's staging buffer (what a client can make the service hold)."""
+        return len(self._stage)
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._direct:
             return memoryview(self._block)[self._filled:]

@@ -480,7 +480,7 @@ class Service:
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers the service holds now (pooled buffer blocks and each
         connection's staging buffer): what clients can make it allocate."""
-        return sum(p.pool.nbytes + len(p.reader._stage) for p in list(self._protocols))
+        return sum(p.pool.nbytes + p.reader.staging_bytes for p in list(self._protocols))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -335,7 +335,7 @@ class ShardService:
             if beta is not None and t.selector.importance_sampled:
                 t.selector.beta = float(beta)
             try:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
-                batch, slots, rec = t._draw(batch_size, max(0.0, deadline - time.monotonic()) if deferred else 0.0, tensors)
+                batch, slots, rec = t.draw(batch_size, max(0.0, deadline - time.monotonic()) if deferred else 0.0, tensors)
             except RateLimiterTimeout:
                 if deferred:
                     raise

@@ -14,7 +14,7 @@ before it has left the process (the service's reply *tail*), by the table's seql
 there, as a local table redraws torn items (:class:`~gearflow.transport.remote.RemoteSampler`).
 
     wire = WireRows(table, min_row_bytes=1024)
-    batch, slots, rec = table._draw(256, None, wire.gathered)      # under the table lock
+    batch, slots, rec = table.draw(256, None, wire.gathered)       # under the table lock
     meta, bufs, on_sent, tail = wire.reply(batch, slots, rec, {"total": ...}, release)
     # bufs[-1] is torn: the service writes it after the rest, once tail() has filled it
 """

@@ -1,0 +1,90 @@
+"""Replay's layout rules, each written once: where a step's row is, where an item's record
+lives, what its key is, which bits of a key name its shard, and how many batch buffer sets a
+prefetching consumer needs. A leaf (numpy only, nothing of gearflow), so the table, the
+writers, the CUDA/RDMA back ends (:mod:`gearflow.native`) and the transport all import it.
+
+    P partitions (one per env stream), S steps and R item records per partition
+
+    row  of step t of partition p  = p * S + t % S          (the storage's column rings)
+    slot of item seq of partition p = p * R + seq % R        (the record ring, the selector's slot)
+    key  of item seq of partition p = seq * P + p            (unique while the table lives)
+    partition of a slot             = slot // R;  of a key: key % P, its seq: key // P
+    a learner over several shards tags shard i's keys with i << SHARD_SHIFT (bits 56..62)
+
+The C hot paths (``replay/_hotpath.c``) and the CUDA kernels (``native/kernels``) apply the
+same rules; their references in Python call these.
+
+>>> int(item_key(5, 2, 4)), int(step_row(2, 19, 8)), int(record_slot(2, 5, 4))
+(22, 19, 9)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "PROPORTIONAL_SELECTORS",
+    "SHARD_SHIFT",
+    "buffer_sets",
+    "item_key",
+    "key_partition",
+    "key_shard",
+    "local_key",
+    "record_slot",
+    "shard_key",
+    "slot_partition",
+    "step_row",
+]
+
+SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bits 56..62
+# selectors whose draw is proportional to a per-item mass (uniform: mass 1): the ones several
+# shards reproduce exactly (transport), and the ones the GPU samples with (replay.device=cuda)
+PROPORTIONAL_SELECTORS = ("prioritized", "uniform")
+
+
+def step_row(partitions, steps, S: int):
+    """The row rule: absolute step ``t`` of partition ``p`` lives in row ``p * S + t % S``
+    (ints or int64 arrays, broadcast)."""
+    return partitions * S + steps % S
+
+
+def record_slot(partitions, seqs, R: int):
+    """The slot rule: item ``seq`` of partition ``p`` has its record in slot ``p * R + seq % R``."""
+    return partitions * R + seqs % R
+
+
+def slot_partition(slots, R: int):
+    """The partition of each slot: ``slot // R``."""
+    return slots // R
+
+
+def item_key(seqs, partitions, P: int):
+    """The key rule: item ``seq`` of partition ``p`` has key ``seq * P + p``."""
+    return seqs * P + partitions
+
+
+def key_partition(keys, P: int):
+    """The partition a key names: ``key % P``."""
+    return keys % P
+
+
+def shard_key(keys: np.ndarray, shard: int) -> np.ndarray:
+    """``keys`` (int64, each < 2**SHARD_SHIFT) tagged with ``shard`` in bits 56..62, in place."""
+    keys |= shard << SHARD_SHIFT
+    return keys
+
+
+def key_shard(keys: np.ndarray) -> np.ndarray:
+    """The shard index of tagged keys."""
+    return keys >> SHARD_SHIFT
+
+
+def local_key(keys: np.ndarray) -> np.ndarray:
+    """Tagged keys without their shard bits: the shard's own keys."""
+    return keys & ((1 << SHARD_SHIFT) - 1)
+
+
+def buffer_sets(prefetch: int) -> int:
+    """Batch buffer sets a table (or shard) keeps for a consumer that prefetches ``prefetch``
+    batches: one being read by the learner, ``prefetch`` queued, one being filled."""
+    return int(prefetch) + 2
