@@ -96,6 +96,7 @@ from gearflow.native.gather import CudaGather, torn_items, transition_rows
 from gearflow.native.hostmem import register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.native.select import CudaSelect, num_chunks
+from gearflow.replay.layout import item_key
 
 log = logging.getLogger(__name__)
 
@@ -619,7 +620,7 @@ class DeviceReplay:
         P, parts = self._P, draw.parts
         with self._on:
             _gather_columns(self, draw, {name: a for name, (a, _) in out.data.items()})
-            out.keys[0][...] = draw.seqs * P + parts  # int64 (B,): the key of the record gathered
+            out.keys[0][...] = item_key(draw.seqs, parts, P)  # int64 (B,): the key of the record gathered
             out.weights[0][...] = draw.weights
             out.probabilities[0][...] = draw.probabilities
             self.cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, dptr(draw.invalid), 8,

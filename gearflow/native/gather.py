@@ -64,6 +64,7 @@ from gearflow.native.cuda_backend import (
     ptr_arg,
     stream_scope,
 )
+from gearflow.replay.layout import step_rows
 
 THREADS = 256  # threads per block of every gather kernel (GF_GATHER_THREADS in gather.cu)
 WIDTHS = (16, 8, 4, 1)  # bytes per load/store of the kernel variants _v16, _v8, _v4, _v1
@@ -137,7 +138,7 @@ def stack_frames_read(offsets, parts, starts, lengths, S: int, K: int) -> int:
     back = np.arange(K - 1, -1, -1, dtype=np.int64)
     for p, start, n in zip(np.asarray(parts), np.asarray(starts), np.asarray(lengths)):
         steps = int(start) + np.arange(max(int(n), 0), dtype=np.int64)
-        depth = off[int(p) * S + steps % S].astype(np.int64)
+        depth = off[step_rows(int(p), steps, S)].astype(np.int64)
         total += len(np.unique(steps[:, None] - np.minimum(back, depth[:, None])))
     return total
 
@@ -149,8 +150,7 @@ def transition_rows(parts, starts, lengths, S: int):
     Works on numpy and CuPy arrays alike (int64 in, int64 out).
     """
     S = check_int("S", S, minimum=1)
-    base = parts * S
-    return base + starts % S, base + (starts + lengths - 1) % S
+    return step_rows(parts, starts, S), step_rows(parts, starts + lengths - 1, S)
 
 
 def torn_items(parts, starts, reserve, S: int):
@@ -289,7 +289,7 @@ def gather_windows(src_base, row_bytes, S, parts, starts, lengths, T, dst, mask,
     if mask.dtype != np.bool_ or mask.shape != (B, T):
         raise ValueError(f"mask must be bool ({B}, {T}), got {mask.dtype} {mask.shape}")
     steps = np.arange(T, dtype=np.int64)
-    rows = parts[:, None] * S + (starts[:, None] + steps) % S  # (B, T)
+    rows = step_rows(parts[:, None], starts[:, None] + steps, S)  # (B, T)
     np.less(steps, lengths[:, None], out=mask)  # (B, T)
     np.take(src, rows.reshape(-1), axis=0, out=out)  # (B*T, row_bytes)
     out[~mask.reshape(-1)] = 0
@@ -348,10 +348,10 @@ def gather_stacks(src_base, row_bytes, S, K, offsets, parts, starts, lengths, T,
     out = _out_bytes(_host_out(dst, "dst"), "dst", (B, T, K), row_bytes)
     j = np.arange(T, dtype=np.int64)
     steps = starts[:, None] + j  # (B, T)
-    depth = off[parts[:, None] * S + steps % S].astype(np.int64)  # (B, T) each step's offset
+    depth = off[step_rows(parts[:, None], steps, S)].astype(np.int64)  # (B, T) each step's offset
     back = np.arange(K - 1, -1, -1, dtype=np.int64)  # (K,)
     frames = steps[..., None] - np.minimum(back, depth[..., None])  # (B, T, K)
-    rows = parts[:, None, None] * S + frames % S
+    rows = step_rows(parts[:, None, None], frames, S)
     np.take(src, rows.reshape(-1), axis=0, out=out)  # (B*T*K, row_bytes)
     out.reshape(B, T, K, row_bytes)[~(j < lengths[:, None])] = 0
 

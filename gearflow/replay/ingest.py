@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from gearflow.replay.layout import record_slot
 from gearflow.replay.storage import COMMIT, PUBLISHED, REC_RESERVE, RESERVE
 
 log = logging.getLogger("gearflow.replay.table")
@@ -185,7 +186,7 @@ class TableIngest:
         lo, hi = int(self._live_lo[p]), int(self._ingested[p])
         while lo < hi:
             seqs = np.arange(lo, min(hi, lo + EVICT_PROBE), dtype=np.int64)
-            slots = p * R + seqs % R
+            slots = record_slot(p, seqs, R)
             gone = self._slot_start[slots] < limit  # starts ascend with seq in a partition
             k = int(np.searchsorted(~gone, True)) if not gone.all() else seqs.size
             self._remove(slots[:k][self._slot_live[slots[:k]]])

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gearflow.replay.layout import step_rows
 from gearflow.replay.spec import TableSpec
-from gearflow.replay.storage import step_rows
 
 try:  # C row indices for sequence windows (setup.py builds it); numpy below is the reference
     from gearflow.replay import _hotpath

@@ -14,7 +14,7 @@ writers, the CUDA/RDMA back ends (:mod:`gearflow.native`) and the transport all 
 The C hot paths (``replay/_hotpath.c``) and the CUDA kernels (``native/kernels``) apply the
 same rules; their references in Python call these.
 
->>> int(item_key(5, 2, 4)), int(step_row(2, 19, 8)), int(record_slot(2, 5, 4))
+>>> int(item_key(5, 2, 4)), int(step_rows(2, 19, 8)), int(record_slot(2, 5, 4))
 (22, 19, 9)
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "record_slot",
     "shard_key",
     "slot_partition",
-    "step_row",
+    "step_rows",
 ]
 
 SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bits 56..62
@@ -42,7 +42,7 @@ SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bi
 PROPORTIONAL_SELECTORS = ("prioritized", "uniform")
 
 
-def step_row(partitions, steps, S: int):
+def step_rows(partitions, steps, S: int):
     """The row rule: absolute step ``t`` of partition ``p`` lives in row ``p * S + t % S``
     (ints or int64 arrays, broadcast)."""
     return partitions * S + steps % S

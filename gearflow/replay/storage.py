@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from gearflow.errors import GearflowError
+from gearflow.replay.layout import step_rows  # the row rule (re-exported: its owner is layout)
 from gearflow.replay.rate_limiter import NO_LIMIT
 from gearflow.replay.spec import TableSpec
 
@@ -104,11 +105,6 @@ def _layout(spec: TableSpec, P: int, S: int, R: int, spec_len: int) -> tuple[dic
         pos = _align(pos + P * S * c.nbytes)
     return offsets, pos
 
-
-def step_rows(partitions: np.ndarray, steps: np.ndarray, S: int) -> np.ndarray:
-    """The row rule: absolute step ``t`` of partition ``p`` lives in row ``p * S + t % S``
-    (int64 arrays, broadcast). The C hot paths and the CUDA kernels apply the same rule."""
-    return partitions * S + steps % S
 
 
 class SharedStorage:

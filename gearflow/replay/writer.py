@@ -38,6 +38,7 @@ try:  # C item records for one stream (setup.py builds it); the numpy code below
 except ImportError:  # pragma: no cover - depends on the build
     _hotpath = None
 _put_rows = getattr(_hotpath, "put_rows", None)  # large rows of append; None: the slice-copy loop
+from gearflow.replay.layout import step_rows
 from gearflow.replay.storage import (
     COMMIT,
     EPISODES,
@@ -52,9 +53,7 @@ from gearflow.replay.storage import (
     TableClosed,
     claim_partitions,
     release_partitions,
-    step_rows,
 )
-
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
 OFFSET_MAX = MAX_STACK - 1  # a step's offset in its episode is stored capped (uint8)
@@ -507,7 +506,7 @@ class TrajectoryWriter:
         self._counters = storage.counters[p]  # this partition's counter line
         self._columns = [storage.columns[c.name] for c in storage.spec]
         self._records = (storage.item_start[p], storage.item_length[p], storage.item_priority[p])
-        self._S, self._R, self._base = storage.steps_per_partition, storage.items_per_partition, p * storage.steps_per_partition
+        self._S, self._R = storage.steps_per_partition, storage.items_per_partition
 
     @property
     def episode_length(self) -> int:
@@ -524,7 +523,7 @@ class TrajectoryWriter:
         if w._closed:
             w._refuse_closed()
         pos = int(w._pos[0])
-        row = self._base + pos % self._S  # step_rows for one step, as scalars (the per-step path)
+        row = step_rows(self.partition, pos, self._S)  # one step, as scalars (the per-step path)
         c[RESERVE] = pos + 1
         for col, v in zip(self._columns, values):
             col[row] = v

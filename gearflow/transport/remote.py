@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.items import kind_from_dict
+from gearflow.replay.layout import step_rows
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import TableSpec
@@ -936,7 +937,7 @@ class ShippingWriter(Writer):
                 raise RuntimeError(f"stream {i}: {t1 - t0} unshipped steps overran the {S}-step ring")
             for a, b in ((t0, min(t1, (t0 // S + 1) * S)), ((t0 // S + 1) * S, t1)):  # split at the ring's wrap
                 if b > a:
-                    lo = i * S + a % S
+                    lo = step_rows(i, a, S)
                     for n in self._names:
                         chunks[n].append(st.columns[n][lo:lo + b - a])
                     ops.append(["x", i, b - a, a])
