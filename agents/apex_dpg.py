@@ -24,8 +24,10 @@ standard deviation in units of the action box's half-width, so the greediest env
 σ ≈ 0 (ε = 0.4, α = 7: σ from 0.4 down to 0.4⁸ ≈ 0.0007) and ``gearflow eval`` (ε = 0) with μ.
 Initial priorities: |ret + disc · V(s_{t+n}) − Q₁(s_t, a_t)| with V(s) = min_j Q_j(s, μ(s)),
 the online critics the actor holds (the learner's TD with its online networks in place of
-the targets). bf16: forward passes may run under autocast; targets, TD errors, losses and
-priorities are computed in float32.
+the targets). bf16 (``learner.bf16``, gearflow/precision.py): the forward passes run under
+``bf16_forward``, each network's output layer under ``fp32`` (μ's pre-tanh and Q leave the
+networks in float32), targets, TD errors, priorities and losses are float32 outside autocast, and
+backward and the optimizer steps run outside it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Transition
 
 
@@ -76,12 +79,20 @@ class Config:
 # ----------------------------------------------------------------------------- networks
 
 
+class FP32Linear(nn.Linear):
+    """An output layer: runs in float32 on a float32 input under bf16 autocast (gearflow/precision.py)."""
+
+    def forward(self, x):
+        with fp32(x):
+            return super().forward(x.float())
+
+
 def mlp(in_dim: int, hidden_sizes, out_dim: int) -> nn.Sequential:
     sizes = [in_dim, *hidden_sizes]
     layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(sizes[-1], out_dim))
+        layers += [nn.Linear(a, b), nn.ReLU()]  # bf16 under the learner's autocast
+    return nn.Sequential(*layers, FP32Linear(sizes[-1], out_dim))  # (B, out) float32
 
 
 class Critics(nn.Module):
@@ -106,18 +117,22 @@ class Critics(nn.Module):
         x = x.unsqueeze(0).expand(self.num_critics, *x.shape)  # (C, B, in)
         last = len(self.weights) - 1
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-            x = torch.baddbmm(b, x, w)  # (C, B, out)
             if i < last:
-                x = torch.relu(x)
+                x = torch.relu(torch.baddbmm(b, x, w))  # (C, B, out), bf16 under the learner's autocast
+            else:
+                with fp32(x):  # the output layer in float32
+                    x = torch.baddbmm(b, x.float(), w)  # (C, B, 1) float32
         return x.squeeze(2)  # (C, B)
 
     def first(self, obs, u):
         x = torch.cat([obs.flatten(1).float(), u.float()], dim=1)  # (B, obs + A)
         last = len(self.weights) - 1
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-            x = torch.addmm(b[0], x, w[0])  # (B, out)
             if i < last:
-                x = torch.relu(x)
+                x = torch.relu(torch.addmm(b[0], x, w[0]))  # (B, out)
+            else:
+                with fp32(x):
+                    x = torch.addmm(b[0], x.float(), w[0])  # (B, 1) float32
         return x.squeeze(1)  # (B,)
 
 
@@ -146,15 +161,20 @@ class ActorCritic(nn.Module):
         return u, self.q(obs, u).min(dim=0).values  # (B, A), (B,)
 
 
-def n_step_targets(target: ActorCritic, next_obs, ret, disc, noise: Optional[torch.Tensor], noise_clip: float):
+def n_step_targets(target: ActorCritic, next_obs, ret, disc, noise: Optional[torch.Tensor], noise_clip: float,
+                   bf16: bool = False):  # fmt: skip
     """y = ret + disc · min_j Q'_j(next_obs, clip(μ'(next_obs) + clip(noise, ±c), −1, 1)), float32 (B,).
 
-    ``noise`` (B, A): target policy smoothing's σ'·N(0, I) draw, or None (no smoothing)."""
+    ``noise`` (B, A): target policy smoothing's σ'·N(0, I) draw, or None (no smoothing).
+    ``bf16``: the forward passes under bf16 autocast; the smoothing and the targets in float32."""
     with torch.no_grad():
-        u = target.mu(next_obs).float()  # (B, A)
+        with bf16_forward(next_obs.device, bf16):
+            u = target.mu(next_obs).float()  # (B, A)
         if noise is not None:
             u = (u + noise.clamp(-noise_clip, noise_clip)).clamp(-1.0, 1.0)
-        bootstrap = target.q(next_obs, u).float().min(dim=0).values  # (B,) min over the critics
+        with bf16_forward(next_obs.device, bf16):
+            q_next = target.q(next_obs, u)  # (C, B) float32 (the output layer runs in fp32)
+        bootstrap = q_next.float().min(dim=0).values  # (B,) min over the critics
         return ret.float() + disc.float() * bootstrap  # (B,) float32 even under bf16 autocast
 
 
@@ -193,6 +213,7 @@ class Agent:
         self.half = ((high - low) / 2).astype(np.float32)  # (A,)
         self.obs_dim = int(np.prod(spec.obs_shape))
         self.gamma = float(full_cfg.actor.gamma)
+        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
         self.seed = int(full_cfg.run.seed)
         self.rng = np.random.default_rng(self.seed)
         self.online: Optional[ActorCritic] = None
@@ -285,8 +306,9 @@ class Agent:
 
         # critics: IS-weighted loss of every critic's TD error against the n-step target
         y = n_step_targets(self.target, d["next_obs"], d["ret"], d["disc"], self._smoothing_noise(u),
-                           cfg.target_noise_clip)  # (B,) fp32  # fmt: skip
-        q = self.online.q(d["obs"], u).float()  # (C, B)
+                           cfg.target_noise_clip, self.bf16)  # (B,) fp32  # fmt: skip
+        with bf16_forward(self.device, self.bf16):
+            q = self.online.q(d["obs"], u).float()  # (C, B)
         td = y.unsqueeze(0) - q  # (C, B) fp32
         critic_loss = (weights * self._critic_loss(td)).mean(dim=1).sum()
         self.critic_optimizer.zero_grad(set_to_none=True)
@@ -299,8 +321,10 @@ class Agent:
         policy_loss = policy_norm = None
         if self.updates % cfg.policy_delay == 0:
             self.online.critics.requires_grad_(False)
-            pre = self.online.preact(d["obs"])  # (B, A)
-            policy_loss = -self.online.critics.first(d["obs"], torch.tanh(pre)).float().mean()
+            with bf16_forward(self.device, self.bf16):
+                pre = self.online.preact(d["obs"]).float()  # (B, A)
+                q1 = self.online.critics.first(d["obs"], torch.tanh(pre)).float()  # (B,)
+            policy_loss = -q1.mean()
             if cfg.preact_l2 > 0:
                 policy_loss = policy_loss + cfg.preact_l2 * pre.float().square().mean()
             self.policy_optimizer.zero_grad(set_to_none=True)

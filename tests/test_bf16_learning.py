@@ -168,3 +168,68 @@ def test_decision_transformer_bf16_targets_loss_and_priorities_match_fp32(how, c
     assert got["loss"].item() == pytest.approx(want["loss"].item(), rel=0.01, abs=0.01)
     if how == "learner.bf16":
         assert steps == [False]
+
+
+# --------------------------------------------------------------------------- Ape-X DPG
+
+
+def record_matmul_dtypes() -> tuple[torch.overrides.TorchFunctionMode, list]:
+    """Output dtypes of the critics' batched matmuls (``baddbmm``/``addmm``, not nn.Linear)."""
+    seen: list = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.baddbmm, torch.addmm):
+                seen.append(out.dtype)
+            return out
+
+    return Mode(), seen
+
+
+def dpg_step(how: str | None):
+    from agents.apex_dpg import n_step_targets
+    from gearflow.precision import bf16_forward
+    from tests.test_apex_dpg import make, sample
+
+    torch.manual_seed(0)  # the same initial weights in every run
+    agent = make(["agent.hidden_sizes=[64,64]", "agent.policy_delay=1", *([] if how is None else overrides(how))])
+    agent.setup_learner()
+    with torch.no_grad():  # Q near -100, Pendulum's scale (rewards down to -16, γ = 0.99)
+        agent.online.critics.biases[-1].fill_(-100.0)
+        agent.target.load_state_dict(agent.online.state_dict())
+    g = torch.Generator().manual_seed(1)
+    B = 64
+    data = {"obs": torch.randn(B, 3, generator=g), "action": torch.rand(B, 1, generator=g) * 4 - 2,
+            "ret": torch.randn(B, generator=g) * 5 - 10, "disc": torch.full((B,), 0.99 ** 3),
+            "version": torch.zeros(B, dtype=torch.int64), "next_obs": torch.randn(B, 3, generator=g)}  # fmt: skip
+    noise = (torch.randn(B, 1, generator=g) * 0.2)  # the targets' smoothing draw, the same in every run
+    bf16 = getattr(agent, "bf16", False)  # (before the agent applied learner.bf16: no flag)
+    dtypes = record_dtypes(agent.online)
+    steps: list = []
+    for opt in (agent.critic_optimizer, agent.policy_optimizer):
+        opt.register_step_pre_hook(lambda *a: steps.append(torch.is_autocast_enabled("cpu")))
+    mode, matmuls = record_matmul_dtypes()
+    with bf16_context(how) if how else contextlib.nullcontext(), mode:
+        kw = {"bf16": bf16} if bf16 else {}
+        y = n_step_targets(agent.target, data["next_obs"], data["ret"], data["disc"], noise, 0.5, **kw)
+        with bf16_forward("cpu", bf16), torch.no_grad():
+            q1 = agent.online.critics.first(data["obs"], agent.normalise(data["action"]))
+        _, priorities = agent.learn(sample(data, [1.0] * B))
+    return {"targets": y.float(), "td": (y.float() - q1.float()), "priorities": priorities.float()}, dtypes, matmuls, steps
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_apex_dpg_bf16_targets_td_errors_and_priorities_match_fp32(how):
+    """Q near -100: measured 0.0011 (targets), 0.0009 (priorities) at most with the fp32 output
+    layers; before agents/apex_dpg.py applied learner.bf16, autocast around ``learn`` gave 0.22
+    (bf16 steps of 0.5 near 100) and ``learner.bf16=true`` learned in fp32 (no bf16 layer)."""
+    want, _, _, _ = dpg_step(None)
+    got, dtypes, matmuls, steps = dpg_step(how)
+    assert torch.bfloat16 in dtypes, "the policy's hidden layers did not run in bf16"
+    assert torch.bfloat16 in matmuls, "the critics' hidden layers did not run in bf16"
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err < 0.01, f"{name}: bf16 differs from fp32 by {err:.4f} (mean |TD| {want['td'].abs().mean():.3f})"
+    if how == "learner.bf16":
+        assert steps == [False, False]  # the critic's and the policy's steps outside autocast
