@@ -149,17 +149,25 @@ class Prefetcher:
 
 
 class SerialBatches:
-    """``run.serial=true``: one actor step, a scan, and a batch when the rate limiter allows one
-    (the same check the table applies when it samples)."""
+    """``run.serial=true``: a batch whenever the rate limiter allows one (the same check the table
+    applies when it samples), else one actor step, a scan, and a batch if that allowed one.
+
+    Sampling first keeps the one thread from deadlocking where one batch allows fewer inserts than
+    one actor step writes (``batch_size / samples_per_insert`` < the items of one recv): stepping
+    first would add more than a batch frees every turn until an insert blocks, with no sampler left
+    to free it. Now the actor steps only once no batch can be sampled, the state the error buffer
+    leaves room to insert from (``2 · error_buffer ≥ batch_size + items · samples_per_insert``)."""
 
     def __init__(self, actor, table, batch_size: int, progress: Progress):
         self.actor, self.table, self.batch_size, self.progress = actor, table, batch_size, progress
 
     def next_batch(self):
-        self.actor.step()
         self.table.scan()
         if not self.table.can_sample(self.batch_size):
-            return None
+            self.actor.step()
+            self.table.scan()
+            if not self.table.can_sample(self.batch_size):
+                return None
         t0 = time.perf_counter()
         batch = self.table.sample(self.batch_size)
         self.progress.wait_s += time.perf_counter() - t0
