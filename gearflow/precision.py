@@ -37,11 +37,16 @@ import torch
 def bf16_forward(device: torch.device | str, enabled: bool):
     """bfloat16 autocast on ``device``'s type for a learner's forward passes; when off, nothing
     (an autocast the caller entered still applies)."""
-    if not enabled:
+    kind = torch.device(device).type
+    if not enabled or not torch.amp.is_autocast_available(kind):
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return torch.autocast(kind, dtype=torch.bfloat16)
 
 
-def fp32(x: torch.Tensor) -> torch.autocast:
-    """Autocast off on ``x``'s device type: a network's output layer and what follows it."""
+def fp32(x: torch.Tensor):
+    """Autocast off on ``x``'s device type: a network's output layer and what follows it.
+    On a device type without autocast (``meta``: the dry run's memory plan) there is nothing
+    to turn off."""
+    if not torch.amp.is_autocast_available(x.device.type):
+        return contextlib.nullcontext()
     return torch.autocast(x.device.type, enabled=False)
