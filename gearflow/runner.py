@@ -217,7 +217,7 @@ class Runner:
         if rank == 0:
             self.params.publish(agent.learner_network(), version=version)
         beta = None
-        if cfg.replay.selector == "prioritized" and cfg.run.max_env_steps:
+        if self.table.selector.importance_sampled and cfg.run.max_env_steps:
             beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
         self.learner = Learner(cfg, agent, self.table, self.params, self.progress, env_steps=self.env_steps,
                                actor_version=self._actor_weights_version, checkpoints=self.checkpoints,

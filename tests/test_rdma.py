@@ -224,6 +224,25 @@ def test_priority_updates_reach_the_shard_by_key(rig):
     assert (table.selector.tree.leaves[slots] == pytest.approx(50.0 ** table.selector.alpha))
 
 
+def test_the_learners_beta_reaches_the_shard(rig):
+    """The learner anneals β through ``sampler.selector`` (SamplerLike declares it): the RDMA
+    sampler sends it with each select and the shard's prioritized selector weighs with it
+    (before: no ``selector``, AttributeError at the learner's first step with a β schedule)."""
+    from gearflow.replay.protocols import SamplerLike
+
+    table, w, _shard, sampler = rig(Transition(next_columns=("obs",)))
+    write_steps(w, 20, Transition(), priority=lambda pos: 1.0 + pos.astype(np.float64))
+    assert isinstance(sampler, SamplerLike) and sampler.selector.importance_sampled
+    assert sampler.selector.name == "prioritized" and sampler.selector.beta is None
+    sampler.sample(4)
+    assert table.selector.beta == 0.4  # None: the shard's own
+    sampler.selector.beta = 0.9
+    batch = sampler.sample(8)
+    assert table.selector.beta == 0.9
+    w_want = (table.size * batch.probabilities.numpy()) ** -0.9
+    np.testing.assert_allclose(batch.weights.numpy(), w_want / w_want.max(), rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------- seqlock
 
 

@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.reports import fold_report
+from gearflow.replay.layout import buffer_sets
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 from gearflow.transport.remote import LEARNER_PREFETCH
 
@@ -183,7 +184,7 @@ class RemoteShards:
                 self.sampler = self._rdma_sampler(cfg)
             else:
                 self.sampler = RemoteSampler(self.addresses, token, prefetch=LEARNER_PREFETCH, timeout_s=self.timeout_s,
-                                             num_buffers=int(cfg.learner.prefetch) + 2,
+                                             num_buffers=buffer_sets(cfg.learner.prefetch),
                                              seed=cfg.run.seed if seed is None else seed, loop=str(t.loop))  # fmt: skip
             log.info("learner samples %d shard node(s) %s over %s (%s)", len(self.clients), ", ".join(self.addresses),
                      self.choice.transport, self.choice.reason)  # fmt: skip
@@ -222,7 +223,7 @@ class RemoteShards:
         def call(op: str, meta: dict, bufs: list):
             return client.call(op, meta, bufs, timeout_s=self.timeout_s)
 
-        return RdmaSampler(call, VerbsMemory(), num_buffers=int(cfg.learner.prefetch) + 2, timeout_s=self.timeout_s)
+        return RdmaSampler(call, VerbsMemory(), num_buffers=buffer_sets(cfg.learner.prefetch), timeout_s=self.timeout_s)
 
     # ----------------------------------------------------------------- progress
     def env_steps(self) -> int:

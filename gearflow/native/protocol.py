@@ -23,9 +23,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gearflow.replay.layout import PROPORTIONAL_SELECTORS
+
 __all__ = ["DEVICE_SELECTORS", "CupyLike", "DeviceSampler"]
 
-DEVICE_SELECTORS = ("prioritized", "uniform")  # replay.device=cuda samples with these
+DEVICE_SELECTORS = PROPORTIONAL_SELECTORS  # replay.device=cuda samples with these (layout owns the set)
 
 
 @runtime_checkable

@@ -58,6 +58,7 @@ import torch
 from gearflow.native.gather import torn_items
 from gearflow.native.rdma import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 from gearflow.replay.items import FrameStacks, kind_from_dict
+from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
@@ -175,7 +176,9 @@ class RdmaShard:
         endpoint = self.export.accept(meta["endpoint"])
         if connection is not None:
             connection.on_close(lambda: self.export.release(endpoint))
-        return {"endpoint": endpoint, "region": self.region.to_dict(), "layout": self.layout}, []
+        sel = self.table.selector
+        selector = {"name": sel.name, "importance_sampled": bool(sel.importance_sampled)}
+        return {"endpoint": endpoint, "region": self.region.to_dict(), "layout": self.layout, "selector": selector}, []
 
     def select(self, meta: dict, buffers: list) -> tuple[dict, list]:
         """Draw ``meta["n"]`` items. A redraw (``meta["redraw"]``) carries ``evict`` (the torn
@@ -187,6 +190,10 @@ class RdmaShard:
             raise ValueError(f"select needs 1 ≤ n ≤ {MAX_SELECT}, got {n}")
         t = self.table
         timeout_s = t.sample_timeout_s if meta.get("timeout_s") is None else float(meta["timeout_s"])
+        beta = meta.get("beta")  # the learner's annealed IS exponent (None: the shard's own)
+        if isinstance(beta, (int, float)) and t.selector.importance_sampled:
+            with self.lock:
+                t.selector.beta = float(beta)
         arrays = unpack(meta, buffers)
         redraw = bool(meta.get("redraw"))
         if redraw:  # the torn items go first (the table's torn-item path, counted in replay/torn_resampled)
@@ -312,6 +319,8 @@ class RdmaSampler:
         self.spec = TableSpec.parse(lay["spec"])
         self.kind = kind_from_dict(lay["kind"])
         self.kind.layout(self.spec, 1)  # validates the kind against the spec
+        sel = meta.get("selector", {})  # the learner anneals selector.beta; select sends it
+        self.selector = SelectorInfo(str(sel.get("name", "prioritized")), bool(sel.get("importance_sampled", True)))
         self.P, self.S, self._trust = int(lay["P"]), int(lay["S"]), int(lay["trusted_steps"])
         self._reserve_field = int(lay["reserve_field"])
         self._counters_at = int(lay["counters"][0])
@@ -333,7 +342,7 @@ class RdmaSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        meta, arrays = self._select({"n": batch_size, "timeout_s": timeout_s}, {})
+        meta, arrays = self._select({"n": batch_size, "timeout_s": timeout_s, "beta": self.selector.beta}, {})
         out = self._buffers_for(batch_size)
         self.reads_per_batch = 0
         deadline = time.monotonic() + timeout_s

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gearflow.replay.spec import TableSpec
     from gearflow.replay.table import Sample
 
-__all__ = ["SamplerLike", "WriterLike"]
+__all__ = ["SamplerLike", "SelectorInfo", "SelectorLike", "WriterLike"]
 
 
 @runtime_checkable
@@ -65,9 +65,35 @@ class WriterLike(Protocol):
     def flush(self) -> None: ...  # heartbeat: the writer is alive
 
 
+class SelectorLike(Protocol):
+    """``sampler.selector``: what a learner reads and sets on the selector it samples with
+    (a :class:`~gearflow.replay.selectors.Selector` locally, a :class:`SelectorInfo` over the
+    network)."""
+
+    name: str  # the selector's registry name ("prioritized", "uniform", ...)
+    importance_sampled: bool  # samples carry IS weights with an exponent beta the learner anneals
+    beta: Any  # float, assignable between samples (None on a remote sampler: each shard's own)
+
+
+class SelectorInfo:
+    """A remote sampler's :class:`SelectorLike`: the shards' selector ``name`` and
+    ``importance_sampled``, and ``beta``, the IS exponent the learner anneals (None: each
+    shard's own), sent with every request for a batch."""
+
+    def __init__(self, name: str = "prioritized", importance_sampled: bool = True):
+        self.name, self.importance_sampled = name, bool(importance_sampled)
+        self.beta: float | None = None
+
+    def __repr__(self) -> str:
+        return f"SelectorInfo({self.name!r}, importance_sampled={self.importance_sampled}, beta={self.beta})"
+
+
 @runtime_checkable
 class SamplerLike(Protocol):
-    """What the learner reads: batches with keys and IS weights, priorities written back."""
+    """What the learner reads: batches with keys and IS weights, priorities written back;
+    ``selector``: the selector whose ``beta`` it anneals (when ``importance_sampled``)."""
+
+    selector: SelectorLike
 
     def sample(self, batch_size: int, timeout_s: Optional[float] = None) -> "Sample": ...
 

@@ -14,6 +14,7 @@ from gearflow.errors import ConfigError
 from gearflow.geometry import ReplayGeometry
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
 from gearflow.replay.checkpoint import restore_checkpoint
+from gearflow.replay.layout import buffer_sets
 from gearflow.replay.selectors import selector_kwargs
 from gearflow.replay.storage import COMMIT
 
@@ -46,7 +47,7 @@ def make_table(cfg: DictConfig, kind, spec: TableSpec, geom: ReplayGeometry, dev
     try:
         selector = make_selector(cfg.replay.selector, geom.num_partitions * geom.items_per_partition,
                                  seed=cfg.run.seed, **selector_kwargs(cfg.replay))  # fmt: skip
-        return Table(storage, kind, selector, rate_limiter(cfg), num_buffers=cfg.learner.prefetch + 2,
+        return Table(storage, kind, selector, rate_limiter(cfg), num_buffers=buffer_sets(cfg.learner.prefetch),
                      sample_timeout_s=cfg.replay.timeout_s, device=device)  # fmt: skip
     except BaseException:
         storage.close()
@@ -59,7 +60,7 @@ def restore_table(cfg: DictConfig, path: Path, kind, spec: TableSpec, geom: Repl
     """The replay table of a checkpoint, refused if the config no longer matches its layout,
     item kind or selector; its rate limiter, timeout and buffer count follow the config."""
     table = restore_checkpoint(path, device=device, run_tag=tag, rate_limiter=rate_limiter(cfg),
-                               num_buffers=cfg.learner.prefetch + 2, sample_timeout_s=cfg.replay.timeout_s)
+                               num_buffers=buffer_sets(cfg.learner.prefetch), sample_timeout_s=cfg.replay.timeout_s)
     st = table.storage
     have = (st.num_partitions, st.steps_per_partition, st.items_per_partition)
     want = (geom.num_partitions, geom.steps_per_partition, geom.items_per_partition)

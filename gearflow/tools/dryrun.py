@@ -58,6 +58,7 @@ from gearflow.errors import GearflowError
 from gearflow.replay.spec import replay_spec
 from gearflow.geometry import replay_geometry
 from gearflow.replay.items import ItemKind
+from gearflow.replay.layout import buffer_sets
 from gearflow.replay.storage import SharedStorage
 
 META = torch.device("meta")
@@ -194,7 +195,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
     geom = replay_geometry(cfg, kind)
     P, S, R = geom.num_partitions, geom.steps_per_partition, geom.items_per_partition
     segment = SharedStorage.segment_nbytes(table_spec, P, S, R)
-    buffers = int(cfg.learner.prefetch) + 2  # the table's rotating batch buffers
+    buffers = buffer_sets(cfg.learner.prefetch)  # the table's rotating batch buffers
     replay = {
         "columns": {c.name: c.describe() for c in table_spec},
         "bytes_per_step": table_spec.stored_step_nbytes,  # stacked frames: one frame + its offset byte

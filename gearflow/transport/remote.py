@@ -79,7 +79,14 @@ import numpy as np
 import torch
 
 from gearflow.replay.items import kind_from_dict
-from gearflow.replay.layout import step_rows
+from gearflow.replay.layout import (
+    PROPORTIONAL_SELECTORS,
+    key_shard,
+    local_key,
+    shard_key,
+    step_rows,
+)
+from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import TableSpec
@@ -470,16 +477,10 @@ class RemoteWriter(StreamPositions):
 
 # ---------------------------------------------------------------------- sampler
 
-PROPORTIONAL = ("uniform", "prioritized")  # selectors whose draw several shards reproduce exactly
+PROPORTIONAL = PROPORTIONAL_SELECTORS  # selectors whose draw several shards reproduce exactly
 
 
-class _Weights:
-    """``sampler.selector``: ``beta``, the IS exponent a learner anneals (None: each shard's own),
-    and the shards' selector ``name`` and ``importance_sampled``."""
-
-    def __init__(self, name: str = "prioritized", importance_sampled: bool = True):
-        self.name, self.importance_sampled = name, bool(importance_sampled)
-        self.beta: float | None = None
+_Weights = SelectorInfo  # its old name (tests/test_peer_semantics.py builds one)
 
 
 class RemoteSampler:
@@ -544,7 +545,7 @@ class RemoteSampler:
             raise ValueError(f"the shards' {first['selector']!r} selector ranks the items of one table: there is no "
                              f"global order over {n} shards, so their draws cannot be one table's; use "
                              f"{' or '.join(PROPORTIONAL)}, or sample one shard")  # fmt: skip
-        self.selector = _Weights(first["selector"], first.get("importance_sampled", True))
+        self.selector = SelectorInfo(first["selector"], first.get("importance_sampled", True))
         if n > 1:
             self._refresh_totals()
 
@@ -713,9 +714,9 @@ class RemoteSampler:
             for n, a in zip(names, bufs):
                 out[n][row:row + b] = torch.from_numpy(a)
             keys = out["keys"][row:row + b]
-            if int(keys.max()) >> SHARD_SHIFT:
+            if int(key_shard(keys.max())):
                 raise ValueError(f"shard {i} returned a key ≥ 2^{SHARD_SHIFT}: cannot tag it with the shard")
-            keys |= i << SHARD_SHIFT
+            shard_key(keys, i)
             np.multiply(bufs[1], q[i], out=probs[row:row + b])
             row += b
         w = self._is_weights(float(self._counts.sum()), probs, replies[0][2])
@@ -742,13 +743,13 @@ class RemoteSampler:
         if keys.shape != prios.shape:
             raise ValueError(f"{keys.size} keys but {prios.size} priorities")
         check_priorities(prios)
-        shard = keys >> SHARD_SHIFT
+        shard = key_shard(keys)
         if (shard < 0).any() or (shard >= len(self._clients)).any():
             raise ValueError(f"keys name shards outside [0, {len(self._clients)})")
         futs = []
         for i in np.unique(shard).tolist():
             sel = shard == i
-            local = keys[sel] & ((1 << SHARD_SHIFT) - 1)
+            local = local_key(keys[sel])
             futs.append((i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]])))
         applied = 0
         for i, tag, f in futs:

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gearflow.replay.layout import SHARD_SHIFT  # re-exported: a key's shard bits (layout owns them)
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned, TableClosed
 from gearflow.replay.writer import InsertAborted, Writer
@@ -75,7 +76,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SHARD_SHIFT", "SessionLost", "ShardService", "priority_total"]
 
-SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bits 56..62
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
