@@ -15,8 +15,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "gearflow._decode",
-            ["gearflow/_decode.c"],
+            "agents._r2d2_decode",  # R2D2's one-token acting step (agents/r2d2_accel.py)
+            ["agents/_r2d2_decode.c"],
             extra_compile_args=["-O3", "-fopenmp-simd"],
             optional=True,
         ),

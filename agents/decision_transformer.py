@@ -38,7 +38,7 @@ after a window's last step never changes a valid step's output: no key mask is
 needed, in the learner or the actor.
 
 Actors cache keys and values (``agent.kv_cache``, :meth:`Agent.act_cached`,
-:mod:`gearflow.kv_cache`): each env step runs the network on its three new
+:mod:`agents.kv_cache`): each env step runs the network on its three new
 tokens a_{t−1}, R̂_t, s_t only. A full context hops (drops its oldest
 ``agent.context_hop`` steps, default K // 2) and is re-encoded, as at an
 episode's start and after new weights; the actions then equal a full recompute
@@ -59,9 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agents.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Episode
 
@@ -235,7 +235,7 @@ class DecisionTransformer(nn.Module):
             return self.head(x)  # (B, K, H) float32
 
     def extend(self, rtg, obs, action, timestep, first_token, kv_old, allowed, n_new):
-        """The cached step (:class:`gearflow.kv_cache.KVCache`). ``rtg``/``obs``/``action``/
+        """The cached step (:class:`agents.kv_cache.KVCache`). ``rtg``/``obs``/``action``/
         ``timestep`` (k, Ts, ...): context steps from step ``first_token // 3`` on (inputs as in
         :meth:`forward`); the new tokens of row r are its tokens ``first_token[r]`` ..
         ``first_token[r] + n_new[r] − 1`` of the context's sequence R̂_0, s_0, a_0, R̂_1, ...,
@@ -475,7 +475,7 @@ class Agent:
         unit = torch.where(explore[:, None], sampled, torch.tanh(mean))
         return ActOutput(actions=self._to_env(unit).cpu().numpy().astype(np.float32), values=None)
 
-    # ---- acting with a key/value cache (gearflow.kv_cache; the episode actor calls these when
+    # ---- acting with a key/value cache (agents/kv_cache.py; the episode actor calls these when
     # make_kv_cache returns a cache)
     def make_kv_cache(self, num_envs: int) -> KVCache | None:
         """A cache of a full context's tokens (3K − 1: up to s_t) per env, or None when

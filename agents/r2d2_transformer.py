@@ -37,7 +37,7 @@ on how far back each context step is, so a window that starts mid-episode
 (learner) and a rolling actor context give the same step the same encoding.
 
 Actors cache keys and values (``agent.kv_cache``, :meth:`Agent.act_cached`,
-:mod:`gearflow.kv_cache`): each env step runs the network on that step only. A
+:mod:`agents.kv_cache`): each env step runs the network on that step only. A
 cache cannot slide by one step and stay exact (from the second block on, a
 cached key depends on the steps its token attended to), so a full context hops:
 it drops its oldest ``H = agent.context_hop`` steps (default ``C // 2``) and is
@@ -50,14 +50,9 @@ over those steps up to float rounding. With ``C = sequence_length``,
 cartpole_masked_r2d2's 40/20/20) that is exactly the window where the learner
 gives step t its loss.
 
-A cached step with one new step per env (nearly every row of every recv) runs
-:class:`OneTokenStep`, compiled with TorchScript: embed the step, then per block
-write its keys and values into the env's next slot in place, attend over the
-slots in use with the ALiBi bias read from a table, MLP; no per-step allocation
-of caches, no Python per module or per env. On the CPU the same step runs in C
-(:class:`NativeOneTokenStep`, ``gearflow/_decode.c``; ``agent.native_step``): one call per
-recv instead of TorchScript's ~60 operator calls, checked against the compiled step before
-it is used. Rows that re-encode take :class:`ContextEncode` (compiled) in their own call.
+The cached steps themselves, compiled with TorchScript or in C (the one-token step and the
+context re-encode), are acting accelerators and live beside this file in
+``agents/r2d2_accel.py`` (``agents/_r2d2_decode.c``); this module names them where it acts.
 """
 
 from __future__ import annotations
@@ -72,18 +67,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.apex_dqn import NatureCNN
+from agents.kv_cache import KVCache, hop_length
+from agents.r2d2_accel import (
+    NativeOneTokenStep,
+    compile_context_encode,
+    compile_one_token_step,
+    native_one_token_step,
+)
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.precision import bf16_forward, fp32
 from gearflow.replay.items import Sequence
 
 log = logging.getLogger(__name__)
-
-try:  # the C one-token step (setup.py builds it; optional)
-    from gearflow import _decode
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _decode = None
 
 
 @dataclass
@@ -103,7 +99,7 @@ class Config:
     re-encoding the context when it hops and when the weights change (false: re-run the last
     ``context`` steps every step)."""
     native_step: bool = True
-    """With ``kv_cache`` on the CPU: the one-token step in C (``gearflow._decode``, built with the
+    """With ``kv_cache`` on the CPU: the one-token step in C (``agents._r2d2_decode``, built with the
     package) where it gives the TorchScript step's Q-values and cache writes; false: TorchScript."""
     context_hop: int = 0
     """With ``kv_cache``: steps a full context drops at once (0: ``context // 2``); the actor's context
@@ -178,6 +174,8 @@ class FrameEmbedding(nn.Module):
     """uint8 frames (B, T, C, H, W) → tokens (B, T, D): the Nature CNN on every step, then a
     linear map to the model width (one token per step, as R2D2's torso feeds its LSTM)."""
 
+    acting_token = "frame"  # the cached steps' TorchScript form of it (agents/r2d2_accel.py)
+
     def __init__(self, obs_shape: tuple[int, ...], d: int):
         super().__init__()
         self.cnn = NatureCNN(obs_shape)
@@ -190,6 +188,8 @@ class FrameEmbedding(nn.Module):
 
 class VectorEmbedding(nn.Module):
     """Vector observations (B, T, *shape) → tokens (B, T, D), one linear map."""
+
+    acting_token = "vector"  # the cached steps run it in TorchScript or in C (agents/r2d2_accel.py)
 
     def __init__(self, obs_shape: tuple[int, ...], d: int):
         super().__init__()
@@ -222,8 +222,8 @@ class TransformerQNetwork(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, num_actions)
         self.register_buffer("slopes", alibi_slopes(cfg.num_heads), persistent=False)  # (nh,)
-        H = cfg.num_heads  # the same slopes in numpy, for extend's bias (never a meta tensor)
-        self._neg_slopes = -np.array([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], np.float32)[None, :, None, None]
+        H = cfg.num_heads  # the same slopes in numpy, for extend's and the cached steps' bias (never meta)
+        self.neg_slopes = -np.array([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], np.float32)[None, :, None, None]
         self._bias: torch.Tensor | None = None
 
     def attention_bias(self, T: int, device) -> torch.Tensor:
@@ -244,13 +244,13 @@ class TransformerQNetwork(nn.Module):
             return self.head(self.ln(x.float()))  # (B, T, A) float32
 
     def extend(self, obs, kv_old, allowed, dist, last):
-        """The cached step (:class:`gearflow.kv_cache.KVCache`): ``obs`` (k, Tn, *obs_shape) each
+        """The cached step (:class:`agents.kv_cache.KVCache`): ``obs`` (k, Tn, *obs_shape) each
         row's new steps, ``kv_old`` (k, L, 2, nh, S, hs) its cached keys and values, ``allowed`` /
         ``dist`` (k, Tn, S + Tn) from ``KVCache.attention_bias``, ``last`` (k,) the new step to
         read. Returns Q-values (k, A) at ``last`` and the new keys/values (k, L, 2, nh, Tn, hs).
         ALiBi depends on distances only, so a step's bias is the same as in :meth:`forward`."""
         x = self.embed(obs)  # (k, Tn, D)
-        bias = np.where(allowed[:, None], self._neg_slopes * dist[:, None], -np.inf).astype(np.float32)
+        bias = np.where(allowed[:, None], self.neg_slopes * dist[:, None], -np.inf).astype(np.float32)
         bias = torch.from_numpy(bias).to(x.device)  # (k, nh, Tn, S+Tn)
         kv_new = []
         for layer, block in enumerate(self.blocks):
@@ -261,262 +261,6 @@ class TransformerQNetwork(nn.Module):
         else:
             x = x[torch.arange(x.shape[0], device=x.device), torch.as_tensor(last, device=x.device)]  # (k, D)
         return self.head(self.ln(x)), torch.stack(kv_new, dim=1)  # (k, A), (k, L, 2, nh, Tn, hs)
-
-
-class _FrameToken(nn.Module):
-    """uint8 frames (k, T, C, H, W) → tokens (k, T, D): :class:`FrameEmbedding`'s own modules, in a
-    form TorchScript compiles."""
-
-    def __init__(self, embed: FrameEmbedding):
-        super().__init__()
-        self.cnn, self.proj = embed.cnn, embed.proj
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        B, T = obs.shape[0], obs.shape[1]
-        return self.proj(self.cnn(obs.flatten(0, 1))).view(B, T, -1)
-
-
-class _VectorToken(nn.Module):
-    """Vector observations (k, T, *shape) → tokens (k, T, D): :class:`VectorEmbedding`'s map."""
-
-    def __init__(self, embed: VectorEmbedding):
-        super().__init__()
-        self.linear = embed.linear
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.linear(obs.float().flatten(2))
-
-
-class _AnyToken(nn.Module):
-    """Any other embedding (B, T, ...) → (B, T, D)."""
-
-    def __init__(self, embed: nn.Module):
-        super().__init__()
-        self.embed = embed
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.embed(obs)
-
-
-def _token(embed: nn.Module) -> nn.Module:
-    """The embedding as a token module TorchScript compiles."""
-    return {FrameEmbedding: _FrameToken, VectorEmbedding: _VectorToken}.get(type(embed), _AnyToken)(embed)
-
-
-class OneTokenStep(nn.Module):
-    """The cached actor's step when every row brings exactly one new step: ``obs`` (k, 1, *obs_shape),
-    ``kv`` the whole cache (E, L, 2, nh, S, hs) (:class:`gearflow.kv_cache.KVCache` ``.kv``),
-    ``ids`` (k,) the rows' envs, ``length`` (k,) their cached steps (the new step's slot) and
-    ``used = max(length) + 1``: only slots below it are read (a step costs what its contexts
-    hold, not what the cache could). Writes each row's new keys and values into slot ``length`` of its env, in place, and returns
-    Q-values (k, A): those of :meth:`TransformerQNetwork.extend` with ``Tn = 1``.
-
-    Built to be compiled (``torch.jit.script``: one call, no per-module Python) and to run few
-    ops: the ALiBi bias of a query at slot ``s`` over the ``S`` slots is row ``s`` of a table
-    made once, the new token is written into the gathered caches before attending (slots
-    ``≤ length`` are its context, itself included) and the gathered caches are written back
-    with one ``index_copy_``. It holds the network's own submodules: the same parameter
-    tensors, so weight syncs (copies in place) reach it."""
-
-    def __init__(self, network: TransformerQNetwork, slots: int):
-        super().__init__()
-        self.token, self.blocks, self.ln, self.head = _token(network.embed), network.blocks, network.ln, network.head
-        self.heads = int(network.blocks[0].heads)
-        slopes = torch.as_tensor(-network._neg_slopes.reshape(-1))  # (nh,) from numpy: never a meta tensor
-        pos = torch.arange(slots)
-        dist = (pos[:, None] - pos[None, :]).float()  # (S, S) query slot − key slot
-        table = -slopes[None, :, None] * dist[:, None, :]  # (S, nh, S): forward's bias at distance i − j
-        table = table.masked_fill((dist < 0)[:, None, :], float("-inf")).to(network.head.weight.device)
-        self.register_buffer("table", table, persistent=False)
-
-    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor,
-                used: int) -> torch.Tensor:
-        x = self.token(obs).select(1, 0)  # (k, D)
-        k, D = x.shape
-        nh = self.heads
-        bias = self.table.index_select(0, length).narrow(2, 0, used).unsqueeze(2)  # (k, nh, 1, used)
-        # (narrow / select, not [:, ...]: TorchScript runs one op per sliced dimension)
-        for layer, block in enumerate(self.blocks):
-            qkv = block.qkv(block.ln1(x)).view(k, 3, nh, D // nh)  # q, k, v of the new token
-            kv_l = kv.select(1, layer)  # (E, 2, nh, S, hs)
-            kv_l[ids, :, :, length] = qkv.narrow(1, 1, 2)  # its keys/values into slot `length` of its env
-            g = kv_l.narrow(3, 0, used).index_select(0, ids)  # (k, 2, nh, used, hs) this batch's (a copy)
-            y = F.scaled_dot_product_attention(qkv.select(1, 0).unsqueeze(2), g.select(1, 0), g.select(1, 1),
-                                               attn_mask=bias)  # fmt: skip
-            x = x + block.proj(y.reshape(k, D))  # y (k, nh, 1, hs)
-            x = x + block.mlp(block.ln2(x))
-        return self.head(self.ln(x))  # (k, A)
-
-
-class ContextEncode(nn.Module):
-    """The cached actor's re-encode: rows whose caches are empty (an episode's first steps after new
-    weights, a context that hopped) bring their whole context. ``obs`` (k, T, *obs_shape) left-aligned,
-    ``n`` (k,) steps in each (padding after them), ``kv`` the whole cache (E, L, 2, nh, S, hs),
-    ``ids`` (k,) the rows' envs, whose ``length`` is 0. Writes every layer's keys and values of the
-    T steps into slots ``0 .. T − 1`` of each env (slots ≥ n hold padding, never read: they are
-    past the length the caller sets) and returns Q-values (k, A) at step ``n − 1``: the learner's
-    :meth:`TransformerQNetwork.forward` (the same causal ALiBi bias, from :class:`OneTokenStep`'s
-    table) plus the cache writes, compiled like the one-token step."""
-
-    def __init__(self, network: TransformerQNetwork, slots: int):
-        super().__init__()
-        one = OneTokenStep(network, slots)  # the same token module and bias table
-        self.token, self.blocks, self.ln, self.head, self.heads = one.token, one.blocks, one.ln, one.head, one.heads
-        self.register_buffer("table", one.table, persistent=False)  # (S, nh, S)
-
-    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        x = self.token(obs)  # (k, T, D)
-        k, T, D = x.shape
-        nh = self.heads
-        bias = self.table.narrow(0, 0, T).narrow(2, 0, T).transpose(0, 1)  # (nh, T, T) causal ALiBi
-        for layer, block in enumerate(self.blocks):
-            qkv = block.qkv(block.ln1(x)).view(k, T, 3, nh, D // nh).permute(0, 2, 3, 1, 4)  # (k, 3, nh, T, hs)
-            kv.select(1, layer).narrow(3, 0, T).index_copy_(0, ids, qkv.narrow(1, 1, 2))  # slots 0 .. T − 1
-            y = F.scaled_dot_product_attention(qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2),
-                                               attn_mask=bias)  # (k, nh, T, hs)  # fmt: skip
-            x = x + block.proj(y.transpose(1, 2).reshape(k, T, D))
-            x = x + block.mlp(block.ln2(x))
-        x = x[torch.arange(k, device=x.device), n - 1]  # (k, D) each row's last step
-        return self.head(self.ln(x))  # (k, A)
-
-
-class NativeOneTokenStep:
-    """:class:`OneTokenStep` in C (``gearflow._decode.step``): one call per recv runs the blocks,
-    the final norm and the head for every row, writing each row's keys and values into its env's
-    slot ``length`` of the cache in place. It reads the network's parameters in place (buffer
-    views of the same tensors: weight syncs reach it). A vector observation's linear embedding
-    runs in C too; any other embedding (the Nature CNN) runs in torch first.
-
-    ``NativeOneTokenStep(network, slots)`` raises ``ValueError`` naming what it cannot run (no C
-    module, a device other than the CPU, parameters not float32, another block layout);
-    :func:`native_one_token_step` builds it and checks it against the TorchScript step."""
-
-    def __init__(self, network: TransformerQNetwork, slots: int):
-        if _decode is None:
-            raise ValueError("the C module gearflow._decode is not built (python setup.py build_ext --inplace)")
-        params = list(network.parameters())
-        if any(p.device.type != "cpu" for p in params):
-            raise ValueError("the network is not on the CPU")
-        if any(p.dtype != torch.float32 for p in params):
-            raise ValueError("the network's parameters are not all float32")
-        norms = [network.ln] + [m for b in network.blocks for m in (b.ln1, b.ln2)]
-        if any(n.weight is None or n.bias is None for n in norms) or len({n.eps for n in norms}) != 1:
-            raise ValueError("the layer norms are not affine with one eps")
-        for b in network.blocks:
-            mlp = list(b.mlp)
-            if len(mlp) != 3 or not isinstance(mlp[0], nn.Linear) or not isinstance(mlp[2], nn.Linear) or \
-                    type(mlp[1]) is not nn.GELU or mlp[1].approximate != "none":  # fmt: skip
-                raise ValueError("a block's MLP is not Linear, GELU (exact), Linear")
-        if not isinstance(network, TransformerQNetwork):
-            raise ValueError(f"a {type(network).__name__} is not a TransformerQNetwork")  # noqa: TRY004 - what it cannot run
-        self.vector = type(network.embed) is VectorEmbedding
-        self.token = None if self.vector else _token(network.embed)  # torch: the CNN's token
-        first = network.blocks[0]
-        D, nh = first.proj.in_features, first.heads
-        F, A = first.mlp[0].out_features, network.head.out_features
-
-        def w(t: torch.Tensor) -> np.ndarray:
-            return t.detach().numpy()  # a view: the parameter's own memory
-
-        inw = (w(network.embed.linear.weight), w(network.embed.linear.bias)) if self.vector else (None, None)
-        layers = [w(t) for b in network.blocks for t in (
-            b.ln1.weight, b.ln1.bias, b.qkv.weight, b.qkv.bias, b.proj.weight, b.proj.bias,
-            b.ln2.weight, b.ln2.bias, b.mlp[0].weight, b.mlp[0].bias, b.mlp[2].weight, b.mlp[2].bias)]  # fmt: skip
-        self.slopes = np.ascontiguousarray(-network._neg_slopes.reshape(-1), dtype=np.float32)
-        weights = (*inw, *layers, w(network.ln.weight), w(network.ln.bias), w(network.head.weight),
-                   w(network.head.bias), self.slopes)  # fmt: skip
-        self.in_dim = int(network.embed.linear.in_features) if self.vector else 0
-        self.plan = _decode.plan(weights, len(network.blocks), D, nh, F, A, self.in_dim, float(network.ln.eps))
-        self.num_actions, self.slots = A, int(slots)
-
-    def __call__(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor,
-                 used: int) -> torch.Tensor:
-        """:class:`OneTokenStep`'s call (torch tensors in, Q-values (k, A) out; ``used`` is not
-        needed: each row attends to its slots ``≤ length``)."""
-        return torch.from_numpy(self.values(obs.cpu().numpy(), kv.numpy(), ids.numpy(), length.numpy()))
-
-    def values(self, obs, cache_kv: np.ndarray, ids: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """Q-values (k, A) float32: ``obs`` (k, 1, *obs_shape) one new step per row, ``cache_kv`` the
-        cache as a numpy view (E, L, 2, nh, S, hs), ``ids`` / ``length`` (k,) int64: each row's env
-        and the new step's slot (the actor's path: no torch call for a vector observation)."""
-        k = len(ids)
-        if self.vector:
-            x = np.ascontiguousarray(np.asarray(obs).reshape(k, self.in_dim), dtype=np.float32)
-        else:
-            x = self.token(torch.as_tensor(obs)).select(1, 0).contiguous().numpy()
-        out = np.empty((k, self.num_actions), dtype=np.float32)
-        _decode.step(self.plan, x, cache_kv, np.ascontiguousarray(ids, dtype=np.int64),
-                     np.ascontiguousarray(length, dtype=np.int64), out)  # fmt: skip
-        return out
-
-
-def native_one_token_step(network: TransformerQNetwork, slots: int, reference, obs_shape, obs_dtype):
-    """``(NativeOneTokenStep(network, slots), "")`` where it runs and gives ``reference``'s (the
-    TorchScript or eager :class:`OneTokenStep`) Q-values and cache writes within float rounding
-    on random observations and caches (1 and 3 rows), else ``(None, why)``."""
-    try:
-        native = NativeOneTokenStep(network, slots)
-    except ValueError as e:
-        return None, str(e)
-    obs, kv, _ = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
-    with torch.inference_mode():
-        for ids, length in _one_token_rows(slots):
-            x = obs(len(ids), 1)
-            kv_a, kv_b = kv.clone(), kv.clone()
-            qa = reference(x, kv_a, torch.tensor(ids), torch.tensor(length), max(length) + 1).numpy()
-            qb = native.values(x.numpy(), kv_b.numpy(), np.array(ids), np.array(length))
-            if not (np.allclose(qa, qb, rtol=1e-4, atol=1e-5) and torch.allclose(kv_a, kv_b, rtol=1e-4, atol=1e-5)):
-                err = float(np.abs(qa - qb).max())
-                return None, f"its Q-values differ from the TorchScript step's by {err:.3g}"
-    return native, ""
-
-
-def compile_one_token_step(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
-    """``OneTokenStep(network, slots)`` compiled with TorchScript, or the module itself (eager) where
-    TorchScript cannot compile it, its parameters are not the network's, or it does not give the
-    eager step's Q-values and cache writes (within float rounding) on random observations
-    ``(k, 1, *obs_shape)`` of ``obs_dtype`` and random caches, for 1 and 3 rows. Returns
-    ``(step, compiled)``."""
-    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
-    trials = []
-    for ids, length in _one_token_rows(slots):
-        trials.append((obs(len(ids), 1), kv, torch.tensor(ids, device=dev), torch.tensor(length, device=dev),
-                       max(length) + 1))  # fmt: skip
-    return compile_checked(OneTokenStep(network, slots), network, trials)
-
-
-def compile_context_encode(network: TransformerQNetwork, slots: int, obs_shape: tuple[int, ...], obs_dtype):
-    """``ContextEncode(network, slots)`` compiled with TorchScript where that gives the eager module's
-    Q-values and cache writes (contexts of 1 row × 3 steps and 2 rows × ``slots`` steps), else the
-    module itself. Returns ``(encode, compiled)``."""
-    obs, kv, dev = _random_inputs(network, slots, tuple(obs_shape), np.dtype(obs_dtype))
-    trials = [(obs(1, 3), kv, torch.tensor([1], device=dev), torch.tensor([3], device=dev)),
-              (obs(2, slots), kv, torch.tensor([3, 0], device=dev), torch.tensor([slots, 2], device=dev))]  # fmt: skip
-    return compile_checked(ContextEncode(network, slots), network, trials)
-
-
-def _one_token_rows(slots: int) -> tuple:
-    """The rows the one-token steps are checked on: (envs, their slots) of 1 and 3 rows, the
-    first and last slot included (:func:`compile_one_token_step`, :func:`native_one_token_step`)."""
-    return ([2], [0]), ([3, 0, 1], [slots - 1, 0, slots // 2])
-
-
-def _random_inputs(network, slots: int, obs_shape: tuple[int, ...], obs_dtype: np.dtype):
-    """(obs(k, T) → random observations, a random cache of 4 envs, the device) for the checks."""
-    device = network.head.weight.device
-    first = network.blocks[0]
-    L, nh = len(network.blocks), first.heads
-    rng = np.random.default_rng(0)
-    kv = torch.as_tensor(rng.standard_normal((4, L, 2, nh, slots, first.proj.in_features // nh), np.float32))
-
-    def obs(k: int, T: int) -> torch.Tensor:
-        if obs_dtype.kind in "ui":
-            x = rng.integers(0, 256 if obs_dtype.itemsize == 1 else 100, (k, T, *obs_shape))
-        else:
-            x = rng.standard_normal((k, T, *obs_shape))
-        return torch.as_tensor(x.astype(obs_dtype), device=device)
-
-    return obs, kv.to(device), device
 
 
 # ----------------------------------------------------------------------------- TD errors and priorities
@@ -696,8 +440,8 @@ class Agent:
             actions = np.where(explore, rng.integers(self.num_actions, size=k), actions)
         return ActOutput(actions=actions.astype(np.int64, copy=False), values=values)
 
-    # ---- acting with a key/value cache (gearflow.kv_cache; the sequence actor calls these when
-    # make_kv_cache returns a cache)
+    # ---- acting with a key/value cache (agents/kv_cache.py; the steps: agents/r2d2_accel.py; the
+    # sequence actor calls these when make_kv_cache returns a cache)
     def make_kv_cache(self, num_envs: int) -> KVCache | None:
         """A cache of ``context_length()`` steps per env, or None when ``agent.kv_cache`` is false."""
         if not self.cfg.kv_cache:

@@ -126,7 +126,7 @@ class SequenceAgent(Agent, Protocol):
     Optional (the one method the actor looks up, so a user's agent need not have it): a
     KV-cached policy, ``make_kv_cache(num_envs) -> KVCache | None``, ``context_hop() -> int``
     and ``act_cached(network, cache, ids, obs_new, n_new, epsilon, rng) -> ActOutput``
-    (:mod:`gearflow.kv_cache`; ``agents/r2d2_transformer.py``). Without ``make_kv_cache`` (or
+    (:mod:`agents.kv_cache`; ``agents/r2d2_transformer.py``). Without ``make_kv_cache`` (or
     when it returns None) the actor calls :meth:`act` on the whole context every step."""
 
     def context_length(self) -> int:

@@ -136,7 +136,7 @@ def test_gpu_check_stops_at_its_first_step_naming_what_is_missing(tmp_path):
     rows = [json.loads(ln) for ln in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     imports = {r["check"]: r["ok"] for r in rows if r.get("check", "").startswith("import ")}
     assert imports["import gearflow.runner"] and imports["import envpool"] and imports["import tests/conftest.py"]
-    assert all(ok for name, ok in imports.items() if name not in ("import gearflow.replay._hotpath", "import gearflow._decode"))
+    assert all(ok for name, ok in imports.items() if name not in ("import gearflow.replay._hotpath", "import agents._r2d2_decode"))
     assert rows[-1] == {**rows[-1], "step": "prerequisites", "status": "failed", "exit": 1}
 
 

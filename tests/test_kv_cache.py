@@ -1,4 +1,4 @@
-"""Key/value-cached transformer actors (gearflow/kv_cache.py): the cache's attention rule by
+"""Key/value-cached transformer actors (agents/kv_cache.py): the cache's attention rule by
 hand, and the R2D2 and Decision Transformer actors on real EnvPool envs against a full
 recompute over the context each step should have (computed here from what the env returned,
 not from the actor's own buffers), over long episodes with resets, context hops and a
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
+from agents.kv_cache import KVCache, hop_length
 from gearflow.actors.process import make_actor
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import ConfigError
-from gearflow.kv_cache import KVCache, hop_length
 
 try:
-    from gearflow import _decode
+    from agents import _r2d2_decode as _decode
 except ImportError:  # the C decode step is not built: the actors step with TorchScript
     _decode = None
 

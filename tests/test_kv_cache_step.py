@@ -1,4 +1,4 @@
-"""The R2D2 transformer actor's one-token step and context re-encode (agents/r2d2_transformer.py
+"""The R2D2 transformer actor's one-token step and context re-encode (agents/r2d2_accel.py
 ``OneTokenStep``, ``ContextEncode``): the TorchScript compilation against the eager module and against the learner's forward over the
 same contexts, its in-place cache writes, batches that mix one-token rows with re-encodes, the
 eager fallback; and the priorities actors compute in numpy against the learner's torch code."""
@@ -10,16 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from agents.r2d2_transformer import (
+from agents.r2d2_accel import (
     ContextEncode,
     OneTokenStep,
-    TransformerQNetwork,
     compile_context_encode,
     compile_one_token_step,
-    loss_mask,
-    priority_mix,
-    sequence_td,
 )
+from agents.r2d2_transformer import TransformerQNetwork, loss_mask, priority_mix, sequence_td
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec

@@ -1,4 +1,4 @@
-"""The R2D2 transformer actor's one-token step in C (gearflow/_decode.c, agents/r2d2_transformer.py
+"""The R2D2 transformer actor's one-token step in C (agents/_r2d2_decode.c, agents/r2d2_accel.py
 ``NativeOneTokenStep``) against its references: the eager :class:`OneTokenStep`, the learner's forward
 over the whole context, and the TorchScript step it replaces; which step an agent acts with and why;
 and bad input refused before anything is written. The actor-level checks (real EnvPool episodes with
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-_decode = pytest.importorskip("gearflow._decode", reason="the C decode module is not built")
+_decode = pytest.importorskip("agents._r2d2_decode", reason="the C decode module is not built")
 
-import agents.r2d2_transformer as r2d2
-from agents.r2d2_transformer import NativeOneTokenStep, OneTokenStep, native_one_token_step
+from agents import r2d2_accel
+from agents.r2d2_accel import NativeOneTokenStep, OneTokenStep, native_one_token_step
 from tests.test_kv_cache_step import forward_last
 from tests.test_kv_cache_step import make as make_agent_and_network
 
@@ -131,9 +131,9 @@ def test_networks_the_c_step_cannot_run_act_with_torchscript_and_say_why(change,
 
 def test_without_the_c_module_the_agent_says_so_and_acts_with_torchscript(monkeypatch):
     agent, net = make(6)
-    monkeypatch.setattr(r2d2, "_decode", None)
+    monkeypatch.setattr(r2d2_accel, "_decode", None)
     native, why = native_one_token_step(net, 6, OneTokenStep(net, 6), (3,), np.float32)
-    assert native is None and "gearflow._decode is not built" in why
+    assert native is None and "agents._r2d2_decode is not built" in why
     agent.acting_modules(net, 6)
     assert not agent.one_token_native
 

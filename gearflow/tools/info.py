@@ -37,7 +37,7 @@ def collect() -> list[Row]:
     rows = [Row("python", True, f"{platform.python_version()} ({platform.machine()})")]
     rows += [_package(name) for name in PACKAGES]
     rows.append(_c_module("replay C hot path", "gearflow.replay._hotpath", "using the numpy reference (slower)"))
-    rows.append(_c_module("C decode step", "gearflow._decode", "transformer actors step with TorchScript (slower)"))
+    rows.append(_c_module("C decode step", "agents._r2d2_decode", "transformer actors step with TorchScript (slower)"))
     probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), probe_pyverbs()]
     rows += [Row(p.name, p.ok, p.detail) for p in probes]
     return rows

@@ -29,12 +29,15 @@ and when the weights change, so its cost is spread over ``hop`` steps.
 
 The agents run their common cases (one env step after cached tokens; a whole
 context into an empty cache) through small modules compiled with TorchScript
-that write ``kv`` in place (``agents.r2d2_transformer.OneTokenStep`` /
+that write ``kv`` in place (``agents.r2d2_accel.OneTokenStep`` /
 ``ContextEncode``, ``agents.decision_transformer.StepTokens``);
 :func:`compile_checked` compiles one and keeps it only if it reads the network's
 own parameters and matches the eager module, else the actor acts eagerly. On the CPU,
-R2D2's one-token step runs in C (``gearflow._decode``, ``agents.r2d2_transformer.NativeOneTokenStep``:
+R2D2's one-token step runs in C (``agents._r2d2_decode``, ``agents.r2d2_accel.NativeOneTokenStep``:
 the whole step in one call over :meth:`KVCache.host_view`), where it matches the compiled step.
+
+This module is shared by both transformer agents, so it is neither's: each imports it, neither
+reaches into the other (the framework's actors only call the agent's ``make_kv_cache``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /* One-token decode step of a small pre-LayerNorm causal transformer with ALiBi, on the CPU.
  *
- * The cached actors (gearflow/kv_cache.py) run, per env step, the network on one new token
+ * The cached actors (agents/kv_cache.py) run, per env step, the network on one new token
  * per env against that env's cached keys and values. With a model of d_model 64 and two
  * blocks the arithmetic is a few hundred thousand multiply-adds per recv; TorchScript spends
  * most of its ~150-190 us on the ~60 operator calls around it. This module runs the whole
@@ -14,9 +14,9 @@
  *   out = W_head · LN(x) + b_head
  *
  * Layouts are those of the torch modules (nn.Linear weight: out × in, row-major) and of
- * gearflow.kv_cache.KVCache.kv: (E, L, 2, nh, S, hs) float32, C-contiguous. The weights are
+ * agents.kv_cache.KVCache.kv: (E, L, 2, nh, S, hs) float32, C-contiguous. The weights are
  * read in place (the plan holds buffer views of the torch parameters), so a weight sync that
- * copies into the parameters reaches the next step. agents/r2d2_transformer.py checks the
+ * copies into the parameters reaches the next step. agents/r2d2_accel.py checks the
  * step against its TorchScript and eager references before acting with it
  * (tests/test_native_decode.py holds the three equal).
  *
@@ -203,7 +203,7 @@ WIDE static void run_step(const plan_t *P, const float *inp, float *kv, int64_t 
 /* ------------------------------------------------------------------ Python */
 
 static void plan_free(PyObject *capsule) {
-    plan_t *P = (plan_t *)PyCapsule_GetPointer(capsule, "gearflow._decode.plan");
+    plan_t *P = (plan_t *)PyCapsule_GetPointer(capsule, "agents._r2d2_decode.plan");
     if (P == NULL) return;
     for (int i = 0; i < P->nbufs; i++)
         if (P->bufs[i].obj != NULL) PyBuffer_Release(&P->bufs[i]);
@@ -294,7 +294,7 @@ static PyObject *make_plan(PyObject *self, PyObject *args) {
     TAKE(P->headb, A, "head bias");
     TAKE(P->slopes, nh, "alibi slopes");
 #undef TAKE
-    capsule = PyCapsule_New(P, "gearflow._decode.plan", plan_free);
+    capsule = PyCapsule_New(P, "agents._r2d2_decode.plan", plan_free);
     if (capsule == NULL) goto fail;
     return capsule;
 fail:
@@ -308,7 +308,7 @@ fail:
 static PyObject *step(PyObject *self, PyObject *args) {
     PyObject *capsule, *o_inp, *o_kv, *o_ids, *o_len, *o_out;
     if (!PyArg_ParseTuple(args, "OOOOOO", &capsule, &o_inp, &o_kv, &o_ids, &o_len, &o_out)) return NULL;
-    plan_t *P = (plan_t *)PyCapsule_GetPointer(capsule, "gearflow._decode.plan");
+    plan_t *P = (plan_t *)PyCapsule_GetPointer(capsule, "agents._r2d2_decode.plan");
     if (P == NULL) return NULL;
     Py_buffer inp = {0}, kv = {0}, ids = {0}, len = {0}, out = {0};
     PyObject *ret = NULL;
@@ -387,7 +387,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", "One-token transformer decode step (CPU).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_r2d2_decode", "One-token transformer decode step (CPU).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__decode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__r2d2_decode(void) { return PyModule_Create(&module); }
