@@ -14,7 +14,7 @@ Per ``recv`` of a batch of ``b`` envs::
 (:class:`~gearflow.agent.EpisodeAgent`).
 
 **Key/value cache.** An agent may offer ``make_kv_cache(E)`` (a
-:class:`~gearflow.kv_cache.KVCache` of token keys/values, or None when switched
+:class:`~agents.kv_cache.KVCache` of token keys/values, or None when switched
 off), ``context_hop()`` and ``act_cached(network, cache, ids, ...)`` with
 :meth:`act`'s context arguments (``agents.decision_transformer`` does,
 ``agent.kv_cache``). Each step then runs the network on a_{t−1}, R̂_t and s_t

@@ -12,7 +12,7 @@ Per ``recv`` of a batch of ``b`` envs::
 ``C = agent.context_length()`` (:class:`~gearflow.agent.SequenceAgent`).
 
 **Key/value cache.** An agent may offer ``make_kv_cache(E)`` (a
-:class:`~gearflow.kv_cache.KVCache`, or None when switched off), ``context_hop()``
+:class:`~agents.kv_cache.KVCache`, or None when switched off), ``context_hop()``
 and ``act_cached(network, cache, ids, obs_new, n_new, ε, rng)``
 (``agents.r2d2_transformer`` does, ``agent.kv_cache``). Then each recv runs the
 network on each env's *new* steps only, attending to its cached keys::
