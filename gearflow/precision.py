@@ -1,7 +1,7 @@
 """bf16 learning (``learner.bf16``): autocast over the forward passes only, fp32 for what is computed from them.
 
-The rule every agent's ``learn`` follows (agents/apex_dqn.py, r2d2_transformer.py,
-decision_transformer.py)::
+The rule every agent's ``learn`` follows (agents/apex_dqn.py, apex_dpg.py,
+r2d2_transformer.py, decision_transformer.py)::
 
     with bf16_forward(self.device, self.bf16):   # the torsos' matmuls and convs in bf16
         q = self.online(obs)                     # (B, A) float32: the network's head runs in fp32
