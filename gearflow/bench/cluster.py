@@ -473,15 +473,15 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
         prefetch = max(1, int(cfg.learner.prefetch))
         sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=prefetch)
         sampler.sample(B)
-        times = tb.timed(lambda: sampler.sample(B), seconds / 2)
+        times = tb.call_times(lambda: sampler.sample(B), seconds / 2)
         batches_per_s = len(times) / sum(times)
         sampler.close()
         sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=0)
         sampler.sample(B)
-        lat = np.array(tb.timed(lambda: sampler.sample(B), seconds / 2)) * 1e6
+        lat = np.array(tb.call_times(lambda: sampler.sample(B), seconds / 2)) * 1e6
         batch_bytes = B * item_bytes
         sampler.sample(8)
-        small = np.array(tb.timed(lambda: sampler.sample(8), seconds / 4)) * 1e6
+        small = np.array(tb.call_times(lambda: sampler.sample(8), seconds / 4)) * 1e6
         sampler.close()
     finally:
         shard.close()

@@ -192,7 +192,7 @@ class _RawServer:
         self.sock.close()
 
 
-def _timed(fn, seconds: float, min_calls: int = 5) -> list[float]:
+def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
     times, t_end = [], time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(times) < min_calls:
         t0 = time.perf_counter()
@@ -239,7 +239,7 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
             paths = [(remote, lambda: samplers[0].sample(batch)), (gathered, lambda: samplers[1].sample(batch)),
                      (floor, lambda: call(nbytes))]  # fmt: skip
             for out, fn in paths[r % 3:] + paths[:r % 3]:
-                t = _timed(fn, seconds / rounds)
+                t = call_times(fn, seconds / rounds)
                 out.append(len(t) / sum(t))
     finally:
         for sm in samplers:
@@ -275,8 +275,8 @@ def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
         for b in batches:
             b0 = sampler.sample(b)
             nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
-            lat = np.array(_timed(lambda b=b: sampler.sample(b), seconds)) * 1e6
-            fl = np.array(_timed(lambda n=nbytes: call(n), seconds)) * 1e6
+            lat = np.array(call_times(lambda b=b: sampler.sample(b), seconds)) * 1e6
+            fl = np.array(call_times(lambda n=nbytes: call(n), seconds)) * 1e6
             yield {"bench": "transport/latency", "batch": b, "bytes": nbytes,
                    "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99)),
                    "raw_socket_p50_us": float(np.percentile(fl, 50)), "raw_socket_p99_us": float(np.percentile(fl, 99))}  # fmt: skip
