@@ -385,7 +385,7 @@ class Writer(StreamPositions):
                 int(self._last_item_start[stream]), stream, PUBLISHED, REC_RESERVE, self._trust,
             )  # fmt: skip
             return
-        m, S, R = prio.size, self._S, self._R
+        m, R = prio.size, self._R
         pos, ep0 = int(self._pos[stream]), int(self._episode_start[stream])
         lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
         end = np.full(m, pos, dtype=np.int64) if ends is None else np.asarray(ends, dtype=np.int64).reshape(-1)
