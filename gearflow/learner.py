@@ -156,14 +156,23 @@ class SerialBatches:
     one actor step writes (``batch_size / samples_per_insert`` < the items of one recv): stepping
     first would add more than a batch frees every turn until an insert blocks, with no sampler left
     to free it. Now the actor steps only once no batch can be sampled, the state the error buffer
-    leaves room to insert from (``2 · error_buffer ≥ batch_size + items · samples_per_insert``)."""
+    leaves room to insert from (``2 · error_buffer ≥ batch_size + items · samples_per_insert``).
 
-    def __init__(self, actor, table, batch_size: int, progress: Progress):
+    ``paced=False`` (``replay.samples_per_insert=0``: inserts never wait for samples) steps the
+    actor every call, then samples: sampling first would learn forever on the first
+    ``min_size_to_sample`` items, the actor never stepping again."""
+
+    def __init__(self, actor, table, batch_size: int, progress: Progress, paced: bool = True):
         self.actor, self.table, self.batch_size, self.progress = actor, table, batch_size, progress
+        self.paced = paced
 
     def next_batch(self):
+        if not self.paced:
+            self.actor.step()
         self.table.scan()
         if not self.table.can_sample(self.batch_size):
+            if not self.paced:
+                return None
             self.actor.step()
             self.table.scan()
             if not self.table.can_sample(self.batch_size):

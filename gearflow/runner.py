@@ -307,7 +307,8 @@ class Runner:
             if self.remote is not None:
                 self.remote.start()
             if self.serial_actor is not None:
-                batches = SerialBatches(self.serial_actor, self.table, cfg.learner.batch_size, self.progress)
+                batches = SerialBatches(self.serial_actor, self.table, cfg.learner.batch_size, self.progress,
+                                        paced=float(cfg.replay.samples_per_insert) > 0)
             else:  # actor processes, or offline: batches come from the prefetcher
                 share = cfg.learner.batch_size // int(cfg.learner.world_size)  # data-parallel: this rank's share
                 batches = prefetch = Prefetcher(self.table, learner.lock, share, cfg.learner.prefetch,

@@ -55,3 +55,14 @@ def test_serial_loop_never_blocks_an_insert_and_keeps_the_ratio(batch_size, item
     assert batches > 0
     # the limiter's ratio: samples follow inserts × 16 within the error buffer
     assert abs(table.inserts * 16 - table.samples - 1000 * 16) <= 4000 + batch_size + items_per_step * 16
+
+
+def test_unpaced_serial_loop_steps_the_actor_every_call():
+    # replay.samples_per_insert=0: sampling never frees inserts, so sampling first (as the paced
+    # loop does) would learn forever on the first min_size_to_sample items; the actor must step
+    # every call, a batch following once the table holds enough
+    table = LimitedTable(RateLimiter(min_size_to_sample=16))
+    loop = SerialBatches(Actor(table, 8), table, 8, Progress(), paced=False)
+    batches = sum(loop.next_batch() is not None for _ in range(100))
+    assert table.inserts == 100 * 8
+    assert batches == 99  # every call from the second on (16 items after two steps)
