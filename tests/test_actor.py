@@ -456,7 +456,7 @@ class RecordingWriter:
         self.calls.append(("extend", (int(stream), k)))
         return len(self.rows[stream])
 
-    def create_items(self, priorities, num_steps, streams=None, ends=None):
+    def create_items(self, priorities, num_steps, streams=None, ends=None, *, expired="raise"):
         items = list(zip(np.asarray(streams).tolist(), np.asarray(num_steps).tolist(), np.asarray(ends).tolist(),
                          np.asarray(priorities, dtype=np.float64).tolist()))  # fmt: skip
         for stream, length, end, _ in items:  # an item never reaches into a closed episode or the future

@@ -352,3 +352,26 @@ def test_sampling_a_closed_shard_table_raises_table_closed_naming_it(make_table,
             sampler.sample(2)
     finally:
         sampler.close()
+
+
+def test_remote_writer_items_over_overwritten_steps_raise_or_are_dropped_on_the_shard(make_table, shard_of):
+    """Reverb's CreateItemRejectsExpiredCellRefs over the wire: the shard refuses an item whose
+    first step its ring already overwrote, and ``expired="drop"`` (the n-step adder's choice for
+    its queued items) drops it there instead, the items beside it published."""
+    served = make_table(spec=APEX, P=2, S=8)
+    _, port = shard_of(served)
+    w = RemoteWriter(("127.0.0.1", port), num_streams=2, token=TOKEN, timeout_s=10)
+    k = 6  # twice per stream: steps 0..11 on an 8-step ring, steps 0..3 overwritten
+    for stream in (0, 0, 1, 1):
+        w.extend({"obs": np.zeros((k, 3), np.float32), "action": np.zeros(k, np.int64), "ret": np.zeros(k, np.float32),
+                  "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=stream)  # fmt: skip
+    w.create_items([1.0, 2.0], 2, streams=0, ends=[3, 11], expired="drop")
+    w.flush()
+    served.scan()
+    assert (served.inserts, served.size) == (1, 1)
+    with pytest.raises(ValueError, match="already overwrote"):
+        w.create_items([3.0], 2, streams=1, ends=[4])
+        w.flush()
+    served.scan()
+    assert (served.inserts, served.size) == (1, 1)
+    w.close()

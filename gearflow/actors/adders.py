@@ -338,13 +338,11 @@ class TransitionAdder(Adder):
             if not block:
                 w.insert_timeout_s = 0.0
             try:
-                if hasattr(w, "expired_items"):  # a local Writer: items the ring overtook since they were
-                    before = w.expired_items       # queued are dropped and counted, as the C path does
-                    w.create_items(prio, lengths, streams, ends, expired="drop")
-                    published = prio.size - (w.expired_items - before)
-                else:
-                    w.create_items(prio, lengths, streams, ends)
-                    published = prio.size
+                # items the ring overtook since they were queued are dropped and counted, as the
+                # C path does (a RemoteWriter's are dropped on the shard, counted there)
+                before = getattr(w, "expired_items", 0)
+                w.create_items(prio, lengths, streams, ends, expired="drop")
+                published = prio.size - (getattr(w, "expired_items", 0) - before)
             except RateLimiterTimeout:
                 if block:
                     raise

@@ -57,8 +57,10 @@ class WriterLike(Protocol):
     def extend(self, steps: Mapping[str, Any], stream: int = 0) -> int:
         """Several rows of one stream."""
 
-    def create_items(self, priorities, num_steps, streams=None, ends=None) -> None:
-        """Items over each stream's last ``num_steps`` rows before ``ends`` (exclusive)."""
+    def create_items(self, priorities, num_steps, streams=None, ends=None, *, expired: str = "raise") -> None:
+        """Items over each stream's last ``num_steps`` rows before ``ends`` (exclusive); items over
+        steps the ring already overwrote raise ValueError (``expired="raise"``) or are dropped
+        (``"drop"``: the n-step adder's queued items a small ring overtook)."""
 
     def end_episode(self, streams=None) -> None: ...
 

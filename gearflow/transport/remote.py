@@ -271,10 +271,14 @@ class RemoteWriter(StreamPositions):
         self._maybe_send()
         return pos
 
-    def create_items(self, priorities, num_steps, streams=None, ends=None) -> None:
+    def create_items(self, priorities, num_steps, streams=None, ends=None, *, expired: str = "raise") -> None:
         """As :meth:`Writer.create_items` (same checks and messages, here); the items are
-        published on the shard when this batch arrives (the rate limiter's wait happens there)."""
+        published on the shard when this batch arrives (the rate limiter's wait happens there).
+        Items over steps the shard's ring already overwrote are refused there (``expired="raise"``)
+        or dropped and counted there (``"drop"``, what the n-step adder asks for)."""
         self._check_session()
+        if expired not in ("raise", "drop"):
+            raise ValueError(f'expired must be "raise" or "drop", got {expired!r}')
         prio = np.asarray(priorities, dtype=np.float64).reshape(-1)
         m = prio.size
         if m == 0:
@@ -318,7 +322,8 @@ class RemoteWriter(StreamPositions):
         st = self._stage
         o = st.add_ints(lengths, *(() if one else (s,)), *(() if ends is None else (end,)))
         fo = st.add_floats(prio)
-        st.ops.append(["i", m, o, fo, stream if one else -1, int(ends is not None), self.insert_timeout_s])
+        st.ops.append(["i", m, o, fo, stream if one else -1, int(ends is not None), self.insert_timeout_s,
+                       int(expired == "drop")])
         if not (self.insert_timeout_s > 0):  # a non-blocking insert: its error belongs to this call
             self._send()
             self._wait_all()

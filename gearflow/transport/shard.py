@@ -44,9 +44,9 @@ rows it takes and where its ints/floats are::
 
     ["a", k, o]              append: streams ints[o:o+k], the next k rows
     ["x", stream, n(, t0)]   extend: the next n rows of one stream (which must be at step t0)
-    ["i", m, o, fo, s, e, t] create_items: priorities floats[fo:fo+m], num_steps ints[o:o+m],
+    ["i", m, o, fo, s, e, t(, d)] create_items: priorities floats[fo:fo+m], num_steps ints[o:o+m],
                              streams ints[o+m:o+2m] (s = -1) or the one stream s, then
-                             (when e) the m ends, insert timeout t seconds
+                             (when e) the m ends, insert timeout t seconds; d = 1: expired="drop"
     ["e", k, o]              end_episode(ints[o:o+k]); k = -1: every stream
     ["E", stream, k]         k episodes of the stream ended (the EPISODES counter only)
     ["f"]                    flush (heartbeat)
@@ -281,7 +281,8 @@ class ShardService:
                 e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
                 ends = ints[e0:e0 + m] if e else None
                 w.insert_timeout_s = float(t)
-                w.create_items(floats[fo:fo + m], ints[o:o + m], streams, ends)
+                drop = len(op) > 7 and op[7] == 1  # the writer's expired="drop" (older writers: raise)
+                w.create_items(floats[fo:fo + m], ints[o:o + m], streams, ends, expired="drop" if drop else "raise")
             elif code == "e":
                 k, o = _int(op, 1, -1), _int(op, 2)
                 w.end_episode(None if k < 0 else ints[o:o + k])
