@@ -8,6 +8,7 @@
     gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
     gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
+    gearflow check-env CONFIG [KEY=VALUE ...]  the env and agent through the actors' checks and one learn step
     gearflow bench {replay,keys,actors,transport,cluster}   benchmarks that print JSON lines
     gearflow replay gc                         remove shared memory left by crashed runs
     gearflow info                              versions and what is usable here
@@ -166,6 +167,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check_env(args: argparse.Namespace) -> int:
+    from gearflow.config import load_config
+    from gearflow.tools.check_env import check_env
+
+    return 1 if check_env(load_config(args.config, args.overrides), steps=args.steps) else 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from gearflow.tools.info import collect, render
 
@@ -250,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (see configs/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--explain", action="store_true", help="print every key with its meaning")
+
+    p = add("check-env", _cmd_check_env, "check a config's env and agent against the actors' contract: a few "
+            "recvs with random actions, then through the actor, then one learn step; one line per problem, exit 1")
+    p.add_argument("config", help="YAML config file (env.factory / env.id and agent.name as in training)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    p.add_argument("--steps", type=int, default=200, help="recvs of each stage (default 200)")
 
     add("info", _cmd_info, "versions of the dependencies and whether CUDA, CuPy, nvcc, RDMA are usable")
 

@@ -21,3 +21,12 @@ class CheckpointNotWritten(GearflowError):
     the checkpoint ``--resume`` continues from instead. ``gearflow train`` exits 4."""
 
     exit_code = 4
+
+
+class ContractError(GearflowError, ValueError):
+    """An agent or an env broke its contract with the actors (``gearflow/actors/checks.py``): what
+    ``act()`` or ``recv()`` returned does not fit the env's spaces. The message names the agent module
+    or the env factory, the field, what was expected and what came. Deterministic by nature: an actor
+    that dies of one is not restarted, and ``gearflow train`` exits 3."""
+
+    exit_code = 3

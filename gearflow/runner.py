@@ -25,8 +25,11 @@ Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
 
     0    finished: a stopping limit was reached (final checkpoint written)
     2    a user error (config, run directory, checkpoint): one line, nothing started or left
-    3    an actor failed more than ``actor.max_restarts`` times: the final checkpoint is
-         written and ``--resume`` continues the run
+    3    an actor failed more than ``actor.max_restarts`` times, or of a failure a restart cannot
+         mend (a contract violation of the agent or env, the same error twice), or the run made
+         no env step while its actors failed, whatever limit came first
+         (``launchers/failures.py``): the final checkpoint is written and ``--resume`` continues
+         the run once the cause is fixed
     4    the final checkpoint could not be written (a full or read-only disk): the error
          names the last checkpoint written, from which ``--resume`` continues
     130  stopped by SIGINT, 143 by SIGTERM (128 + the signal, as a shell reports it), after
@@ -52,6 +55,7 @@ from gearflow.config import save_config
 from gearflow.envs import make_vec_env
 from gearflow.errors import CheckpointNotWritten, ConfigError, GearflowError
 from gearflow.geometry import replay_geometry
+from gearflow.launchers.failures import explain, stalled
 from gearflow.launchers.local import ActorFailed, LocalLauncher
 from gearflow.learner import BetaSchedule, Learner, Prefetcher, Progress, SerialBatches
 from gearflow.log import DATEFMT, FORMAT
@@ -318,7 +322,10 @@ class Runner:
                 metrics_log.write(row)
                 display.update(row)
 
+            steps_at_start = self.env_steps()
             reason, metrics = learner.run(batches.next_batch, between=self._supervise, emit=emit)
+            if self._failure is None and (stall := stalled(self.launcher, steps_at_start, self.env_steps())):
+                self._failure, reason = stall, f"actor failed: {stall}"  # a limit came first, but nothing ran
             if self.launcher is not None:  # final actor counters arrive as they exit
                 learner.stop.set()
                 self.launcher.stop(drain=self._drain)
@@ -382,11 +389,7 @@ class Runner:
 
     def _explain(self, failure: ActorFailed, summary: dict) -> ActorFailed:
         self._drain()  # the actor's own traceback, if it sent one
-        error = self.launcher.errors.get(failure.actor, "no traceback received (killed by a signal?)")
-        where = (f"final checkpoint {summary['checkpoint']}; continue with gearflow train --resume "
-                 f"{self.run_dir}") if "checkpoint" in summary else "no checkpoint (run.checkpoint_every=0)"
-        failure.args = (f"{failure}; its last error: {error}; {where}",)
-        return failure
+        return explain(failure, self.launcher.errors, summary, self.run_dir)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gearflow.actors.adders import Adder, adder_class_for
+from gearflow.actors.checks import guard
 from gearflow.params.protocol import ParameterSource
 from gearflow.replay.protocols import WriterLike
 from gearflow.replay.writer import InsertAborted
@@ -122,6 +123,7 @@ class ActorBase:
         seed: Optional[int] = None,
     ):
         self.cfg, self.actor_index, self.agent, self.env = cfg, int(actor_index), agent, env
+        self.agent, self.env = guard(agent, env, cfg)  # boundary checks of act() and recv() (actors/checks.py)
         self.param_source, self.on_episode, self.writer = param_source, on_episode, writer
         self.sync_period = int(cfg.actor.weight_sync_period)
         self.kind = agent.item_kind()

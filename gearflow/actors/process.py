@@ -19,12 +19,14 @@ import torch
 
 from gearflow.actors import actor_class_for
 from gearflow.actors.base import ActorBase, actor_epsilon, env_seed
+from gearflow.actors.checks import describe_failure
+from gearflow.errors import ContractError
 from gearflow.replay.storage import SharedStorage
 from gearflow.replay.writer import Writer
 
 log = logging.getLogger("gearflow.actor")
 
-__all__ = ["make_actor", "run_actor_process"]
+__all__ = ["actor_process_main", "make_actor", "run_actor_process"]
 
 
 def make_actor(cfg, actor_index: int, agent, env, storage: Optional[SharedStorage], partitions, param_source,
@@ -52,6 +54,17 @@ class _OrphanGuard:
         return self._event.is_set() or os.getppid() != self._parent
 
 
+def actor_process_main(*args) -> None:
+    """The spawn target of a local actor process: :func:`run_actor_process`, exiting 1 after an error it
+    reported (the launcher logs the report once; multiprocessing would print the traceback again)."""
+    try:
+        run_actor_process(*args)
+    except Exception as exc:
+        if getattr(exc, "gearflow_reported", False):
+            raise SystemExit(1) from None
+        raise
+
+
 def run_actor_process(
     cfg_yaml: str,
     actor_index: int,
@@ -74,7 +87,10 @@ def run_actor_process(
     * ``counters`` (about once a second and at exit): ``actor``, ``time``,
       ``actor/env_steps``, ``actor/episodes``, ``actor/items``, ``actor/weight_version``,
       ``actor/env_steps_per_s``
-    * ``error``: ``actor``, ``error`` (a traceback), then the exception is re-raised
+    * ``error``: ``actor``, ``error`` (a traceback; a :class:`~gearflow.errors.ContractError`'s one
+      line), ``where``, ``culprit``, ``message``, ``signature``, ``contract``
+      (:func:`~gearflow.actors.checks.describe_failure`); then the exception is re-raised
+      (:func:`actor_process_main` turns it into exit status 1 without printing it a second time)
     """
     from omegaconf import OmegaConf
 
@@ -120,9 +136,11 @@ def run_actor_process(
                  np.asarray(partitions).tolist())  # fmt: skip
         actor.run(_OrphanGuard(stop_event, parent_pid or os.getppid()), on_tick=on_tick)
         on_tick(actor)
-    except BaseException:
+    except Exception as exc:
+        text = str(exc) if isinstance(exc, ContractError) else traceback.format_exc()  # the agent's/env's fault: one line
         try:
-            metrics_queue.put({"type": "error", "actor": actor_index, "error": traceback.format_exc()})
+            metrics_queue.put({"type": "error", "actor": actor_index, "error": text, **describe_failure(exc, cfg)})
+            exc.gearflow_reported = True  # actor_process_main exits 1 without printing it again
         except Exception:
             pass
         raise

@@ -2,7 +2,8 @@
 
 Each actor process runs :func:`~gearflow.actors.process.run_actor_process`: it attaches
 the replay segment and the parameter store by name and writes its own partitions. A dead
-actor is restarted up to ``actor.max_restarts`` times; its partitions and their data
+actor is restarted up to ``actor.max_restarts`` times, unless it died of a failure a restart cannot
+mend (:mod:`gearflow.launchers.failures`: a contract violation, or the same error twice); its partitions and their data
 survive (the new writer continues after the old one's last step). What actors report
 (episodes, counters, errors) arrives on one queue and is folded into the run's
 :class:`~gearflow.learner.Progress` by :meth:`LocalLauncher.drain`::
@@ -28,7 +29,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from gearflow.config import to_yaml
-from gearflow.errors import GearflowError
+from gearflow.launchers.failures import ActorFailed, FailureLog
 from gearflow.launchers.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
@@ -36,23 +37,13 @@ log = logging.getLogger("gearflow.runner")
 __all__ = ["ActorFailed", "LocalLauncher"]
 
 
-class ActorFailed(GearflowError):
-    """An actor died more than ``actor.max_restarts`` times (the run stops, checkpointed)."""
-
-    exit_code = 3
-
-    def __init__(self, message: str, actor: int):
-        super().__init__(message)
-        self.actor = actor
-
-
 class LocalLauncher:
     """Starts actor processes and restarts the ones that die."""
 
     def __init__(self, cfg: DictConfig, storage_name: str, params_name: str, partitions: list[np.ndarray]):
-        from gearflow.actors.process import run_actor_process
+        from gearflow.actors.process import actor_process_main
 
-        self._target = run_actor_process
+        self._target = actor_process_main  # run_actor_process; a reported error is not printed twice
         self.cfg_yaml = to_yaml(cfg)
         self.max_restarts = cfg.actor.max_restarts
         self.ctx = mp.get_context("spawn")
@@ -62,6 +53,8 @@ class LocalLauncher:
         self.procs: list[mp.Process | None] = [None] * len(partitions)
         self.restarts = [0] * len(partitions)
         self.errors: dict[int, str] = {}  # last line of each actor's last traceback
+        self.failures = FailureLog()  # what a dead actor died of: restart it or not (launchers/failures.py)
+        self._read: list = []  # reports read by check() before drain() folds them
 
     def _start(self, i: int) -> None:
         proc = self.ctx.Process(
@@ -86,11 +79,14 @@ class LocalLauncher:
                 continue
             code = proc.exitcode
             proc.join()
+            self._read += self._reports()  # its failure report is in the queue before it exits
             if self.restarts[i] >= self.max_restarts:
                 raise ActorFailed(
                     f"actor {i} died (exit code {code}) and was already restarted "
                     f"{self.restarts[i]} times (actor.max_restarts={self.max_restarts})", actor=i
                 )
+            if why := self.failures.verdict(i):
+                raise ActorFailed(why, actor=i, deterministic=True)
             self.restarts[i] += 1
             log.error("actor %d died (exit code %s); restarting it (%d/%d)", i, code,
                       self.restarts[i], self.max_restarts)
@@ -100,12 +96,19 @@ class LocalLauncher:
 
     def drain(self, progress) -> None:
         """Fold what the actors sent (episodes, counters, errors) into ``progress``."""
+        read, self._read = self._read + self._reports(), []
+        for msg in read:
+            fold_report(progress, msg, self.errors)
+
+    def _reports(self) -> list:
+        """Every report in the queue now (failure reports noted in :attr:`failures`)."""
+        out = []
         while True:
             try:
-                msg = self.metrics.get_nowait()
+                out.append(self.metrics.get_nowait())
             except queue.Empty:
-                return
-            fold_report(progress, msg, self.errors)
+                return out
+            self.failures.note(out[-1])
 
     def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """Ask every actor to stop and wait for it; ``drain`` keeps reading the metrics

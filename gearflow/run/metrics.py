@@ -3,8 +3,9 @@
 Every row is one dict of namespaced scalars (``actor/…``, ``learner/…``,
 ``replay/…``, ``time/…``), written to all sinks with the env step count as the
 step. A resumed run truncates the files back to the checkpoint's offsets and
-purges later TensorBoard events, so the curves continue without a gap, a
-repeat or a reset::
+purges the TensorBoard events after the last row kept (TensorBoard gets one point per
+step: a row at a step already drawn is left out there), so the curves continue without a gap,
+a repeat or a reset; each resume is noted in ``resumes.jsonl`` for ``gearflow plot``::
 
     sink = MetricsLog(run_dir, tensorboard=True)
     sink.write({"actor/env_steps": 4000, "learner/loss": 0.3, ...})
@@ -27,6 +28,7 @@ import numpy as np
 from gearflow.errors import GearflowError
 
 STEP_KEY = "actor/env_steps"
+RESUMES = "resumes.jsonl"  # one line per resume: where the plot marks it
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -41,6 +43,29 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def read_resumes(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Where a run was resumed: ``row`` (index of the first row written after the resume),
+    ``actor/env_steps`` and ``time/elapsed_s`` there (``resumes.jsonl``; none: never resumed)."""
+    path = Path(run_dir) / RESUMES
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def note_resume(run_dir: Path, rows: list[dict[str, Any]], env_steps: int) -> None:
+    """Append this resume to ``resumes.jsonl``, dropping resumes of rows the truncation removed."""
+    kept = [r for r in read_resumes(run_dir) if int(r.get("row", 0)) < len(rows)]
+    elapsed = next((r["time/elapsed_s"] for r in reversed(rows) if "time/elapsed_s" in r), 0.0)
+    kept.append({"row": len(rows), STEP_KEY: env_steps, "time/elapsed_s": elapsed})
+    (Path(run_dir) / RESUMES).write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _plain(value: Any) -> Any:
@@ -64,12 +89,15 @@ class MetricsLog:
         self.jsonl_path, self.csv_path = self.dir / "metrics.jsonl", self.dir / "metrics.csv"
         self._columns: list[str] = []
         rows: list[dict[str, Any]] = []
+        self._tb_step = -1  # the last step TensorBoard got: one point per step, none repeated after a resume
         if resume_from is not None:  # back to the checkpoint's rows; the CSV is rebuilt from them
             offsets, _ = resume_from
             if self.jsonl_path.exists():
                 with open(self.jsonl_path, "r+b") as f:
                     f.truncate(min(int(offsets.get(self.jsonl_path.name, 0)), self.jsonl_path.stat().st_size))
                 rows = read_metrics(self.dir)
+            self._tb_step = max((int(r.get(STEP_KEY, 0)) for r in rows), default=-1)
+            note_resume(self.dir, rows, int(resume_from[1]))
         elif self.csv_path.exists() and self.csv_path.stat().st_size:
             with open(self.csv_path, newline="") as f:
                 self._columns = next(csv.reader(f), [])
@@ -86,7 +114,8 @@ class MetricsLog:
                     f"run.tensorboard=true needs the tensorboard package ({exc}); "
                     "pip install tensorboard, or set run.tensorboard=false"
                 ) from None
-            purge = resume_from[1] + 1 if resume_from is not None else None
+            # events after the last row kept (the dropped summary row's among them) are purged
+            purge = self._tb_step + 1 if resume_from is not None else None
             self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -95,8 +124,9 @@ class MetricsLog:
         self._jsonl.flush()
         scalars = _scalars(row)
         self._write_csv(scalars)
-        if self._tb is not None:
-            step = int(row.get(STEP_KEY, 0))
+        step = int(row.get(STEP_KEY, 0))
+        if self._tb is not None and step > self._tb_step:  # a row at a step already drawn is not drawn twice
+            self._tb_step = step
             for key, value in scalars.items():
                 if math.isfinite(value) and key != STEP_KEY:
                     self._tb.add_scalar(key, value, step)
