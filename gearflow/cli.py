@@ -6,7 +6,8 @@
     gearflow actor --connect HOST:PORT [CONFIG]  actors for a run elsewhere (actor.remote_actors there)
     gearflow serve CONFIG [KEY=VALUE ...]      this node's replay shard and actors, for learners elsewhere
     gearflow eval RUN_DIR [--episodes N]       greedy evaluation of a run's latest (or --checkpoint) checkpoint
-    gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG
+    gearflow plot RUN_DIR [RUN_DIR ...]        learning curves as a PNG (a metric; seeds of one config:
+                                               mean/IQM with a bootstrap band; resumes marked)
     gearflow config CONFIG [KEY=VALUE ...]     print the resolved config
     gearflow check-env CONFIG [KEY=VALUE ...]  the env and agent through the actors' checks and one learn step
     gearflow bench {replay,keys,actors,transport,cluster}   benchmarks that print JSON lines
@@ -162,7 +163,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from gearflow.run.plot import plot_runs
 
-    out = plot_runs(args.run_dirs, out=args.out)
+    out = plot_runs(args.run_dirs, out=args.out, metric=args.metric, x=args.x, smoothing=args.smooth, agg=args.agg,
+                    ci=args.ci, group=not args.separate)  # fmt: skip
     print(out)
     return 0
 
@@ -253,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plot", _cmd_plot, "learning curves of one or more runs as a PNG")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     p.add_argument("-o", "--out", help="output PNG (default: RUN_DIR/curves.png of the first run)")
+    p.add_argument("--metric", help="the logged scalar to draw (default: eval/return_mean if logged, else "
+                   "actor/return_last100)")
+    p.add_argument("--x", choices=["steps", "time", "updates"], default="steps", help="x axis (default steps)")
+    p.add_argument("--smooth", type=float, default=0.0, metavar="W",
+                   help="TensorBoard-style smoothing weight in [0, 1) (default 0: none)")
+    p.add_argument("--agg", choices=["mean", "iqm"], default="mean",
+                   help="aggregate of runs that are seeds of one config (default mean; iqm: interquartile mean)")
+    p.add_argument("--ci", type=float, default=0.95, help="bootstrap confidence level of the band (default 0.95)")
+    p.add_argument("--separate", action="store_true", help="one curve per run, no aggregation over seeds")
 
     p = add("config", _cmd_config, "print the resolved config (defaults ← file ← overrides)")
     p.add_argument("config", help="YAML config file (see configs/)")

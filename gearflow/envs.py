@@ -384,7 +384,16 @@ def make_vec_env(env_cfg, seed: int) -> VecEnv:
 
     if factory:
         make = import_path(factory, "env.factory")
-        env = make(num_envs=num_envs, seed=seed, **kwargs)
+        try:
+            env = make(num_envs=num_envs, seed=seed, **kwargs)
+        except Exception as exc:  # the user's factory: one line that names it and where it failed
+            import traceback
+
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            called = ", ".join([f"num_envs={num_envs}", f"seed={seed}", *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise ConfigError(f"env.factory={factory!r}: {factory}({called}) raised {type(exc).__name__}: {exc} "
+                              f"(at {frame.filename}:{frame.lineno} in {frame.name}); the factory is called with "
+                              "num_envs=, seed= and **env.kwargs (docs/custom_agent.md)") from exc
         if not hasattr(env, "single_observation_space") or not hasattr(env, "step"):
             raise ConfigError(
                 f"env.factory={factory!r} returned {type(env).__name__}, not a gymnasium VectorEnv"

@@ -287,8 +287,9 @@ class Learner:
             "learner/wait_fraction": p.wait_s / busy if busy else 0.0,
             "learner/weights_version": latest,
             "actor/weights_version_min": oldest,
-            # versions the slowest actor is behind the learner, and the age of sampled data
-            "actor/policy_lag": latest - max(0, oldest),
+            # versions the slowest actor is behind the learner (none before an actor acted: a resumed
+            # run's first row is not the whole version count), and the age of sampled data
+            "actor/policy_lag": latest - oldest if oldest >= 0 else float("nan"),
             "replay/sample_age_versions": p.data_age,
             **self.table.stats(),
             **(self.parallel.stats() if self.parallel is not None else {}),

@@ -103,9 +103,17 @@ def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None =
     }
     if video is not None:
         result["video"] = str(record_video(cfg, agent, network, Path(video), seed))
-    log.info("eval of %s: %d episodes, return %.1f ± %.1f", checkpoint.path, len(returns),
-             result["eval/return_mean"], result["eval/return_std"])  # fmt: skip
+    log.info("eval of %s: %d episodes, return %s ± %s", checkpoint.path, len(returns),
+             *figures(result["eval/return_mean"], result["eval/return_std"]))  # fmt: skip
     return result
+
+
+def figures(mean: float, std: float) -> tuple[str, str]:
+    """``mean`` and ``std`` to the same decimals, at least three significant digits of the mean
+    (one decimal from 100 on): ``(0.96, 0.049)`` → ``("0.960", "0.049")``, not ``"1.0 ± 0.0"``."""
+    scale = max(abs(mean), abs(std))
+    decimals = 1 if scale >= 100 or scale == 0 or not np.isfinite(scale) else min(6, 2 - int(np.floor(np.log10(scale))))
+    return f"{mean:.{max(decimals, 1)}f}", f"{std:.{max(decimals, 1)}f}"
 
 
 def record_video(cfg, agent, network, out: Path, seed: int) -> Path:

@@ -31,11 +31,8 @@ STEP_KEY = "actor/env_steps"
 RESUMES = "resumes.jsonl"  # one line per resume: where the plot marks it
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Rows of a run's ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise GearflowError(f"{run_dir}: no metrics.jsonl (is this a gearflow run directory?)")
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (a torn last line, from a killed run, is skipped)."""
     rows = []
     for line in path.read_text().splitlines():
         try:
@@ -45,19 +42,19 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Rows of a run's ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise GearflowError(f"{run_dir}: no metrics.jsonl (is this a gearflow run directory?)")
+    return _json_lines(path)
+
+
 def read_resumes(run_dir: str | Path) -> list[dict[str, Any]]:
     """Where a run was resumed: ``row`` (index of the first row written after the resume),
     ``actor/env_steps`` and ``time/elapsed_s`` there (``resumes.jsonl``; none: never resumed)."""
     path = Path(run_dir) / RESUMES
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return _json_lines(path) if path.is_file() else []
 
 
 def note_resume(run_dir: Path, rows: list[dict[str, Any]], env_steps: int) -> None:

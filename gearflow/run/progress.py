@@ -36,7 +36,7 @@ FIELDS = [  # (label, key, format)
 
 def _fmt(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
-    if value is None:
+    if value is None or (isinstance(value, float) and value != value):  # missing, or NaN: nothing to show yet
         return "-"
     try:
         return fmt.format(value)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from gearflow.errors import ContractError
+from gearflow.errors import GearflowError
 
 __all__ = ["check_env", "random_actions"]
 
@@ -34,9 +34,11 @@ def random_actions(space, b: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The exception's first line; gearflow's own errors without their type (their text says it all)."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text and not isinstance(exc, ContractError) else (
-        text[0] if text else type(exc).__name__)  # fmt: skip
+    if not text:
+        return type(exc).__name__
+    return text[0] if isinstance(exc, GearflowError) else f"{type(exc).__name__}: {text[0]}"
 
 
 class _Report:
@@ -50,6 +52,8 @@ class _Report:
         self.out(f"note  {what}")
 
     def fail(self, what: str) -> None:
+        if what in self.problems:  # the env's fault again, seen through the actor: said once
+            return
         self.problems.append(what)
         self.out(f"FAIL  {what}")
 
@@ -58,7 +62,7 @@ def _failure(exc: BaseException, cfg) -> str:
     """One line: the message, and where it was raised when that is the agent's or env's code."""
     from gearflow.actors.checks import describe_failure
 
-    if isinstance(exc, ContractError):
+    if isinstance(exc, GearflowError):
         return _first_line(exc)
     d = describe_failure(exc, cfg)
     return f"{_first_line(exc)} (at {d['culprit'] + ', ' if d['culprit'] else ''}{d['where']})"
