@@ -253,8 +253,8 @@ class CheckedEnv:
             check_recv(batch, self.spec, self.num_envs, self.label)
             return batch
         obs = batch[0]  # every recv: a dtype or shape that changes mid-run is the env's fault, named here
-        if obs.__class__ is not np.ndarray or obs.dtype != self._dtype or obs.shape[1:] != self._shape:
-            check_obs(obs, len(batch[4]), self.spec, self.label)
+        if obs.__class__ is not np.ndarray or obs.dtype is not self._dtype or obs.shape[1:] != self._shape:
+            check_obs(obs, len(batch[4]), self.spec, self.label)  # (builtin dtypes are singletons: `is` first)
         return batch
 
     def __getattr__(self, name: str) -> Any:

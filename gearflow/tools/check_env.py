@@ -107,12 +107,10 @@ def _check_env_alone(cfg, report: _Report, steps: int):
 
 def _small_run_config(cfg):
     """``cfg`` for one serial actor over a small table that never waits on the rate limiter."""
-    E, B = int(cfg.env.num_envs), min(int(cfg.learner.batch_size), 16)
-    capacity = E * max(2048, 4 * int(cfg.replay.sequence_length), 2 * int(cfg.replay.max_episode_length))
+    B = min(int(cfg.learner.batch_size), 16)
     return OmegaConf.merge(cfg, {
         "run": {"serial": True}, "actor": {"num_actors": 1, "remote_actors": 0},
-        "replay": {"capacity": capacity, "min_size_to_sample": B, "samples_per_insert": 0, "timeout_s": 5.0,
-                   "device": "cpu"},
+        "replay": {"min_size_to_sample": B, "samples_per_insert": 0, "timeout_s": 5.0, "device": "cpu"},
         "learner": {"batch_size": B, "prefetch": 1},
     }), B  # fmt: skip
 
@@ -144,6 +142,13 @@ def _check_agent(cfg, spec, report: _Report, steps: int) -> None:
         report.fail(f"{label}: item_kind() is {kind.name!r}, the config's replay.item is {cfg.replay.item!r}")
         return
     report.ok(f"{label}: {kind.name} items, replay columns {', '.join(f'{c.name} {c.describe()}' for c in table_spec.columns)}")
+    from gearflow.actors.adders import adder_class_for
+
+    try:  # a small ring per env: twice what the actor's adder needs, at least 512 steps
+        small.replay.capacity = int(small.env.num_envs) * max(512, 2 * adder_class_for(kind).min_steps(small, kind))
+    except (KeyError, ValueError, TypeError) as exc:
+        report.fail(f"{label}: no actor writes its item kind {kind!r}: {_first_line(exc)}")
+        return
     geom = replay_geometry(small, kind)
     table = make_table(small, kind, table_spec, geom, "cpu", 0)  # tag 0: no run owns it
     env = actor = None
