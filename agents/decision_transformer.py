@@ -62,8 +62,8 @@ from torch import nn
 from agents.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kinds.episode import Episode
 from gearflow.precision import bf16_forward, fp32
-from gearflow.replay.items import Episode
 
 
 @dataclass

@@ -76,8 +76,8 @@ from agents.r2d2_accel import (
 )
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kinds.sequence import Sequence
 from gearflow.precision import bf16_forward, fp32
-from gearflow.replay.items import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
-from gearflow.replay.items import Episode
+from gearflow.kinds.episode import Episode
 from gearflow.replay.writer import Writer
 
 log = logging.getLogger(__name__)
