@@ -26,7 +26,7 @@ nothing to recover). Targets, with Q in rescaled space::
     priority = η · max_i |δ_i| + (1 − η) · mean_i |δ_i|     over the loss steps, η = 0.9
 
 Actors act with the same network over each env's last ``context`` observations
-(``gearflow.actors.SequenceActor``) and compute initial priorities with
+(``gearflow.kinds.sequence.SequenceActor``) and compute initial priorities with
 :meth:`Agent.initial_priorities` from the Q-values they acted with (the learner's
 functions with their one network as online and target, in numpy:
 :func:`actor_priorities`).

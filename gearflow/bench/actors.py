@@ -2,7 +2,7 @@
 
 Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex.yaml``):
 
-* ``random`` — one :class:`~gearflow.actors.Actor` with a random policy (no
+* ``random`` — one :class:`~gearflow.kinds.transition.Actor` with a random policy (no
   network) writing n-step transitions into a real shared-memory table, against
   a bare EnvPool loop with random actions and the same ``num_envs`` /
   ``batch_size``, stepped in alternating slices of the same run (median rate of 5

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KIND", "Actor", "Transition", "TransitionAdder", "apex_min_steps"]
 
 
-def apex_min_steps(cfg) -> Optional[int]:
+def apex_min_steps(cfg) -> int:
     """The fewest steps per partition Ape-X transitions need: ``2 (n + 1)`` (n staged steps, then
     the item's n + 1 rows), ``n = actor.n_step``. The config's check and the adder's read this."""
     return 2 * (int(cfg.actor.n_step) + 1)
