@@ -142,10 +142,10 @@ def _check_agent(cfg, spec, report: _Report, steps: int) -> None:
         report.fail(f"{label}: item_kind() is {kind.name!r}, the config's replay.item is {cfg.replay.item!r}")
         return
     report.ok(f"{label}: {kind.name} items, replay columns {', '.join(f'{c.name} {c.describe()}' for c in table_spec.columns)}")
-    from gearflow.actors.adders import adder_class_for
+    from gearflow.kinds.registry import kind_def
 
     try:  # a small ring per env: twice what the actor's adder needs, at least 512 steps
-        small.replay.capacity = int(small.env.num_envs) * max(512, 2 * adder_class_for(kind).min_steps(small, kind))
+        small.replay.capacity = int(small.env.num_envs) * max(512, 2 * kind_def(kind.name).adder.min_steps(small, kind))
     except (KeyError, ValueError, TypeError) as exc:
         report.fail(f"{label}: no actor writes its item kind {kind!r}: {_first_line(exc)}")
         return
