@@ -57,7 +57,7 @@ from omegaconf import DictConfig
 from gearflow.agent import resolve_device
 from gearflow.config import save_config
 from gearflow.errors import CheckpointNotWritten, ConfigError, GearflowError
-from gearflow.launchers.local import ActorFailed
+from gearflow.launchers.local import ActorFailed, LocalLauncher
 from gearflow.learner import Learner, Prefetcher, Progress, SerialBatches
 from gearflow.log import DATEFMT, FORMAT
 from gearflow.replay.storage import gc_segments, run_tag
@@ -181,6 +181,11 @@ class Runner:
                 f"the config's agent (were agent.* keys or the env changed?): {first}"
             ) from None
         set_rng_states(self.checkpoint.learner["rng"])
+
+    @property
+    def launcher(self) -> LocalLauncher | None:
+        """This run's actor processes (the ``actors`` role), None in a plan without them."""
+        return self.roles.first(LocalLauncher)
 
     # ------------------------------------------------------------------ counters
     def env_steps(self) -> int:

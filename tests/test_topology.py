@@ -201,6 +201,34 @@ def test_closes_registers_a_part_and_returns_it():
     assert r.closed == 1
 
 
+# ---------------------------------------------------------------------------- the builder
+
+
+@pytest.mark.parametrize("overrides,roles", [
+    (["actor.remote_actors=1", "transport.token=0123456789abcdef0123"], ["replay", "params", "LocalLauncher", "RemoteActors"]),
+    (["run.serial=true"], ["replay", "params", "serial_actor"]),
+])  # fmt: skip
+def test_the_builder_makes_the_roles_the_plan_names(tmp_path, overrides, roles):
+    """The runner's roles are what its plan names, built (not started) in build order; closing
+    them leaves no segment."""
+    from gearflow.launchers.local import LocalLauncher
+    from gearflow.runner import Runner
+
+    before = _own_segments()
+    runner = Runner(load_config(CONFIG, ["replay.capacity=2000", "env.num_envs=2", "env.batch_size=2", "replay.min_size_to_sample=64",
+                                         "learner.batch_size=32", f"run.dir={tmp_path}", *overrides]))  # fmt: skip
+    try:
+        runner.connect_components()
+        assert [getattr(r, "name", "") or type(r).__name__ for r in runner.roles] == roles
+        assert runner.roles.roles[0].obj is runner.table and runner.roles.roles[1].obj is runner.params
+        assert (runner.launcher is not None) == ("LocalLauncher" in roles)
+        assert runner.launcher is runner.roles.first(LocalLauncher)
+        assert (runner.serial_actor is not None) == ("serial_actor" in roles)
+    finally:
+        runner.roles.close()
+    assert _own_segments() <= before
+
+
 # ---------------------------------------------------------------------------- the runner's lifecycle
 
 SERIAL = ["run.serial=true", "replay.capacity=2000", "replay.min_size_to_sample=64", "learner.batch_size=32",

@@ -136,6 +136,10 @@ class Lifecycle:
     def __iter__(self):
         return iter(self.roles)
 
+    def first(self, cls: type[T]) -> T | None:
+        """The first role that is a ``cls`` (None when the plan has none)."""
+        return next((r for r in self.roles if isinstance(r, cls)), None)
+
     def __len__(self) -> int:
         return len(self.roles)
 
