@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
-from gearflow.replay.items import Transition
 from gearflow.replay.storage import SHM_DIR
 from gearflow.transport.remote import SHARD_SHIFT, RemoteSampler
 from gearflow.transport.shard import ShardService

@@ -23,6 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gearflow.errors import ConfigError, MissingDependencyError
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.native.rdma import (
     LoopbackExport,
     LoopbackMemory,
@@ -34,11 +37,8 @@ from gearflow.native.rdma import (
 )
 from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call, segment_base, unpack
 from gearflow.replay import (
-    Episode,
-    Sequence,
     SharedStorage,
     Table,
-    Transition,
     Writer,
     make_selector,
 )

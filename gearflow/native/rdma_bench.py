@@ -20,14 +20,14 @@ import time
 import numpy as np
 import torch
 
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.native.rdma import LoopbackMemory
 from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call
 from gearflow.replay import (
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
-    Transition,
     Writer,
     make_selector,
 )

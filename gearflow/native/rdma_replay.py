@@ -55,9 +55,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from gearflow.kinds.registry import kind_from_dict
 from gearflow.native.gather import torn_items
 from gearflow.native.rdma import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
-from gearflow.replay.items import FrameStacks, kind_from_dict
+from gearflow.replay.items import FrameStacks
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec

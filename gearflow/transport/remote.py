@@ -78,7 +78,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.replay.items import kind_from_dict
+from gearflow.kinds.registry import kind_from_dict
 from gearflow.replay.layout import (
     PROPORTIONAL_SELECTORS,
     key_shard,
