@@ -150,7 +150,8 @@ def _check_agent(cfg, spec, report: _Report, steps: int) -> None:
         report.fail(f"{label}: no actor writes its item kind {kind!r}: {_first_line(exc)}")
         return
     geom = replay_geometry(small, kind)
-    table = make_table(small, kind, table_spec, geom, "cpu", 0)  # tag 0: no run owns it
+    table = make_table(small.replay, kind, table_spec, geom, "cpu", 0,  # tag 0: no run owns it
+                       seed=int(cfg.run.seed), prefetch=1)
     env = actor = None
     try:
         env = make_vec_env(small.env, seed=int(cfg.env.seed))
