@@ -86,7 +86,7 @@ class Runner:
         self.launcher: LocalLauncher | None = None
         self.remote = None  # RemoteActors: actor.remote_actors > 0 (launchers/remote.py)
         self.serial_actor = None
-        self.shards = None  # RemoteShards: transport.shards (launchers/shards.py)
+        self.shards = None  # RemoteShards: transport.shards (transport/learner/shards.py)
         self.parallel = None  # DataParallel: learner.world_size > 1 (distributed.py)
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
@@ -189,8 +189,8 @@ class Runner:
 
     def _connect_shards(self) -> None:
         """``transport.shards``: sample the shard nodes, push weights to them, read their progress
-        (:mod:`gearflow.launchers.shards`); no table, parameter store or actors here."""
-        from gearflow.launchers.shards import RemoteShards
+        (:mod:`gearflow.transport.learner.shards`); no table, parameter store or actors here."""
+        from gearflow.transport.learner.shards import RemoteShards
 
         cfg, agent = self.cfg, self.agent
         if cfg.run.checkpoint_replay:  # each node's replay stays on its node (replay.checkpoint there)

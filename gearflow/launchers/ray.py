@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from gearflow.config import to_yaml
 from gearflow.distributed import fingerprint
 from gearflow.errors import GearflowError, MissingDependencyError
-from gearflow.launchers.reports import ReportSink
+from gearflow.reports import ReportSink
 
 log = logging.getLogger("gearflow.runner")
 

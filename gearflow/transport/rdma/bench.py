@@ -1,6 +1,6 @@
 """What an RDMA batch costs the learner's CPU, measured without a NIC.
 
-    python -m gearflow.native.rdma_bench [--batches 50] [--threads N]
+    python -m gearflow.transport.rdma.bench [--batches 50] [--threads N]
 
 One JSON line per workload. Each samples the same table (written by a real Writer) two
 ways in one run: ``Table.sample`` (the shared-memory floor) and :class:`RdmaSampler` over
@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from gearflow.native.rdma import LoopbackMemory
-from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call
+from gearflow.transport.rdma.fabric import LoopbackMemory
+from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call
 from gearflow.replay import (
     Sequence,
     SharedStorage,
