@@ -33,7 +33,6 @@ field last, left out when unset)::
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -61,7 +60,7 @@ def _field(kind: str, optional: bool = False):
                              metadata={"kind": kind, "optional": optional})  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Append:
     """``append`` of one step per stream: the streams at ``ints[ints_at:ints_at+count]``, the next ``count`` rows."""
 
@@ -77,7 +76,7 @@ class Append:
         return self.count
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Extend:
     """``extend`` of one stream by the next ``count`` rows; ``first_step``: the shard's partition
     must be at that step (a shipped log continues exactly where it stopped)."""
@@ -95,7 +94,7 @@ class Extend:
         return self.count
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CreateItems:
     """``create_items`` of ``count`` items: priorities ``floats[floats_at:+count]``, num_steps
     ``ints[ints_at:+count]``, then the streams (``stream = -1``; else every item is of ``stream``),
@@ -123,7 +122,7 @@ class CreateItems:
         return "drop" if self.drop else "raise"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EndEpisode:
     """``end_episode`` of the streams ``ints[ints_at:ints_at+count]``; ``count = -1``: every stream."""
 
@@ -139,7 +138,7 @@ class EndEpisode:
         return 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Episodes:
     """``count`` episodes of ``stream`` ended (the EPISODES counter only: a shipped log's items carry their own ends)."""
 
@@ -155,7 +154,7 @@ class Episodes:
         return 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Flush:
     """``flush``: a heartbeat."""
 
@@ -173,6 +172,8 @@ WriteOp = Union[Append, Extend, CreateItems, EndEpisode, Episodes, Flush]
 OPS: dict[str, type] = {c.CODE: c for c in (Append, Extend, CreateItems, EndEpisode, Episodes, Flush)}
 _FIELDS = {code: tuple((f.name, f.metadata["kind"], f.metadata["optional"]) for f in dataclasses.fields(cls))
            for code, cls in OPS.items()}  # fmt: skip
+_NEED = {code: sum(not optional for _, _, optional in fields) for code, fields in _FIELDS.items()}  # required fields
+_LOWS = {code: tuple(_LOW.get(kind) for _, kind, _ in fields) for code, fields in _FIELDS.items()}  # None: flag, seconds
 
 
 def encode_ops(ops: list[WriteOp]) -> list[list]:
@@ -184,26 +185,17 @@ def encode_ops(ops: list[WriteOp]) -> list[list]:
             v = getattr(op, name)
             if v is None and optional:
                 continue
-            # seconds go as given (an int stays an int: the bytes earlier writers sent); the rest as ints
-            raw.append(v if kind == _SECONDS and type(v) in (int, float) else float(v) if kind == _SECONDS else int(v))
+            # seconds go as given (an int stays an int: the bytes earlier writers sent); flags and counts as ints
+            raw.append((v if type(v) in (int, float) else float(v)) if kind == _SECONDS else int(v))
         out.append(raw)
     return out
 
 
-def _value(raw: list, j: int, code: str, pos: int, name: str, kind: str):
-    v = raw[j]
-    where = f"replay.write: op {pos} ({OPS[code].NAME}) field {j} ({name})"
-    if kind == _FLAG:
-        if type(v) is not int or v not in (0, 1):
-            raise ValueError(f"{where} must be 0 or 1, got {v!r}")
-        return bool(v)
-    if kind == _SECONDS:
-        if type(v) not in (int, float) or math.isnan(v):
-            raise ValueError(f"{where} must be a number of seconds, got {v!r}")
-        return float(v)
-    if type(v) is not int or v < _LOW[kind]:
-        raise ValueError(f"{where} must be an int ≥ {_LOW[kind]}, got {v!r}")
-    return v
+def _bad(raw: list, j: int, code: str, pos: int) -> ValueError:
+    """The error of field ``j`` of op ``pos`` (built only when a field is refused)."""
+    name, kind, _ = _FIELDS[code][j - 1]
+    want = {_FLAG: "0 or 1", _SECONDS: "a number of seconds"}.get(kind, f"an int ≥ {_LOW.get(kind)}")
+    return ValueError(f"replay.write: op {pos} ({OPS[code].NAME}) field {j} ({name}) must be {want}, got {raw[j]!r}")
 
 
 def decode_ops(raw_ops: Any, ints: int, floats: int, rows: int | None) -> list[WriteOp]:
@@ -219,14 +211,23 @@ def decode_ops(raw_ops: Any, ints: int, floats: int, rows: int | None) -> list[W
         code = raw[0] if isinstance(raw, list) and raw else None
         if not isinstance(code, str) or code not in OPS:
             raise ValueError(f"replay.write: op {pos} is not one of {', '.join(OPS)}: {str(raw)[:40]}")
-        fields = _FIELDS[code]
-        need = sum(not optional for _, _, optional in fields)
+        fields, need = _FIELDS[code], _NEED[code]
         if not need + 1 <= len(raw) <= len(fields) + 1:
             names = ", ".join(n for n, _, _ in fields)
             raise ValueError(f"replay.write: op {pos} ({OPS[code].NAME}) has {len(raw) - 1} fields, takes "
                              f"{need}{'' if need == len(fields) else f' to {len(fields)}'} ({names}): {str(raw)[:60]}")  # fmt: skip
-        op = OPS[code](**{name: _value(raw, j, code, pos, name, kind)
-                          for j, (name, kind, _) in enumerate(fields, 1) if j < len(raw)})  # fmt: skip
+        vals, lows = raw[1:], _LOWS[code]
+        for j, v in enumerate(vals):  # inline: this runs for every op of every batch
+            lo = lows[j]
+            if lo is not None:  # an int field
+                if type(v) is not int or v < lo:
+                    raise _bad(raw, j + 1, code, pos)
+            elif fields[j][1] == _FLAG:  # 0 or 1 (kept as the int: it reads as a bool and encodes to itself)
+                if type(v) is not int or not 0 <= v <= 1:
+                    raise _bad(raw, j + 1, code, pos)
+            elif (type(v) is not float and type(v) is not int) or v != v:  # seconds, not NaN (kept as sent)
+                raise _bad(raw, j + 1, code, pos)
+        op = OPS[code](*vals)
         k = op.ints()
         if k:
             at = op.ints_at
