@@ -113,7 +113,7 @@ def workload(case: str, spec: dict, kind, P: int, S: int, B: int, steps: int, ba
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gearflow.transport.rdma.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
