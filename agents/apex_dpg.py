@@ -43,8 +43,8 @@ from torch import nn
 
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
-from gearflow.replay.items import Transition
 
 
 @dataclass

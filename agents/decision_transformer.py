@@ -28,7 +28,7 @@ length-proportional trajectory sampling. Per learner batch::
            (discrete: cross-entropy; continuous: tanh-Gaussian NLL − λ·entropy, λ learned
             toward the target entropy −|A|, as in ODT)
 
-Acting (``gearflow.actors.EpisodeActor``): each env keeps its last K
+Acting (``gearflow.kinds.episode.EpisodeActor``): each env keeps its last K
 (R̂, obs, action, timestep); R̂_0 = ``agent.target_return`` and R̂_{t+1} = R̂_t −
 r_{t+1}. Per env, with probability ε (the actor's ε ladder) the action is sampled
 from the policy, otherwise it is the policy's mode; ε = 0 is greedy evaluation.
@@ -62,8 +62,8 @@ from torch import nn
 from agents.kv_cache import KVCache, compile_checked, hop_length
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kinds.episode import Episode
 from gearflow.precision import bf16_forward, fp32
-from gearflow.replay.items import Episode
 
 
 @dataclass

@@ -26,7 +26,7 @@ nothing to recover). Targets, with Q in rescaled space::
     priority = η · max_i |δ_i| + (1 − η) · mean_i |δ_i|     over the loss steps, η = 0.9
 
 Actors act with the same network over each env's last ``context`` observations
-(``gearflow.actors.SequenceActor``) and compute initial priorities with
+(``gearflow.kinds.sequence.SequenceActor``) and compute initial priorities with
 :meth:`Agent.initial_priorities` from the Q-values they acted with (the learner's
 functions with their one network as online and target, in numpy:
 :func:`actor_priorities`).
@@ -76,8 +76,8 @@ from agents.r2d2_accel import (
 )
 from gearflow.agent import ActOutput, EnvSpec
 from gearflow.errors import ConfigError
+from gearflow.kinds.sequence import Sequence
 from gearflow.precision import bf16_forward, fp32
-from gearflow.replay.items import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -121,7 +121,7 @@ class Agent(Protocol):
 
 @runtime_checkable
 class SequenceAgent(Agent, Protocol):
-    """An agent of ``Sequence`` items (R2D2): what :class:`~gearflow.actors.SequenceActor` calls.
+    """An agent of ``Sequence`` items (R2D2): what :class:`~gearflow.kinds.sequence.SequenceActor` calls.
 
     Optional (the one method the actor looks up, so a user's agent need not have it): a
     KV-cached policy, ``make_kv_cache(num_envs) -> KVCache | None``, ``context_hop() -> int``
@@ -149,7 +149,7 @@ class SequenceAgent(Agent, Protocol):
 
 @runtime_checkable
 class EpisodeAgent(Agent, Protocol):
-    """An agent of ``Episode`` items (Decision Transformer): what :class:`~gearflow.actors.EpisodeActor` calls.
+    """An agent of ``Episode`` items (Decision Transformer): what :class:`~gearflow.kinds.episode.EpisodeActor` calls.
 
     Optional, as for :class:`SequenceAgent`: ``make_kv_cache``, ``context_hop`` and
     ``act_cached`` (``agents/decision_transformer.py``: three tokens a step)."""

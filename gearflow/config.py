@@ -36,13 +36,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from gearflow.errors import ConfigError
-from gearflow.geometry import min_steps_per_partition, replay_geometry
+from gearflow.geometry import replay_geometry
+from gearflow.kinds.registry import kind_def, kind_names
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.replay.selectors import SELECTORS
 
 log = logging.getLogger(__name__)
 
-ITEM_KINDS = ("transition", "sequence", "episode")
 ENV_BACKENDS = ("auto", "envpool", "gymnasium")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N" (a GPU by index): see _device_ok
 _CUDA_N = re.compile(r"cuda:[0-9]+")
@@ -134,7 +134,8 @@ class ReplayConfig:
     capacity: int = 100_000
     """Total steps held in host memory, split evenly over the partitions."""
     item: str = "transition"
-    """What is sampled: ``transition`` (n-step), ``sequence`` (fixed windows) or ``episode``."""
+    """What is sampled: an item kind's name (``gearflow/kinds``): ``transition`` (n-step), ``sequence`` (fixed
+    windows), ``episode``, or one registered with ``gearflow.kinds.register_kind``."""
     sequence_length: int = 80
     """Steps per sequence item (R2D2: 80)."""
     sequence_period: int = 40
@@ -579,7 +580,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
 
     r, e, a, le, run = cfg.replay, cfg.env, cfg.actor, cfg.learner, cfg.run
     check(r.capacity > 0, "replay.capacity", "must be a positive number of steps")
-    check(r.item in ITEM_KINDS, "replay.item", f"must be one of {', '.join(ITEM_KINDS)}")
+    check(r.item in kind_names(), "replay.item", f"must be one of {', '.join(kind_names())} (the item kinds known)")
     check(r.selector in SELECTORS, "replay.selector", f"must be one of {', '.join(SELECTORS)}")
     check(r.alpha >= 0, "replay.alpha", "must be ≥ 0")
     check(0 <= r.beta <= 1, "replay.beta", "must be in [0, 1]")
@@ -650,7 +651,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "=ray places actors and shard nodes: not with run.serial=true or run.mode=offline")  # fmt: skip
     check(le.dist_backend in ("auto", "gloo", "nccl"), "learner.dist_backend", "must be one of auto, gloo, nccl")
     geom = replay_geometry(cfg)
-    need = min_steps_per_partition(cfg)
+    need = kind_def(r.item).config_min_steps(cfg)  # what the config alone says the kind needs (Ape-X: 2 (n + 1))
     check(
         need is None or geom.steps_per_partition >= need,
         "replay.capacity",

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["ReplayGeometry", "min_steps_per_partition", "replay_geometry"]
+__all__ = ["ReplayGeometry", "replay_geometry"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,3 @@ def replay_geometry(cfg: Any, kind: Optional[Any] = None) -> ReplayGeometry:
 
         R = records_per_partition(kind, S)
     return ReplayGeometry(num_actors, E, S, R)
-
-
-def min_steps_per_partition(cfg: Any) -> Optional[int]:
-    """The fewest steps per partition a config's item kind needs, where the config alone says
-    it: Ape-X transitions need ``2 (n + 1)`` (n staged steps, then the item's n + 1 rows).
-    Sequence and episode sizes depend on the agent's item kind and are checked when the
-    actor is built (its adder's ``min_steps``)."""
-    if cfg.replay.item == "transition":
-        return 2 * (int(cfg.actor.n_step) + 1)
-    return None

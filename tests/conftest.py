@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from gearflow.kinds.transition import Transition
 from gearflow.replay import Table, make_selector
-from gearflow.replay.items import Transition
 from gearflow.replay.rate_limiter import RateLimiter
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import PREFIX, SHM_DIR, SharedStorage, list_segments

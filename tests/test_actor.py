@@ -257,7 +257,7 @@ def test_weight_sync_records_the_version_acted_with(make_table):
         actor.close()
         assert actor.version == 1
         torch.testing.assert_close(net.q.bias, newer.q.bias)
-        from gearflow.actors.transition import TracedPolicy
+        from gearflow.actors.policy import TracedPolicy
 
         assert isinstance(actor.policy, TracedPolicy)  # it acted with the trace, on the new weights
         x = torch.randn(5, 3)
@@ -477,7 +477,7 @@ def test_actor_writes_through_an_injected_writer():
     the n-step transitions of the env's episodes (the same checks as the shared-memory table's)."""
     from helpers_envs import expected_episode
 
-    from gearflow.actors import Actor
+    from gearflow.kinds.transition import Actor
     from gearflow.replay.protocols import WriterLike
 
     cfg = config(n_step=N_STEP)
@@ -516,7 +516,7 @@ def test_actor_writes_through_an_injected_writer():
 
 def test_actor_without_a_writer_only_acts():
     """Evaluation: no writer, ε given (greedy), episodes reported, nothing written."""
-    from gearflow.actors import Actor
+    from gearflow.kinds.transition import Actor
     from helpers_envs import expected_episode
 
     cfg = config()
@@ -602,7 +602,7 @@ def test_traced_policy_computes_what_the_network_computes():
     """The trace acts like the module at every batch size, follows in-place weight changes,
     forwards attributes; modules whose trace would differ (randomness) or that cannot be
     traced are used as they are."""
-    from gearflow.actors.transition import TracedPolicy, traced_policy
+    from gearflow.actors.policy import TracedPolicy, traced_policy
     from gearflow.envs import EnvSpec
 
     cfg = load_config(Path(TESTS).parent / "configs" / "cartpole_apex.yaml", [])  # the dueling MLP

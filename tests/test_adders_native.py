@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers_envs import Recvs
 
-from gearflow.actors.adders import TransitionAdder
+from gearflow.kinds.transition import TransitionAdder
 from gearflow.replay.rate_limiter import NO_LIMIT
 from gearflow.replay.storage import (
     COMMIT,
@@ -189,8 +189,7 @@ def test_window_adder_batch_rule_creates_the_windows_of_the_kinds_own_rule(stora
     tables must end up the same, item for item."""
     from dataclasses import dataclass
 
-    from gearflow.actors.adders import WindowAdder
-    from gearflow.replay.items import Sequence
+    from gearflow.kinds.sequence import Sequence, WindowAdder
 
     @dataclass(frozen=True)
     class OwnRule(Sequence):  # the same windows, through the per-env path

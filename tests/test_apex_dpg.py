@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from agents.apex_dpg import Agent, Config, n_step_targets
-from gearflow.actors.adders import TransitionAdder
 from gearflow.actors.base import actor_epsilon
 from gearflow.agent import ActOutput, load_agent_class, make_agent
 from gearflow.config import field_docs, load_config
 from gearflow.envs import EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.replay import Sample, TableSpec, Transition
+from gearflow.kinds.transition import Transition, TransitionAdder
+from gearflow.replay import Sample, TableSpec
 from gearflow.replay.writer import Writer
 
 

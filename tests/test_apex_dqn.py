@@ -13,7 +13,8 @@ from gearflow.agent import ActOutput, load_agent_class, make_agent
 from gearflow.config import field_docs, load_config
 from gearflow.envs import EnvSpec
 from gearflow.errors import ConfigError
-from gearflow.replay import Sample, TableSpec, Transition
+from gearflow.kinds.transition import Transition
+from gearflow.replay import Sample, TableSpec
 
 VEC = EnvSpec(obs_shape=(4,), obs_dtype=np.dtype(np.float32), num_actions=2)
 

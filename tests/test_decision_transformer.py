@@ -19,7 +19,7 @@ from gearflow.actors.process import make_actor
 from gearflow.agent import make_agent
 from gearflow.config import load_config
 from gearflow.envs import EnvSpec, make_vec_env
-from gearflow.actors import EpisodeActor
+from gearflow.kinds.episode import EpisodeActor
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 
 ROOT = Path(__file__).resolve().parents[1]

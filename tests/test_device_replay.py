@@ -46,12 +46,13 @@ from test_native import EmulatedModule, FakeCupy, FakeDeviceArray, compile_emula
 from test_replay_table import KINDS, Recorder, check_batch
 
 from gearflow.errors import ConfigError, MissingDependencyError
+from gearflow.kinds.transition import Transition
 from gearflow.native import probe_cuda, probe_cupy
 from gearflow.native.cuda_backend import KERNEL_DIR
 from gearflow.native.device_replay import DeviceReplay, resolve_replay_device
 from gearflow.native.gather import CudaGather
 from gearflow.native.select import CudaSelect
-from gearflow.replay import RateLimiter, SharedStorage, Table, Transition, make_selector
+from gearflow.replay import RateLimiter, SharedStorage, Table, make_selector
 from gearflow.replay.storage import SHM_DIR
 
 CUPY, TORCH_CUDA = probe_cupy(), probe_cuda()

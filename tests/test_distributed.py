@@ -258,10 +258,10 @@ def _run_on_replay(rank, world, port, out: Path, num_buffers: int):
     import numpy as np
 
     from gearflow.bench.common import prioritized_table, random_steps
+    from gearflow.kinds.transition import Transition
     from gearflow.learner import Learner, Prefetcher, Progress
     from gearflow.params import ParameterStore
     from gearflow.replay import Writer
-    from gearflow.replay.items import Transition
 
     limit = ["run.max_seconds=4"] if rank == 1 else []
     cfg, agent = make_apex(seed=3 + rank, overrides=["run.log_every_s=1000", "run.checkpoint_every=0",

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
-from gearflow.replay.items import Transition
 from gearflow.replay.storage import SHM_DIR
 from gearflow.replay.layout import SHARD_SHIFT
 from gearflow.transport.learner import RemoteSampler

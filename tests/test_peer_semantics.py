@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers_replay import SPEC, step_values
 
+from gearflow.kinds.transition import Transition
 from gearflow.replay import (
     RateLimiter,
     RateLimiterTimeout,
@@ -24,7 +25,6 @@ from gearflow.replay import (
     TableClosed,
     TableSpec,
     TrajectoryWriter,
-    Transition,
     Writer,
     make_selector,
 )
@@ -284,7 +284,7 @@ FRAMES = {"obs": "uint8[4,5,5] stack=4", "action": "int64", "ret": "float32", "d
 
 
 def _adders(storage_factory, spec, E, S, n):
-    from gearflow.actors.adders import TransitionAdder
+    from gearflow.kinds.transition import TransitionAdder
 
     out = []
     for native in (False, True):

@@ -18,7 +18,8 @@ from agents.r2d2_transformer import (
     sequence_td,
     value_rescale,
 )
-from gearflow.actors import Actor, actor_class_for
+from gearflow.actors import actor_class_for
+from gearflow.kinds.transition import Actor
 from gearflow.actors.process import make_actor
 from gearflow.agent import make_agent
 from gearflow.config import load_config
@@ -26,7 +27,7 @@ from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import ConfigError
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.replay.table import Sample
-from gearflow.actors import SequenceActor
+from gearflow.kinds.sequence import SequenceActor
 from gearflow.transforms import mask_velocity
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,15 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gearflow.errors import ConfigError, MissingDependencyError
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.transport.choice import choose_transport, parse_ibv_devices, rdma_devices
 from gearflow.transport.rdma.fabric import LoopbackExport, LoopbackMemory, RemoteAccessError, plan_reads
 from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call, segment_base, unpack
 from gearflow.replay import (
-    Episode,
-    Sequence,
     SharedStorage,
     Table,
-    Transition,
     Writer,
     make_selector,
 )

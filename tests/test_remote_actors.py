@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gearflow.actors import Actor
+from gearflow.kinds.transition import Actor
 from gearflow.config import load_config
 from gearflow.envs import make_vec_env
 from gearflow.replay import Table, make_selector
@@ -169,7 +169,7 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
     column, every item record, every counter equal — over 150 steps per stream, so each 128-step
     ring wraps (a shipment split at the wrap)."""
     from gearflow.agent import make_agent
-    from gearflow.replay.items import Transition
+    from gearflow.kinds.transition import Transition
     from gearflow.transport import actor as remote
     from gearflow.transport.server.shard import ShardService
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay import Writer
 from gearflow.replay.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from gearflow.replay.items import Sequence, Transition
 from gearflow.replay.storage import COMMIT, PUBLISHED, SharedStorage
 
 SPEC = {"obs": "float32[2]", "step": "int64"}

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.replay import Episode, Sequence, Transition, Writer
-from gearflow.replay.items import kind_from_dict
+from gearflow.replay import Writer
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
+from gearflow.kinds.registry import kind_from_dict
 
 from helpers_replay import SPEC, step_values  # noqa: E402
 
@@ -191,7 +194,7 @@ def test_kind_dict_round_trip(kind):
 
 
 def test_c_window_rows_match_the_numpy_reference(monkeypatch):
-    import gearflow.replay.items as items
+    import gearflow.kinds.sequence as items
 
     if items._hotpath is None:
         pytest.skip("the C hot path was not built (no compiler at install time)")
@@ -208,7 +211,10 @@ def test_c_window_rows_match_the_numpy_reference(monkeypatch):
 
 
 def test_records_per_partition():
-    from gearflow.replay.items import Episode, Sequence, Transition, records_per_partition
+    from gearflow.replay.items import records_per_partition
+    from gearflow.kinds.episode import Episode
+    from gearflow.kinds.sequence import Sequence
+    from gearflow.kinds.transition import Transition
 
     assert records_per_partition(Transition(next_columns=("obs",)), 1000) == 1000  # one item per step
     assert records_per_partition(Episode(max_episode_length=500), 1000) == 1002  # at most one per step

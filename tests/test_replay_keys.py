@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gearflow.bench.keys import CASES, check
-from gearflow.replay import Transition, Writer
+from gearflow.kinds.transition import Transition
+from gearflow.replay import Writer
 from gearflow.replay.storage import PUBLISHED, REC_RESERVE
 
 STAMP_SPEC = {"stamp": "int64", "obs": "uint8[8]"}
@@ -128,7 +129,8 @@ def test_c_scan_equals_the_numpy_reference(storage_factory, monkeypatch, selecto
     after every scan of a random write sequence (ring and record-ring laps, episodes of any
     length, several partitions) they hold the same items, records and selector state."""
     import gearflow.replay.ingest as table_mod  # the scan (C or numpy reference) lives there
-    from gearflow.replay import Sequence, Table, TableSpec, make_selector
+    from gearflow.kinds.sequence import Sequence
+    from gearflow.replay import Table, TableSpec, make_selector
 
     if table_mod._hotpath is None:
         pytest.skip("the C module was not built")

@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from gearflow.replay import SharedStorage, TableSpec, Transition, Writer, make_selector
+from gearflow.kinds.transition import Transition
+from gearflow.replay import SharedStorage, TableSpec, Writer, make_selector
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, RESERVE, WRITER_PID
 from gearflow.replay.table import Table
 

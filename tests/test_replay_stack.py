@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.replay import Episode, Sequence, SharedStorage, TableSpec, Transition, TrajectoryWriter, Writer
+from gearflow.replay import SharedStorage, TableSpec, TrajectoryWriter, Writer
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
 from gearflow.replay.items import stack_rows
 from gearflow.replay.spec import Column
@@ -367,7 +370,9 @@ ADDER_SPECS = {
 def test_adders_write_the_newest_frame_and_batches_rebuild_the_env_stacks(make_table, name):
     """Each adder fed an env's stacked observations (as the actors do) stores one frame per
     row; every sampled stack is the env's stack of that row's observation."""
-    from gearflow.actors.adders import EpisodeAdder, TransitionAdder, WindowAdder
+    from gearflow.kinds.episode import EpisodeAdder
+    from gearflow.kinds.sequence import WindowAdder
+    from gearflow.kinds.transition import TransitionAdder
 
     E, S = 3, 48
     kind = {"transition": Transition(next_columns=("obs",)), "sequence": Sequence(length=6, period=3, burn_in=2),

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from gearflow.replay import (
-    Episode,
     RateLimiter,
     RateLimiterTimeout,
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
-    Transition,
     Writer,
     make_selector,
 )
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay.items import TORCH_DTYPES
 from gearflow.replay.selectors import SELECTORS
 from gearflow.replay.storage import H_INSERT_LIMIT, H_SAMPLES, PUBLISHED, RESERVE, SHM_DIR
@@ -625,7 +625,8 @@ def test_every_supported_dtype_is_sampled_bit_exact(make_table, kind_name):
 
 
 def test_item_longer_than_the_sequence_window_is_cut_to_it(make_table):
-    from gearflow.replay import Sequence, Writer
+    from gearflow.replay import Writer
+    from gearflow.kinds.sequence import Sequence
 
     table = make_table(spec={"obs": "float32[1]"}, P=1, S=32, kind=Sequence(length=4, period=4))
     writer = Writer(table.storage, [0])

@@ -179,7 +179,7 @@ def test_killed_remote_writer_process_leaves_the_learner_training(make_table):
 
 
 def test_shipping_writer_raises_a_named_error_and_a_new_one_continues(make_table):
-    from gearflow.actors.adders import TransitionAdder
+    from gearflow.kinds.transition import TransitionAdder
     from gearflow.transport.actor import ShippingWriter
 
     table = make_table(spec=APEX, P=2, S=256)

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gearflow.replay.items import Transition
+from gearflow.kinds.transition import Transition
 from gearflow.transport import auth
 from gearflow.transport.client import Client
 from gearflow.transport.framing import (

@@ -23,11 +23,10 @@ import pytest
 import torch
 from helpers_envs import Recvs
 
-from gearflow.actors.adders import TransitionAdder
+from gearflow.kinds.transition import Transition, TransitionAdder
 from gearflow.params.protocol import ParameterSource
 from gearflow.params.store import ParameterStore
 from gearflow.replay import RateLimiter
-from gearflow.replay.items import Transition
 from gearflow.replay.protocols import SamplerLike, WriterLike
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE

@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from gearflow.replay import Episode, Sequence, Transition, Writer
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
+from gearflow.replay import Writer
 from gearflow.transport.client import Client
 from gearflow.transport.learner import RemoteSampler
 

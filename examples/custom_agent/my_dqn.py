@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gearflow.agent import ActOutput
-from gearflow.replay.items import Transition
+from gearflow.kinds.transition import Transition
 
 
 @dataclass

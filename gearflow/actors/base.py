@@ -16,8 +16,9 @@ Per ``recv`` of a batch of ``b`` envs (:meth:`ActorBase.step` of each subclass):
     env.send(out.actions, ids)                                # envs step while we write
     self._observe(...)                                        # adder.add + episode statistics
 
-Actor classes are registered by item kind (``@register_actor("transition")``);
-:func:`gearflow.actors.actor_class_for` picks one from ``agent.item_kind().name``.
+Each item kind's actor class lives in its kind module (:mod:`gearflow.kinds`); the kind
+registry names it, and :func:`gearflow.actors.actor_class_for` picks it from
+``agent.item_kind().name``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from gearflow.actors.adders import Adder, adder_class_for
+from gearflow.actors.adders import Adder
+from gearflow.kinds.registry import kind_def
 from gearflow.params.protocol import ParameterSource
 from gearflow.replay.protocols import WriterLike
 from gearflow.replay.writer import InsertAborted
@@ -43,19 +45,6 @@ except ImportError:  # pragma: no cover - depends on the build
 log = logging.getLogger(__name__)
 
 STOP_CHECK_EVERY = 16  # recvs between looks at the stop event (it costs a lock)
-
-ACTOR_CLASSES: dict[str, type["ActorBase"]] = {}  # item kind name → the actor class that writes it
-
-
-def register_actor(kind_name: str):
-    """Class decorator: the actor class for items of kind ``kind_name``."""
-
-    def deco(cls):
-        ACTOR_CLASSES[kind_name] = cls
-        return cls
-
-    return deco
-
 
 def epsilon_ladder(num_envs_total: int, epsilon: float = 0.4, alpha: float = 7.0) -> np.ndarray:
     """Ape-X exploration: env ``i`` of ``N`` uses ε^(1 + α·i/(N−1)); ``N = 1`` → ``[ε]``.
@@ -125,7 +114,7 @@ class ActorBase:
         self.param_source, self.on_episode, self.writer = param_source, on_episode, writer
         self.sync_period = int(cfg.actor.weight_sync_period)
         self.kind = agent.item_kind()
-        adder_cls = adder_class_for(self.kind)
+        adder_cls = kind_def(self.kind.name).adder  # the registry's adder of the agent's kind
         adder_cls.check_kind(self.kind, type(agent).__module__)
         E = self.num_envs = int(env.num_envs)
         self.adder: Adder | None = None

@@ -2,7 +2,7 @@
 
 Workloads (``--config`` picks the env and sizes; default ``configs/cartpole_apex.yaml``):
 
-* ``random`` — one :class:`~gearflow.actors.Actor` with a random policy (no
+* ``random`` — one :class:`~gearflow.kinds.transition.Actor` with a random policy (no
   network) writing n-step transitions into a real shared-memory table, against
   a bare EnvPool loop with random actions and the same ``num_envs`` /
   ``batch_size``, stepped in alternating slices of the same run (median rate of 5
@@ -83,10 +83,10 @@ def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
     """The agent's actor over ``env``, writing into a private segment of ``steps_per_partition``
     steps per env (at least its adder's ``min_steps``) that nobody samples. On exit the actor
     (or, if it could not be made, ``env``) is closed and the segment unlinked."""
-    from gearflow.actors.adders import adder_class_for
+    from gearflow.kinds.registry import kind_def
 
     E, kind = int(env.num_envs), agent.item_kind()
-    steps = max(int(steps_per_partition), adder_class_for(kind).min_steps(cfg, kind))
+    steps = max(int(steps_per_partition), kind_def(kind.name).adder.min_steps(cfg, kind))
     storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
     actor = None
     try:

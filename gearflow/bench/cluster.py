@@ -298,7 +298,8 @@ def _chunk(spec, n: int, num_actions: int, rng: np.random.Generator) -> dict[str
 
 def _item_steps(cfg, kind) -> tuple[int, int]:
     """(steps per item, steps between item ends) of the agent's items as an actor writes them."""
-    from gearflow.replay import Sequence, Transition
+    from gearflow.kinds.sequence import Sequence
+    from gearflow.kinds.transition import Transition
 
     if isinstance(kind, Transition):
         return int(cfg.actor.n_step) + 1, 1

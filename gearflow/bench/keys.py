@@ -32,14 +32,14 @@ import torch
 
 from gearflow.bench import record
 from gearflow.errors import GearflowError
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay import (
-    Episode,
     RateLimiter,
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
-    Transition,
     Writer,
     make_selector,
 )

@@ -37,11 +37,11 @@ import torch
 from gearflow.bench import record, replay_hot, replay_stack
 from gearflow.bench.common import copy_floor, prioritized_table, random_steps
 from gearflow.errors import GearflowError
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay import (
-    Sequence,
     SharedStorage,
     Table,
-    Transition,
     Writer,
 )
 

@@ -99,12 +99,12 @@ def select(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
 def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
     import torch
 
+    from gearflow.kinds.transition import Transition
     from gearflow.replay import (
         RateLimiter,
         SharedStorage,
         Table,
         TableSpec,
-        Transition,
         Writer,
         make_selector,
     )

@@ -33,15 +33,15 @@ from gearflow.bench import record
 from gearflow.bench.common import copy_floor, prioritized_table, random_steps
 from gearflow.replay import (
     RateLimiter,
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
     TrajectoryWriter,
-    Transition,
     Writer,
     make_selector,
 )
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 
 Emit = Callable[[dict], None]
 W1_SPEC = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool"}

@@ -35,14 +35,14 @@ import torch
 
 from gearflow.bench import record
 from gearflow.bench.common import prioritized_table
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay import (
-    Episode,
     RateLimiter,
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
-    Transition,
     Writer,
     make_selector,
 )

@@ -242,9 +242,9 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
                         stop_event, parent_pid: int) -> None:  # fmt: skip
     """Spawn target of the shard process: attach, serve until ``stop_event`` (or the learner is
     gone), let joined actors leave, stop. Puts ``("port", p)`` or ``("error", why)`` on ``ready``."""
+    from gearflow.kinds.registry import kind_from_dict
     from gearflow.log import inherited_verbosity, setup_logging
     from gearflow.params import ParameterStore
-    from gearflow.replay.items import kind_from_dict
     from gearflow.replay.storage import SharedStorage
     from gearflow.transport.server.shard import ShardService
 

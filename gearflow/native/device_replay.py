@@ -275,6 +275,8 @@ def _check_selector(storage: Any, kind: Any, selector: Any) -> str:
             f"not {name!r}: use device='cpu' for it"
         )
     kind.layout(storage.spec, 1)  # validates the kind against the spec
+    if getattr(kind, "gather_on_device", None) is None:
+        raise ValueError(f"item kind {kind.name!r} has no device gather (gather_on_device): use device='cpu' for it")
     return name
 
 
@@ -288,41 +290,55 @@ def _device_id(cp: Any, device: int | None) -> int:
 
 
 
-def _gather_columns(dev: "DeviceReplay", draw: DeviceDraw, data: dict[str, Any]) -> None:
-    """Every column of ``draw``'s items into the CuPy arrays ``data`` on ``dev``'s stream (inside
-    ``dev._on``): transitions as rows (first step, ``next_<c>`` at the last), windows of T steps
-    padded with zeros (mask (B, T), length (B,)); stacked-frame columns through ``gather_stacks``
-    (a transition's stack is a window of one step at its first / last step)."""
-    g, cp, P, S, T, stacks = dev._gather, dev.cupy, dev._P, dev._S, dev._T, dev._stacks
-    parts, starts, lengths = draw.parts, draw.starts, draw.lengths
+@dataclass(frozen=True)
+class DeviceColumns:
+    """What an item kind's device gather hook works with: ``kind.gather_on_device(cols, draw,
+    data)`` (:class:`~gearflow.replay.items.ItemKind`) fills ``data`` (the kind's layout as CuPy
+    arrays: ``(B, *shape)``, ``(B, T, *shape)``, ``mask`` ``(B, T)``, ...) with the rows of
+    ``draw``'s items (a :class:`DeviceDraw`: ``parts``, ``starts`` int64 (B,), ``lengths``
+    int32 (B,)). It runs inside the table's ``with dev._on`` (its device and stream), so every
+    kernel below is queued on the replay stream; nothing here synchronizes."""
 
-    def stack(name, ptr, row_bytes, at, n, steps, dst):  # dst (B, [T,] K, *frame) as (B, T, K, frame bytes)
-        K, B = stacks[name], parts.shape[0]
-        g.gather_stacks(ptr, row_bytes, S, K, dev._offsets, parts, at, n, steps, dst.reshape(B, steps, K, -1),
-                        num_rows=P * S)  # fmt: skip
+    cupy: Any
+    kernels: CudaGather
+    columns: tuple  # per column: (name, device pointer of row 0, bytes per row: one frame of a stacked column)
+    stacks: dict  # stacked-frame columns {name: K}
+    num_partitions: int  # P
+    steps_per_partition: int  # S
+    offsets: Any  # device pointer of the steps' episode offsets (uint8[P * S]), None without stacks
 
-    if T is None:  # transitions: every column at the first step, next_<c> at the last
-        first, last = transition_rows(parts, starts, lengths.astype(cp.int64), S)
-        if stacks:  # one-step windows at the first / last step
-            one, at_last = cp.ones(parts.shape[0], dtype=cp.int32), starts + lengths.astype(cp.int64) - 1
-        columns = [(n, p, rb, n) for n, p, rb in dev._columns]
-        columns += [(n, p, rb, "next_" + n) for n, p, rb in dev._columns if n in dev.kind.next_columns]
-        for name, ptr, row_bytes, dst in columns:
-            nxt = dst != name
-            if name in stacks:
-                stack(name, ptr, row_bytes, at_last if nxt else starts, one, 1, data[dst])
-            else:
-                g.gather_rows(ptr, row_bytes, last if nxt else first, data[dst], num_rows=P * S)
-        return
-    mask = data["mask"]
-    for name, ptr, row_bytes in dev._columns:
-        if name in stacks:
-            stack(name, ptr, row_bytes, starts, lengths, T, data[name])
-        else:
-            g.gather_windows(ptr, row_bytes, S, parts, starts, lengths, T, data[name], mask, num_rows=P * S)
-    if all(name in stacks for name, _, _ in dev._columns):  # no windows kernel wrote the mask
-        mask[...] = cp.arange(T)[None, :] < cp.clip(lengths, 0, T)[:, None]
-    data["length"][...] = lengths
+    @classmethod
+    def of(cls, cupy: Any, kernels: CudaGather, storage: Any, reg: Any) -> DeviceColumns:
+        """Over ``storage``'s segment, registered as ``reg`` (:func:`~gearflow.native.hostmem.register_storage`)."""
+        stacks = dict(storage.spec.stacked)
+        columns = tuple((c.name, reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec)
+        offsets = reg.device_pointer(storage.step_offset_position) if stacks else None
+        return cls(cupy, kernels, columns, stacks, storage.num_partitions, storage.steps_per_partition, offsets)
+
+    def rows(self, ptr: int, row_bytes: int, rows: Any, dst: Any) -> None:
+        """``dst[i]`` = storage row ``rows[i]`` (int64 (B,)) of the column at ``ptr``."""
+        self.kernels.gather_rows(ptr, row_bytes, rows, dst,
+                                 num_rows=self.num_partitions * self.steps_per_partition)  # fmt: skip
+
+    def first_last_rows(self, parts: Any, starts: Any, lengths: Any) -> tuple[Any, Any]:
+        """Storage rows (int64 (B,), (B,)) of each item's first and last step."""
+        return transition_rows(parts, starts, lengths, self.steps_per_partition)
+
+    def windows(self, ptr: int, row_bytes: int, parts: Any, starts: Any, lengths: Any, T: int, dst: Any,
+                mask: Any) -> None:  # fmt: skip
+        """Windows of ``T`` steps from each item's first step into ``dst`` (B, T, row bytes), zero
+        past its length; ``mask`` (B, T) True on its steps."""
+        S = self.steps_per_partition
+        self.kernels.gather_windows(ptr, row_bytes, S, parts, starts, lengths, T, dst, mask,
+                                    num_rows=self.num_partitions * S)  # fmt: skip
+
+    def stack(self, name: str, ptr: int, row_bytes: int, parts: Any, at: Any, n: Any, steps: int, dst: Any) -> None:
+        """The frame stacks of ``steps`` steps from ``at`` (int64 (B,)), ``n`` (int32 (B,)) of them
+        real (the rest repeat the last), into ``dst`` (B, [steps,] K, *frame)."""
+        K, B, S = self.stacks[name], parts.shape[0], self.steps_per_partition
+        self.kernels.gather_stacks(ptr, row_bytes, S, K, self.offsets, parts, at, n, steps,
+                                   dst.reshape(B, steps, K, -1), num_rows=self.num_partitions * S)  # fmt: skip
+
 
 class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
@@ -358,7 +374,6 @@ class DeviceReplay:
         self.device_id = device_id
         self.prioritized = name == "prioritized"
         self._P, self._R, self._S = storage.num_partitions, storage.items_per_partition, storage.steps_per_partition
-        self._T = getattr(kind, "max_length", None)  # None: transitions (rows, not windows)
         N = self._P * self._R
         self._gather = gather or CudaGather(cp)
         self._select = select or CudaSelect(cp)
@@ -383,12 +398,9 @@ class DeviceReplay:
                 self._seq = cp.full(N, -1, dtype=cp.int64)
                 self._length = cp.zeros(N, dtype=cp.int32)
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
-        # per column: (name, device pointer of row 0, bytes per row (one frame of a stacked column))
-        self._columns = [(c.name, self._reg.device_pointer(storage.column_offsets[c.name]), c.nbytes) for c in storage.spec]
-        # stacked-frame columns {name: K}, the device pointer of the steps' episode offsets, and the
-        # torn rule's bound: an item is intact while its first step is >= RESERVE - (S - stack reach)
-        self._stacks, self._S_trust = dict(storage.spec.stacked), storage.trusted_steps
-        self._offsets = self._reg.device_pointer(storage.step_offset_position) if self._stacks else None
+        self.columns = DeviceColumns.of(cp, self._gather, storage, self._reg)  # what the kind's gather_on_device reads
+        # the torn rule's bound: an item is intact while its first step is >= RESERVE - (S - stack reach)
+        self._S_trust = storage.trusted_steps
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
         self._buffers: list[DeviceBuffers] = []
@@ -619,7 +631,7 @@ class DeviceReplay:
         RESERVE counters next, and they must postdate the copy. The sample's one host sync."""
         P, parts = self._P, draw.parts
         with self._on:
-            _gather_columns(self, draw, {name: a for name, (a, _) in out.data.items()})
+            self.kind.gather_on_device(self.columns, draw, {name: a for name, (a, _) in out.data.items()})
             out.keys[0][...] = item_key(draw.seqs, parts, P)  # int64 (B,): the key of the record gathered
             out.weights[0][...] = draw.weights
             out.probabilities[0][...] = draw.probabilities

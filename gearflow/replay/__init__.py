@@ -7,8 +7,8 @@ Small roles, each swappable:
   shared-memory segment, one partition per environment stream, one writer each.
 * :mod:`~gearflow.replay.writer` — :class:`Writer` / :class:`TrajectoryWriter`:
   ``append``, ``extend``, ``create_item``, ``end_episode``, ``flush``.
-* :mod:`~gearflow.replay.items` — item kinds: :class:`Transition`,
-  :class:`Sequence`, :class:`Episode`.
+* :mod:`~gearflow.replay.items` — the item interface (:class:`ItemKind`); the kinds
+  themselves (``Transition``, ``Sequence``, ``Episode``) are :mod:`gearflow.kinds`.
 * :mod:`~gearflow.replay.selectors` — uniform, prioritized (sum tree), FIFO,
   LIFO, max/min heap, top-k.
 * :mod:`~gearflow.replay.rate_limiter` — :class:`RateLimiter` (Reverb semantics).
@@ -23,7 +23,7 @@ import importlib
 # name → module: loaded on first use, so ``gearflow.replay.selectors`` or ``.storage`` can be
 # imported (config validation, gc) without torch, which the table and item kinds need
 _EXPORTS = {
-    "Episode": "items", "ItemKind": "items", "Sequence": "items", "Transition": "items",
+    "ItemKind": "items",
     "RateLimiter": "rate_limiter", "RateLimiterTimeout": "rate_limiter",
     "Selection": "selectors", "Selector": "selectors", "make_selector": "selectors",
     "Column": "spec", "TableSpec": "spec",

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import GearflowError
-from gearflow.replay.items import kind_from_dict
+from gearflow.kinds.registry import kind_from_dict
 from gearflow.replay.rate_limiter import RateLimiter
 from gearflow.replay.selectors import make_selector
 from gearflow.replay.spec import TableSpec

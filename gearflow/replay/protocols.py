@@ -6,7 +6,7 @@ A local run uses :class:`~gearflow.replay.Writer` (shared memory) and
 nothing else changes::
 
     writer: WriterLike = Writer(storage, partitions)        # or a remote writer
-    adder = TransitionAdder(writer, n=3, gamma=0.99)         # gearflow.actors.adders
+    adder = TransitionAdder(writer, n=3, gamma=0.99)         # gearflow.kinds.transition
 
     sampler: SamplerLike = table                             # or a remote sampler
     batch = sampler.sample(256)                              # Sample: keys, data, weights

@@ -249,7 +249,7 @@ class Table(TableIngest):
         # "cuda": selection and gather on the GPU (gearflow.native.device_replay), set up before the
         # table touches the storage, so a missing CuPy leaves the caller's storage as it was
         self._device = _device_replay(device, storage, kind, selector)
-        self._max_item_steps = getattr(kind, "max_length", storage.steps_per_partition)
+        self._max_item_steps = kind.max_steps(storage.steps_per_partition)
         self._init_ingest(P, R)
         self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
         self._buffers: list[dict[str, torch.Tensor]] = []

@@ -15,7 +15,7 @@ read into the same flat arrays::
 
 Episodes end where ``terminals | timeouts``; steps after the last end form one
 more (unfinished) episode. Each episode becomes the rows ``obs, action, reward,
-timestep`` of the agent's episode layout (``gearflow.actors.adders.EpisodeAdder``) and one
+timestep`` of the agent's episode layout (``gearflow.kinds.episode.EpisodeAdder``) and one
 ``Episode`` item over its last ``min(L, T)`` steps (``T = replay.max_episode_length``;
 only those steps are written), with the agent's ``episode_priority``. Episodes
 fill the partitions in order, each partition up to its ``S`` steps.
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
-from gearflow.replay.items import Episode
+from gearflow.kinds.episode import Episode
 from gearflow.replay.writer import Writer
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,9 @@ Where each figure comes from:
   whole stacks are shown beside it), the partition
   geometry the runner would create (``P = actors × envs``, ``S = capacity // P``
   steps, ``R`` item records each) and the size of that shared-memory segment,
-  item records and 4 KiB alignment included; plus the learner's batch buffers.
+  item records and 4 KiB alignment included; plus the learner's batch buffers; and the
+  fewest steps per partition the kind's adder writes into (the kind registry's adder,
+  ``min_steps``; flagged ``TOO FEW`` where the geometry gives less: the actor would refuse it).
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ from torch import nn
 from gearflow.agent import make_agent
 from gearflow.envs import EnvSpec, make_vec_env
 from gearflow.errors import GearflowError
-from gearflow.replay.spec import replay_spec
 from gearflow.geometry import replay_geometry
+from gearflow.kinds.registry import kind_def
 from gearflow.replay.items import ItemKind
 from gearflow.replay.layout import buffer_sets
+from gearflow.replay.spec import replay_spec
 from gearflow.replay.storage import SharedStorage
 
 META = torch.device("meta")
@@ -191,9 +194,11 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         "parameter_bytes", "buffer_bytes", "gradient_bytes", "optimizer_state_bytes",
         "other_network_bytes", "batch_bytes", "activation_bytes"))  # fmt: skip
 
-    # the replay geometry Runner.connect_components creates
+    # the replay geometry Runner.connect_components creates, and what the kind's adder needs of it
     geom = replay_geometry(cfg, kind)
     P, S, R = geom.num_partitions, geom.steps_per_partition, geom.items_per_partition
+    kd = kind_def(kind.name)  # the registry's adder and actor of the agent's kind
+    need = int(kd.adder.min_steps(cfg, kind))
     segment = SharedStorage.segment_nbytes(table_spec, P, S, R)
     buffers = buffer_sets(cfg.learner.prefetch)  # the table's rotating batch buffers
     replay = {
@@ -204,6 +209,9 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         "partitions": P,
         "steps_per_partition": S,
         "items_per_partition": R,
+        "min_steps_per_partition": need,  # the adder's minimum: the actor refuses a smaller ring
+        "steps_too_few": kd.adder.size_error(cfg, kind, S) if S < need else "",
+        "actor": f"{kd.actor.__name__} + {kd.adder.__name__}",
         "bytes_at_capacity": P * S * table_spec.stored_step_nbytes,
         "segment_bytes": segment,
         "batch_buffers": buffers,
@@ -270,6 +278,8 @@ def render(plan: dict[str, Any]) -> str:
                                 f"{r['steps_per_partition']:,}"), human(r["bytes_at_capacity"])),
         ("  shared-memory segment", f"+ item records ({r['items_per_partition']:,}/partition), alignment",
          human(r["segment_bytes"])),
+        ("  per partition", f"{r['actor']} need ≥ {r['min_steps_per_partition']:,} steps"
+         + (f": TOO FEW, {r['steps_too_few']}" if r["steps_too_few"] else ""), ""),
         ("  batch buffers", f"{r['batch_buffers']} × batch", human(r["batch_buffer_bytes"])),
         ("host total", "", human(r["total_bytes"])),
         ("", "", ""),

@@ -34,8 +34,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
-from gearflow.replay.items import Transition
 from gearflow.transport.actor import RemoteWriter, ShippingWriter
 from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
 from gearflow.transport.server.shard import ShardService
@@ -98,7 +98,7 @@ def insert(seconds: float = 2.0, E: int = 16, b: int = 8, obs=(4,), rounds: int 
     """The four writers alive side by side, measured in ``rounds`` alternating slices (the order
     rotates each round): each ratio is the median of the per-round ratios, so load that comes
     and goes on a shared machine hits a path and its floor alike."""
-    from gearflow.actors.adders import TransitionAdder
+    from gearflow.kinds.transition import TransitionAdder
 
     spec = {"obs": f"float32[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip

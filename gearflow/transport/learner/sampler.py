@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.replay.items import kind_from_dict
+from gearflow.kinds.registry import kind_from_dict
 from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, key_shard, local_key, shard_key
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.selectors import check_priorities

@@ -20,17 +20,17 @@ import time
 import numpy as np
 import torch
 
-from gearflow.transport.rdma.fabric import LoopbackMemory
-from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay import (
-    Sequence,
     SharedStorage,
     Table,
     TableSpec,
-    Transition,
     Writer,
     make_selector,
 )
+from gearflow.transport.rdma.fabric import LoopbackMemory
+from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call
 
 ATARI = {"obs": "uint8[4,84,84] stack=4", "action": "int64", "reward": "float32", "done": "bool"}
 VECTOR = {"obs": "float32[64]", "action": "int64", "reward": "float32", "done": "bool"}

@@ -55,14 +55,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from gearflow.kinds.registry import kind_from_dict
 from gearflow.native.gather import torn_items
-from gearflow.transport.rdma.fabric import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
-from gearflow.replay.items import FrameStacks, kind_from_dict
+from gearflow.replay.items import FrameStacks
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
 from gearflow.replay.table import GatherThreads, Sample
+from gearflow.transport.rdma.fabric import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 
 log = logging.getLogger(__name__)
 

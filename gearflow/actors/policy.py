@@ -1,15 +1,12 @@
-"""The Ape-X actor: ε-greedy over an ε ladder, acting on each env's current observation;
-its :class:`~gearflow.actors.adders.TransitionAdder` writes n-step transitions.
+"""Acting with a traced forward: :func:`traced_policy` (the network's forward traced with
+TorchScript, holding the very same parameters) and :class:`TracedPolicy` (its wrapper).
 
-    out = agent.act(policy, obs, epsilon[ids], rng)     # actions (b,), Q-values (b, A)
+    policy = traced_policy(network, env.obs_shape, env.obs_dtype, env.batch_size)
+    out = agent.act(policy, obs, epsilon[ids], rng)     # calls go to the compiled trace
 
-The Q-values acted with give the items' initial priorities (Ape-X, no max-priority); an agent
-of continuous actions (``agents.apex_dpg``: actions (b, A) float32) gives ``out.q_action``
-(Q(s, a) of what it sent) and ``out.q_bootstrap`` (Q(s, μ(s))) instead, and reads its ε as the
-scale of its exploration noise.
-``policy`` is the network's forward traced with TorchScript (:func:`traced_policy`: the
-same parameters, no per-module Python: 18 µs instead of 34 µs for apex_dqn's MLP on a
-batch of 4), or the network itself where tracing would change what it computes.
+18 µs instead of 34 µs for apex_dqn's MLP on a batch of 4 (no per-module Python); the trace
+is used only where it gives exactly the module's outputs, otherwise the module itself.
+The Ape-X actor (:class:`gearflow.kinds.transition.Actor`) acts with it.
 """
 
 from __future__ import annotations
@@ -21,11 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.actors.adders import TransitionAdder
-from gearflow.actors.base import ActorBase, register_actor
-
 log = logging.getLogger(__name__)
-
 
 class TracedPolicy:
     """A network for acting: calls go to its TorchScript trace, which holds the very same
@@ -98,37 +91,4 @@ def _same(a, b) -> bool:
     return False
 
 
-@register_actor("transition")
-class Actor(ActorBase):
-    """Steps one vectorised env with an agent's policy and writes n-step transitions
-    (constructor arguments: :class:`~gearflow.actors.base.ActorBase`)."""
-
-    NAME = "the actor"
-
-    def _make_adder(self, writer) -> TransitionAdder:
-        return TransitionAdder(writer, int(self.cfg.actor.n_step), float(self.cfg.actor.gamma))
-
-    def _setup_state(self) -> None:
-        self.policy = traced_policy(self.network, self.env.obs_shape, self.env.obs_dtype, self.env.batch_size)
-        self._no_grad = torch.no_grad()  # one context object for every step (0.5 µs less per recv)
-
-    def sync_weights(self) -> bool:
-        loaded = super().sync_weights()
-        if loaded and isinstance(self.policy, TracedPolicy) and not self.policy.shares_parameters():
-            log.warning("actor %d: the weight sync replaced parameter tensors; acting with the eager network",
-                        self.actor_index)  # fmt: skip
-            self.policy = self.network
-        return loaded
-
-    def step(self) -> int:
-        """One recv → act → send → replay writes. Returns the env steps done (the batch size)."""
-        obs, reward, terminated, truncated, env_ids, ids = self._recv()
-        with self._no_grad:
-            out = self.agent.act(self.policy, obs, self.epsilon[ids], self.rng)
-        self.env.send(out.actions, env_ids)  # the envs step while we write replay
-        values = out.values if out.q_action is None else out.priority_values()  # (b, A), or the pair (b,), (b,)
-        self._observe(ids, obs, reward, terminated, truncated, out.actions, values)
-        return self._count_steps(ids.size)
-
-
-__all__ = ["Actor", "TracedPolicy", "traced_policy"]
+__all__ = ["TracedPolicy", "traced_policy"]
