@@ -16,6 +16,12 @@ store, actors and report relay, built from the config.
     node.serve_forever()             # supervise until run.stop, a signal, or a failed actor
     node.close()
 
+The node's parts are built as every run's are: its plan (``plan_run(cfg, command="serve")``:
+a ``serve`` plan, or ``shard`` without its own actors) and the one builder
+(:class:`~gearflow.topology.build.Builder`: agent, table, parameter store, actor processes),
+its roles taken through :class:`~gearflow.topology.roles.Lifecycle` (start, drain and check
+while serving, stop and close).
+
 A node is one of several when the learners' ``transport.shards`` lists several addresses: give
 each node its slice of the run's Ape-X ε ladder with ``actor.ladder_offset`` /
 ``actor.ladder_total`` (the Ray launcher does).
@@ -34,10 +40,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError
-from gearflow.launchers.local import ActorFailed, LocalLauncher
+from gearflow.launchers.local import ActorFailed
 from gearflow.reports import ReportSink, fold_report
 
 log = logging.getLogger("gearflow.serve")
@@ -96,51 +102,39 @@ class ShardNode:
     """This machine's replay shard, parameter store and actors (see the module docstring)."""
 
     def __init__(self, cfg: DictConfig, launch_actors: bool = True):
-        from gearflow.agent import make_agent
-        from gearflow.envs import make_vec_env
-        from gearflow.geometry import replay_geometry
-        from gearflow.params import ParameterStore
-        from gearflow.replay.spec import replay_spec
         from gearflow.replay.storage import run_tag
-        from gearflow.run.tables import make_run_dir, make_table
+        from gearflow.run.tables import make_run_dir
+        from gearflow.topology.build import Builder
+        from gearflow.topology.plan import plan_run
+        from gearflow.topology.roles import Lifecycle
         from gearflow.transport.auth import resolve_token
 
-        if cfg.run.serial or cfg.run.mode == "offline":
-            raise ConfigError("gearflow serve runs actor processes: not with run.serial=true or run.mode=offline")
-        if cfg.transport.shards:
-            raise ConfigError("transport.shards is a learner's key (the shards it samples): a shard node serves "
-                              "its own table; remove it from the node's config")  # fmt: skip
+        # a "serve" plan (its actors here) or a "shard" plan (launch_actors=False: its actors
+        # are started by someone else, a Ray actor group)
+        self.plan = plan = plan_run(cfg, command="serve", actors=launch_actors)
         self.cfg = cfg
         try:
             self.token = resolve_token(cfg.transport.token or None).decode()
         except ValueError as exc:
             raise ConfigError(f"gearflow serve: {exc}") from None
         torch.manual_seed(cfg.run.seed)
-        probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
-        env_spec = probe.env_spec
-        probe.close()
-        agent = make_agent(cfg, env_spec, torch.device("cpu"))  # the replay layout and the weights' template
-        agent.setup_learner()
-        kind = agent.item_kind()
-        if kind.name != cfg.replay.item:
-            raise ConfigError(f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items")
-        geom = self.geom = replay_geometry(cfg, kind)
-        spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)
         self.run_dir = make_run_dir(cfg)
-        self.table = make_table(cfg, kind, spec, geom, "cpu", run_tag(self.run_dir))
-        self.params = self.shard = self.server = self.launcher = None
+        self.roles = Lifecycle()  # the node's table, parameter store and actor processes
+        self.params = self.shard = self.server = self.table = None
         try:
-            self.params = ParameterStore.create(agent.learner_network(), run_tag=run_tag(self.run_dir))
+            build = Builder(cfg, plan, self.roles, tag=run_tag(self.run_dir))
+            agent, _ = build.agent(torch.device("cpu"))  # the replay layout and the weights' template
+            self.table = build.replay(agent)  # selected and gathered on this node's CPU
+            geom = self.geom = build.geom
+            self.params = build.params(agent)
             self.params.publish(agent.learner_network())  # version 1: the actors' weights until a learner pushes
             self._template = {k: v for k, v in agent.learner_network().state_dict().items()}
             self.relay = _Relay(int(cfg.actor.ladder_offset))
             self.stop_event = threading.Event()
             self.stop_reason = ""
             self.partitions = partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
-            local = geom.num_actors - int(cfg.actor.remote_actors)
-            if launch_actors:  # else the node's actors are started by someone else (a Ray actor group)
-                self.launcher = LocalLauncher(cfg, self.table.storage.name, self.params.name, partitions[:local])
-            remote = {a: [int(p) for p in partitions[a]] for a in range(local, geom.num_actors)}
+            build.actors(agent, self.table, self.params, self.relay)  # "actors": the node's actor processes, a role
+            remote = {a: [int(p) for p in partitions[a]] for a in plan.remote_actors}
             self._build_service(remote)
         except BaseException:
             self.close()
@@ -175,11 +169,10 @@ class ShardNode:
     def start(self) -> str:
         """Listen, then start the actors; returns ``host:port``."""
         self.shard.start()
-        if self.launcher is not None:
-            self.launcher.start()
+        self.roles.start()
         log.info("shard serving %d partitions × %d steps on %s (%d actor(s) here, ε-ladder offset %d)",
                  self.geom.num_partitions, self.geom.steps_per_partition, self.address,
-                 self.geom.num_actors - int(self.cfg.actor.remote_actors), int(self.cfg.actor.ladder_offset))  # fmt: skip
+                 self.plan.local_actors, int(self.cfg.actor.ladder_offset))  # fmt: skip
         return self.address
 
     def serve_forever(self, poll_s: float = 0.1) -> str:
@@ -188,14 +181,13 @@ class ShardNode:
 
         last_log = time.monotonic()
         while not self.stop_event.is_set():
-            if self.launcher is not None:
-                self.launcher.drain(self.relay)
-                try:
-                    self.launcher.check()
-                except ActorFailed as exc:
-                    self.stop_reason = f"actor failed: {exc}"
-                    self.stop_event.set()
-                    raise
+            self.roles.drain(self.relay)
+            try:
+                self.roles.check()
+            except ActorFailed as exc:
+                self.stop_reason = f"actor failed: {exc}"
+                self.stop_event.set()
+                raise
             if time.monotonic() - last_log >= float(self.cfg.run.log_every_s):
                 last_log = time.monotonic()
                 r = self.relay.returns
@@ -206,17 +198,15 @@ class ShardNode:
         return self.stop_reason or "stopped"
 
     def close(self) -> None:
-        if self.launcher is not None:
-            self.launcher.stop(drain=lambda: self.launcher.drain(self.relay))
-            self.launcher.close()
-            self.launcher = None
-        if getattr(self, "server", None) is not None:
-            self.server.close()
-            self.server = self.shard = self.rdma = None
-        for closable in (self.params, self.table):
-            if closable is not None:
-                closable.close()
-        self.params = self.table = None
+        """Stop the actors, then the service, then release the table and the parameter store."""
+        try:
+            self.roles.stop(getattr(self, "relay", None))  # the actors' last reports into the relay
+        finally:
+            if getattr(self, "server", None) is not None:  # the shard service and its RDMA export
+                self.server.close()
+                self.server = self.shard = self.rdma = None
+            self.roles.close()  # the launcher's queue, the parameter store, the table
+            self.params = self.table = None
 
 
 def serve(cfg: DictConfig, *, address_file: str | None = None) -> dict[str, Any]:
