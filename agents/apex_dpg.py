@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -190,7 +190,7 @@ def polyak(target: nn.Module, online: nn.Module, tau: float) -> None:
 class Agent:
     """Ape-X DPG; see the module docstring. Learner state lives in ``setup_learner``."""
 
-    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+    def __init__(self, cfg: Config, spec: EnvSpec, settings: AgentSettings, device: torch.device):
         space = spec.action_space
         shape = tuple(getattr(space, "shape", None) or ())
         low = np.asarray(getattr(space, "low", np.nan), np.float64)
@@ -212,9 +212,9 @@ class Agent:
         self.centre = ((high + low) / 2).astype(np.float32)  # (A,) env units
         self.half = ((high - low) / 2).astype(np.float32)  # (A,)
         self.obs_dim = int(np.prod(spec.obs_shape))
-        self.gamma = float(full_cfg.actor.gamma)
-        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
-        self.seed = int(full_cfg.run.seed)
+        self.gamma = settings.gamma
+        self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
+        self.seed = settings.seed
         self.rng = np.random.default_rng(self.seed)
         self.online: Optional[ActorCritic] = None
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -141,7 +141,7 @@ def n_step_targets(online: nn.Module, target: nn.Module, next_obs, ret, disc, do
 class Agent:
     """Ape-X DQN; see the module docstring. Learner state lives in ``setup_learner``."""
 
-    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+    def __init__(self, cfg: Config, spec: EnvSpec, settings: AgentSettings, device: torch.device):
         if spec.num_actions is None:
             raise ConfigError(
                 f"agent.name=agents.apex_dqn needs a discrete action space, but env "
@@ -157,10 +157,10 @@ class Agent:
             )
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
-        self.gamma = float(full_cfg.actor.gamma)
-        self.n_step = int(full_cfg.actor.n_step)
-        self.rng = np.random.default_rng(int(full_cfg.run.seed))
-        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
+        self.gamma = settings.gamma
+        self.n_step = settings.n_step
+        self.rng = np.random.default_rng(settings.seed)
+        self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
         self.online: Optional[nn.Module] = None
 
     # ---- replay: one row per step; a transition spans rows t..t+n

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.kv_cache import KVCache, compile_checked, hop_length
-from gearflow.agent import ActOutput, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kinds.episode import Episode
 from gearflow.precision import bf16_forward, fp32
@@ -354,7 +354,7 @@ def tanh_normal_mode(out: torch.Tensor) -> torch.Tensor:
 class Agent:
     """Online Decision Transformer; see the module docstring."""
 
-    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+    def __init__(self, cfg: Config, spec: EnvSpec, settings: AgentSettings, device: torch.device):
         if len(spec.obs_shape) != 1:
             raise ConfigError(
                 f"agent.name=agents.decision_transformer embeds vector observations; got obs shape {spec.obs_shape}"
@@ -390,13 +390,13 @@ class Agent:
             self.act_dim, self.act_shape = int(shape[0]), shape
             self.low = torch.as_tensor(low, dtype=torch.float32).expand(shape).clone()
             self.high = torch.as_tensor(high, dtype=torch.float32).expand(shape).clone()
-        T = int(full_cfg.replay.max_episode_length)
+        T = settings.max_episode_length
         self.kind = Episode(max_episode_length=T)
         self.max_timestep = int(cfg.max_timestep) or T
         self.target_entropy = -float(self.act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
-        self.rng = np.random.default_rng(int(full_cfg.run.seed))
-        self.generator = torch.Generator().manual_seed(int(full_cfg.run.seed))
-        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward pass under bf16 autocast
+        self.rng = np.random.default_rng(settings.seed)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.bf16 = settings.bf16  # the learner's forward pass under bf16 autocast
         self.online: nn.Module | None = None
 
     # ---- replay: one row per step; items are whole episodes (their last T rows)

@@ -74,7 +74,7 @@ from agents.r2d2_accel import (
     compile_one_token_step,
     native_one_token_step,
 )
-from gearflow.agent import ActOutput, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kinds.sequence import Sequence
 from gearflow.precision import bf16_forward, fp32
@@ -363,7 +363,7 @@ def _inverse_rescale_np(x: np.ndarray, eps: float) -> np.ndarray:
 class Agent:
     """R2D2 with a causal transformer; see the module docstring."""
 
-    def __init__(self, cfg: Config, spec: EnvSpec, full_cfg, device: torch.device):
+    def __init__(self, cfg: Config, spec: EnvSpec, settings: AgentSettings, device: torch.device):
         if spec.num_actions is None:
             raise ConfigError(
                 f"agent.name=agents.r2d2_transformer needs a discrete action space, but env "
@@ -378,18 +378,18 @@ class Agent:
             )
         if cfg.d_model % cfg.num_heads:
             raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
-        r = full_cfg.replay
-        self.kind = Sequence(length=int(r.sequence_length), period=int(r.sequence_period), burn_in=int(r.burn_in))
+        self.kind = Sequence(length=settings.sequence_length, period=settings.sequence_period,
+                             burn_in=settings.burn_in)
         if cfg.context < 0:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
         if cfg.context_hop < 0:
             raise ConfigError(f"agent.context_hop={cfg.context_hop}: must be ≥ 0 (0: half the context)")
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
-        self.gamma = float(full_cfg.actor.gamma)
-        self.n_step = int(full_cfg.actor.n_step)
-        self.rng = np.random.default_rng(int(full_cfg.run.seed))
-        self.bf16 = bool(full_cfg.learner.bf16)  # the learner's forward passes under bf16 autocast
+        self.gamma = settings.gamma
+        self.n_step = settings.n_step
+        self.rng = np.random.default_rng(settings.seed)
+        self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
         self.online: nn.Module | None = None
         # n, γ, ε of h, burn-in, η of actor_priorities (plain numbers: a config attribute costs µs)
         self._priority_args = (self.n_step, self.gamma, float(cfg.rescale_eps), int(self.kind.burn_in), float(cfg.eta))

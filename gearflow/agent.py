@@ -5,7 +5,8 @@ and an ``Agent`` class. YAML names the module by import path, so a user's own
 agent is one file anywhere on ``sys.path``::
 
     agent_cls = load_agent_class("agents.apex_dqn")
-    agent = agent_cls(cfg.agent, env.env_spec, cfg, torch.device("cpu"))
+    agent = agent_cls(cfg.agent, env.env_spec, agent_settings(cfg), torch.device("cpu"))
+    agent = make_agent(cfg, env.env_spec, "cpu")      # the same, in one call
     spec = TableSpec.parse(agent.replay_columns())   # {"obs": "float32[4]", "action": "int64", ...}
     kind = agent.item_kind()                          # Transition(next_columns=("obs",))
 
@@ -33,7 +34,7 @@ something else may offer the optional hook
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
@@ -46,8 +47,8 @@ from gearflow.replay.items import ItemKind
 from gearflow.replay.table import Sample
 
 __all__ = [
-    "ActOutput", "Agent", "EnvSpec", "EpisodeAgent", "SequenceAgent", "load_agent_class", "make_agent",
-    "resolve_device",
+    "ActOutput", "Agent", "AgentSettings", "EnvSpec", "EpisodeAgent", "SequenceAgent", "agent_settings",
+    "load_agent_class", "make_agent", "resolve_device",
 ]  # fmt: skip
 
 
@@ -73,12 +74,61 @@ class ActOutput:
         return (self.q_action, self.q_bootstrap)
 
 
+_GROUPS = ("env", "actor", "replay", "learner", "agent", "run", "transport", "cluster")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What an agent reads of the run beyond its own ``agent`` group, handed to it as values
+    (``Agent(cfg, spec, settings, device)``) so that it never reaches into other groups::
+
+        settings = agent_settings(cfg)     # AgentSettings(gamma=0.99, n_step=3, seed=0, ...)
+        settings.gamma                     # cfg.actor.gamma: the same number the actors' n-step returns use
+    """
+
+    gamma: float
+    """``actor.gamma``: the discount of the actors' n-step returns and of the learner's targets."""
+    n_step: int
+    """``actor.n_step``: steps in the n-step return (the transition and sequence adders use it too)."""
+    seed: int
+    """``run.seed``: the seed of the agent's own generators (exploration, sampling)."""
+    bf16: bool
+    """``learner.bf16``: run the learner's forward passes under bfloat16 autocast (gearflow/precision.py)."""
+    sequence_length: int
+    """``replay.sequence_length``: steps per sequence item (``item=sequence`` agents)."""
+    sequence_period: int
+    """``replay.sequence_period``: steps between the starts of consecutive sequence items."""
+    burn_in: int
+    """``replay.burn_in``: leading steps of a sequence used only as context."""
+    max_episode_length: int
+    """``replay.max_episode_length``: the longest episode item (``item=episode`` agents)."""
+
+    def __getattr__(self, name: str):  # only called for names the dataclass does not have
+        if name in _GROUPS:
+            have = ", ".join(f.name for f in fields(self))
+            raise AttributeError(
+                f"an agent gets AgentSettings ({have}), not the whole run config: read settings.gamma instead "
+                f"of full_cfg.actor.gamma (docs/custom_agent.md); '{name}' is not one of them"
+            )
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def agent_settings(cfg: Any) -> AgentSettings:
+    """The :class:`AgentSettings` of a run config (the one place they are read from it)."""
+    a, r = cfg.actor, cfg.replay
+    return AgentSettings(gamma=float(a.gamma), n_step=int(a.n_step), seed=int(cfg.run.seed),
+                         bf16=bool(cfg.learner.bf16), sequence_length=int(r.sequence_length),
+                         sequence_period=int(r.sequence_period), burn_in=int(r.burn_in),
+                         max_episode_length=int(r.max_episode_length))  # fmt: skip
+
+
 @runtime_checkable
 class Agent(Protocol):
     """The smallest interface that serves every agent (DQN, R2D2, Decision Transformer)."""
 
-    def __init__(self, cfg: Any, spec: EnvSpec, full_cfg: Any, device: torch.device) -> None:
-        """``cfg``: the agent's config group; ``full_cfg``: the whole run config (n-step, γ...)."""
+    def __init__(self, cfg: Any, spec: EnvSpec, settings: AgentSettings, device: torch.device) -> None:
+        """``cfg``: the agent's config group; ``settings``: what it reads of the rest of the run
+        (γ, n-step, seed, bf16, the item geometry: :class:`AgentSettings`)."""
 
     # ---- replay
     def replay_columns(self) -> dict[str, str]:
@@ -198,7 +248,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_agent(full_cfg: Any, spec: EnvSpec, device: torch.device | str) -> Agent:
-    """Instantiate ``full_cfg.agent.name``'s Agent for the env ``spec``."""
+def make_agent(cfg: Any, spec: EnvSpec, device: torch.device | str) -> Agent:
+    """Instantiate ``cfg.agent.name``'s Agent for the env ``spec``: its own group ``cfg.agent`` and
+    the :class:`AgentSettings` of the run."""
     device = resolve_device(device) if isinstance(device, str) else device
-    return load_agent_class(full_cfg.agent.name)(full_cfg.agent, spec, full_cfg, device)
+    return load_agent_class(cfg.agent.name)(cfg.agent, spec, agent_settings(cfg), device)

@@ -79,10 +79,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise GearflowError(f"--resume {run_dir}: no config.yaml there (not a gearflow run directory)")
         cfg = load_config(run_dir / "config.yaml", overrides)
         cfg.run.dir = str(run_dir)
-    if cfg.launcher == "ray":  # the roles run on Ray; this process drives them
-        if args.resume is not None:
-            raise GearflowError("--resume with launcher=ray is not supported yet: resume the learner with "
-                                "gearflow train --resume RUN_DIR transport.shards=[...] against running shard nodes")
+    from gearflow.topology.plan import plan_run
+
+    if plan_run(cfg, resume=args.resume is not None).mode == "ray":  # the roles run on Ray; this process drives them
         from gearflow.launchers.ray import train_on_ray
 
         summary = train_on_ray(cfg)

@@ -23,7 +23,7 @@ batches the largest target error against fp32 is 0.0018 (Ape-X) and 0.0057 (R2D2
 the whole-``learn`` autocast gave 0.078 and 0.86.
 
 The learner no longer wraps ``agent.learn`` in autocast: an agent reads ``learner.bf16``
-(``full_cfg.learner.bf16``) and applies :func:`bf16_forward` itself, where it knows which
+(``settings.bf16``, :class:`~gearflow.agent.AgentSettings`) and applies :func:`bf16_forward` itself, where it knows which
 calls are forward passes.
 """
 

@@ -1,6 +1,9 @@
 """``gearflow train``: the single-machine runner — wiring only.
 
-:meth:`Runner.connect_components` is the one place where the graph is wired::
+The run's plan (:func:`~gearflow.topology.plan.plan_run`, made once from the config) says
+which roles this process runs; :meth:`Runner.connect_components` builds them with the one
+builder (:class:`~gearflow.topology.build.Builder`, also used by ``gearflow serve`` and the
+Ray roles)::
 
     env spec → agent → Table (SharedStorage, selector, rate limiter; geometry.py)
              → ParameterStore → Learner (learner.py: the loop, priorities, publishing)
@@ -8,6 +11,11 @@
                make_actor(...) over a Writer of its partitions), or one serial actor
                in this process (run.serial=true: SerialBatches, the same classes),
                or none (run.mode=offline: the dataset is the replay)
+    (transport.shards: DataParallel → RemoteShards (the nodes' sampler and publisher) → Learner)
+
+and :meth:`Runner.run` takes every role through one lifecycle
+(:class:`~gearflow.topology.roles.Lifecycle`: start, check and drain between batches, stop,
+finish, close — close always, last built first).
 
     EnvPool actors ──Adder → WriterLike──▶ SharedStorage (one partition per env)
             ▲                                     │ scan / sample (learner process)
@@ -44,26 +52,22 @@ import threading
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from gearflow.actors.base import env_seed
-from gearflow.agent import make_agent, resolve_device
+from gearflow.agent import resolve_device
 from gearflow.config import save_config
-from gearflow.envs import make_vec_env
 from gearflow.errors import CheckpointNotWritten, ConfigError, GearflowError
-from gearflow.geometry import replay_geometry
 from gearflow.launchers.local import ActorFailed, LocalLauncher
-from gearflow.learner import BetaSchedule, Learner, Prefetcher, Progress, SerialBatches
+from gearflow.learner import Learner, Prefetcher, Progress, SerialBatches
 from gearflow.log import DATEFMT, FORMAT
-from gearflow.native.device_replay import resolve_replay_device
-from gearflow.params import ParameterStore
-from gearflow.replay import Table
-from gearflow.replay.spec import replay_spec
 from gearflow.replay.storage import gc_segments, run_tag
 from gearflow.run.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
 from gearflow.run.metrics import MetricsLog
 from gearflow.run.progress import make_display
-from gearflow.run.tables import env_steps_in, make_run_dir, make_table, restore_table
+from gearflow.run.tables import env_steps_in, make_run_dir
+from gearflow.topology.build import Builder
+from gearflow.topology.plan import plan_run
+from gearflow.topology.roles import Lifecycle
 
 log = logging.getLogger("gearflow.runner")
 
@@ -73,21 +77,27 @@ __all__ = ["ActorFailed", "Runner", "check_run_dir", "make_run_dir", "train"]
 class Runner:
     """Builds one training run on this machine (:meth:`connect_components`) and runs it."""
 
-    def __init__(self, cfg: DictConfig, resume: bool = False, stop: threading.Event | None = None):
+    def __init__(self, cfg: DictConfig, resume: bool = False, stop: threading.Event | None = None,
+                 roles: tuple = ()):  # fmt: skip
         self.cfg = cfg
+        self.plan = plan_run(cfg, resume=resume)  # which roles this process runs (gearflow/topology/plan.py)
+        if not self.plan.learns:
+            raise ConfigError(f"{self.plan.mode} runs no learner here: run it with gearflow train (the runner "
+                              "trains on this machine; launcher=ray is gearflow.launchers.ray.train_on_ray)")  # fmt: skip
         self.run_dir = make_run_dir(cfg)
         self.resume = resume  # continue from the run directory's latest valid checkpoint
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
         self.checkpoint: Checkpoint | None = None  # the one resumed from
         self.progress = Progress()
-        self.table: Table | None = None
-        self.params: ParameterStore | None = None
+        # every role of the run, in build order: started, supervised, stopped and closed together
+        self.roles = Lifecycle()
+        self._extra_roles = tuple(roles)  # a caller's own roles (a monitor, a test's), before the plan's
+        # the parts the learner loop reads (also registered on self.roles)
+        self.table = None  # Table, or the shard nodes' sampler (transport.shards)
+        self.params = None  # ParameterStore, or the shard nodes' publisher
         self.learner: Learner | None = None
-        self.launcher: LocalLauncher | None = None
-        self.remote = None  # RemoteActors: actor.remote_actors > 0 (launchers/remote.py)
-        self.serial_actor = None
-        self.shards = None  # RemoteShards: transport.shards (launchers/shards.py)
-        self.parallel = None  # DataParallel: learner.world_size > 1 (distributed.py)
+        self.serial_actor = None  # run.serial=true: the one actor, stepped by SerialBatches
+        self.shards = None  # RemoteShards: transport.shards (transport/learner/shards.py)
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
@@ -96,7 +106,8 @@ class Runner:
 
     # ------------------------------------------------------------------ wiring
     def connect_components(self) -> None:
-        """Env spec → agent → replay table → parameter store → learner → actors."""
+        """Env spec → agent → replay table → parameter store → learner → actors, as the plan says
+        (the builder makes each part and registers it on :attr:`roles`)."""
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)
         if self.resume:
@@ -105,123 +116,60 @@ class Runner:
             # left by the stopped run if it was killed: only this run's, and only of dead owners
             for name, size in gc_segments(prefix="gearflow", run=self.run_tag):
                 log.info("removed /dev/shm/%s (%.1f MiB) of a dead process", name, size / 2**20)
-        probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
-        env_spec = probe.env_spec
-        probe.close()
+        for role in self._extra_roles:  # first: closed last, also when the build fails
+            self.roles.add(role)
+        build = Builder(cfg, self.plan, self.roles, tag=self.run_tag)
         self.device = resolve_device(cfg.learner.device)
-        self.agent = agent = make_agent(cfg, env_spec, self.device)
-        agent.setup_learner()
+        self.agent, self.env_spec = build.agent(self.device)
+        agent = self.agent
         if self.checkpoint is not None:
             self._restore_learner()
         if cfg.learner.compile:
             agent.learner_network().compile()  # in place: parameter names stay the same
-
-        kind = agent.item_kind()
-        if kind.name != cfg.replay.item:
-            raise ConfigError(f"replay.item={cfg.replay.item!r}: agent {cfg.agent.name} learns from {kind.name} items")
-        if cfg.transport.shards:  # the replay and the actors are on shard nodes (gearflow serve)
-            self._connect_shards()
-            return
-        geom = replay_geometry(cfg, kind)
-        spec = replay_spec(agent.replay_columns(), cfg.replay.frame_stack)  # frame_stack: obs as frames
-        replay_device = resolve_replay_device(cfg.replay.device, cfg.replay.selector)  # before any segment
-        if replay_device.startswith("cuda") and self.device.type != "cuda":
-            raise ConfigError(
-                f"replay.device={cfg.replay.device!r} assembles batches on the GPU, but the learner runs on "
-                f"{self.device} (learner.device={cfg.learner.device!r}); use learner.device=cuda or replay.device=cpu"
-            )
-        if replay_device == "cuda" and self.device.index is not None:
-            replay_device = f"cuda:{self.device.index}"  # the batches land on the learner's GPU
-        elif replay_device.startswith("cuda:") and replay_device != f"cuda:{torch.cuda.current_device() if self.device.index is None else self.device.index}":
-            raise ConfigError(f"replay.device={replay_device} assembles batches on another GPU than the learner's "
-                              f"({self.device}); give both the same index")  # fmt: skip
-        if self.checkpoint is not None and self.checkpoint.replay_dir is not None:
-            self.table = restore_table(cfg, self.checkpoint.replay_dir, kind, spec, geom, replay_device, self.run_tag)
+        if "shards" in self.plan:  # the replay and the actors are on shard nodes (gearflow serve)
+            self._connect_shards(build)
         else:
-            self.table = make_table(cfg, kind, spec, geom, replay_device, self.run_tag)
-        storage = self.table.storage
-        try:
-            self.params = ParameterStore.create(agent.learner_network(), run_tag=self.run_tag)
-        except BaseException:
-            self.table.close()
-            self.table = None
-            raise
-        version = None
-        if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
-            r = self.checkpoint.runner
-            self.progress.load_state(r["progress"])
-            self._env_steps_offset = int(r["env_steps"]) - self.env_steps()
-            version = max(1, int(r["weights_version"]))
-        self.params.publish(agent.learner_network(), version=version)
-        beta = None
-        if self.table.selector.importance_sampled and cfg.run.max_env_steps:
-            beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
-        self.learner = Learner(cfg, agent, self.table, self.params, self.progress, env_steps=self.env_steps,
-                               actor_version=self._actor_weights_version, checkpoints=self.checkpoints,
-                               beta=beta, device=self.device, stop=self._stop)  # fmt: skip
+            replay_dir = self.checkpoint.replay_dir if self.checkpoint is not None else None
+            self.table = build.replay(agent, self.device, checkpoint_dir=replay_dir)
+            self.params = build.params(agent)
+            version = self._resumed_version()
+            self.params.publish(agent.learner_network(), version=version)
+            self.learner = build.learner(agent, self.table, self.params, self.progress, **self._learner_kwargs())
+            self.serial_actor = build.actors(agent, self.table, self.params, self.progress)
 
-        if cfg.run.mode == "offline":  # the dataset is the replay (a restored checkpoint already has it); no actors
-            from gearflow.run.offline import load_dataset
-
-            if self.table.size == 0:
-                load_dataset(cfg.run.dataset, self.table, agent, env_spec)
-        elif cfg.run.serial:
-            from gearflow.actors.process import make_actor
-
-            env = make_vec_env(cfg.env, seed=env_seed(cfg, 0))
-            try:
-                self.serial_actor = make_actor(cfg, 0, agent, env, storage, geom.partitions_of(0), self.params,
-                                               on_episode=lambda env, ret, length, eps: self.progress.add_episode(0, ret))
-            except BaseException:
-                env.close()
-                raise
-        else:
-            partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
-            local = geom.num_actors - int(cfg.actor.remote_actors)  # the last remote_actors connect over TCP
-            self.launcher = LocalLauncher(cfg, storage.name, self.params.name, partitions[:local])
-            if local < geom.num_actors:
-                from gearflow.launchers.remote import RemoteActors
-
-                self.remote = RemoteActors(cfg, self.table, self.params,
-                                           {a: partitions[a] for a in range(local, geom.num_actors)})  # fmt: skip
-        log.info("replay: %d partitions × %d steps (%.1f MiB), item=%s, selector=%s", geom.num_partitions,
-                 geom.steps_per_partition, storage.nbytes / 2**20, cfg.replay.item, cfg.replay.selector)
-
-    def _connect_shards(self) -> None:
+    def _connect_shards(self, build: Builder) -> None:
         """``transport.shards``: sample the shard nodes, push weights to them, read their progress
-        (:mod:`gearflow.launchers.shards`); no table, parameter store or actors here."""
-        from gearflow.launchers.shards import RemoteShards
-
+        (:mod:`gearflow.transport.learner.shards`); no table, parameter store or actors here."""
         cfg, agent = self.cfg, self.agent
         if cfg.run.checkpoint_replay:  # each node's replay stays on its node (replay.checkpoint there)
             log.info("transport.shards: checkpoints hold the learner only (the replay stays on the shard nodes)")
             cfg.run.checkpoint_replay = False
-        from gearflow.distributed import DataParallel
-
-        self.parallel = DataParallel.from_config(cfg, self.device)  # learner.world_size > 1
-        rank = 0
-        if self.parallel is not None:
-            self.parallel.init()  # waits for every rank at learner.dist_address
-            self.parallel.setup(agent)  # rank 0's learner state everywhere; gradient averaging hooks
-            rank = self.parallel.rank
+        parallel = build.data_parallel(self.device, agent)  # learner.world_size > 1
+        rank = parallel.rank if parallel is not None else 0
         # each rank draws its own share (its own split seed); only rank 0 pushes weights
-        self.shards = RemoteShards(cfg, agent, publisher=rank == 0, seed=cfg.run.seed + 1009 * rank)
+        self.shards = build.shards(agent, self.progress, publisher=rank == 0, seed=cfg.run.seed + 1009 * rank)
         self.table, self.params = self.shards.sampler, self.shards.params
-        version = None
-        if self.checkpoint is not None:  # version numbers continue; the learner's state is restored
-            r = self.checkpoint.runner
-            self.progress.load_state(r["progress"])
-            self.shards.poll(self.progress, force=True)
-            self._env_steps_offset = int(r["env_steps"]) - self.shards.env_steps()
-            version = max(1, int(r["weights_version"]))
+        version = self._resumed_version()
         if rank == 0:
             self.params.publish(agent.learner_network(), version=version)
-        beta = None
-        if self.table.selector.importance_sampled and cfg.run.max_env_steps:
-            beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
-        self.learner = Learner(cfg, agent, self.table, self.params, self.progress, env_steps=self.env_steps,
-                               actor_version=self._actor_weights_version, checkpoints=self.checkpoints,
-                               beta=beta, device=self.device, stop=self._stop, parallel=self.parallel)  # fmt: skip
+        self.learner = build.learner(agent, self.table, self.params, self.progress, parallel=parallel,
+                                     **self._learner_kwargs())  # fmt: skip
+
+    def _learner_kwargs(self) -> dict:
+        return {"env_steps": self.env_steps, "actor_version": self._actor_weights_version,
+                "checkpoints": self.checkpoints, "device": self.device, "stop": self._stop}
+
+    def _resumed_version(self) -> int | None:
+        """A resumed run's progress and env-step offset restored; the weights version to publish
+        (version numbers continue; the learner's state was restored), None for a fresh run."""
+        if self.checkpoint is None:
+            return None
+        r = self.checkpoint.runner
+        self.progress.load_state(r["progress"])
+        if self.shards is not None:
+            self.shards.poll(self.progress, force=True)  # the nodes' counters, before the offset is taken
+        self._env_steps_offset = int(r["env_steps"]) - self.env_steps()
+        return max(1, int(r["weights_version"]))
 
     def _restore_learner(self) -> None:
         try:
@@ -233,6 +181,11 @@ class Runner:
                 f"the config's agent (were agent.* keys or the env changed?): {first}"
             ) from None
         set_rng_states(self.checkpoint.learner["rng"])
+
+    @property
+    def launcher(self) -> LocalLauncher | None:
+        """This run's actor processes (the ``actors`` role), None in a plan without them."""
+        return self.roles.first(LocalLauncher)
 
     # ------------------------------------------------------------------ counters
     def env_steps(self) -> int:
@@ -251,24 +204,17 @@ class Runner:
         self._stop.set()
 
     def _drain(self) -> None:
-        if self.shards is not None:
-            self.shards.poll(self.progress)
-        if self.launcher is not None:
-            self.launcher.drain(self.progress)
-        if self.remote is not None:
-            self.remote.drain(self.progress)
+        self.roles.drain(self.progress)
 
     def _supervise(self) -> str:
-        """Between batches: actor reports in, dead actors restarted; a reason to stop if one failed."""
+        """Between batches: every role's reports in, its check (dead actors restarted); a reason
+        to stop if a role failed."""
         self._drain()
-        if self.launcher is not None:
-            try:
-                self.progress.restarts += self.launcher.check()
-                if self.remote is not None:
-                    self.progress.restarts += self.remote.check()
-            except ActorFailed as exc:  # stop as a limit would: checkpoint, then fail
-                self._failure = exc
-                return f"actor failed: {exc}"
+        try:
+            self.progress.restarts += self.roles.check()
+        except ActorFailed as exc:  # stop as a limit would: checkpoint, then fail
+            self._failure = exc
+            return f"actor failed: {exc}"
         return ""
 
     # ------------------------------------------------------------------ run
@@ -277,7 +223,7 @@ class Runner:
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in previous:
             signal.signal(s, self._on_signal)
-        metrics_log = display = file_log = prefetch = None
+        metrics_log = display = file_log = None
         self._failure: ActorFailed | None = None
         try:
             if not self.resume and ((self.run_dir / "metrics.jsonl").exists() or RunCheckpoints(self.run_dir / "checkpoints").paths()):
@@ -302,33 +248,25 @@ class Runner:
             learner = self.learner
             learner.metric_offsets = metrics_log.offsets
             display = make_display(cfg.run.progress, cfg.run.max_env_steps, title=f"gearflow train {self.run_dir}")
-            if self.launcher is not None:
-                self.launcher.start()
-            if self.remote is not None:
-                self.remote.start()
+            self.roles.start()
             if self.serial_actor is not None:
                 batches = SerialBatches(self.serial_actor, self.table, cfg.learner.batch_size, self.progress,
                                         paced=float(cfg.replay.samples_per_insert) > 0)
-            else:  # actor processes, or offline: batches come from the prefetcher
+            else:  # actor processes, shard nodes, or offline: batches come from the prefetcher
                 share = cfg.learner.batch_size // int(cfg.learner.world_size)  # data-parallel: this rank's share
-                batches = prefetch = Prefetcher(self.table, learner.lock, share, cfg.learner.prefetch,
-                                                learner.stop, self.progress)  # fmt: skip
+                batches = self.roles.closes(Prefetcher(self.table, learner.lock, share, cfg.learner.prefetch,
+                                                       learner.stop, self.progress), "prefetch")  # fmt: skip
 
             def emit(row: dict) -> None:
                 metrics_log.write(row)
                 display.update(row)
 
             reason, metrics = learner.run(batches.next_batch, between=self._supervise, emit=emit)
-            if self.launcher is not None:  # final actor counters arrive as they exit
-                learner.stop.set()
-                self.launcher.stop(drain=self._drain)
-            if self.remote is not None:
-                self.remote.stop(drain=self._drain)
-            if self.shards is not None:
-                self.shards.poll(self.progress, force=True)
+            learner.stop.set()  # the prefetcher stops sampling
+            self.roles.stop(self.progress)  # final actor counters arrive as they exit; the nodes' last progress
             summary = learner.snapshot(metrics)
-            if self.shards is not None and learner.publisher and not self.stop_signal:  # a signal: --resume continues with the nodes
-                self.shards.end_run(reason)
+            if not self.stop_signal:  # a signal: --resume continues with the shard nodes
+                self.roles.finish(reason)  # the publishing learner tells the shard nodes the run is over
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
             metrics_log.write(summary)
@@ -352,19 +290,11 @@ class Runner:
             return summary
         finally:
             self._stop.set()
-            if prefetch is not None:
-                prefetch.close()
-            if self.launcher is not None:
-                self.launcher.stop(drain=self._drain)
-                self.launcher.close()
-            if self.remote is not None:
-                self.remote.close()
-            if self.shards is not None:
-                self.shards.close()  # its sampler and publisher: self.table and self.params
-                self.table = self.params = None
-            if self.parallel is not None:
-                self.parallel.close()
-            for closable in (self.serial_actor, self.table, self.params, display, metrics_log):
+            try:
+                self.roles.stop(self.progress)  # those not stopped yet (a failure on the way)
+            finally:
+                self.roles.close()  # every role, last built first, also after a failure
+            for closable in (display, metrics_log):
                 if closable is not None:
                     closable.close()
             if file_log is not None:
@@ -382,7 +312,8 @@ class Runner:
 
     def _explain(self, failure: ActorFailed, summary: dict) -> ActorFailed:
         self._drain()  # the actor's own traceback, if it sent one
-        error = self.launcher.errors.get(failure.actor, "no traceback received (killed by a signal?)")
+        errors = getattr(self.roles.failed, "errors", {})  # the failed role's (actor index → last traceback)
+        error = errors.get(failure.actor, "no traceback received (killed by a signal?)")
         where = (f"final checkpoint {summary['checkpoint']}; continue with gearflow train --resume "
                  f"{self.run_dir}") if "checkpoint" in summary else "no checkpoint (run.checkpoint_every=0)"
         failure.args = (f"{failure}; its last error: {error}; {where}",)
@@ -414,11 +345,12 @@ def train(cfg: DictConfig, resume: bool = False, stop: threading.Event | None = 
     """Run ``cfg`` to completion (``resume``: from its run directory's latest checkpoint);
     returns the final summary. ``stop``: setting it from another thread stops the run as
     SIGINT would (stop reason "stopped by signal", no ``stop_signal``)."""
-    if cfg.run.dry_run:  # memory plan only: no actors, no shared memory, no run directory
+    plan = plan_run(cfg, resume=resume)
+    if plan.mode == "dry_run":  # memory plan only: no actors, no shared memory, no run directory
         from gearflow.tools.dryrun import dry_run
 
         return dry_run(cfg)
-    if cfg.launcher != "local":
+    if plan.mode == "ray":
         raise ConfigError(f"launcher={cfg.launcher}: run it with the gearflow train command "
                           "(or gearflow.launchers.ray.train_on_ray); this function trains on this machine")  # fmt: skip
     # run.serial: one thread — the actor's many tiny acting ops share the process, and with two

@@ -137,7 +137,7 @@ SHARD_TOKEN = "test-token-0123456789"  # the shards shard_of starts, unless a te
 def shard_of():
     """``shard_of(table, token=SHARD_TOKEN, **kw) -> (ShardService, port)``: a started shard
     service over ``table`` on loopback, stopped at teardown."""
-    from gearflow.transport.shard import ShardService
+    from gearflow.transport.server.shard import ShardService
 
     made = []
 

@@ -32,10 +32,10 @@ class Config:
 
 
 class Agent:
-    def __init__(self, cfg: Config, spec, full_cfg, device: torch.device):
+    def __init__(self, cfg: Config, spec, settings, device: torch.device):
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
-        self.rng = np.random.default_rng(int(full_cfg.run.seed))
+        self.rng = np.random.default_rng(settings.seed)
         self.online = None
 
     # ---- replay: the Ape-X actor writes these five columns, one row per step

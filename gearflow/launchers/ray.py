@@ -14,6 +14,12 @@ between a node's actors and its shard, TCP — or RDMA — between shards and le
             (torch.distributed; rank 0 publishes and checkpoints), transport.shards = the
             shards' addresses, num_gpus=cluster.learner_gpus
 
+Each role is a plan of its own run by the one builder (:mod:`gearflow.topology`): a shard role
+is a ``shard`` plan (:func:`~gearflow.topology.plan.shard_node_config`), a learner role a
+``shards`` plan (:func:`~gearflow.topology.plan.learner_config`) run by the same ``Runner`` as
+``gearflow train``, an actor group the builder's
+:func:`~gearflow.topology.build.actor_processes`.
+
 Addresses travel through Ray (the shards' ``info()``, rank 0's rendezvous address), nothing
 is hard-coded. Each node's actors get their slice of the run's Ape-X ε ladder
 (``actor.ladder_offset`` = node × ``actor.num_actors``, ``actor.ladder_total`` = every node's).
@@ -40,7 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 from gearflow.config import to_yaml
 from gearflow.distributed import fingerprint
 from gearflow.errors import GearflowError, MissingDependencyError
-from gearflow.launchers.reports import ReportSink
+from gearflow.reports import ReportSink
+from gearflow.topology.plan import learner_config, shard_node_config
 
 log = logging.getLogger("gearflow.runner")
 
@@ -187,8 +194,8 @@ class ActorGroupRole:
         self._thread.start()
 
     def _attach(self, info: dict[str, Any]) -> None:
-        from gearflow.launchers.local import LocalLauncher
         from gearflow.replay.storage import WRITER_PID, SharedStorage, pid_alive
+        from gearflow.topology.build import actor_processes
 
         parts = [np.asarray(p, dtype=np.int64) for p in info["partitions"]]
         # a killed group's actor processes leave when they see their parent gone: wait for them,
@@ -206,7 +213,7 @@ class ActorGroupRole:
         finally:
             storage.close()
         self.storage_name = info["storage"]
-        self.launcher = LocalLauncher(self.cfg, info["storage"], info["params"], parts)
+        self.launcher = actor_processes(self.cfg, info["storage"], info["params"], parts)
         self.launcher.start()
 
     def _moved(self):
@@ -302,25 +309,11 @@ def _runtime_env() -> dict[str, Any]:
 
 
 def _node_config(cfg: DictConfig, i: int) -> str:
-    c = cfg.copy()
-    n, S = int(cfg.actor.num_actors), int(cfg.cluster.shards)
-    c.actor.ladder_offset, c.actor.ladder_total = i * n, S * n
-    c.actor.remote_actors = 0
-    c.transport.port = 0
-    c.run.dir = os.path.join(str(cfg.run.dir), f"shard-{i}")
-    c.launcher = "local"
-    return to_yaml(c)
+    return to_yaml(shard_node_config(cfg, i))
 
 
 def _learner_config(cfg: DictConfig, rank: int, shards: list[str], dist: str) -> str:
-    c = cfg.copy()
-    c.transport.shards = shards
-    c.learner.world_size, c.learner.rank, c.learner.dist_address = int(cfg.cluster.learners), rank, dist
-    if rank:
-        c.run.dir = os.path.join(str(cfg.run.dir), f"learner-{rank}")
-        c.run.progress = "log"
-    c.launcher = "local"
-    return to_yaml(c)
+    return to_yaml(learner_config(cfg, rank, shards, dist))
 
 
 def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
