@@ -101,7 +101,7 @@ class Runner:
         self.params = None  # ParameterStore, or the shard nodes' publisher
         self.learner: Learner | None = None
         self.serial_actor = None  # run.serial=true: the one actor, stepped by SerialBatches
-        self.shards = None  # RemoteShards: transport.shards (launchers/shards.py)
+        self.shards = None  # RemoteShards: transport.shards (transport/learner/shards.py)
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
@@ -143,7 +143,7 @@ class Runner:
 
     def _connect_shards(self, build: Builder) -> None:
         """``transport.shards``: sample the shard nodes, push weights to them, read their progress
-        (:mod:`gearflow.launchers.shards`); no table, parameter store or actors here."""
+        (:mod:`gearflow.transport.learner.shards`); no table, parameter store or actors here."""
         cfg, agent = self.cfg, self.agent
         if cfg.run.checkpoint_replay:  # each node's replay stays on its node (replay.checkpoint there)
             log.info("transport.shards: checkpoints hold the learner only (the replay stays on the shard nodes)")

@@ -15,6 +15,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread in the test process. Its models are tiny, and the suite runs beside actor,
+# shard and learner subprocesses on 2 cores: OpenMP workers spinning for a core that another
+# process holds made a 1500-step EnvPool actor test take 207 s instead of 20 s on a loaded box.
+# Tests that measure or need several threads set them themselves (and restore them).
+torch.set_num_threads(1)
 
 from gearflow.kinds.transition import Transition
 from gearflow.replay import Table, make_selector
@@ -130,7 +137,7 @@ SHARD_TOKEN = "test-token-0123456789"  # the shards shard_of starts, unless a te
 def shard_of():
     """``shard_of(table, token=SHARD_TOKEN, **kw) -> (ShardService, port)``: a started shard
     service over ``table`` on loopback, stopped at teardown."""
-    from gearflow.transport.shard import ShardService
+    from gearflow.transport.server.shard import ShardService
 
     made = []
 

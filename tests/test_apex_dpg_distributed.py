@@ -31,7 +31,7 @@ def every_param(agent) -> torch.Tensor:
 
 def _learn_shares(rank, world, port, out: Path, smoothing: bool):
     agent = make_dpg(seed=100 + rank, smoothing=smoothing)  # different weights per rank: setup() makes them rank 0's
-    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "auto", "cpu", timeout_s=60).init()
+    parallel = DataParallel(rank, world, f"127.0.0.1:{port}", "auto", "cpu", timeout_s=240).init()
     try:
         parallel.setup(agent)
         record = {"initial": every_param(agent), "steps": [], "prio": []}
@@ -46,7 +46,7 @@ def _learn_shares(rank, world, port, out: Path, smoothing: bool):
         parallel.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_two_ranks_equal_one_learner_on_the_global_batch(tmp_path):
     spawn(_learn_shares, 2, free_port(), tmp_path, False)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
@@ -70,7 +70,7 @@ def test_two_ranks_equal_one_learner_on_the_global_batch(tmp_path):
     assert sorted(set(r0["optimizer_steps"])) == [STEPS // 2, STEPS]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_ranks_stay_identical_with_target_smoothing(tmp_path):
     spawn(_learn_shares, 2, free_port(), tmp_path, True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))

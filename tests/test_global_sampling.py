@@ -28,8 +28,9 @@ import torch
 from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
 from gearflow.replay.storage import SHM_DIR
-from gearflow.transport.remote import SHARD_SHIFT, RemoteSampler
-from gearflow.transport.shard import ShardService
+from gearflow.replay.layout import SHARD_SHIFT
+from gearflow.transport.learner import RemoteSampler
+from gearflow.transport.server.shard import ShardService
 
 TOKEN = "test-token-global-sampling"
 SPEC = {"obs": "float32[2]", "action": "int64"}

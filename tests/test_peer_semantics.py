@@ -478,10 +478,11 @@ def test_remote_mend_renormalises_the_whole_batch_after_a_partial_torn_redraw():
     """Mutant: RemoteSampler._mend without its final re-normalisation. After one row of a
     shard's reply is redrawn, every row's probability is its mass at its draw over the shard's
     total now, and the IS weights are (N P)^-beta / max over the batch, as a local table's."""
-    from gearflow.transport.remote import RemoteSampler, _Weights
+    from gearflow.replay.protocols import SelectorInfo
+    from gearflow.transport.learner import RemoteSampler
 
     s = RemoteSampler.__new__(RemoteSampler)
-    s.selector = _Weights("prioritized", True)
+    s.selector = SelectorInfo("prioritized", True)
     s.selector.beta = 0.5
     s.torn, s.timeout_s = 0, 5.0
     fresh_meta = {"total": 20.0, "count": 5}  # the shard changed since the first draw

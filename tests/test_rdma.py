@@ -1,4 +1,4 @@
-"""One-sided RDMA READ gathers (gearflow.native.rdma, rdma_replay) against real shared memory.
+"""One-sided RDMA READ gathers (gearflow.transport.rdma: fabric, replay) against real shared memory.
 
 The loopback double reads the real segment a real Writer wrote (mapped separately, by path,
 addressed by the shard's own addresses and rkey), so the gather planning, the chain, the
@@ -26,16 +26,9 @@ from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.kinds.episode import Episode
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
-from gearflow.native.rdma import (
-    LoopbackExport,
-    LoopbackMemory,
-    RemoteAccessError,
-    choose_transport,
-    parse_ibv_devices,
-    plan_reads,
-    rdma_devices,
-)
-from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call, segment_base, unpack
+from gearflow.transport.choice import choose_transport, parse_ibv_devices, rdma_devices
+from gearflow.transport.rdma.fabric import LoopbackExport, LoopbackMemory, RemoteAccessError, plan_reads
+from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call, segment_base, unpack
 from gearflow.replay import (
     SharedStorage,
     Table,
@@ -502,8 +495,8 @@ def test_remote_actor_to_shard_service_to_an_rdma_learner(storage_factory):
     learner reads batches with the loopback double; each equals the Table's gather for its
     keys, and each row's stamp is the step its key names."""
     from gearflow.transport.client import Client
-    from gearflow.transport.remote import RemoteWriter
-    from gearflow.transport.shard import ShardService
+    from gearflow.transport.actor import RemoteWriter
+    from gearflow.transport.server.shard import ShardService
 
     st = storage_factory(SPEC, P=3, S=32)
     kind = Transition(next_columns=("obs",))
@@ -618,7 +611,7 @@ def test_parse_ibv_devices_output():
 
 
 def test_importing_gearflow_and_the_rdma_modules_never_imports_pyverbs():
-    code = ("import sys, gearflow, gearflow.native.rdma, gearflow.native.rdma_replay; "
+    code = ("import sys, gearflow, gearflow.transport.rdma.fabric, gearflow.transport.rdma.replay; "
             "assert 'pyverbs' not in sys.modules, 'pyverbs imported'; print('ok')")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -633,7 +626,7 @@ needs_rdma = pytest.mark.skipif(_AUTO.transport != "rdma", reason=f"no usable RD
 @pytest.mark.rdma
 @needs_rdma
 def test_verbs_gather_equals_the_table_gather(rig):  # pragma: no cover - needs an RDMA device
-    from gearflow.native.rdma import VerbsExport, VerbsMemory
+    from gearflow.transport.rdma.fabric import VerbsExport, VerbsMemory
 
     kind = Transition(next_columns=("obs",))
     table, w, _shard, _sampler = rig(kind)
@@ -654,7 +647,7 @@ def test_verbs_gather_equals_the_table_gather(rig):  # pragma: no cover - needs 
 @pytest.mark.rdma
 @needs_rdma
 def test_verbs_read_chain_and_a_wrong_rkey():  # pragma: no cover - needs an RDMA device
-    from gearflow.native.rdma import VerbsExport, VerbsMemory
+    from gearflow.transport.rdma.fabric import VerbsExport, VerbsMemory
 
     remote = np.arange(4096, dtype=np.int64)  # the "shard's" memory: 32 KiB
     export, mem = VerbsExport(), VerbsMemory()
@@ -677,7 +670,7 @@ def test_verbs_read_chain_and_a_wrong_rkey():  # pragma: no cover - needs an RDM
 
 
 def test_rdma_bench_measures_both_paths_in_one_run():
-    from gearflow.native import rdma_bench
+    from gearflow.transport.rdma import bench as rdma_bench
 
     out = rdma_bench.workload("tiny", rdma_bench.VECTOR, Transition(next_columns=("obs",)), P=2, S=64, B=8,
                               steps=40, batches=2)  # fmt: skip

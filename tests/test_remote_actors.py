@@ -170,8 +170,8 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
     ring wraps (a shipment split at the wrap)."""
     from gearflow.agent import make_agent
     from gearflow.kinds.transition import Transition
-    from gearflow.transport import remote
-    from gearflow.transport.shard import ShardService
+    from gearflow.transport import actor as remote
+    from gearflow.transport.server.shard import ShardService
 
     monkeypatch.syspath_prepend(TESTS)
     cfg = _counting_cfg()

@@ -166,7 +166,7 @@ def test_a_learner_for_another_env_is_refused_with_one_line(node, tmp_path):
     from gearflow.agent import make_agent
     from gearflow.envs import make_vec_env
     from gearflow.errors import ConfigError
-    from gearflow.launchers.shards import RemoteShards
+    from gearflow.transport.learner.shards import RemoteShards
 
     n, _ = node
     cfg = load_config(CONFIG, [*TINY, "env.id=Acrobot-v1", f"transport.shards=[127.0.0.1:{n.shard.port}]",

@@ -25,8 +25,9 @@ from gearflow.params import ParameterStore
 from gearflow.replay import RateLimiter
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE
 from gearflow.replay.writer import Writer
-from gearflow.transport.remote import RemoteParams, RemoteSampler, RemoteWriter, ShippingWriter
-from gearflow.transport.shard import ShardService
+from gearflow.transport.actor import RemoteParams, RemoteWriter, ShippingWriter
+from gearflow.transport.learner import RemoteSampler
+from gearflow.transport.server.shard import ShardService
 
 pytest.importorskip("envpool")
 TOKEN = "actor-test-token-77"

@@ -23,8 +23,9 @@ import pytest
 from gearflow.replay import RateLimiter
 from gearflow.replay.storage import COMMIT, HEARTBEAT_NS, PUBLISHED
 from gearflow.transport.client import RequestTimeout, ServiceUnavailable
-from gearflow.transport.remote import RemoteSampler, RemoteWriter
-from gearflow.transport.shard import ShardService
+from gearflow.transport.actor import RemoteWriter
+from gearflow.transport.learner import RemoteSampler
+from gearflow.transport.server.shard import ShardService
 
 TOKEN = "faults-test-token-99"
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
@@ -179,7 +180,7 @@ def test_killed_remote_writer_process_leaves_the_learner_training(make_table):
 
 def test_shipping_writer_raises_a_named_error_and_a_new_one_continues(make_table):
     from gearflow.kinds.transition import TransitionAdder
-    from gearflow.transport.remote import ShippingWriter
+    from gearflow.transport.actor import ShippingWriter
 
     table = make_table(spec=APEX, P=2, S=256)
     shard = ShardService(table, token=TOKEN)

@@ -40,9 +40,9 @@ from gearflow.transport.framing import (
     FrameLimits,
     encode,
 )
-from gearflow.transport.remote import RemoteWriter
+from gearflow.transport.actor import RemoteWriter
 from gearflow.transport.service import ServiceLimits
-from gearflow.transport.shard import ShardService
+from gearflow.transport.server.shard import ShardService
 
 TOKEN = "hostile-test-token-42"
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}

@@ -31,7 +31,9 @@ from gearflow.replay.protocols import SamplerLike, WriterLike
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED, REC_RESERVE, RESERVE
 from gearflow.replay.writer import Writer
-from gearflow.transport.remote import SHARD_SHIFT, RemoteParams, RemoteSampler, RemoteWriter
+from gearflow.replay.layout import SHARD_SHIFT
+from gearflow.transport.actor import RemoteParams, RemoteWriter
+from gearflow.transport.learner import RemoteSampler
 
 TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
@@ -214,7 +216,7 @@ def test_two_shards_sample_like_one_table(make_table, shard_of):
     b = sampler.sample(B)
     applied = sampler.update_priorities(b.keys, torch.full((B,), 5.0))
     assert applied == B
-    from gearflow.transport.shard import priority_total
+    from gearflow.transport.server.shard import priority_total
 
     totals = [priority_total(t)[0] for t in tables]
     assert all(t > 0 for t in totals)

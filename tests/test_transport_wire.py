@@ -1,4 +1,4 @@
-"""Sample replies written straight out of the shard's segment (gearflow.transport.wire).
+"""Sample replies written straight out of the shard's segment (gearflow.transport.server.wire).
 
 * Every item kind (transitions with next columns, padded sequences, whole episodes, with a
   stacked-frame column beside): what a RemoteSampler receives equals, byte for byte, the
@@ -23,7 +23,7 @@ from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
 from gearflow.replay import Writer
 from gearflow.transport.client import Client
-from gearflow.transport.remote import RemoteSampler
+from gearflow.transport.learner import RemoteSampler
 
 TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
 

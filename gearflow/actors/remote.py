@@ -87,7 +87,7 @@ def run_remote_actor(address: str, local_cfg=None, *, token: Optional[str] = Non
     sampling) ends the membership, not the actor: it rejoins and waits again."""
     from gearflow.replay.rate_limiter import RateLimiterTimeout
     from gearflow.transport.client import Client, ServiceUnavailable
-    from gearflow.transport.shard import SessionLost
+    from gearflow.transport.errors import SessionLost
 
     stop = _Stop(stop_event, parent_pid)
     control = Client(address, token, timeout_s=timeout_s, loop=loop)
@@ -118,7 +118,7 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
     from gearflow.actors.base import actor_epsilon, env_seed
     from gearflow.agent import make_agent, resolve_device
     from gearflow.envs import make_vec_env
-    from gearflow.transport.remote import RemoteParams, RemoteWriter, ShippingWriter
+    from gearflow.transport.actor import RemoteParams, RemoteWriter, ShippingWriter
 
     meta, _ = control.call("run.join", {"actor": place[0]})
     if meta.get("stop"):

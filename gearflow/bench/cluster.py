@@ -450,7 +450,8 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
     """A shard of the config's columns in its own process on loopback: ShippingWriter write rate,
     RemoteSampler batch rate and latency at the config's batch; the 28 KiB-row loopback byte rate."""
     from gearflow.transport import bench as tb
-    from gearflow.transport.remote import RemoteSampler, ShippingWriter
+    from gearflow.transport.actor import ShippingWriter
+    from gearflow.transport.learner import RemoteSampler
 
     rng = np.random.default_rng(seed)
     B, E = int(cfg.learner.batch_size), 4

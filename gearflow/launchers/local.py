@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from gearflow.config import to_yaml
 from gearflow.launchers.failures import ActorFailed, FailureLog
-from gearflow.launchers.reports import fold_report
+from gearflow.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
 

@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from gearflow.config import to_yaml
 from gearflow.distributed import fingerprint
 from gearflow.errors import GearflowError, MissingDependencyError
-from gearflow.launchers.reports import ReportSink
+from gearflow.reports import ReportSink
 from gearflow.topology.plan import learner_config, shard_node_config
 
 log = logging.getLogger("gearflow.runner")

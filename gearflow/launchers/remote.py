@@ -3,7 +3,7 @@
 With ``actor.remote_actors = K``, the last ``K`` of the run's ``actor.num_actors`` actors are
 not started here: a **shard process** attaches the run's replay segment and parameter store
 by name (as a local actor process does), serves them with a
-:class:`~gearflow.transport.shard.ShardService` (``learners=False``: the learner samples its
+:class:`~gearflow.transport.server.shard.ShardService` (``learners=False``: the learner samples its
 own table) on ``transport.host:transport.port``, and waits for them
 (``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.remote`)::
 
@@ -50,7 +50,7 @@ from omegaconf import DictConfig
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
-from gearflow.launchers.reports import fold_report
+from gearflow.reports import fold_report
 
 log = logging.getLogger("gearflow.runner")
 
@@ -246,7 +246,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
     from gearflow.log import inherited_verbosity, setup_logging
     from gearflow.params import ParameterStore
     from gearflow.replay.storage import SharedStorage
-    from gearflow.transport.shard import ShardService
+    from gearflow.transport.server.shard import ShardService
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner stops us through stop_event
     setup_logging(inherited_verbosity())

@@ -3,17 +3,11 @@
 A shard node owns this machine's replay table (shared memory) and parameter store, runs the
 node's ``actor.num_actors`` actor processes against them (:class:`LocalLauncher`, exactly as
 ``gearflow train`` does; the last ``actor.remote_actors`` of them join over TCP with
-``gearflow actor --connect``), and serves the table to learners on other machines with a
-:class:`~gearflow.transport.shard.ShardService` (``replay.sample``, ``replay.update_priorities``,
-``replay.stats``, ``replay.checkpoint``, ``params.get``) plus the learner's control messages:
-
-* ``params.push`` — the learner's new weights (``version``, ``names`` + one buffer per tensor),
-  published into the node's parameter store; its actors pick them up as from a local learner.
-* ``run.progress`` — what the node's actors reported since ``cursor`` (episodes, counters,
-  errors, as dicts with the actor's index in the *run*: ``actor.ladder_offset`` + local index),
-  the node's env steps, and whether the node is stopping. A learner polls it; several learners
-  (data-parallel) each keep their own cursor.
-* ``run.stop`` — the run is over: the node stops its actors and exits (``gearflow serve`` exits 0).
+``gearflow actor --connect``), and serves the table to learners on other machines through a
+:class:`~gearflow.transport.server.node.NodeService` (the server side of the transport: the
+shard's ``replay.*`` and ``params.get``, the learner's ``params.push``, ``run.progress`` and
+``run.stop``; the handlers live there). This module only wires it: the node's table, parameter
+store, actors and report relay, built from the config.
 
 ::
 
@@ -39,7 +33,6 @@ import collections
 import json
 import logging
 import os
-import secrets
 import signal
 import threading
 import time
@@ -51,7 +44,7 @@ from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError
 from gearflow.launchers.local import ActorFailed
-from gearflow.launchers.reports import ReportSink, fold_report
+from gearflow.reports import ReportSink, fold_report
 
 log = logging.getLogger("gearflow.serve")
 
@@ -127,7 +120,7 @@ class ShardNode:
         torch.manual_seed(cfg.run.seed)
         self.run_dir = make_run_dir(cfg)
         self.roles = Lifecycle()  # the node's table, parameter store and actor processes
-        self.params = self.shard = self.table = None
+        self.params = self.shard = self.server = self.table = None
         try:
             build = Builder(cfg, plan, self.roles, tag=run_tag(self.run_dir))
             agent, _ = build.agent(torch.device("cpu"))  # the replay layout and the weights' template
@@ -137,7 +130,6 @@ class ShardNode:
             self.params.publish(agent.learner_network())  # version 1: the actors' weights until a learner pushes
             self._template = {k: v for k, v in agent.learner_network().state_dict().items()}
             self.relay = _Relay(int(cfg.actor.ladder_offset))
-            self.epoch = secrets.token_hex(8)  # a restarted node is another epoch: learners restart their cursors
             self.stop_event = threading.Event()
             self.stop_reason = ""
             self.partitions = partitions = [geom.partitions_of(a) for a in range(geom.num_actors)]
@@ -151,70 +143,23 @@ class ShardNode:
     def _build_service(self, remote: dict[int, list[int]]) -> None:
         from gearflow.config import to_yaml
         from gearflow.launchers.remote import Members
-        from gearflow.transport.shard import ShardService
-
-        t = self.cfg.transport
-        every = sorted(p for parts in remote.values() for p in parts)
-        self.shard = ShardService(self.table, params=self.params, partitions=every, host=str(t.host), port=int(t.port),
-                                  token=self.token, loop=str(t.loop),
-                                  checkpoint_dir=str(self.run_dir / "replay"))  # fmt: skip
-        s = self.shard.service
-        if remote:
-            members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event)
-            s.register("run.join", members.join, with_connection=True)
-            s.register("run.report", members.report, with_connection=True, inline=True)
-        from gearflow.native.rdma import choose_transport
-
-        self.transport = choose_transport(str(t.kind))  # auto: RDMA where a device and pyverbs are usable
-        self.rdma = None
-        if self.transport.transport == "rdma":  # learners may read rows with one-sided READs (rdma.*)
-            from gearflow.native.rdma import VerbsExport
-            from gearflow.native.rdma_replay import RdmaShard
-
-            self.rdma = RdmaShard.serve(self.shard, VerbsExport())
-        log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
-        s.register("params.push", self._params_push)
-        s.register("run.progress", self._progress, inline=True)
-        s.register("run.stop", self._stop, with_connection=True)
-
-    # ----------------------------------------------------------------- handlers
-    def _params_push(self, meta: dict, bufs):
-        version, names = meta.get("version"), meta.get("names")
-        if type(version) is not int or version < 1:
-            raise ValueError(f"params.push: version must be an int ≥ 1, got {version!r}")
-        if not isinstance(names, list) or len(names) != len(bufs) or set(names) != set(self._template):
-            raise ValueError(f"params.push: the weights must name exactly the {len(self._template)} tensors of the "
-                             f"node's {self.cfg.agent.name} network (got {len(bufs)} buffers)")  # fmt: skip
-        state = {}
-        for n, a in zip(names, bufs):
-            t = torch.from_numpy(a)
-            want = self._template[n]
-            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-                raise ValueError(f"params.push: {n!r} is {t.dtype}{list(t.shape)}, the node's network holds "
-                                 f"{want.dtype}{list(want.shape)} (is the learner's agent config the node's?)")
-            state[n] = t
-        if version <= self.params.latest_version():
-            return {"version": self.params.latest_version(), "applied": False}, []
-        self.params.publish(state, version=version)
-        return {"version": version, "applied": True}, []
-
-    def _progress(self, meta: dict, bufs):
-        cursor = meta.get("cursor", 0)
-        if type(cursor) is not int or cursor < 0:
-            raise ValueError(f"run.progress: cursor must be an int ≥ 0, got {cursor!r}")
         from gearflow.run.tables import env_steps_in
+        from gearflow.transport.server.node import NodeService
 
-        items, nxt, lost = self.relay.since(cursor)
-        return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": env_steps_in(self.table),
-                "actors": self.geom.num_actors, "ladder_offset": int(self.cfg.actor.ladder_offset),
-                "weights_version": self.params.latest_version(), "epoch": self.epoch,
-                "stopping": self.stop_event.is_set()}, []  # fmt: skip
+        t, table = self.cfg.transport, self.table
+        members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event) if remote else None
+        self.server = NodeService(table, self.params, self._template, relay=self.relay,
+                                  env_steps=lambda: env_steps_in(table), stop_event=self.stop_event,
+                                  on_stop=self._stopped_by, num_actors=self.geom.num_actors,
+                                  ladder_offset=int(self.cfg.actor.ladder_offset), network=str(self.cfg.agent.name),
+                                  remote=[p for parts in remote.values() for p in parts], members=members,
+                                  host=str(t.host), port=int(t.port), token=self.token, loop=str(t.loop),
+                                  transport=str(t.kind), checkpoint_dir=str(self.run_dir / "replay"))  # fmt: skip
+        self.shard, self.transport, self.rdma, self.epoch = self.server.shard, self.server.transport, self.server.rdma, self.server.epoch
 
-    def _stop(self, meta: dict, bufs, conn):
-        reason = meta.get("reason")
-        self.stop_reason = f"run.stop from {conn.peer}" + (f": {str(reason)[:200]}" if reason else "")
+    def _stopped_by(self, reason: str) -> None:
+        self.stop_reason = reason
         self.stop_event.set()
-        return {}, []
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -257,12 +202,9 @@ class ShardNode:
         try:
             self.roles.stop(getattr(self, "relay", None))  # the actors' last reports into the relay
         finally:
-            if self.shard is not None:
-                self.shard.stop()
-                self.shard = None
-            if getattr(self, "rdma", None) is not None:
-                self.rdma.close()
-                self.rdma = None
+            if getattr(self, "server", None) is not None:  # the shard service and its RDMA export
+                self.server.close()
+                self.server = self.shard = self.rdma = None
             self.roles.close()  # the launcher's queue, the parameter store, the table
             self.params = self.table = None
 

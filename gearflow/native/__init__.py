@@ -1,6 +1,7 @@
-"""Native back ends: CuPy raw kernels (CUDA) and pyverbs (RDMA).
+"""The CUDA back end: CuPy raw kernels for the GPU-centric replay path (RDMA is
+:mod:`gearflow.transport.rdma`).
 
-Both are optional. Nothing here imports CuPy or pyverbs at module import time;
+CuPy is optional. Nothing here imports CuPy at module import time;
 the ``probe_*`` functions tell whether each is usable and why not, and the
 ``require_*`` functions return the module or raise a one-line
 :class:`~gearflow.errors.MissingDependencyError` saying how to install it.
@@ -18,10 +19,6 @@ from types import ModuleType
 from gearflow.errors import MissingDependencyError
 
 CUPY_HINT = "pip install 'gearflow[gpu]' (CUDA 12) or 'gearflow[gpu-cu13]' (CUDA 13)"
-PYVERBS_HINT = (
-    "pyverbs ships with rdma-core, not PyPI: apt-get install python3-pyverbs "
-    "(Debian/Ubuntu) or dnf install python3-pyverbs, for the same Python as gearflow"
-)
 
 
 @dataclass(frozen=True)
@@ -136,22 +133,6 @@ def probe_nvcc() -> Probe:
     return Probe("nvcc", out.returncode == 0, release[0].strip() if release else path)
 
 
-def probe_pyverbs() -> Probe:
-    """pyverbs importable and at least one RDMA device present."""
-    try:
-        device = importlib.import_module("pyverbs.device")
-    except ImportError as exc:
-        return Probe("pyverbs (rdma)", False, f"not importable ({_first_line(exc)}); {PYVERBS_HINT}")
-    try:
-        devices = device.get_device_list()
-    except Exception as exc:
-        return Probe("pyverbs (rdma)", False, f"pyverbs imports but {_first_line(exc)}")
-    if not devices:
-        return Probe("pyverbs (rdma)", False, "pyverbs imports but there is no RDMA device")
-    names = ", ".join(d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices)
-    return Probe("pyverbs (rdma)", True, names)
-
-
 def require_cupy(purpose: str) -> ModuleType:
     """Return the cupy module or raise a one-line error naming ``purpose``."""
     probe = probe_cupy()
@@ -159,10 +140,3 @@ def require_cupy(purpose: str) -> ModuleType:
         raise MissingDependencyError(f"{purpose} needs CuPy and a CUDA GPU: {probe.detail}")
     return importlib.import_module("cupy")
 
-
-def require_pyverbs(purpose: str) -> ModuleType:
-    """Return the pyverbs package or raise a one-line error naming ``purpose``."""
-    probe = probe_pyverbs()
-    if not probe.ok:
-        raise MissingDependencyError(f"{purpose} needs pyverbs and an RDMA device: {probe.detail}")
-    return importlib.import_module("pyverbs")

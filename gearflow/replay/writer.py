@@ -29,8 +29,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from gearflow.errors import GearflowError
+from gearflow.replay.checks import ORDER_MESSAGE, check_items, check_stream_order, crossing_message, expired_message, stream_order
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
-from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import MAX_STACK
 
 try:  # C item records for one stream (setup.py builds it); the numpy code below is the reference
@@ -57,12 +57,6 @@ from gearflow.replay.storage import (
 
 LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
 OFFSET_MAX = MAX_STACK - 1  # a step's offset in its episode is stored capped (uint8)
-
-
-def _expired_message(start: int, stream: int, pos: int, trust: int) -> str:
-    """The error of an item over steps the ring already overwrote (the C path says the same)."""
-    return (f"item starting at step {start} of stream {stream} refers to steps the ring already "
-            f"overwrote: the stream holds steps >= {pos - trust} ({trust} steps behind its next step {pos})")
 
 
 class InsertAborted(GearflowError):
@@ -315,23 +309,15 @@ class Writer(StreamPositions):
             raise ValueError(f"{m} priorities for {s.size} streams")
         lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
         end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
-        start = self._check_items(prio, lengths, end, s, self._pos[s], self._episode_start[s])
+        start = check_items(prio, lengths, end, s, self._pos[s], self._episode_start[s], self._S, self._trust)
         c, st = self.storage.counters, self.storage
-        order = np.lexsort((start, s))  # group by stream, starts ascending within a stream
+        # grouped by stream, starts ascending within one; rank: among this call's items of its stream
+        order, _, _, rank, last = stream_order(s, start, self._last_item_start, self._R)
         s, start, lengths, prio = s[order], start[order], lengths[order], prio[order]
-        first_of_stream = np.r_[True, s[1:] != s[:-1]]
-        if (start[first_of_stream] < self._last_item_start[s[first_of_stream]]).any():
-            raise ValueError("items of a stream must be created in order of their first step")
         parts = self.partitions[s]
-        # rank of each item among this call's items of the same stream
-        group_start = np.flatnonzero(first_of_stream)
-        rank = np.arange(m) - np.repeat(group_start, np.diff(np.r_[group_start, m]))
-        if rank.max() >= self._R:
-            raise ValueError(f"more than {self._R} items for one stream in one call")
         self._wait_for_insert(m)
         seq = c[parts, PUBLISHED] + rank
         slot = seq % self._R
-        last = np.r_[group_start[1:] - 1, m - 1]
         ends = seq[last] + 1
         # announce the record slots before rewriting them (the record ring's seqlock)
         c[parts[last], REC_RESERVE] = np.maximum(c[parts[last], REC_RESERVE], ends)
@@ -391,11 +377,8 @@ class Writer(StreamPositions):
         end = np.full(m, pos, dtype=np.int64) if ends is None else np.asarray(ends, dtype=np.int64).reshape(-1)
         if end.size != m:
             raise ValueError(f"{m} priorities but {end.size} ends")
-        start = self._check_items(prio, lengths, end, np.full(m, stream), pos, ep0)
-        if m > R:
-            raise ValueError(f"more than {R} items for one stream in one call")
-        if start[0] < self._last_item_start[stream] or (m > 1 and np.diff(start).min() < 0):
-            raise ValueError("items of a stream must be created in order of their first step")
+        start = check_items(prio, lengths, end, np.full(m, stream), pos, ep0, self._S, self._trust)
+        check_stream_order(start, int(self._last_item_start[stream]), R)
         p, c, st = int(self.partitions[stream]), self.storage.counters, self.storage
         self._wait_for_insert(m)
         seq0 = int(c[p, PUBLISHED])
@@ -407,31 +390,6 @@ class Writer(StreamPositions):
         st.item_priority[p, slot] = prio
         c[p, PUBLISHED] = seq0 + m  # publish after the records are written
         self._last_item_start[stream] = start[-1]
-
-    def _check_items(self, prio, lengths, end, streams, pos, ep0) -> np.ndarray:
-        """The item checks both numpy paths make (the C path makes them with the same
-        messages): priorities, lengths, ends not past each stream's last step, no episode
-        boundary crossed. Returns the items' first steps."""
-        check_priorities(prio)
-        bad = (lengths < 1) | (lengths > self._S)
-        if bad.any():
-            raise ValueError(f"num_steps must be in [1, {self._S}], got {lengths[bad][0]}")
-        if (end > pos).any():
-            raise ValueError("an item ends after the last appended step")
-        start = end - lengths
-        crosses = start < ep0
-        if crosses.any():
-            j = int(np.argmax(crosses))
-            e0 = ep0[j] if np.ndim(ep0) else ep0
-            raise ValueError(
-                f"item of {lengths[j]} steps crosses an episode boundary: stream {streams[j]} has "
-                f"{int(end[j] - e0)} steps in its current episode"
-            )
-        expired = start < pos - self._trust
-        if expired.any():  # Reverb's CreateItemRejectsExpiredCellRefs: the table would evict it unseen
-            j = int(np.argmax(expired))
-            raise ValueError(_expired_message(int(start[j]), int(streams[j]), int(pos[j] if np.ndim(pos) else pos), self._trust))
-        return start
 
     def _wait_for_insert(self, m: int) -> None:
         header, counters = self.storage.header, self.storage.counters
@@ -552,13 +510,11 @@ class TrajectoryWriter:
         pos, ep0 = int(w._pos[0]), int(w._episode_start[0])
         start = pos - n
         if start < ep0:
-            raise ValueError(
-                f"item of {n} steps crosses an episode boundary: stream 0 has {pos - ep0} steps in its current episode"
-            )
+            raise ValueError(crossing_message(n, 0, pos - ep0))
         if start < pos - w._trust:  # only with stacked frames: n > S - their reach
-            raise ValueError(_expired_message(start, 0, pos, w._trust))
+            raise ValueError(expired_message(start, 0, pos, w._trust))
         if start < w._last_item_start[0]:
-            raise ValueError("items of a stream must be created in order of their first step")
+            raise ValueError(ORDER_MESSAGE)
         if int(w.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
             w._wait_for_insert(1)
         seq = int(c[PUBLISHED])

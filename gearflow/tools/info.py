@@ -7,7 +7,8 @@ import importlib.metadata
 import platform
 from dataclasses import dataclass
 
-from gearflow.native import Probe, probe_cuda, probe_cupy, probe_nvcc, probe_pyverbs
+from gearflow.native import Probe, probe_cuda, probe_cupy, probe_nvcc
+from gearflow.transport.choice import pyverbs_status
 
 PACKAGES = ("gearflow", "torch", "numpy", "envpool", "gymnasium", "omegaconf", "uvloop", "rich", "ray")
 
@@ -38,7 +39,7 @@ def collect() -> list[Row]:
     rows += [_package(name) for name in PACKAGES]
     rows.append(_c_module("replay C hot path", "gearflow.replay._hotpath", "using the numpy reference (slower)"))
     rows.append(_c_module("C decode step", "agents._r2d2_decode", "transformer actors step with TorchScript (slower)"))
-    probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), probe_pyverbs()]
+    probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), Probe("pyverbs (rdma)", *pyverbs_status())]
     rows += [Row(p.name, p.ok, p.detail) for p in probes]
     return rows
 

@@ -151,7 +151,7 @@ class Builder:
 
     def shards(self, agent, progress, *, publisher: bool, seed: int):
         """The shard nodes of ``transport.shards`` as this learner's sampler and publisher."""
-        from gearflow.launchers.shards import RemoteShards
+        from gearflow.transport.learner.shards import RemoteShards
 
         shards = RemoteShards(self.cfg, agent, publisher=publisher, seed=seed)
         self.roles.add(Shards(shards, progress))

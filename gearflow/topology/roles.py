@@ -92,7 +92,7 @@ class Closes(Part):
 
 
 class Shards(Part):
-    """The shard nodes a learner samples (:class:`~gearflow.launchers.shards.RemoteShards`) as a
+    """The shard nodes a learner samples (:class:`~gearflow.transport.learner.shards.RemoteShards`) as a
     role: their progress is polled on ``drain`` and once more, forced, on ``stop``; ``finish``
     sends ``run.stop`` (the publishing learner only); ``close`` closes its sampler and publisher."""
 

@@ -36,8 +36,9 @@ import numpy as np
 
 from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
-from gearflow.transport.remote import LEARNER_PREFETCH, RemoteSampler, RemoteWriter, ShippingWriter
-from gearflow.transport.shard import ShardService
+from gearflow.transport.actor import RemoteWriter, ShippingWriter
+from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
+from gearflow.transport.server.shard import ShardService
 
 TOKEN = "gearflow-bench-token"
 

@@ -55,8 +55,8 @@ from gearflow.transport.framing import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AuthenticationError", "Client", "RemoteError", "RequestTimeout", "ServiceUnavailable", "parse_address",
-           "register_error"]  # fmt: skip
+__all__ = ["AuthenticationError", "Client", "RemoteError", "RequestTimeout", "ServiceUnavailable", "as_client",
+           "parse_address", "register_error"]  # fmt: skip
 
 
 class ServiceUnavailable(GearflowError, ConnectionError):
@@ -401,3 +401,11 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def as_client(address_or_client: Any, token: str | None, timeout_s: float, loop: str) -> tuple[Client, bool]:
+    """``(client, owned)``: the :class:`Client` given, or a new one to ``address_or_client`` that
+    the caller owns (and closes)."""
+    if isinstance(address_or_client, Client):
+        return address_or_client, False
+    return Client(address_or_client, token, timeout_s=timeout_s, loop=loop), True

@@ -22,9 +22,9 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
 * ``replay.sample`` — the shard's own draw: keys, probabilities, IS weights, the data, and
   the shard's priority total and item count at the draw (under the table lock, after the
   scan the draw made): what a several-shard sampler needs to draw like one table (see
-  :mod:`gearflow.transport.remote`). Wide columns (rows of ≥ ``wire_min_row_bytes``, 1024:
+  :mod:`gearflow.transport.learner.sampler`). Wide columns (rows of ≥ ``wire_min_row_bytes``, 1024:
   frames, observations) are not gathered: their rows go to the socket straight out of the
-  segment (:mod:`gearflow.transport.wire`), and the reply's last buffer ``torn`` (``"torn":
+  segment (:mod:`gearflow.transport.server.wire`), and the reply's last buffer ``torn`` (``"torn":
   true`` in its meta), written after the rest has left the process, marks the items writers
   overwrote meanwhile, for the sampler to redraw. The other columns go out of the table's
   own buffers (no copy); sample ``j`` waits until the reply of sample ``j - num_buffers`` has
@@ -37,19 +37,10 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
 * ``params.get`` — the latest weights if newer than ``min_version``, else only
   ``{"version": null}``: one round trip when nothing is new.
 
-Batch layout of a ``replay.write`` request (``meta = {"session", "ops"}``; buffers
-``[ints int64, floats float64, <one per column, in spec order>]``): each column buffer holds
-the rows of every ``append``/``extend`` of the batch, in op order; an op names how many
-rows it takes and where its ints/floats are::
-
-    ["a", k, o]              append: streams ints[o:o+k], the next k rows
-    ["x", stream, n(, t0)]   extend: the next n rows of one stream (which must be at step t0)
-    ["i", m, o, fo, s, e, t(, d)] create_items: priorities floats[fo:fo+m], num_steps ints[o:o+m],
-                             streams ints[o+m:o+2m] (s = -1) or the one stream s, then
-                             (when e) the m ends, insert timeout t seconds; d = 1: expired="drop"
-    ["e", k, o]              end_episode(ints[o:o+k]); k = -1: every stream
-    ["E", stream, k]         k episodes of the stream ended (the EPISODES counter only)
-    ["f"]                    flush (heartbeat)
+A ``replay.write`` request's ops are decoded by :func:`gearflow.transport.ops.decode_ops` (the
+layout is written there, once, with the encoder the writers use), every op and range checked
+before the first is applied: a malformed batch is refused whole, with a ``ValueError`` naming
+the op and the field, and nothing the table holds changes.
 """
 
 from __future__ import annotations
@@ -64,29 +55,19 @@ from pathlib import Path
 
 import numpy as np
 
-from gearflow.replay.layout import SHARD_SHIFT  # re-exported: a key's shard bits (layout owns them)
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
-from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned, TableClosed
-from gearflow.replay.writer import InsertAborted, Writer
-from gearflow.transport.client import ServiceUnavailable, register_error
+from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
+from gearflow.replay.writer import Writer
+from gearflow.transport.errors import SessionLost
+from gearflow.transport.ops import Append, CreateItems, EndEpisode, Episodes, Extend, Flush, decode_ops
 from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
-from gearflow.transport.wire import WireRows
+from gearflow.transport.server.wire import WireRows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SHARD_SHIFT", "SessionLost", "ShardService", "priority_total"]
+__all__ = ["ShardService", "priority_total"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-@register_error
-class SessionLost(ServiceUnavailable):
-    """A writer session is gone (its connection was lost, or the service restarted): the writer
-    must open a new one."""
-
-
-for _cls in (RateLimiterTimeout, InsertAborted, PartitionOwned, TableClosed):
-    register_error(_cls)
 
 
 def priority_total(table) -> tuple[float, int]:
@@ -95,14 +76,6 @@ def priority_total(table) -> tuple[float, int]:
     count = int(table.size)
     tree = getattr(table.selector, "tree", None)
     return (float(tree.total) if tree is not None else float(count)), count
-
-
-def _int(op: list, i: int, lo: int = 0) -> int:
-    """Field ``i`` of a write op: an int ≥ ``lo`` (counts and offsets are never negative)."""
-    v = op[i] if i < len(op) else None
-    if type(v) is not int or v < lo:
-        raise ValueError(f"replay.write: op {op[:1]} field {i} must be an int ≥ {lo}, got {v!r}")
-    return v
 
 
 class ShardService:
@@ -242,59 +215,49 @@ class ShardService:
         if not deferred and int(self.table.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
             raise Defer  # a create_items may wait on the rate limiter: not on the loop
         w = self._session(conn, meta)
-        ops = meta.get("ops")
-        if not isinstance(ops, list) or len(bufs) < 2:
-            raise ValueError("replay.write: meta.ops must be a list and the buffers [ints, floats, columns...]")
+        if len(bufs) < 2:
+            raise ValueError("replay.write: the buffers must be [ints, floats, columns...]")
         ints, floats, cols = bufs[0], bufs[1], bufs[2:]
         if ints.dtype != np.int64 or floats.dtype != np.float64 or ints.ndim != 1 or floats.ndim != 1:
             raise ValueError("replay.write: buffers 0 and 1 must be 1-D int64 and float64")
         if cols and len(cols) != len(self._names):
             raise ValueError(f"replay.write: {len(cols)} column buffers for {len(self._names)} columns")
+        if cols and len({len(c) for c in cols}) != 1:
+            raise ValueError(f"replay.write: the column buffers hold {sorted({len(c) for c in cols})} rows: one count for every column")
+        # every op and every range it names checked before the first is applied: a malformed batch changes nothing
+        ops = decode_ops(meta.get("ops"), ints.size, floats.size, len(cols[0]) if cols else None)
         row = 0
 
         def rows(n: int) -> dict:
-            if not cols:
-                raise ValueError("replay.write: rows written but no column buffers sent")
             return {name: c[row:row + n] for name, c in zip(self._names, cols)}
 
         for op in ops:
-            code = op[0] if isinstance(op, list) and op else None
-            if code == "a":
-                k, o = _int(op, 1), _int(op, 2)
-                w.append(rows(k), streams=ints[o:o + k])
-                row += k
-            elif code == "x":
-                stream, n = _int(op, 1), _int(op, 2)
-                if len(op) > 3:  # the first step's index: a shipped log continues exactly where it stopped
-                    t0 = _int(op, 3)
+            if type(op) is Append:
+                w.append(rows(op.count), streams=ints[op.ints_at:op.ints_at + op.count])
+                row += op.count
+            elif type(op) is Extend:
+                stream, n, t0 = op.stream, op.count, op.first_step
+                if t0 is not None:  # the first step's index: a shipped log continues exactly where it stopped
                     if not 0 <= stream < w.num_streams or int(w.positions[stream]) != t0:
                         raise SessionLost(f"replay.write: steps from {t0} of stream {stream} do not continue the "
                                           f"shard's partition (at {int(w.positions[stream]) if 0 <= stream < w.num_streams else '?'})")
                 w.extend(rows(n), stream=stream)
                 row += n
-            elif code == "i":
-                m, o, fo, s, e = (_int(op, i, -1 if i == 4 else 0) for i in range(1, 6))
-                t = op[6] if len(op) > 6 and isinstance(op[6], (int, float)) else None
-                if t is None:
-                    raise ValueError(f"replay.write: malformed create_items op {op[:7]}")
+            elif type(op) is CreateItems:
+                m, o, s = op.count, op.ints_at, op.stream
                 streams = ints[o + m:o + 2 * m] if s < 0 else s
                 e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
-                ends = ints[e0:e0 + m] if e else None
-                w.insert_timeout_s = float(t)
-                drop = len(op) > 7 and op[7] == 1  # the writer's expired="drop" (older writers: raise)
-                w.create_items(floats[fo:fo + m], ints[o:o + m], streams, ends, expired="drop" if drop else "raise")
-            elif code == "e":
-                k, o = _int(op, 1, -1), _int(op, 2)
-                w.end_episode(None if k < 0 else ints[o:o + k])
-            elif code == "E":  # episodes ended (the counter only: a shipped log's items carry their own ends)
-                stream, k = _int(op, 1), _int(op, 2)
-                if not 0 <= stream < w.num_streams:
-                    raise ValueError(f"streams [{stream}] out of range [0, {w.num_streams})")
-                self.table.storage.counters[int(w.partitions[stream]), EPISODES] += k
-            elif code == "f":
+                ends = ints[e0:e0 + m] if op.has_ends else None
+                w.insert_timeout_s = op.timeout_s
+                w.create_items(floats[op.floats_at:op.floats_at + m], ints[o:o + m], streams, ends, expired=op.expired)
+            elif type(op) is EndEpisode:
+                w.end_episode(None if op.count < 0 else ints[op.ints_at:op.ints_at + op.count])
+            elif type(op) is Episodes:  # episodes ended (the counter only: a shipped log's items carry their own ends)
+                if not 0 <= op.stream < w.num_streams:
+                    raise ValueError(f"streams [{op.stream}] out of range [0, {w.num_streams})")
+                self.table.storage.counters[int(w.partitions[op.stream]), EPISODES] += op.count
+            elif type(op) is Flush:
                 w.flush()
-            else:
-                raise ValueError(f"replay.write: unknown op {str(op)[:40]}")
         return {}, []
 
     # ----------------------------------------------------------------- learners

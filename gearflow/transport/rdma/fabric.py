@@ -4,7 +4,7 @@ GEAR's data path: a shard registers its whole shared-memory replay segment as ON
 region; a learner connects a reliable-connected (RC) queue pair to it, bootstrapped over the
 TCP control channel, and reads rows with ``IBV_WR_RDMA_READ`` work requests, so the shard's
 CPU does nothing per batch. This module is the fabric part and knows nothing of replay
-(:mod:`gearflow.native.rdma_replay` plans a batch's reads and checks them):
+(:mod:`gearflow.transport.rdma.replay` plans a batch's reads and checks them):
 
 * :class:`RemoteMemory` (the learner's end): ``endpoint`` / ``connect`` (the QP bootstrap),
   ``register`` (the local buffer reads land in), ``read_chain`` (one chain of READ work
@@ -19,7 +19,6 @@ CPU does nothing per batch. This module is the fabric part and knows nothing of 
   outside its region, is a :class:`RemoteAccessError` and leaves the connection unusable
   (an RC QP goes to the error state). It drives the same planning and seqlock logic in tests.
 * :func:`plan_reads`: sorted unique rows → one READ per contiguous row run per column.
-* :func:`choose_transport`: ``auto | tcp | rdma`` and why.
 
 A read is ``(remote_addr, length, local_offset)`` (int64 rows of an ``(n, 3)`` array)::
 
@@ -40,21 +39,17 @@ import logging
 import mmap
 import os
 import secrets
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gearflow.errors import ConfigError, GearflowError, MissingDependencyError
-from gearflow.native import PYVERBS_HINT
+from gearflow.errors import ConfigError, GearflowError
+from gearflow.transport.choice import require_rdma
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "tcp", "rdma")
 READ_FIELDS = 3  # a read: remote_addr, length, local_offset
 MAX_READ_BYTES = 1 << 30  # one work request reads at most this much (ports allow 2 GiB - 1)
 
@@ -65,13 +60,9 @@ __all__ = [
     "RegionExport",
     "RemoteAccessError",
     "RemoteMemory",
-    "TransportChoice",
     "VerbsExport",
     "VerbsMemory",
-    "choose_transport",
     "plan_reads",
-    "rdma_devices",
-    "require_rdma",
 ]
 
 
@@ -96,103 +87,6 @@ class Region:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Region:
         return cls(int(d["addr"]), int(d["length"]), int(d["rkey"]))
-
-
-# ---------------------------------------------------------------------------------- the decision
-
-
-@dataclass(frozen=True)
-class TransportChoice:
-    """What ``transport=auto|tcp|rdma`` resolved to (``"tcp"`` or ``"rdma"``) and why."""
-
-    transport: str
-    reason: str
-
-
-def _pyverbs_version() -> tuple[bool, str]:
-    try:
-        module = importlib.import_module("pyverbs")
-    except ImportError as exc:
-        return False, f"pyverbs is not importable ({type(exc).__name__}: {exc}); {PYVERBS_HINT}"
-    return True, f"pyverbs at {os.path.dirname(getattr(module, '__file__', '') or '?')}"
-
-
-def parse_ibv_devices(text: str) -> list[str]:
-    """Device names from ``ibv_devices`` output (a header, a dashed line, then one device a line)::
-
-        parse_ibv_devices("    device   node GUID\\n    ------   ----\\n    mlx5_0   b8ce...\\n")  # ['mlx5_0']
-    """
-    names = []
-    for line in text.splitlines():
-        fields = line.split()
-        if not fields or fields[0] in ("device", "------") or set(fields[0]) == {"-"}:
-            continue
-        names.append(fields[0])
-    return names
-
-
-def rdma_devices() -> tuple[list[str], str]:
-    """(RDMA device names, how they were found or why there are none): ``ibv_devices`` where it
-    is installed (rdma-core's ibverbs-utils), else pyverbs' device list, else /sys/class/infiniband."""
-    tool = shutil.which("ibv_devices")
-    if tool is not None:
-        try:
-            out = subprocess.run([tool], check=False, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return [], f"ibv_devices failed: {exc}"
-        names = parse_ibv_devices(out.stdout)
-        if names:
-            return names, "listed by ibv_devices"
-        err = (out.stderr or out.stdout).strip().splitlines()
-        return [], "ibv_devices lists no device" + (f" ({err[-1]})" if err else "")
-    try:
-        device = importlib.import_module("pyverbs.device")
-        found = device.get_device_list()
-        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in found]
-        return names, "listed by pyverbs (ibv_devices is not installed)" if names else "pyverbs lists no device"
-    except ImportError:
-        pass
-    except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError without kernel support
-        return [], f"no RDMA device: pyverbs cannot list devices ({type(exc).__name__}: {exc})"
-    sys_dir = "/sys/class/infiniband"
-    names = sorted(os.listdir(sys_dir)) if os.path.isdir(sys_dir) else []
-    return names, f"found in {sys_dir}" if names else f"no RDMA device ({sys_dir} is empty or missing)"
-
-
-def choose_transport(requested: str = "auto", *, pyverbs: tuple[bool, str] | None = None,
-                     devices: tuple[list[str], str] | None = None) -> TransportChoice:
-    """Resolve ``transport=auto|tcp|rdma``.
-
-    ``auto``: ``rdma`` when pyverbs imports and an RDMA device is listed, else ``tcp``, the
-    reason naming what was missing. ``rdma`` without pyverbs or a device raises a one-line
-    :class:`MissingDependencyError` (how to install pyverbs) or :class:`ConfigError`.
-    ``pyverbs`` / ``devices`` override the probes (``(importable, detail)`` and the
-    :func:`rdma_devices` result), so the rule is tested without hardware.
-    """
-    if requested not in TRANSPORTS:
-        raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {requested!r}")
-    if requested == "tcp":
-        return TransportChoice("tcp", "transport=tcp asked for")
-    ok, detail = pyverbs if pyverbs is not None else _pyverbs_version()
-    if not ok:
-        if requested == "rdma":
-            raise MissingDependencyError(f"transport=rdma needs pyverbs: {detail}")
-        return TransportChoice("tcp", f"transport=auto: {detail}")
-    names, how = devices if devices is not None else rdma_devices()
-    if not names:
-        if requested == "rdma":
-            raise ConfigError(f"transport=rdma needs an RDMA device: {how}")
-        return TransportChoice("tcp", f"transport=auto: {detail} imports, but {how}")
-    return TransportChoice("rdma", f"transport={requested}: {detail}; device(s) {', '.join(names)} {how}")
-
-
-def require_rdma(purpose: str) -> ModuleType:
-    """The pyverbs package, or a one-line :class:`MissingDependencyError` naming ``purpose``
-    and how to install it."""
-    ok, detail = _pyverbs_version()
-    if not ok:
-        raise MissingDependencyError(f"{purpose} needs pyverbs: {detail}")
-    return importlib.import_module("pyverbs")
 
 
 # ---------------------------------------------------------------------------------- planning

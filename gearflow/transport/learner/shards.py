@@ -1,4 +1,4 @@
-"""A learner's view of shard nodes (``transport.shards``): its table, its weights' way out, its progress.
+"""A learner's view of shard nodes (``transport.shards``): its table, its weights' way out, its progress (the learner side).
 
 With ``transport.shards = [HOST:PORT, ...]`` (the nodes' ``gearflow serve`` addresses),
 ``gearflow train`` keeps no replay of its own and starts no actors: the nodes hold the replay
@@ -10,9 +10,9 @@ table, parameter store and launcher would go::
     shards.poll(progress)                   # between batches: the nodes' episodes and counters
     shards.end_run("reached run.max_env_steps")   # the publishing learner: the nodes stop and exit
 
-* ``sampler`` — a :class:`~gearflow.transport.remote.RemoteSampler` over every node (exact global
+* ``sampler`` — a :class:`~gearflow.transport.learner.RemoteSampler` over every node (exact global
   prioritized draws, see there), or, with ``transport.kind=rdma`` (or ``auto`` where an RDMA device
-  and pyverbs are usable) and one node, an :class:`~gearflow.native.rdma_replay.RdmaSampler` that
+  and pyverbs are usable) and one node, an :class:`~gearflow.transport.rdma.replay.RdmaSampler` that
   reads the rows with one-sided RDMA READs.
 * ``params`` — :class:`PushedParams`: ``publish`` sends the weights to every node
   (``params.push``), whose actors load them from the node's parameter store.
@@ -32,14 +32,14 @@ import torch
 from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.launchers.reports import fold_report
+from gearflow.reports import fold_report
 from gearflow.replay.layout import buffer_sets
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
-from gearflow.transport.remote import LEARNER_PREFETCH
+from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["PushedParams", "RemoteShards", "TolerantSampler"]
+__all__ = ["PushedParams", "RemoteShards", "ShardsUnavailable", "TolerantSampler"]
 
 POLL_S = 0.25
 
@@ -158,9 +158,8 @@ class RemoteShards:
     """The shard nodes of ``cfg.transport.shards`` as the learner's table, publisher and actors."""
 
     def __init__(self, cfg: DictConfig, agent, *, publisher: bool = True, seed: int | None = None):
-        from gearflow.native.rdma import choose_transport
         from gearflow.transport.auth import resolve_token
-        from gearflow.transport.remote import RemoteSampler
+        from gearflow.transport.choice import choose_transport
 
         t = cfg.transport
         self.addresses = [str(a) for a in t.shards]
@@ -212,8 +211,8 @@ class RemoteShards:
         self.errors: dict[int, str] = {}
 
     def _rdma_sampler(self, cfg: DictConfig):
-        from gearflow.native.rdma import VerbsMemory
-        from gearflow.native.rdma_replay import RdmaSampler
+        from gearflow.transport.rdma.fabric import VerbsMemory
+        from gearflow.transport.rdma.replay import RdmaSampler
 
         if len(self.clients) != 1:
             raise ConfigError(f"transport.kind={cfg.transport.kind} reads one shard node over RDMA; "

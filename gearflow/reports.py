@@ -3,7 +3,7 @@
 Every place a run reads its actors' reports — the local actor processes' queue
 (:class:`~gearflow.launchers.local.LocalLauncher`), remote actors joined to a shard
 (:class:`~gearflow.launchers.remote.RemoteActors`, a shard node's relay), a learner polling its
-shard nodes (:class:`~gearflow.launchers.shards.RemoteShards`) and a Ray actor group — folds
+shard nodes (:class:`~gearflow.transport.learner.shards.RemoteShards`) and a Ray actor group — folds
 them with :func:`fold_report`. Where reports are passed on rather than kept (a shard node
 relays them to its learners), :class:`ReportSink` takes them as a Progress would and turns
 them back into messages.

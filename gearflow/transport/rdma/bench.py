@@ -1,6 +1,6 @@
 """What an RDMA batch costs the learner's CPU, measured without a NIC.
 
-    python -m gearflow.native.rdma_bench [--batches 50] [--threads N]
+    python -m gearflow.transport.rdma.bench [--batches 50] [--threads N]
 
 One JSON line per workload. Each samples the same table (written by a real Writer) two
 ways in one run: ``Table.sample`` (the shared-memory floor) and :class:`RdmaSampler` over
@@ -22,8 +22,6 @@ import torch
 
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
-from gearflow.native.rdma import LoopbackMemory
-from gearflow.native.rdma_replay import RdmaSampler, RdmaShard, direct_call
 from gearflow.replay import (
     SharedStorage,
     Table,
@@ -31,6 +29,8 @@ from gearflow.replay import (
     Writer,
     make_selector,
 )
+from gearflow.transport.rdma.fabric import LoopbackMemory
+from gearflow.transport.rdma.replay import RdmaSampler, RdmaShard, direct_call
 
 ATARI = {"obs": "uint8[4,84,84] stack=4", "action": "int64", "reward": "float32", "done": "bool"}
 VECTOR = {"obs": "float32[64]", "action": "int64", "reward": "float32", "done": "bool"}
@@ -113,7 +113,7 @@ def workload(case: str, spec: dict, kind, P: int, S: int, B: int, steps: int, ba
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gearflow.transport.rdma.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=50)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)

@@ -11,7 +11,7 @@ kernel reads the wide rows while the reply drains, a writer may overwrite them m
 the reply's last buffer, ``torn`` (uint8, one per item), is filled only once everything
 before it has left the process (the service's reply *tail*), by the table's seqlock rule
 (:meth:`~gearflow.replay.table.Table.overwritten`). The sampler redraws the items marked
-there, as a local table redraws torn items (:class:`~gearflow.transport.remote.RemoteSampler`).
+there, as a local table redraws torn items (:class:`~gearflow.transport.learner.RemoteSampler`).
 
     wire = WireRows(table, min_row_bytes=1024)
     batch, slots, rec = table.draw(256, None, wire.gathered)       # under the table lock

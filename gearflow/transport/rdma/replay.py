@@ -1,7 +1,7 @@
 """Replay batches read with one-sided RDMA READs: the shard selects, the learner reads.
 
 The shard (:class:`RdmaShard`) registers its table's shared-memory segment as ONE region
-(:class:`~gearflow.native.rdma.RegionExport`) and answers two control requests, served over
+(:class:`~gearflow.transport.rdma.fabric.RegionExport`) and answers two control requests, served over
 the TCP control channel (:meth:`RdmaShard.register_handlers`) or called in-process:
 
 ``rdma.connect``  the learner's queue-pair endpoint in; the shard's endpoint, the region
@@ -16,7 +16,7 @@ the TCP control channel (:meth:`RdmaShard.register_handlers`) or called in-proce
 
 The learner (:class:`RdmaSampler`, a :class:`~gearflow.replay.protocols.SamplerLike`) turns
 the records into rows with the item kind's own row rule, reads the sorted unique rows of
-every column in ONE chain (:func:`~gearflow.native.rdma.plan_reads`: one READ per contiguous
+every column in ONE chain (:func:`~gearflow.transport.rdma.fabric.plan_reads`: one READ per contiguous
 row run per column) whose last, fenced READ re-reads the partitions' counters; then applies
 the shared-memory path's seqlock rule (:func:`~gearflow.native.gather.torn_items`, the rule of
 ``Table.overwritten``: an item whose first step is older than ``RESERVE - trusted_steps``, RESERVE
@@ -39,7 +39,7 @@ Local memory, per batch size B (allocated once, registered once)::
 batch's sorted unique rows fill the first ones. The kind's gather reads the staging blocks
 with rows renumbered to staging indices.
 
-This module is the bridge between :mod:`gearflow.native.rdma` (fabric, no replay) and
+This module is the bridge between :mod:`gearflow.transport.rdma.fabric` (fabric, no replay) and
 :mod:`gearflow.replay`; replay never imports it.
 """
 
@@ -57,13 +57,13 @@ import torch
 
 from gearflow.kinds.registry import kind_from_dict
 from gearflow.native.gather import torn_items
-from gearflow.native.rdma import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 from gearflow.replay.items import FrameStacks
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
 from gearflow.replay.table import GatherThreads, Sample
+from gearflow.transport.rdma.fabric import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def segment_layout(storage) -> dict[str, Any]:
 
 class RdmaShard:
     """A shard's RDMA half: its table's segment registered once with ``export`` (a
-    :class:`~gearflow.native.rdma.RegionExport`), and the ``rdma.connect`` / ``rdma.select`` /
+    :class:`~gearflow.transport.rdma.fabric.RegionExport`), and the ``rdma.connect`` / ``rdma.select`` /
     ``rdma.update`` handlers (``(meta, buffers) -> (meta, buffers)``, the transport service's
     handler signature). ``lock`` serialises them with anything else that uses the table
     (a shard service's own handlers): a table is not thread-safe.
@@ -149,14 +149,14 @@ class RdmaShard:
     @classmethod
     def loopback(cls, table, lock: threading.Lock | None = None) -> RdmaShard:
         """A shard whose region the loopback double reads (the segment's file in SHM_DIR)."""
-        from gearflow.native.rdma import LoopbackExport
+        from gearflow.transport.rdma.fabric import LoopbackExport
 
         st = table.storage
         return cls(table, LoopbackExport(SHM_DIR / st.name, segment_base(st)), lock)
 
     @classmethod
     def serve(cls, shard_service, export: RegionExport) -> RdmaShard:
-        """RDMA beside a :class:`~gearflow.transport.shard.ShardService`: its table, its table
+        """RDMA beside a :class:`~gearflow.transport.server.shard.ShardService`: its table, its table
         lock, its service (the rdma.* handlers registered there)."""
         shard = cls(shard_service.table, export, lock=shard_service.lock)
         shard.register_handlers(shard_service.service)
@@ -299,7 +299,7 @@ def _flat(rows: Any) -> list[np.ndarray]:
 class RdmaSampler:
     """A learner's sampler over one shard: selection over the control channel (``call``),
     rows read with one-sided READs through ``memory`` (a
-    :class:`~gearflow.native.rdma.RemoteMemory`), checked with the seqlock rule, laid out by
+    :class:`~gearflow.transport.rdma.fabric.RemoteMemory`), checked with the seqlock rule, laid out by
     the kind's own gather. Batches view ``num_buffers`` reusable buffer sets, as
     :meth:`Table.sample`'s do, and the staged rows are gathered on the torch thread count
     the table's :class:`GatherThreads` measures fastest (``num_threads`` fixes it).
