@@ -25,6 +25,10 @@ from gearflow.replay.spec import TableSpec
 from gearflow.replay.writer import Writer
 from tests.test_train import CONFIG, ROOT, TINY
 
+# every test starts `gearflow` commands (torch + EnvPool each); the waits inside are on log lines and
+# exits, their limits only catch a hung test, far above a loaded 2-core box's start-up
+pytestmark = pytest.mark.timeout(900)
+
 TOKEN = "remote-actors-test-secret"
 TESTS = str(Path(__file__).parent)
 
@@ -35,7 +39,7 @@ def _gearflow(*args: str, log: Path, token: str = TOKEN) -> subprocess.Popen:
                             stderr=open(log, "w"), text=True, cwd=ROOT, env=env)  # fmt: skip
 
 
-def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 90.0) -> re.Match:
+def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 300.0) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(pattern, log.read_text())
@@ -73,7 +77,7 @@ def test_a_run_fed_only_by_remote_actors(tmp_path):
     assert summary["actor/episodes"] > 0  # episodes reached the learner over run.report
     text = learner_log.read_text()
     assert "remote actor 0 joined" in text and "remote actor 1 joined" in text
-    assert actors.wait(timeout=60) == 0, actors_log.read_text()[-3000:]
+    assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
     assert "Traceback" not in actors_log.read_text()
 
 
@@ -105,36 +109,38 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_wrong_secret_and_mismatched_config_are_one_line_errors(tmp_path):
+    # the learner waits for its remote actor until SIGTERM (max_seconds only guards a lost test): with
+    # run.max_seconds=60 it ended on a loaded box before the second actor connected
     learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=0",
-                                             "run.max_seconds=60")  # fmt: skip
+                                             "run.max_seconds=900")  # fmt: skip
     try:
         bad = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, "--wait", "2"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             capture_output=True, text=True, cwd=ROOT, timeout=240,
                              env={**os.environ, "GEARFLOW_TOKEN": "not-the-secret"})  # fmt: skip
         assert bad.returncode == 2, bad.stderr
         assert "Traceback" not in bad.stderr and re.search(r"remote actor: .*(secret|authenticat)", bad.stderr, re.I)
         other = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, CONFIG, *TINY,
                                 "env.id=Acrobot-v1", "--wait", "2"], capture_output=True, text=True, cwd=ROOT,
-                               timeout=60, env={**os.environ, "GEARFLOW_TOKEN": TOKEN})  # fmt: skip
+                               timeout=240, env={**os.environ, "GEARFLOW_TOKEN": TOKEN})  # fmt: skip
         assert other.returncode == 2, other.stderr
         assert "env.id is 'Acrobot-v1' here, 'CartPole-v1' in the learner's config" in other.stderr
         assert "Traceback" not in other.stderr
         assert "refused" in learner_log.read_text()  # the wrong secret was logged by the service
     finally:
         learner.send_signal(signal.SIGTERM)
-        learner.communicate(timeout=60)
+        learner.communicate(timeout=240)
 
 
 def test_cli_errors_before_connecting(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GEARFLOW_TOKEN"}
     r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "127.0.0.1:1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)  # fmt: skip
+                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
     assert r.returncode == 2 and "needs a shared secret" in r.stderr and "GEARFLOW_TOKEN" in r.stderr
     r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "nohost", "--token", TOKEN],
-                       capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)  # fmt: skip
+                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
     assert r.returncode == 2 and "--connect nohost" in r.stderr
     r = subprocess.run([sys.executable, "-m", "gearflow", "train", CONFIG, "actor.remote_actors=1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)  # fmt: skip
+                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
     assert r.returncode == 2 and "actor.remote_actors=1" in r.stderr and "shared secret" in r.stderr
 
 
@@ -230,7 +236,7 @@ def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     assert code == 0, learner_log.read_text()[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
     assert learner_log.read_text().count("remote actor 0 joined") >= 2  # rejoined after the restart
-    assert actors.wait(timeout=90) == 0, actors_log.read_text()[-3000:]
+    assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
 
 
 @pytest.mark.slow
@@ -246,13 +252,13 @@ def test_remote_actors_held_past_the_rate_limiters_timeout_rejoin(tmp_path):
     _wait_for(learner_log, r"progress: steps [1-9]", learner)
     os.kill(learner.pid, signal.SIGSTOP)
     try:
-        _wait_for(actors_log, r"rejoining the run", actors, timeout=120)
+        _wait_for(actors_log, r"rejoining the run", actors, timeout=300)
     finally:
         os.kill(learner.pid, signal.SIGCONT)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
-    assert actors.wait(timeout=90) == 0, actors_log.read_text()[-3000:]
+    assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
     assert "died" not in actors_log.read_text()  # rejoined, not restarted
 
 

@@ -221,12 +221,12 @@ def test_live_panel_shows_the_figures():
 # ------------------------------------------------------------------ end to end (CLI)
 
 
-def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gearflow", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)  # fmt: skip
 
 
-def _wait_for_checkpoints(run: Path, proc: subprocess.Popen, count: int, timeout: float = 120) -> None:
+def _wait_for_checkpoints(run: Path, proc: subprocess.Popen, count: int, timeout: float = 480) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if len(RunCheckpoints(run / "checkpoints").paths()) >= count and (run / "metrics.jsonl").exists():
@@ -237,7 +237,7 @@ def _wait_for_checkpoints(run: Path, proc: subprocess.Popen, count: int, timeout
     pytest.fail("no periodic checkpoints appeared in time")
 
 
-def _wait_until(done, proc: subprocess.Popen | None, what: str, timeout: float = 120) -> None:
+def _wait_until(done, proc: subprocess.Popen | None, what: str, timeout: float = 480) -> None:
     """Poll ``done()``; the timeout only keeps a broken run from hanging the suite."""
     deadline = time.monotonic() + timeout
     while not done():
@@ -279,10 +279,11 @@ def _assert_continuous(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several `gearflow` runs in a row; their waits are on files and exits
 def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={run}",
-           "run.max_env_steps=0", "run.max_seconds=300", "run.checkpoint_every=40"]  # fmt: skip
+           "run.max_env_steps=0", "run.max_seconds=900", "run.checkpoint_every=40"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     segment = None
     try:
@@ -339,10 +340,11 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several `gearflow` runs in a row; their waits are on files and exits
 def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, f"run.dir={run}",
-           "run.max_env_steps=0", "run.max_seconds=300", "run.checkpoint_every=40"]  # fmt: skip
+           "run.max_env_steps=0", "run.max_seconds=900", "run.checkpoint_every=40"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     actors: list[int] = []
     try:
@@ -380,6 +382,7 @@ def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several `gearflow` runs in a row; their waits are on files and exits
 def test_resume_with_a_corrupt_latest_checkpoint_uses_the_previous_one(tmp_path):
     run = tmp_path / "run"
     r = _cli("train", CONFIG, *TINY, f"run.dir={run}", "run.max_env_steps=3000", "run.checkpoint_every=30")
