@@ -25,6 +25,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import math
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -242,6 +243,34 @@ class RunConfig:
 
 
 @dataclass
+class TransportLimitsConfig:
+    """What one client may make a service (``gearflow serve``, the learner's remote-actor service)
+    hold; see docs/security.md. Per connection: at most ``max_queued_bytes + max_frame_bytes``
+    of receive buffers."""
+
+    max_connections: int = 64
+    """Authenticated connections at once; a login past it is refused."""
+    max_preauth: int = 16
+    """Sockets that have not logged in yet, in their own pool (the oldest is dropped for a newcomer)."""
+    auth_timeout_s: float = 5.0
+    """A socket that has not logged in by then is closed."""
+    max_in_flight: int = 8
+    """Requests of one connection read and not yet answered; past it the connection is not read."""
+    max_frame_bytes: int = 256 << 20
+    """Largest frame (header, envelope, buffers) a service accepts."""
+    max_queued_bytes: int = 64 << 20
+    """Receive buffers one connection may hold before it is not read any further (beyond its last frame)."""
+    max_wait_s: float = 60.0
+    """Longest server-side wait of one request (a sample's or an insert's ``timeout_s`` is capped to it)."""
+    max_batch: int = 65536
+    """Items one ``replay.sample`` may ask for."""
+    max_reply_bytes: int = 256 << 20
+    """Bytes one reply may hold (a larger sample is refused before anything is allocated)."""
+    refusal_log_interval_s: float = 10.0
+    """Refused connections log one WARNING per interval, with the count of the others."""
+
+
+@dataclass
 class TransportConfig:
     host: str = "127.0.0.1"
     """Address the learner's service binds (remote actors); 0.0.0.0 to accept other machines."""
@@ -257,6 +286,8 @@ class TransportConfig:
     kind: str = "auto"
     """How the learner reads remote shards: ``tcp``, ``rdma`` (one-sided reads through pyverbs) or
     ``auto`` (RDMA where an RDMA device and pyverbs are usable, else TCP)."""
+    limits: TransportLimitsConfig = field(default_factory=TransportLimitsConfig)
+    """Server-side bounds per client (connections, login, frames, queued bytes, waits, batches, replies)."""
 
 
 @dataclass
@@ -629,6 +660,18 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "must be a list of HOST:PORT strings (the addresses gearflow serve logs)")  # fmt: skip
     check(not t.shards or not (run.serial or run.mode == "offline"), "transport.shards",
           "samples remote shards: not with run.serial=true or run.mode=offline")  # fmt: skip
+    lim = t.limits
+    check(lim.max_connections >= 1, "transport.limits.max_connections", "must be ≥ 1")
+    check(lim.max_preauth >= 1, "transport.limits.max_preauth", "must be ≥ 1")
+    check(lim.max_in_flight >= 1, "transport.limits.max_in_flight", "must be ≥ 1")
+    check(lim.max_queued_bytes >= 1, "transport.limits.max_queued_bytes", "must be ≥ 1")
+    check(lim.max_batch >= 1, "transport.limits.max_batch", "must be ≥ 1")
+    check(lim.max_reply_bytes >= 1, "transport.limits.max_reply_bytes", "must be ≥ 1")
+    check(lim.max_frame_bytes >= (64 << 10) + 32, "transport.limits.max_frame_bytes", "must be ≥ 65568 (a header and an envelope)")
+    check(math.isfinite(lim.auth_timeout_s) and lim.auth_timeout_s > 0, "transport.limits.auth_timeout_s", "must be a finite number of seconds > 0")
+    check(math.isfinite(lim.max_wait_s) and lim.max_wait_s > 0, "transport.limits.max_wait_s", "must be a finite number of seconds > 0")
+    check(math.isfinite(lim.refusal_log_interval_s) and lim.refusal_log_interval_s > 0, "transport.limits.refusal_log_interval_s",
+          "must be a finite number of seconds > 0")  # fmt: skip
     check(a.ladder_offset >= 0, "actor.ladder_offset", "must be ≥ 0")
     check(a.ladder_total == 0 or a.ladder_total >= a.ladder_offset + a.num_actors, "actor.ladder_total",
           f"must be 0 or ≥ actor.ladder_offset + actor.num_actors ({a.ladder_offset + a.num_actors})")  # fmt: skip

@@ -208,7 +208,7 @@ def test_two_connections_with_big_frames_behind_a_stall_stay_bounded():
 
         def flood(c: Client) -> None:
             futs.append(c.submit("stall", timeout_s=3600))
-            for _ in range(6):  # blocks once the service stops reading this connection
+            for _ in range(c.max_in_flight - 1):  # blocks once the service stops reading this connection
                 try:
                     futs.append(c.submit("sink", {}, [payload], timeout_s=3600))
                 except (ServiceUnavailable, RequestTimeout):
@@ -220,9 +220,14 @@ def test_two_connections_with_big_frames_behind_a_stall_stay_bounded():
             threads.append(threading.Thread(target=flood, args=(c,), daemon=True))
             threads[-1].start()
         # both connections are held back by their limits (the service reads neither any further)
-        _until(lambda: ctl.call("stats")[0]["transport/paused"] == 2, "the flooding connections were never paused")
-        stats = ctl.call("stats")[0]
         bound = 2 * (queued + frame)
+
+        def held_back() -> bool:  # both paused by their limits, or past the bound (then the assert fails)
+            st = ctl.call("stats")[0]
+            return st["transport/paused"] == 2 or st["transport/buffer_bytes"] > bound + 2 * (1 << 20)
+
+        _until(held_back, "the flooding connections were never paused")
+        stats = ctl.call("stats")[0]
         assert stats["transport/buffer_bytes"] <= bound + 2 * (1 << 20), stats
         grown = _rss(proc.pid) - base
         assert grown <= bound + 48 * mib, f"service RSS grew {grown / mib:.0f} MiB (bound {bound / mib:.0f} + 48 MiB)"
@@ -264,7 +269,7 @@ def test_idle_unauthenticated_sockets_do_not_keep_a_client_out(caplog):
     """64 sockets that take their challenge and never log in (as many as the connection
     limit): a legitimate client still connects and is served; the idle ones are dropped
     oldest first, and the refusals are logged one line per interval with a count."""
-    limits = ServiceLimits(refusal_log_interval_s=0.2)
+    limits = ServiceLimits(refusal_log_interval_s=0.2, auth_timeout_s=3600.0)  # idle sockets never time out here
     svc = Service(token=TOKEN, limits=limits)
     port = svc.start()
     idle = []
@@ -274,7 +279,7 @@ def test_idle_unauthenticated_sockets_do_not_keep_a_client_out(caplog):
                 s = socket.create_connection(("127.0.0.1", port), timeout=60)
                 s.recv(1)  # its challenge came: the service has taken it in
                 idle.append(s)
-            with Client(("127.0.0.1", port), token=TOKEN, timeout_s=60, connect_timeout_s=60) as c:
+            with Client(("127.0.0.1", port), token=TOKEN, timeout_s=60, connect_timeout_s=30) as c:
                 assert c.call("ping")[0]["pong"]
                 assert svc.stats()["transport/connections_open"] == 1
             dropped = limits.max_connections - limits.max_preauth
@@ -287,3 +292,24 @@ def test_idle_unauthenticated_sockets_do_not_keep_a_client_out(caplog):
         for s in idle:
             s.close()
         svc.stop()
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_limits_are_config_keys_validated_like_the_others():
+    from gearflow.config import load_config
+    from gearflow.errors import ConfigError
+    from gearflow.transport.service import service_limits
+
+    cfg = load_config("configs/cartpole_apex.yaml", ["transport.limits.max_batch=1024", "transport.limits.max_preauth=4",
+                                                     "transport.limits.max_frame_bytes=1e7"])  # fmt: skip
+    limits = service_limits(cfg.transport.limits)
+    assert (limits.max_batch, limits.max_preauth, limits.frame.max_frame_bytes) == (1024, 4, 10**7)
+    assert service_limits(load_config("configs/cartpole_apex.yaml").transport.limits) == ServiceLimits()
+    for bad, key in (("transport.limits.max_batch=0", "transport.limits.max_batch"),
+                     ("transport.limits.max_wait_s=inf", "transport.limits.max_wait_s"),
+                     ("transport.limits.auth_timeout_s=-1", "transport.limits.auth_timeout_s"),
+                     ("transport.limits.max_prauth=3", "max_preauth")):  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            load_config("configs/cartpole_apex.yaml", [bad])

@@ -69,7 +69,7 @@ from gearflow.transport.framing import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits"]
+__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits", "service_limits"]
 
 # what a peer may send before it has authenticated: one small AUTH frame
 _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
@@ -122,6 +122,15 @@ class ServiceLimits:
         if not ok:
             raise ValueError(f"timeout_s must be a finite number ≥ 0, got {str(asked)[:40]}")
         return min(float(asked), self.max_wait_s)
+
+
+def service_limits(group: Any = None) -> ServiceLimits:
+    """:class:`ServiceLimits` of a config's ``transport.limits`` group (None: the defaults)."""
+    if group is None:
+        return ServiceLimits()
+    g = dict(group)
+    frame = FrameLimits(max_frame_bytes=int(g.pop("max_frame_bytes", FrameLimits.max_frame_bytes)))
+    return ServiceLimits(frame=frame, **{k: (int(v) if isinstance(v, int) else float(v)) for k, v in g.items()})
 
 
 class Defer(Exception):
