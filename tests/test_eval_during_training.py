@@ -27,9 +27,12 @@ SMALL = ["actor.num_actors=1", "env.num_envs=4", "env.batch_size=2", "replay.cap
 GUARD = 480  # only keeps a broken run from hanging the suite: every wait is on a file or a log line
 
 
-def _wait(done, proc: subprocess.Popen | None, what: str):
+def _wait(done, proc: subprocess.Popen | None, what: str, give_up=lambda: ""):
+    """Poll ``done()`` until it is true; ``give_up()``: a reason (from the run's progress) it never will be."""
     deadline = time.monotonic() + GUARD
     while not (value := done()):
+        if why := give_up():
+            pytest.fail(f"{what}: {why}")
         if proc is not None and proc.poll() is not None:
             pytest.fail(f"the run exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()[-3000:]}")
         if time.monotonic() > deadline:
@@ -53,6 +56,17 @@ def _evals(run: Path) -> list[dict]:
 
 def _last_steps(run: Path) -> int:
     return max((int(r["actor/env_steps"]) for r in _rows(run) if "learner/loss" in r), default=0)
+
+
+def _trained_without(run: Path, steps: int, what: str):
+    """A give-up: the run trained ``steps`` env steps more than now without ``what``."""
+    start = _last_steps(run)
+    return lambda: f"the run trained {steps} env steps without it" if _last_steps(run) > start + steps else ""
+
+
+def _off(run: Path) -> str:
+    log = run / "train.log"
+    return "evaluation was switched off" if log.exists() and "evaluation is off" in log.read_text() else ""
 
 
 def _parent(pid: int) -> int:
@@ -135,16 +149,18 @@ def test_a_real_run_evaluates_in_its_own_process_and_survives_its_death(tmp_path
            "run.log_every_s=0.5", "run.checkpoint_every=0", "run.tensorboard=false"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        (first,) = _wait(lambda: _eval_pids(run)[:1], proc, "the eval process")
+        far = 100_000  # env steps without what should have come long before: give up (no clock)
+        (first,) = _wait(lambda: _eval_pids(run)[:1], proc, "the eval process", _trained_without(run, far, "it"))
         assert first != proc.pid and _parent(first) == proc.pid  # a child of the learner's process, of its own
-        _wait(lambda: _evals(run), proc, "an eval row")
+        _wait(lambda: _evals(run), proc, "an eval row", _trained_without(run, far, "it"))
         actors = {c for c in _children(proc.pid) if c != first and "resource_tracker" not in _cmdline(c)}
         assert actors and first not in actors
         os.kill(first, signal.SIGKILL)
         at_kill, evals_at_kill = _last_steps(run), len(_evals(run))
-        (second,) = _wait(lambda: _eval_pids(run)[1:2], proc, "the restarted eval process")
+        (second,) = _wait(lambda: _eval_pids(run)[1:2], proc, "the restarted eval process", lambda: _off(run))
         assert second != first and "the evaluation process died" in (run / "train.log").read_text()
-        _wait(lambda: len(_evals(run)) > evals_at_kill + 1, proc, "evaluations after the restart")
+        _wait(lambda: len(_evals(run)) > evals_at_kill + 1, proc, "evaluations after the restart",
+              _trained_without(run, far, "them"))
         _wait(lambda: _last_steps(run) > at_kill + 2000, proc, "the actor stepping on")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=GUARD) == 128 + signal.SIGTERM
