@@ -80,6 +80,16 @@ def parse_period(text: Any) -> tuple[str, float] | None:
     return ("seconds", value * {"s": 1, "m": 60, "h": 3600}[unit])
 
 
+def eval_period(cfg: DictConfig) -> tuple[str, float] | None:
+    """``run.eval_every`` parsed: ``("steps", n)`` (env steps; learner updates in ``run.mode=offline``)
+    or ``("seconds", s)``; None when evaluation during training is off."""
+    every = cfg.run.get("eval_every")
+    period = parse_period(0 if every is None else every)
+    if period is None or period[0] == "off":
+        return None
+    return ("steps", period[1]) if period[0] == "updates" else period
+
+
 @dataclass
 class EnvConfig:
     id: str = "CartPole-v1"
@@ -234,6 +244,14 @@ class RunConfig:
     """Terminal progress: ``auto`` (a live panel on a TTY, log lines otherwise), ``live`` or ``log``."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory (next to metrics.jsonl/.csv)."""
+    eval_every: Optional[str] = None
+    """Greedy evaluation during training, in a process of its own: every ``50000`` env steps (as
+    SB3's ``eval_freq`` and CleanRL's step counters count; ``run.mode=offline``, which takes no env
+    steps: learner updates), or every ``90s``/``10m``/``2h`` of wall time; ``0`` or null: off.
+    Logged as ``eval/return_mean``, ``eval/return_std``, ``eval/episodes``, ``eval/env_steps``
+    (the steps the evaluation itself took) at the training step of the weights evaluated."""
+    eval_episodes: int = 10
+    """Episodes per evaluation during training (``run.eval_every``), on up to 32 envs of its own."""
     module_dirs: list = field(default_factory=list)
     """Directories searched, after installed packages, for the agent, env factory and obs transform
     modules the config names (a relative one in a YAML file: from that file's directory). A config
@@ -711,6 +729,12 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(parse_period(run.checkpoint_every) is not None, "run.checkpoint_every",
           "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)")  # fmt: skip
     check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
+    check(parse_period(0 if run.eval_every is None else run.eval_every) is not None, "run.eval_every",
+          "must be a number of env steps (50000), a duration (90s, 10m, 2h), 0 or null (off)")  # fmt: skip
+    check(run.eval_episodes >= 1, "run.eval_episodes", "must be ≥ 1")
+    check(not eval_period(cfg) or not (t.shards or cfg.launcher == "ray"), "run.eval_every",
+          "evaluates from this machine's parameter store: not with transport.shards or launcher=ray yet "
+          "(evaluate their checkpoints with gearflow eval)")  # fmt: skip
     check(run.progress in PROGRESS_MODES, "run.progress", f"must be one of {', '.join(PROGRESS_MODES)}")
     check(run.mode in RUN_MODES, "run.mode", f"must be one of {', '.join(RUN_MODES)}")
     offline = run.mode == "offline"

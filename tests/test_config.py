@@ -234,6 +234,11 @@ VALIDATION_CASES = [
     (["run.log_every_s=0"], "run.log_every_s", "must be > 0"),
     (["run.checkpoint_every=10x"], "run.checkpoint_every", "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)"),
     (["run.checkpoint_every=2.5"], "run.checkpoint_every", "must be a number of updates"),
+    (["run.eval_every=often"], "run.eval_every", "must be a number of env steps (50000), a duration (90s, 10m, 2h), 0 or null (off)"),
+    (["run.eval_episodes=0"], "run.eval_episodes", "must be ≥ 1"),
+    (["run.eval_every=1000", "transport.shards=[127.0.0.1:5000]"], "run.eval_every",
+     "evaluates from this machine's parameter store: not with transport.shards or launcher=ray yet "
+     "(evaluate their checkpoints with gearflow eval)"),
     (["run.keep_checkpoints=0"], "run.keep_checkpoints", "must be ≥ 1"),
     (["run.progress=fancy"], "run.progress", "must be one of"),
     (["run.mode=replay"], "run.mode", "must be one of online, offline"),
