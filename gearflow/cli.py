@@ -97,6 +97,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cli_token(args: argparse.Namespace) -> str | None:
+    """The secret of ``gearflow actor``: ``--token-file``, else ``$GEARFLOW_TOKEN``; ``--token`` still
+    works but warns (a command line is visible to every user of the machine)."""
+    from gearflow.run.private import config_token
+
+    if args.token:
+        log.warning("--token puts the secret in every process listing (ps, /proc/*/cmdline): "
+                    "set $GEARFLOW_TOKEN or use --token-file PATH instead")  # fmt: skip
+        return args.token
+    if args.token_file:
+        return config_token({"token_file": args.token_file})
+    return None
+
+
 def _cmd_actor(args: argparse.Namespace) -> int:
     from gearflow.actors.remote import ActorSet
     from gearflow.config import load_config, to_yaml
@@ -114,7 +128,7 @@ def _cmd_actor(args: argparse.Namespace) -> int:
 
     try:
         parse_address(args.connect)
-        token = resolve_token(args.token).decode()
+        token = resolve_token(_cli_token(args)).decode()
     except ValueError as exc:
         raise GearflowError(f"--connect {args.connect}: {exc}") from None
     actors = ActorSet(args.connect, local, args.actors, token=token, first_actor=args.actor, wait_s=args.wait,
@@ -233,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actors", type=int, default=1, help="actor processes to start (default 1)")
     p.add_argument("--actor", type=int, default=None, metavar="K",
                    help="take remote actor places K, K+1, ... (default: any free ones)")
-    p.add_argument("--token", default=None, help="shared secret (default: $GEARFLOW_TOKEN)")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="file holding the shared secret (mode 0600; default: $GEARFLOW_TOKEN)")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # shows in ps: warned, kept for old scripts
     p.add_argument("--wait", type=float, default=60.0, metavar="S",
                    help="keep retrying an unreachable learner for S seconds before giving up (default 60)")
 
@@ -313,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.append(os.getcwd())
     verbosity = -1 if args.quiet else (1 if args.verbose else 0)
     setup_logging(verbosity)
+    if args.command in ("train", "serve", "actor"):  # what a run writes (logs, metrics, checkpoints): 0600
+        from gearflow.run.private import private_umask
+
+        private_umask()
     try:
         return args.func(args)
     except GearflowError as exc:

@@ -295,7 +295,12 @@ class TransportConfig:
     port: int = 0
     """TCP port of that service; 0 picks a free one (logged)."""
     token: str = ""
-    """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``."""
+    """Shared secret every connection proves it holds (HMAC); empty: ``transport.token_file``, else
+    ``$GEARFLOW_TOKEN``. Never written to the run directory nor sent to joiners; on the command
+    line it shows in ``ps`` (a warning says so): prefer the environment or a token file."""
+    token_file: str = ""
+    """File holding the shared secret (mode 0600: one readable by others is refused); used when
+    ``transport.token`` is empty."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
     shards: list = field(default_factory=list)
@@ -549,6 +554,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
     directory too (added to ``sys.path``, after installed packages)."""
     yaml_data = _read_yaml(Path(path)) if path is not None else {}
     parsed = _parse_overrides(overrides)
+    if any(str(o).split("=", 1)[0].strip() in ("transport.token", "+transport.token") for o in overrides):
+        log.warning("transport.token= on the command line is visible to every user of this machine (ps, "
+                    "/proc/*/cmdline): set $GEARFLOW_TOKEN or transport.token_file instead")  # fmt: skip
     source = str(path) if path is not None else "defaults"
     for group in yaml_data:
         if group not in GearflowConfig.__dataclass_fields__:
@@ -800,7 +808,9 @@ def save_config(cfg: DictConfig, path: str | Path) -> Path:
     """Write the resolved config (the run directory's ``config.yaml``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    from gearflow.run.private import redacted
+
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_yaml(cfg))
+    tmp.write_text(to_yaml(redacted(cfg)))  # never the secret: a resume reads it from the environment / token file
     tmp.replace(path)
     return path

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from gearflow.run.checkpoint import RunCheckpoints, rng_states
 from gearflow.config import parse_period, to_yaml
+from gearflow.run.private import redacted
 from gearflow.replay.protocols import SamplerLike
 
 if TYPE_CHECKING:
@@ -376,7 +377,7 @@ class Learner:
             "weights_version": self.params.latest_version(),
             "progress": self.progress.state(now),
             "metric_offsets": metric_offsets if metric_offsets is not None else self.metric_offsets(),
-            "config": to_yaml(self.cfg),
+            "config": to_yaml(redacted(self.cfg)),  # never the secret
         }
         learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
         with self.lock:  # the prefetcher samples under the same lock

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from gearflow.run.private import private_dir
 from gearflow.agent import resolve_device
 from gearflow.config import save_config
 from gearflow.errors import CheckpointNotWritten, ConfigError, GearflowError
@@ -247,7 +248,7 @@ class Runner:
             check_run_dir(self.run_dir)
             self.connect_components()  # config errors surface here, before a run directory exists
             try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                private_dir(self.run_dir)  # 0700: the run's files are its owner's only
                 file_log = logging.FileHandler(self.run_dir / "train.log")
             except OSError as exc:
                 raise GearflowError(f"run.dir={str(self.run_dir)!r}: cannot write there: {exc.strerror or exc}") from None

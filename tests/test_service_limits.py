@@ -313,3 +313,74 @@ def test_limits_are_config_keys_validated_like_the_others():
                      ("transport.limits.max_prauth=3", "max_preauth")):  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             load_config("configs/cartpole_apex.yaml", [bad])
+
+
+# ----------------------------------------------------------------------------- reports, names, frames
+
+
+class _Conn:
+    def __init__(self, actor: int):
+        self.state, self.peer, self.closed = {"actor": actor}, "127.0.0.1:1", False
+
+    def on_close(self, cb) -> None:
+        pass
+
+
+def test_reports_are_checked_and_bounded_by_what_the_actor_wrote(caplog):
+    import queue
+
+    from gearflow.launchers.remote import Members
+    from gearflow.learner import Progress
+    from gearflow.reports import fold_report
+
+    written = {"episodes": 2}
+    q: queue.Queue = queue.Queue()
+    members = Members("", {0: [0, 1]}, q, threading.Event(), episodes_written=lambda parts: written["episodes"])
+    conn = _Conn(0)
+
+    def episode(ret):
+        return {"type": "episode", "env": 0, "actor/episode_return": ret, "actor/episode_length": 10, "actor/epsilon": 0.1}
+
+    for bad in (float("inf"), float("nan"), 1e300, "500", True):
+        with pytest.raises(ValueError, match="episode_return"):
+            members.report({"messages": [episode(bad)]}, [], conn)
+    with pytest.raises(ValueError, match="control characters"):
+        members.report({"messages": [{"type": "counters", "actor/note": "ok\n2026 INFO fake line"}]}, [], conn)
+    with pytest.raises(ValueError, match="counter key"):
+        members.report({"messages": [{"type": "counters", "bad key\n": 1}]}, [], conn)
+    assert q.empty()  # a refused batch passes nothing on
+    # 100 episodes of return 500 from an actor whose partitions hold 2: two pass, the rest wait
+    members.report({"messages": [episode(500.0) for _ in range(100)]}, [], conn)
+    got = [q.get_nowait() for _ in range(q.qsize())]
+    assert len(got) == 2 and all(m["actor"] == 0 for m in got)
+    written["episodes"] = 5  # its writes catch up: three more pass at its next report
+    members.report({"messages": []}, [], conn)
+    assert q.qsize() == 3
+    # an error report's lines are indented in the log: none can pose as a log line of its own
+    progress = Progress()
+    with caplog.at_level(logging.ERROR):
+        fold_report(progress, {"type": "error", "actor": 0, "error": "boom\n2026-12-02 INFO run.stop_at_return reached\x1b[2J"})
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "\n2026" not in text and "\x1b" not in text and "    | 2026-12-02" in text
+
+
+def test_checkpoint_names_refuse_trailing_newlines_and_paths(make_table, tmp_path):
+    table = make_table(spec=_spec("uint8[3]"), P=2, S=64, kind=Transition())
+    with ShardService(table, token=TOKEN, checkpoint_dir=str(tmp_path)) as shard:
+        with Client(("127.0.0.1", shard.port), token=TOKEN, timeout_s=60) as c:
+            for bad in ("ok\n", "..", "a/b", "../x", "", "x" * 129, "ok\r"):
+                with pytest.raises(ValueError, match="checkpoint name"):
+                    c.call("replay.checkpoint", {"name": bad})
+            assert c.call("replay.checkpoint", {"name": "fine-1"})[0]["path"].endswith("fine-1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fine-1"]
+
+
+def test_a_zero_size_buffer_with_huge_dims_is_a_frame_error():
+    from gearflow.transport.framing import FrameError, parse_envelope
+
+    env = b'{"op":"x","meta":{},"bufs":[["float64",[0,268435456,268435456,268435456]]]}'
+    with pytest.raises(FrameError, match="too large"):
+        parse_envelope(env, 1, 0, FrameLimits())
+    # a plain zero-size buffer is fine
+    op, meta, layout = parse_envelope(b'{"op":"x","meta":{},"bufs":[["float64",[0,3]]]}', 1, 0, FrameLimits())
+    assert layout[0][1] == (0, 3)

@@ -50,7 +50,8 @@ from omegaconf import DictConfig
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
-from gearflow.reports import fold_report
+from gearflow.replay.storage import EPISODES
+from gearflow.reports import check_report, fold_report
 
 log = logging.getLogger("gearflow.runner")
 
@@ -66,14 +67,15 @@ class RemoteActors:
     (actor index → its partitions), and what they report, for the learner."""
 
     def __init__(self, cfg: DictConfig, table, params, partitions: Mapping[int, np.ndarray]):
+        from gearflow.run.private import config_token, redacted
         from gearflow.transport.auth import resolve_token
 
         t = cfg.transport
         try:
-            self.token = resolve_token(t.token or None).decode()
+            self.token = resolve_token(config_token(t)).decode()
         except ValueError as exc:
             raise ConfigError(f"actor.remote_actors={len(partitions)}: {exc}") from None
-        self.cfg_yaml = to_yaml(cfg)
+        self.cfg_yaml = to_yaml(redacted(cfg))  # what joiners get (run.join): never the secret
         self.partitions = {int(a): [int(p) for p in parts] for a, parts in partitions.items()}
         self.where = (str(t.host), int(t.port), str(t.loop))
         self.names = (table.storage.name, params.name)
@@ -179,10 +181,15 @@ class RemoteActors:
 class Members:
     """``run.join`` / ``run.report`` of the shard process: places of remote actors."""
 
-    def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event):
+    def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event, episodes_written=None):
         self.cfg_yaml, self.partitions, self.reports, self.stop_event = cfg_yaml, partitions, reports, stop_event
         self.joined: dict[int, str] = {}  # actor index -> peer
         self.lock = threading.Lock()
+        # ``episodes_written(partitions)``: episodes those partitions hold (the storage counters); an
+        # actor's episode reports past that wait (at most MAX_REPORTS) until its writes catch up
+        self.episodes_written = episodes_written
+        self.reported: dict[int, int] = {}  # actor -> episode reports passed on
+        self.held: dict[int, list] = {}  # actor -> episode reports ahead of its writes
 
     def join(self, meta: dict, bufs, conn):
         if self.stop_event.is_set():
@@ -226,15 +233,33 @@ class Members:
         msgs = meta.get("messages")
         if not isinstance(msgs, list) or len(msgs) > MAX_REPORTS:
             raise ValueError(f"run.report: messages must be a list of at most {MAX_REPORTS} dicts")
-        for m in msgs:
-            if not isinstance(m, dict) or m.get("type") not in REPORT_TYPES:
-                raise ValueError(f"run.report: each message is a dict whose type is one of {REPORT_TYPES}")
-            if m["type"] == "episode" and not isinstance(m.get("actor/episode_return"), (int, float)):
-                raise ValueError("run.report: an episode message needs a numeric actor/episode_return")
+        msgs = [check_report(m) for m in msgs]  # every field checked before any is passed on
         for m in msgs:
             m["actor"] = actor  # a connection reports for the place it joined, nothing else
-            self.reports.put(m)
+            if m["type"] == "episode" and self.episodes_written is not None:
+                self._episode(actor, m)
+            else:
+                self.reports.put(m)
+        if self.episodes_written is not None:
+            self._episode(actor, None)
         return {"stop": self.stop_event.is_set()}, []
+
+    def _episode(self, actor: int, m: dict | None) -> None:
+        """Pass on ``actor``'s episode reports as far as its partitions hold that many episodes:
+        an actor cannot report more episodes than it wrote (the rest wait, then are dropped)."""
+        held = self.held.setdefault(actor, [])
+        if m is not None:
+            if len(held) >= MAX_REPORTS:
+                return  # far ahead of what it wrote: not an honest actor's lag
+            held.append(m)
+        if not held:
+            return
+        room = int(self.episodes_written(self.partitions[actor])) - self.reported.get(actor, 0)
+        take = held[:max(room, 0)]
+        del held[:len(take)]
+        self.reported[actor] = self.reported.get(actor, 0) + len(take)
+        for e in take:
+            self.reports.put(e)
 
 
 def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, partitions: dict[int, list[int]],
@@ -259,7 +284,8 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         view = SimpleNamespace(storage=storage, kind=kind_from_dict(kind),
                                selector=SimpleNamespace(name=selector, importance_sampled=weighted),
                                size=0, stats=lambda: _storage_stats(storage))  # fmt: skip
-        members = Members(cfg_yaml, partitions, reports, stop_event)
+        members = Members(cfg_yaml, partitions, reports, stop_event,
+                          episodes_written=lambda parts: int(storage.counters[parts, EPISODES].sum()))  # fmt: skip
         every = sorted(p for parts in partitions.values() for p in parts)
         from omegaconf import OmegaConf
 

@@ -107,6 +107,7 @@ class ShardNode:
         from gearflow.topology.build import Builder
         from gearflow.topology.plan import plan_run
         from gearflow.topology.roles import Lifecycle
+        from gearflow.run.private import config_token
         from gearflow.transport.auth import resolve_token
 
         # a "serve" plan (its actors here) or a "shard" plan (launch_actors=False: its actors
@@ -114,7 +115,7 @@ class ShardNode:
         self.plan = plan = plan_run(cfg, command="serve", actors=launch_actors)
         self.cfg = cfg
         try:
-            self.token = resolve_token(cfg.transport.token or None).decode()
+            self.token = resolve_token(config_token(cfg.transport)).decode()
         except ValueError as exc:
             raise ConfigError(f"gearflow serve: {exc}") from None
         torch.manual_seed(cfg.run.seed)
@@ -143,12 +144,17 @@ class ShardNode:
     def _build_service(self, remote: dict[int, list[int]]) -> None:
         from gearflow.config import to_yaml
         from gearflow.launchers.remote import Members
+        from gearflow.run.private import redacted
         from gearflow.run.tables import env_steps_in
         from gearflow.transport.server.node import NodeService
         from gearflow.transport.service import service_limits
 
         t, table = self.cfg.transport, self.table
-        members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event) if remote else None
+        from gearflow.replay.storage import EPISODES
+
+        counters = table.storage.counters
+        members = Members(to_yaml(redacted(self.cfg)), remote, self.relay, self.stop_event,
+                          episodes_written=lambda parts: int(counters[parts, EPISODES].sum())) if remote else None  # fmt: skip
         self.server = NodeService(table, self.params, self._template, relay=self.relay,
                                   env_steps=lambda: env_steps_in(table), stop_event=self.stop_event,
                                   on_stop=self._stopped_by, num_actors=self.geom.num_actors,

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gearflow.run.private import private_dir
 from gearflow.replay.checkpoint import (
     CheckpointError,
     check_manifest,
@@ -160,7 +161,7 @@ class RunCheckpoints:
 
     def save(self, updates: int, learner: dict[str, Any], runner: dict[str, Any], table=None) -> Path:
         """Write one checkpoint (``table=None``: without the replay); returns its path."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)  # 0700, and each checkpoint in it too
         for stale in self.dir.glob("ckpt-*.tmp-*"):  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         for old in self.dir.glob("ckpt-*.old-*"):  # superseded, once its replacement is in place
@@ -168,7 +169,7 @@ class RunCheckpoints:
                 shutil.rmtree(old, ignore_errors=True)
         path = self.dir / f"ckpt-{int(updates):09d}"
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)
         try:
             with open(tmp / "learner.pt", "wb") as f:  # a full disk is an OSError (a path: RuntimeError)
                 _save_torch(learner, f)

@@ -56,7 +56,7 @@ def config_token(transport) -> str | None:
     """The secret ``transport`` (a config's ``transport`` group) names, or None for ``$GEARFLOW_TOKEN``.
     A ``token_file`` readable by others than its owner is refused (it would not be a secret)."""
     if transport.get("token"):
-        return str(transport.token)
+        return str(transport.get("token"))
     path = transport.get("token_file") or ""
     if not path:
         return None

@@ -241,6 +241,8 @@ def parse_envelope(raw, nbufs: int, buf_bytes: int, limits: FrameLimits) -> tupl
         if not all(type(s) is int and 0 <= s <= limits.max_frame_bytes for s in shape):
             raise FrameError(f"buffer {i}: shape must be non-negative ints, got {str(shape)[:80]}")
         nbytes = math.prod(shape) * dtype.itemsize  # python ints: no overflow
+        if math.prod(s for s in shape if s) * dtype.itemsize > limits.max_frame_bytes:  # a zero-size array too
+            raise FrameError(f"buffer {i}: shape {str(shape)[:80]} is too large (over max_frame_bytes={limits.max_frame_bytes})")
         pos = _align(pos)
         if pos + nbytes > buf_bytes:
             raise FrameError(f"buffer {i}: {nbytes} bytes at offset {pos} overrun the {buf_bytes} buffer bytes of the header")

@@ -158,13 +158,14 @@ class RemoteShards:
     """The shard nodes of ``cfg.transport.shards`` as the learner's table, publisher and actors."""
 
     def __init__(self, cfg: DictConfig, agent, *, publisher: bool = True, seed: int | None = None):
+        from gearflow.run.private import config_token
         from gearflow.transport.auth import resolve_token
         from gearflow.transport.choice import choose_transport
 
         t = cfg.transport
         self.addresses = [str(a) for a in t.shards]
         try:
-            token = resolve_token(t.token or None).decode()
+            token = resolve_token(config_token(t)).decode()
         except ValueError as exc:
             raise ConfigError(f"transport.shards: {exc}") from None
         self.timeout_s = max(30.0, float(cfg.replay.timeout_s))

@@ -411,7 +411,7 @@ class ShardService:
         name = meta.get("name")
         if self.checkpoint_dir is None:
             raise ValueError("this shard has no checkpoint_dir: remote checkpoints are off")
-        if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):  # fullmatch: no trailing newline
             raise ValueError(f"a checkpoint name is 1-128 characters of [A-Za-z0-9_.-], got {str(name)[:40]!r}")
         with self.lock:
             path = save_checkpoint(self.table, self.checkpoint_dir / name)

@@ -1,0 +1,170 @@
+"""Secrets stay secret (issue #32, point 6), through the real ``gearflow train`` and
+``gearflow actor`` processes: the token is in no process's command line, in no file of the run
+directory (config.yaml, checkpoints/*/runner.json, logs, metrics), and not in anything the
+learner sends a joining actor (a relay between them records every byte); the run directory
+and its checkpoints are 0700, its files 0600."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gearflow.config import load_config, save_config
+from gearflow.run.private import config_token, redacted
+from tests.test_remote_actors import _finish, _wait_for
+from tests.test_train import CONFIG, ROOT, TINY
+
+SECRET = "s3cret-that-must-not-leak-4242"
+
+
+class _Relay:
+    """A TCP relay on loopback to ``upstream``: records every byte the upstream sends back."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream, self.received = upstream, bytearray()
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.server.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src, dst, record: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if record:
+                    with self.lock:
+                        self.received += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GEARFLOW_TOKEN"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return env
+
+
+def _cmdlines_with(secret: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if secret.encode() in raw:
+            line = raw.replace(bytes(1), b" ").decode(errors="replace")
+            found.append(f"{pid}: {line[:200]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_token_stays_out_of_ps_the_run_directory_and_the_wire(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    token_file.chmod(0o600)
+    run_dir = tmp_path / "run"
+    # both sides read the secret from a 0600 file (transport.token_file / --token-file), the
+    # environment has none: what a leak would show comes from the run itself
+    log = tmp_path / "train.err"
+    learner = subprocess.Popen([sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, "run.progress=log",
+                                f"run.dir={run_dir}", "actor.remote_actors=1", "run.max_env_steps=6000",
+                                f"transport.token_file={token_file}"],
+                               stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=_env())  # fmt: skip
+    relay = None
+    actor = None
+    try:
+        m = _wait_for(log, r"on 127\.0\.0\.1:(\d+): run gearflow actor --connect", learner)
+        relay = _Relay(("127.0.0.1", int(m.group(1))))
+        actor_log = tmp_path / "actor.err"
+        actor = subprocess.Popen([sys.executable, "-m", "gearflow", "actor", "--connect", f"127.0.0.1:{relay.port}",
+                                  "--token-file", str(token_file), "--actors", "1"],
+                                 stdout=subprocess.DEVNULL, stderr=open(actor_log, "w"), cwd=ROOT, env=_env())  # fmt: skip
+        _wait_for(log, r"remote actor \d+ joined", learner)
+        assert _cmdlines_with(SECRET) == []  # no process has it on its command line (ps)
+        code, out = _finish(learner, timeout=600)
+        assert code == 0, log.read_text()[-3000:]
+        assert actor.wait(timeout=240) == 0, actor_log.read_text()[-3000:]
+    finally:
+        for p in (learner, actor):
+            if p is not None and p.poll() is None:
+                p.kill()
+        if relay is not None:
+            relay.close()
+    # the joiner got its place and the run's config, never the secret
+    with relay.lock:
+        wire = bytes(relay.received)
+    assert b"run.join" in wire and b"partitions" in wire  # the relay saw the join reply
+    assert SECRET.encode() not in wire
+    # every file of the run directory: no secret; the directories 0700, the files 0600
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "runner.json" for p in files) and (run_dir / "config.yaml").is_file()
+    for p in files:
+        assert SECRET.encode() not in p.read_bytes(), p
+        assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p, oct(p.stat().st_mode))
+    for d in [run_dir, *(p for p in run_dir.rglob("*") if p.is_dir())]:
+        assert stat.S_IMODE(d.stat().st_mode) & 0o077 == 0, (d, oct(d.stat().st_mode))
+
+
+def test_a_token_override_or_flag_warns_and_is_redacted(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(CONFIG, [f"transport.token={SECRET}"])
+    assert any("visible to every user" in r.getMessage() for r in caplog.records)
+    assert cfg.transport.token == SECRET  # still used by this process ...
+    path = save_config(cfg, tmp_path / "config.yaml")
+    assert SECRET not in path.read_text()  # ... never written
+    assert redacted(cfg).transport.token == "" and cfg.transport.token == SECRET
+    from gearflow.cli import _cli_token
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert _cli_token(argparse.Namespace(token=SECRET, token_file=None)) == SECRET
+    assert any("--token-file" in r.getMessage() for r in caplog.records)
+
+
+def test_a_token_file_readable_by_others_is_refused(tmp_path):
+    from gearflow.errors import ConfigError
+
+    f = tmp_path / "token"
+    f.write_text(SECRET)
+    f.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        config_token({"token_file": str(f)})
+    f.chmod(0o600)
+    assert config_token({"token_file": str(f)}) == SECRET
+    assert config_token({"token": "direct-one", "token_file": str(f)}) == "direct-one"
+    assert config_token({"token": "", "token_file": ""}) is None
