@@ -102,9 +102,13 @@ def _cmd_actor(args: argparse.Namespace) -> int:
     from gearflow.config import load_config, to_yaml
     from gearflow.log import inherited_verbosity
 
+    from gearflow.transport.auth import set_default_integrity
+
     local = None
     if args.config is not None:
-        local = to_yaml(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        set_default_integrity(bool(cfg.transport.integrity))  # without CONFIG: $GEARFLOW_INTEGRITY, else on
+        local = to_yaml(cfg)
     elif args.overrides:
         raise GearflowError("KEY=VALUE overrides need a CONFIG file")
     if args.actors < 1:
