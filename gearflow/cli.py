@@ -179,6 +179,20 @@ def _cmd_check_env(args: argparse.Namespace) -> int:
     return 1 if check_env(load_config(args.config, args.overrides), steps=args.steps) else 0
 
 
+def _cmd_secret(args: argparse.Namespace) -> int:
+    from gearflow.transport.auth import TOKEN_ENV, actor_credential, resolve_token
+
+    try:
+        if args.secret_file:
+            secret = resolve_token(open(args.secret_file, encoding="utf-8").read().strip())
+        else:
+            secret = resolve_token(None)
+        print(actor_credential(secret, args.name))
+    except (OSError, ValueError) as exc:
+        raise GearflowError(f"gearflow secret actor: {exc} (the learner's secret: ${TOKEN_ENV} or --secret-file)") from None
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from gearflow.tools.info import collect, render
 
@@ -278,6 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (env.factory / env.id and agent.name as in training)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--steps", type=int, default=200, help="recvs of each stage (default 200)")
+
+    p = add("secret", lambda a: a.secret_func(a), "credentials derived from the learner's secret")
+    ssub = p.add_subparsers(dest="secret_command", metavar="KIND", required=True)
+    sa = ssub.add_parser(
+        "actor",
+        help="print the actor credential of NAME (give it to that actor machine as $GEARFLOW_TOKEN)",
+        description="print the actor credential of NAME, derived from the learner's secret ($GEARFLOW_TOKEN, or "
+        "--secret-file): an actor machine that holds it may join, write its partitions, report and read "
+        "weights, nothing else, and cannot pose as the learner to another actor (give each machine its own NAME).",
+    )
+    sa.add_argument("name", help="the actor machine's name: letters, digits, '-', '_' (at most 64)")
+    sa.add_argument("--secret-file", metavar="FILE", help="read the learner's secret from FILE (default: $GEARFLOW_TOKEN)")
+    sa.set_defaults(secret_func=_cmd_secret)
 
     add("info", _cmd_info, "versions of the dependencies and whether CUDA, CuPy, nvcc, RDMA are usable")
 
