@@ -203,7 +203,7 @@ class Client:
         self.role = self._credential.role
         self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
         if self.integrity:
-            frames_mac._require()
+            frames_mac.require()
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.limits = limits or FrameLimits()
         if max_in_flight < 1:

@@ -39,7 +39,7 @@ import numpy as np
 from gearflow.errors import MissingDependencyError
 from gearflow.transport.framing import FrameError
 
-__all__ = ["TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf", "session_keys"]
+__all__ = ["TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf", "require", "session_keys"]
 
 TRAILER = struct.Struct("<Q16s")  # sequence number, tag
 TAG_BYTES = 16
@@ -114,7 +114,8 @@ def available() -> bool:
     return _load() is not None
 
 
-def _require():
+def require():
+    """libcrypto, or a :class:`MissingDependencyError` saying what to install."""
     lib = _load()
     if lib is None:
         raise MissingDependencyError(
@@ -136,7 +137,7 @@ class _Mac:
     def __init__(self, key: bytes):
         if len(key) != KEY_BYTES:
             raise ValueError(f"a session key has {KEY_BYTES} bytes, got {len(key)}")
-        self._lib = lib = _require()
+        self._lib = lib = require()
         self._ctx = lib.EVP_MAC_CTX_new(_gmac)
         if not self._ctx:
             raise MemoryError("EVP_MAC_CTX_new failed")

@@ -396,7 +396,7 @@ class Service:
             raise ValueError("a service holds the learner's secret; this is an actor credential (gfa1.…)")
         self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
         if self.integrity:
-            frames_mac._require()  # a missing libcrypto fails here, with how to fix it
+            frames_mac.require()  # a missing libcrypto fails here, with how to fix it
         self.limits = limits or ServiceLimits()
         self.loop_kind = loop
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
