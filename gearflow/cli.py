@@ -102,12 +102,12 @@ def _cmd_actor(args: argparse.Namespace) -> int:
     from gearflow.config import load_config, to_yaml
     from gearflow.log import inherited_verbosity
 
-    from gearflow.transport.auth import set_default_integrity
+    from gearflow.transport.auth import configure
 
     local = None
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
-        set_default_integrity(bool(cfg.transport.integrity))  # without CONFIG: $GEARFLOW_INTEGRITY, else on
+        configure(cfg.transport)  # without CONFIG: $GEARFLOW_INTEGRITY (else on), $GEARFLOW_TLS (else none)
         local = to_yaml(cfg)
     elif args.overrides:
         raise GearflowError("KEY=VALUE overrides need a CONFIG file")
@@ -190,6 +190,17 @@ def _cmd_secret(args: argparse.Namespace) -> int:
         print(actor_credential(secret, args.name))
     except (OSError, ValueError) as exc:
         raise GearflowError(f"gearflow secret actor: {exc} (the learner's secret: ${TOKEN_ENV} or --secret-file)") from None
+    return 0
+
+
+def _cmd_tls_init(args: argparse.Namespace) -> int:
+    from gearflow.transport.tls import TlsError, init
+
+    try:
+        for path in init(args.dir, args.name or ""):
+            print(path)
+    except (TlsError, OSError) as exc:
+        raise GearflowError(f"gearflow tls init: {exc}") from None
     return 0
 
 
@@ -305,6 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("name", help="the actor machine's name: letters, digits, '-', '_' (at most 64)")
     sa.add_argument("--secret-file", metavar="FILE", help="read the learner's secret from FILE (default: $GEARFLOW_TOKEN)")
     sa.set_defaults(secret_func=_cmd_secret)
+
+    p = add("tls", lambda a: a.tls_func(a), "mutual TLS files for transport.tls")
+    tsub = p.add_subparsers(dest="tls_command", metavar="ACTION", required=True)
+    ti = tsub.add_parser(
+        "init",
+        help="make DIR's certificate authority (if none) and a node certificate (needs the openssl command)",
+        description="make DIR/ca.pem + ca.key (once) and DIR/node.pem + node.key, or with --name NAME "
+        "DIR/NAME/{ca.pem,node.pem,node.key} for another machine; then transport.tls=DIR (or DIR/NAME there). "
+        "Keep ca.key where certificates are made.",
+    )
+    ti.add_argument("dir", help="the directory (created 0700; keys 0600)")
+    ti.add_argument("--name", default="", help="another machine's certificate, under DIR/NAME")
+    ti.set_defaults(tls_func=_cmd_tls_init)
 
     add("info", _cmd_info, "versions of the dependencies and whether CUDA, CuPy, nvcc, RDMA are usable")
 

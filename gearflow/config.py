@@ -256,6 +256,10 @@ class TransportConfig:
     sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
     closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
     frames are unprotected after the login (a benchmark on a trusted network)."""
+    tls: str = ""
+    """Mutual TLS (confidentiality): a directory with ``ca.pem``, ``node.pem``, ``node.key`` from
+    ``gearflow tls init DIR``; every end of the run needs one from the same CA. Empty: no TLS
+    (frames are in clear, integrity-protected when ``integrity`` is on)."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
     shards: list = field(default_factory=list)

@@ -422,3 +422,80 @@ def test_actor_credentials_are_per_name_and_cannot_serve(node):
     finally:
         auth.role_secret = real_role_secret
         fake.stop()
+
+
+# ----------------------------------------------------------------- mutual TLS
+@pytest.fixture(scope="module")
+def tls_dirs(tmp_path_factory):
+    """A run's CA with the service's node certificate and a client machine's, and another CA's."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make certificates")
+    from tests.test_train import ROOT
+
+    root = tmp_path_factory.mktemp("tls")
+    for args in (["run"], ["run", "--name", "box-b"], ["other"]):  # through the real command
+        r = subprocess.run([sys.executable, "-m", "gearflow", "tls", "init", str(root / args[0]), *args[1:]],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    assert (root / "run" / "ca.key").stat().st_mode & 0o077 == 0 and (root / "run" / "node.key").stat().st_mode & 0o077 == 0
+    (root / "mixed").mkdir()  # trusts the run's CA, but its own certificate is another CA's
+    shutil.copyfile(root / "run" / "ca.pem", root / "mixed" / "ca.pem")
+    for n in ("node.pem", "node.key"):
+        shutil.copyfile(root / "other" / n, root / "mixed" / n)
+    return root
+
+
+def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
+    from gearflow.transport.tls import TlsError
+
+    svc = Service(token=TOKEN, tls=str(tls_dirs / "run"))
+    svc.register("echo", lambda meta, bufs: (meta, bufs), roles=ANY_ROLE)
+    svc.start()
+    try:
+        data = np.arange(1 << 18, dtype=np.float32)
+        with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b")) as c:
+            for i in range(3):
+                meta, (back,) = c.call("echo", {"i": i}, [data])
+                assert meta == {"i": i} and np.array_equal(back, data)
+        # an on-path listener sees neither the frames nor what they carry
+        seen = bytearray()
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def sniff():
+            down, _ = listener.accept()
+            up = socket.create_connection(("127.0.0.1", svc.port))
+
+            def pump(a, b):
+                while chunk := a.recv(1 << 16):
+                    seen.extend(chunk)
+                    b.sendall(chunk)
+                b.shutdown(socket.SHUT_WR)
+
+            t = threading.Thread(target=pump, args=(up, down), daemon=True)
+            t.start()
+            pump(down, up)
+            t.join(10)
+
+        th = threading.Thread(target=sniff, daemon=True)
+        th.start()
+        with Client(("127.0.0.1", listener.getsockname()[1]), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b")) as c:
+            assert c.call("echo", {"note": "plaintext-marker-4711"})[0] == {"note": "plaintext-marker-4711"}
+        th.join(10)
+        listener.close()
+        assert len(seen) > 1000 and b"plaintext-marker-4711" not in seen and b"GFLW" not in seen
+        # a client with a certificate of another CA, and one without TLS: no request is served
+        for tls in (str(tls_dirs / "mixed"), str(tls_dirs / "other"), ""):
+            with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=3, connect_timeout_s=3, tls=tls) as c:
+                with pytest.raises((ServiceUnavailable, auth.AuthenticationError)):
+                    c.call("echo", {"i": -1})
+        assert svc.counts["requests"] == 4
+    finally:
+        svc.stop()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "ca.pem").write_text("x")
+    with pytest.raises(TlsError, match=r"node.pem, node.key missing there \(make them with `gearflow tls init"):
+        Client(("127.0.0.1", 1), TOKEN, tls=str(tmp_path / "half"))

@@ -38,7 +38,8 @@ from gearflow.errors import GearflowError
 
 __all__ = ["ACTOR", "LEARNER", "NONCE_BYTES", "PROTOCOL", "TOKEN_ENV", "AuthenticationError", "AuthorizationError",
            "IntegrityMismatch", "Credential", "actor_credential", "client_mac", "credential", "default_integrity",
-           "frame_keys", "new_nonce", "resolve_token", "server_mac", "set_default_integrity"]  # fmt: skip
+           "configure", "default_tls", "frame_keys", "new_nonce", "resolve_token", "server_mac",
+           "set_default_integrity", "set_default_tls"]  # fmt: skip
 
 TOKEN_ENV = "GEARFLOW_TOKEN"
 NONCE_BYTES = 32
@@ -77,6 +78,29 @@ def set_default_integrity(on: bool) -> None:
     global _integrity_default
     _integrity_default = bool(on)
     os.environ[INTEGRITY_ENV] = "1" if on else "0"
+
+
+TLS_ENV = "GEARFLOW_TLS"
+_tls_default = ""
+
+
+def set_default_tls(directory: str) -> None:
+    """What ``Service`` / ``Client`` use when given ``tls=None`` (``transport.tls``; ``""``: no TLS);
+    also ``$GEARFLOW_TLS`` for the processes this one starts."""
+    global _tls_default
+    _tls_default = str(directory or "")
+    os.environ[TLS_ENV] = _tls_default
+
+
+def default_tls() -> str:
+    env = os.environ.get(TLS_ENV)
+    return env if env is not None else _tls_default
+
+
+def configure(transport) -> None:
+    """This process's defaults from a config's ``transport`` section: ``integrity`` and ``tls``."""
+    set_default_integrity(bool(transport.get("integrity", True)))
+    set_default_tls(str(transport.get("tls", "") or ""))
 
 
 def default_integrity() -> bool:

@@ -196,7 +196,7 @@ class Client:
 
     def __init__(self, address: Any, token: str | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: FrameLimits | None = None,
-                 loop: str = "auto", integrity: bool | None = None):  # fmt: skip
+                 loop: str = "auto", integrity: bool | None = None, tls: str | None = None):  # fmt: skip
         self.host, self.port = parse_address(address)
         self.address_text = f"{self.host}:{self.port}"
         self._credential = auth.credential(auth.resolve_token(token))
@@ -204,6 +204,12 @@ class Client:
         self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
         if self.integrity:
             frames_mac.require()
+        self.tls = auth.default_tls() if tls is None else str(tls or "")
+        self._ssl = None
+        if self.tls:  # mutual TLS: frames go through the loop's TLS transport (see _write)
+            from gearflow.transport.tls import client_context
+
+            self._ssl = client_context(self.tls)
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.limits = limits or FrameLimits()
         if max_in_flight < 1:
@@ -277,7 +283,9 @@ class Client:
             return proto_box[0]
 
         try:
-            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port), self.connect_timeout_s)
+            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port, ssl=self._ssl,
+                                                          server_hostname=self.host if self._ssl else None),
+                                   self.connect_timeout_s)  # fmt: skip
             await asyncio.wait_for(proto_box[0].ready, self.connect_timeout_s)
         except BaseException:
             if proto_box and proto_box[0].transport is not None:
@@ -286,7 +294,8 @@ class Client:
         proto = proto_box[0]
         # requests are sent from the calling threads on a duplicate of the socket (see _write);
         # the loop only reads. The duplicate shares the non-blocking flag and TCP_NODELAY.
-        proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
+        if self._ssl is None:
+            proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
         return proto
 
     def _drop_wsock(self, proto: _ClientProtocol) -> None:
@@ -347,10 +356,13 @@ class Client:
         timeout mid-frame closes the connection."""
         with self._send_lock:
             sock = proto.wsock
-            if proto.closed or sock is None:
+            if proto.closed or (sock is None and self._ssl is None):
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
             if proto.sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
                 parts = proto.sealer.seal(parts)
+            if self._ssl is not None:  # TLS encrypts in the loop: a copy, queued in order
+                self._loop.call_soon_threadsafe(self._tls_write, proto, b"".join(parts))
+                return
             views = [memoryview(p) for p in parts]
             started = False
             while views:
@@ -374,6 +386,12 @@ class Client:
                     if started or proto.sealer is not None:  # a sealed frame not sent: the next one's number is off
                         self._loop.call_soon_threadsafe(self._abort, proto)
                     raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
+
+    @staticmethod
+    def _tls_write(proto: _ClientProtocol, data: bytes) -> None:
+        t = proto.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
 
     @staticmethod
     def _poll_out(sock, timeout_s: float) -> bool:

@@ -389,7 +389,7 @@ class Service:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  limits: ServiceLimits | None = None, loop: str = "auto", name: str = "gearflow",
-                 integrity: bool | None = None):  # fmt: skip
+                 integrity: bool | None = None, tls: str | None = None):  # fmt: skip
         self.host, self.port, self.name = host, int(port), name
         self._secret = auth.resolve_token(token)
         if auth.credential(self._secret).role != auth.LEARNER:
@@ -397,6 +397,12 @@ class Service:
         self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
         if self.integrity:
             frames_mac.require()  # a missing libcrypto fails here, with how to fix it
+        self.tls = auth.default_tls() if tls is None else str(tls or "")
+        self._ssl = None
+        if self.tls:  # mutual TLS (transport.tls): missing or bad files fail here, naming them
+            from gearflow.transport.tls import server_context
+
+            self._ssl = server_context(self.tls)
         self.limits = limits or ServiceLimits()
         self.loop_kind = loop
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
@@ -458,7 +464,8 @@ class Service:
 
         async def serve():
             self._server = await loop.create_server(lambda: _ServerProtocol(self), self.host, self.port,
-                                                    reuse_address=True)  # fmt: skip
+                                                    reuse_address=True, ssl=self._ssl,
+                                                    ssl_handshake_timeout=self.limits.auth_timeout_s if self._ssl else None)  # fmt: skip
             return self._server.sockets[0].getsockname()[1]
 
         try:
