@@ -214,6 +214,30 @@ class Sample:
             self.on_release(stream)
 
 
+class BufferRing:
+    """``num`` output buffer sets of one batch size, used in turn: a batch drawn into the ring
+    stays valid for ``num - 1`` more draws into the same ring. A table has its own; the shard
+    service gives each sampling connection one (:meth:`Table.draw` ``ring=``), so the replies
+    a client has not read yet hold only that client's buffers."""
+
+    def __init__(self, num: int, pin_memory: bool = False):
+        self.num, self.pin_memory = int(num), pin_memory
+        self.batch, self.sets, self.next = -1, [], 0
+
+    def take(self, layout: dict, batch_size: int) -> dict[str, torch.Tensor]:
+        if batch_size != self.batch:
+            self.sets = [{name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+                          for name, (shape, dtype) in layout.items()} for _ in range(self.num)]  # fmt: skip
+            self.batch, self.next = batch_size, 0
+        buf = self.sets[self.next]
+        self.next = (self.next + 1) % self.num
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.sets for t in s.values())
+
+
 class Table(TableIngest):
     """Samples items out of a :class:`SharedStorage` written by :class:`Writer` s (its ingest
     half, :class:`~gearflow.replay.ingest.TableIngest`: scan, evict, state, stats)."""
@@ -356,21 +380,23 @@ class Table(TableIngest):
         :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
         return self.draw(batch_size, timeout_s)[0]
 
-    def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None):
+    def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None,
+             ring: BufferRing | None = None):
         """:meth:`sample`, returning ``(sample, slots, records)`` (records as :meth:`records`
         gives them; slots and records None on a device table); ``tensors`` (default every
         column's): the storage columns gathered into the batch, the others left for the
         caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`).
-        The shard service's sample replies use it."""
+        The shard service's sample replies use it. ``ring``: the buffer sets to draw into
+        (default the table's own)."""
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         self._active += 1
         try:
-            return self._draw_open(batch_size, timeout_s, tensors)
+            return self._draw_open(batch_size, timeout_s, tensors, ring)
         finally:
             self._active -= 1
 
-    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None):
+    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None, ring: BufferRing | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self.scan()
@@ -381,7 +407,7 @@ class Table(TableIngest):
             return self._sample_on_device(batch_size, timeout_s), None, None
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
-        out = self._buffers_for(batch_size)
+        out = self._buffers_for(batch_size) if ring is None else ring.take(self.kind.layout(self.storage.spec, batch_size), batch_size)
         rec = self._records(slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)

@@ -443,6 +443,11 @@ class FramedProtocol(asyncio.BufferedProtocol):
             else:
                 self._unsent.append(on_sent)
 
+    @property
+    def replies_unsent(self) -> int:
+        """Frames written whose ``on_sent`` waits for the transport to drain."""
+        return len(self._unsent)
+
     def pause_writing(self) -> None:
         pass
 
