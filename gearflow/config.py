@@ -296,11 +296,22 @@ class TransportConfig:
     """TCP port of that service; 0 picks a free one (logged)."""
     token: str = ""
     """Shared secret every connection proves it holds (HMAC); empty: ``transport.token_file``, else
-    ``$GEARFLOW_TOKEN``. Never written to the run directory nor sent to joiners; on the command
-    line it shows in ``ps`` (a warning says so): prefer the environment or a token file."""
+    ``$GEARFLOW_TOKEN``. The learner's secret, or on an actor machine an actor credential
+    (``gearflow secret actor NAME``): an actor-role connection may only join, write its partitions,
+    report and read weights. Never written to the run directory nor sent to joiners; on the
+    command line it shows in ``ps`` (a warning says so): prefer the environment or a token file."""
     token_file: str = ""
     """File holding the shared secret (mode 0600: one readable by others is refused); used when
     ``transport.token`` is empty."""
+    integrity: bool = True
+    """Every frame after the handshake carries a MAC (AES-GMAC under a per-connection key) and a
+    sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
+    closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
+    frames are unprotected after the login (a benchmark on a trusted network)."""
+    tls: str = ""
+    """Mutual TLS (confidentiality): a directory with ``ca.pem``, ``node.pem``, ``node.key`` from
+    ``gearflow tls init DIR``; every end of the run needs one from the same CA. Empty: no TLS
+    (frames are in clear, integrity-protected when ``integrity`` is on)."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
     shards: list = field(default_factory=list)
