@@ -98,12 +98,17 @@ def test_the_token_stays_out_of_ps_the_run_directory_and_the_wire(tmp_path):
     token_file.write_text(SECRET + "\n")
     token_file.chmod(0o600)
     run_dir = tmp_path / "run"
-    # both sides read the secret from a 0600 file (transport.token_file / --token-file), the
-    # environment has none: what a leak would show comes from the run itself
+    # the learner's CONFIG file holds the secret (transport.token: what redaction must keep out of
+    # the run directory and the run.join reply); the actor reads it from a 0600 file; the
+    # environment has none
+    from omegaconf import OmegaConf
+
+    config = tmp_path / "with_token.yaml"
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(CONFIG), {"transport": {"token": SECRET}}), config)
+    config.chmod(0o600)
     log = tmp_path / "train.err"
-    learner = subprocess.Popen([sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, "run.progress=log",
-                                f"run.dir={run_dir}", "actor.remote_actors=1", "run.max_env_steps=6000",
-                                f"transport.token_file={token_file}"],
+    learner = subprocess.Popen([sys.executable, "-m", "gearflow", "train", str(config), *TINY, "run.progress=log",
+                                f"run.dir={run_dir}", "actor.remote_actors=1", "run.max_env_steps=6000"],
                                stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=_env())  # fmt: skip
     relay = None
     actor = None
