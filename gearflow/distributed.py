@@ -211,6 +211,30 @@ class DataParallel:
         return self.rank == 0
 
     # ------------------------------------------------------------------ group
+    def _store(self):
+        """The rendezvous store at :attr:`address`. Rank 0's listens on that address only (a
+        socket bound there, handed to torch's TCPStore), not on every interface as torch's own
+        ``tcp://`` init would; the store has no credential, so the address should be one of
+        the cluster's private network (docs/security.md)."""
+        import socket
+
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.rank != 0:
+            return dist.TCPStore(host, int(port), self.world_size, False, timeout)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, int(port)))
+            sock.listen(max(128, self.world_size))
+        except BaseException:
+            sock.close()
+            raise
+        fd = sock.detach()  # the store's daemon owns the listening socket from now on
+        return dist.TCPStore(host, int(port), self.world_size, True, timeout, master_listen_fd=fd, use_libuv=False)
+
     def init(self) -> DataParallel:
         """Join the process group (rank 0 listens at ``dist_address``, the others connect);
         returns when all ``world_size`` learners have joined, or raises GearflowError."""
@@ -222,11 +246,11 @@ class DataParallel:
             torch.cuda.set_device(self.device)
         t0 = time.monotonic()
         try:
-            dist.init_process_group(self.backend, init_method=f"tcp://{self.address}", rank=self.rank,
-                                    world_size=self.world_size, timeout=datetime.timedelta(seconds=self.timeout_s))  # fmt: skip
+            dist.init_process_group(self.backend, store=self._store(), rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))  # fmt: skip
         except Exception as exc:  # DistStoreError / RuntimeError / TimeoutError, depending on where it failed
             waited, text = time.monotonic() - t0, str(exc)
-            if "listen" in text or "EADDRINUSE" in text:
+            if "listen" in text or "EADDRINUSE" in text or "in use" in text:
                 what = "rank 0 could not listen there (is the port taken, the host this machine's?)"
             elif self.rank == 0:
                 what = (f"the other {self.world_size - 1} learner(s) did not all arrive within {self.timeout_s:g} s "

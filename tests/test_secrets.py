@@ -173,3 +173,38 @@ def test_a_token_file_readable_by_others_is_refused(tmp_path):
     assert config_token({"token_file": str(f)}) == SECRET
     assert config_token({"token": "direct-one", "token_file": str(f)}) == "direct-one"
     assert config_token({"token": "", "token_file": ""}) is None
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.rpartition(":")
+            if state == "0A" and int(p, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_rank_zeros_store_listens_on_its_address_only():
+    """torch's own tcp:// rendezvous listens on every interface; rank 0's store here binds
+    learner.dist_address's host only (Ray: the node's cluster address)."""
+    import torch.distributed as dist
+
+    from gearflow.distributed import DataParallel
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    group = DataParallel(0, 1, f"127.0.0.1:{port}", "gloo", "cpu", timeout_s=60).init()
+    try:
+        assert _listening(port) == ["0100007F"], _listening(port)  # 127.0.0.1, not 00000000 (every interface)
+    finally:
+        group.close()
+        assert not dist.is_initialized()
