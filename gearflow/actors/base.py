@@ -35,8 +35,8 @@ from gearflow.actors.adders import Adder
 from gearflow.actors.checks import guard
 from gearflow.kinds.registry import kind_def
 from gearflow.params.protocol import ParameterSource
+from gearflow.replay.inserts import InsertAborted
 from gearflow.replay.protocols import WriterLike
-from gearflow.replay.writer import InsertAborted
 
 try:  # the per-recv episode statistics in C (setup.py builds it); _count_episodes is the reference
     from gearflow.replay import _hotpath
