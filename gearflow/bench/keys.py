@@ -96,8 +96,11 @@ def expected_start(case: Case, seq: np.ndarray) -> np.ndarray:
     return seq * case.n
 
 
-def _writer(name: str, case: Case, seconds: float, go, stop, out) -> None:
-    """Write stamped steps into every partition until ``stop`` is set (or ``seconds`` pass)."""
+def _writer(name: str, case: Case, seconds: float, go, stop, out, allow=None) -> None:
+    """Write stamped steps into every partition until ``stop`` is set (or ``seconds`` pass).
+
+    ``allow`` (a shared int, the tests' paced mode): the writer does not write a chunk that
+    would take any partition past that many steps; the sampler raises it as it makes progress."""
     torch.set_num_threads(1)
     storage = SharedStorage.attach(name)
     try:
@@ -109,6 +112,9 @@ def _writer(name: str, case: Case, seconds: float, go, stop, out) -> None:
         go.wait()
         start, steps = time.perf_counter(), 0
         while not stop.is_set() and time.perf_counter() - start < seconds:
+            if allow is not None and int(writer.positions.max()) + chunk_n > allow.value:
+                time.sleep(0.0005)  # paced: wait for the sampler's progress (it raises allow)
+                continue
             if case.mode == "extend":
                 for p in range(P):
                     steps += _extend(writer, case, p, chunk, rng)
@@ -176,7 +182,7 @@ def _check_batch(case: Case, P: int, sample) -> tuple[int, int]:
 
 def check(
     case: Case, seconds: float, batch_size: int = 256, seed: int = 0, min_redraws: int = 0, max_seconds: float | None = None,
-    lap_every: int = 0,
+    lap_every: int = 0, paced: bool | None = None,
 ) -> dict[str, int | float]:
     """Run one configuration for ``seconds``, or on until ``min_redraws`` items were redrawn
     (at most ``max_seconds``); the counts of what was checked and what was wrong.
@@ -184,7 +190,13 @@ def check(
     ``lap_every``: every that many samples, the sampler waits after its gather, before the
     seqlock re-check, until the writer has written a whole ring past every partition's
     position at the draw (progress, not time: it reads the counters), so that sample's items
-    are overwritten mid-gather and redrawn however loaded the machine is (the tests)."""
+    are overwritten mid-gather and redrawn however loaded the machine is (the tests).
+
+    ``paced`` (default: on when ``lap_every`` is): the writer stays at most two rings ahead of
+    where the partitions stood at the sampler's last completed sample (or past a forced lap's
+    target), so a sampler descheduled on a loaded machine redraws a bounded number of times
+    instead of losing every round to a writer that never stops (``RateLimiterTimeout`` after
+    the sample timeout, seen in CI). Unpaced (the benchmark) the writer runs flat out."""
     max_seconds = max(seconds, max_seconds or seconds)
     spec = TableSpec.parse({"obs": f"uint8[{case.obs_bytes}]", "stamp": "int64"})
     storage = SharedStorage.create(spec, case.partitions, case.steps, case.records)
@@ -194,15 +206,23 @@ def check(
     table = Table(storage, _kind(case), selector, RateLimiter(min_size_to_sample=1), num_buffers=1)
     ctx = mp.get_context("spawn")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_writer, args=(storage.name, case, max_seconds + 5, go, stop, out), daemon=True)
+    paced = bool(lap_every) if paced is None else paced
+    S, counters = storage.steps_per_partition, storage.counters
+    allow = ctx.RawValue("q", 2 * S) if paced else None
+
+    def grant(steps: int) -> None:
+        if allow is not None and steps > allow.value:
+            allow.value = steps
+
+    proc = ctx.Process(target=_writer, args=(storage.name, case, max_seconds + 5, go, stop, out, allow), daemon=True)
     rows = bad_keys = torn_rows = batches = applied = 0
     rng = np.random.default_rng(seed)
     if lap_every:
-        _lap_the_gather(table, proc, lambda: lap_every and batches % lap_every == lap_every - 1)
+        _lap_the_gather(table, proc, lambda: lap_every and batches % lap_every == lap_every - 1, grant)
     try:
         proc.start()
         go.set()
-        table.wait_until_ready(1, timeout_s=60)
+        _wait_for_first_item(table, proc)
         start = time.perf_counter()
         while proc.is_alive():
             elapsed = time.perf_counter() - start
@@ -212,6 +232,7 @@ def check(
             k, t = _check_batch(case, P, s)
             bad_keys, torn_rows, rows, batches = bad_keys + k, torn_rows + t, rows + batch_size, batches + 1
             applied += table.update_priorities(s.keys, rng.random(batch_size) + 0.01)
+            grant(int(counters[:, RESERVE].min()) + 2 * S)
         elapsed = time.perf_counter() - start
         stop.set()
         written = out.get(timeout=max_seconds + 60)
@@ -234,13 +255,33 @@ def check(
     }
 
 
-def _lap_the_gather(table: Table, proc, due: Callable[[], bool]) -> None:
+def _wait_for_first_item(table: Table, proc, guard_s: float = 900.0) -> None:
+    """Wait until the writer process published an item: as long as it is alive (a spawned
+    process importing torch on a loaded machine can take minutes), up to ``guard_s``."""
+    from gearflow.replay.rate_limiter import RateLimiterTimeout
+
+    deadline = time.monotonic() + guard_s
+    while True:
+        try:
+            table.wait_until_ready(1, timeout_s=5)
+            return
+        except RateLimiterTimeout:
+            if not proc.is_alive():
+                raise GearflowError(f"the stamp writer process exited (code {proc.exitcode}) before writing an item") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+def _lap_the_gather(table: Table, proc, due: Callable[[], bool], grant: Callable[[int], None]) -> None:
     """Make ``table``'s first gather of each sample for which ``due()`` holds wait until every
-    partition's RESERVE is a whole ring past where it stood (the writer ``proc`` laps it)."""
+    partition's RESERVE is a whole ring past where it stood (the writer ``proc`` laps it;
+    ``grant`` lets a paced writer go that far)."""
     gather, counters, S = table._gather, table.storage.counters, table.storage.steps_per_partition
 
     def lapped(slots, rec, out, only=None, tensors=None):
         target = counters[:, RESERVE] + S if only is None and due() else None
+        if target is not None:
+            grant(int(target.max()) + S)
         gather(slots, rec, out, only=only, tensors=tensors)
         while target is not None and (counters[:, RESERVE] < target).any() and proc.is_alive():
             time.sleep(0.0005)
