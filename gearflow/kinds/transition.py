@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 __all__ = ["KIND", "Actor", "NativeNStep", "Transition", "TransitionAdder", "apex_min_steps"]
 
 
-def apex_min_steps(cfg) -> int:
+def apex_min_steps(actor) -> int:
     """The fewest steps per partition Ape-X transitions need: ``2 (n + 1)`` (n staged steps, then
-    the item's n + 1 rows), ``n = actor.n_step``. The config's check and the adder's read this."""
-    return 2 * (int(cfg.actor.n_step) + 1)
+    the item's n + 1 rows), ``n = actor.n_step`` (``actor``: the run's actor group). The config's
+    check and the adder's read this."""
+    return 2 * (int(actor.n_step) + 1)
 
 
 @dataclass(frozen=True)
@@ -218,13 +219,13 @@ class TransitionAdder(Adder):
             )
 
     @classmethod
-    def min_steps(cls, cfg, kind) -> int:
-        return apex_min_steps(cfg)
+    def min_steps(cls, actor, kind) -> int:
+        return apex_min_steps(actor)
 
     @classmethod
-    def size_error(cls, cfg, kind, steps: int) -> str:
-        return (f"steps_per_partition={steps} is too small for n_step={int(cfg.actor.n_step)}; "
-                f"need at least {cls.min_steps(cfg, kind)}")  # fmt: skip
+    def size_error(cls, actor, kind, steps: int) -> str:
+        return (f"steps_per_partition={steps} is too small for n_step={int(actor.n_step)}; "
+                f"need at least {cls.min_steps(actor, kind)}")  # fmt: skip
 
     @property
     def native(self) -> bool:
@@ -553,4 +554,4 @@ class Actor(ActorBase):
         return self._count_steps(ids.size)
 
 
-KIND = KindDef("transition", item=Transition, adder=TransitionAdder, actor=Actor, config_min_steps=apex_min_steps)
+KIND = KindDef("transition", item=Transition, adder=TransitionAdder, actor=Actor, config_min_steps=lambda cfg: apex_min_steps(cfg.actor))
