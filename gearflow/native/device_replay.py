@@ -32,7 +32,7 @@ A sample, every device operation queued on :attr:`DeviceReplay.stream` under
 4. one reused event recorded and waited for: **the sample's one host
    synchronization** (a blocking-sync event: the sampling thread sleeps in the
    driver instead of spinning a CPU core). The table then reads the RESERVE counters (the seqlock
-   rule of ``Table.overwritten``, via :func:`gather.torn_items` on the draw's
+   rule of ``Table.overwritten``, via :func:`~gearflow.replay.layout.torn_items` on the draw's
    records); torn items are evicted, impossible and torn rows redrawn
    (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
    gathered again. Nothing is returned before every row passed.
@@ -93,11 +93,11 @@ from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
 from gearflow.native.cuda_backend import dptr
 from gearflow.native.device_buffers import BufferSets, DeviceBuffers, RawStream, torch_stream
-from gearflow.native.gather import CudaGather, torn_items, transition_rows
+from gearflow.native.gather import CudaGather, transition_rows
 from gearflow.native.hostmem import register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.native.select import CudaSelect, num_chunks
-from gearflow.replay.layout import item_key
+from gearflow.replay.layout import item_key, torn_items
 
 log = logging.getLogger(__name__)
 
