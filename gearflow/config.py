@@ -25,6 +25,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import math
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -77,6 +78,16 @@ def parse_period(text: Any) -> tuple[str, float] | None:
     if not unit:
         return ("updates", value) if value.is_integer() else None
     return ("seconds", value * {"s": 1, "m": 60, "h": 3600}[unit])
+
+
+def eval_period(cfg: DictConfig) -> tuple[str, float] | None:
+    """``run.eval_every`` parsed: ``("steps", n)`` (env steps; learner updates in ``run.mode=offline``)
+    or ``("seconds", s)``; None when evaluation during training is off."""
+    every = cfg.run.get("eval_every")
+    period = parse_period(0 if every is None else every)
+    if period is None or period[0] == "off":
+        return None
+    return ("steps", period[1]) if period[0] == "updates" else period
 
 
 @dataclass
@@ -233,12 +244,48 @@ class RunConfig:
     """Terminal progress: ``auto`` (a live panel on a TTY, log lines otherwise), ``live`` or ``log``."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory (next to metrics.jsonl/.csv)."""
+    eval_every: Optional[str] = None
+    """Greedy evaluation during training, in a process of its own: every ``50000`` env steps (as
+    SB3's ``eval_freq`` and CleanRL's step counters count; ``run.mode=offline``, which takes no env
+    steps: learner updates), or every ``90s``/``10m``/``2h`` of wall time; ``0`` or null: off.
+    Logged as ``eval/return_mean``, ``eval/return_std``, ``eval/episodes``, ``eval/env_steps``
+    (the steps the evaluation itself took) at the training step of the weights evaluated."""
+    eval_episodes: int = 10
+    """Episodes per evaluation during training (``run.eval_every``), on up to 32 envs of its own."""
     module_dirs: list = field(default_factory=list)
     """Directories searched, after installed packages, for the agent, env factory and obs transform
     modules the config names (a relative one in a YAML file: from that file's directory). A config
     file's own directory is searched too, and added here when the file does not set this key, so
     a run's saved config finds them again (``--resume``, ``gearflow eval``, actor processes,
     remote actors, Ray roles)."""
+
+
+@dataclass
+class TransportLimitsConfig:
+    """What one client may make a service (``gearflow serve``, the learner's remote-actor service)
+    hold; see docs/security.md. Per connection: at most ``max_queued_bytes + max_frame_bytes``
+    of receive buffers."""
+
+    max_connections: int = 64
+    """Authenticated connections at once; a login past it is refused."""
+    max_preauth: int = 16
+    """Sockets that have not logged in yet, in their own pool (the oldest is dropped for a newcomer)."""
+    auth_timeout_s: float = 5.0
+    """A socket that has not logged in by then is closed."""
+    max_in_flight: int = 8
+    """Requests of one connection read and not yet answered; past it the connection is not read."""
+    max_frame_bytes: int = 256 << 20
+    """Largest frame (header, envelope, buffers) a service accepts."""
+    max_queued_bytes: int = 64 << 20
+    """Receive buffers one connection may hold before it is not read any further (beyond its last frame)."""
+    max_wait_s: float = 60.0
+    """Longest server-side wait of one request (a sample's or an insert's ``timeout_s`` is capped to it)."""
+    max_batch: int = 65536
+    """Items one ``replay.sample`` may ask for."""
+    max_reply_bytes: int = 256 << 20
+    """Bytes one reply may hold (a larger sample is refused before anything is allocated)."""
+    refusal_log_interval_s: float = 10.0
+    """Refused connections log one WARNING per interval, with the count of the others."""
 
 
 @dataclass
@@ -257,6 +304,8 @@ class TransportConfig:
     kind: str = "auto"
     """How the learner reads remote shards: ``tcp``, ``rdma`` (one-sided reads through pyverbs) or
     ``auto`` (RDMA where an RDMA device and pyverbs are usable, else TCP)."""
+    limits: TransportLimitsConfig = field(default_factory=TransportLimitsConfig)
+    """Server-side bounds per client (connections, login, frames, queued bytes, waits, batches, replies)."""
 
 
 @dataclass
@@ -629,6 +678,18 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "must be a list of HOST:PORT strings (the addresses gearflow serve logs)")  # fmt: skip
     check(not t.shards or not (run.serial or run.mode == "offline"), "transport.shards",
           "samples remote shards: not with run.serial=true or run.mode=offline")  # fmt: skip
+    lim = t.limits
+    check(lim.max_connections >= 1, "transport.limits.max_connections", "must be ≥ 1")
+    check(lim.max_preauth >= 1, "transport.limits.max_preauth", "must be ≥ 1")
+    check(lim.max_in_flight >= 1, "transport.limits.max_in_flight", "must be ≥ 1")
+    check(lim.max_queued_bytes >= 1, "transport.limits.max_queued_bytes", "must be ≥ 1")
+    check(lim.max_batch >= 1, "transport.limits.max_batch", "must be ≥ 1")
+    check(lim.max_reply_bytes >= 1, "transport.limits.max_reply_bytes", "must be ≥ 1")
+    check(lim.max_frame_bytes >= (64 << 10) + 32, "transport.limits.max_frame_bytes", "must be ≥ 65568 (a header and an envelope)")
+    check(math.isfinite(lim.auth_timeout_s) and lim.auth_timeout_s > 0, "transport.limits.auth_timeout_s", "must be a finite number of seconds > 0")
+    check(math.isfinite(lim.max_wait_s) and lim.max_wait_s > 0, "transport.limits.max_wait_s", "must be a finite number of seconds > 0")
+    check(math.isfinite(lim.refusal_log_interval_s) and lim.refusal_log_interval_s > 0, "transport.limits.refusal_log_interval_s",
+          "must be a finite number of seconds > 0")  # fmt: skip
     check(a.ladder_offset >= 0, "actor.ladder_offset", "must be ≥ 0")
     check(a.ladder_total == 0 or a.ladder_total >= a.ladder_offset + a.num_actors, "actor.ladder_total",
           f"must be 0 or ≥ actor.ladder_offset + actor.num_actors ({a.ladder_offset + a.num_actors})")  # fmt: skip
@@ -668,6 +729,12 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(parse_period(run.checkpoint_every) is not None, "run.checkpoint_every",
           "must be a number of updates (500), a duration (90s, 10m, 2h) or 0 (off)")  # fmt: skip
     check(run.keep_checkpoints >= 1, "run.keep_checkpoints", "must be ≥ 1")
+    check(parse_period(0 if run.eval_every is None else run.eval_every) is not None, "run.eval_every",
+          "must be a number of env steps (50000), a duration (90s, 10m, 2h), 0 or null (off)")  # fmt: skip
+    check(run.eval_episodes >= 1, "run.eval_episodes", "must be ≥ 1")
+    check(not eval_period(cfg) or not (t.shards or cfg.launcher == "ray"), "run.eval_every",
+          "evaluates from this machine's parameter store: not with transport.shards or launcher=ray yet "
+          "(evaluate their checkpoints with gearflow eval)")  # fmt: skip
     check(run.progress in PROGRESS_MODES, "run.progress", f"must be one of {', '.join(PROGRESS_MODES)}")
     check(run.mode in RUN_MODES, "run.mode", f"must be one of {', '.join(RUN_MODES)}")
     offline = run.mode == "offline"

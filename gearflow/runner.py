@@ -11,6 +11,8 @@ Ray roles)::
                make_actor(...) over a Writer of its partitions), or one serial actor
                in this process (run.serial=true: SerialBatches, the same classes),
                or none (run.mode=offline: the dataset is the replay)
+             → eval (run.eval_every: launchers/evaluator.py, greedy episodes in a
+               process of its own over the parameter store; rows into metrics.jsonl)
     (transport.shards: DataParallel → RemoteShards (the nodes' sampler and publisher) → Learner)
 
 and :meth:`Runner.run` takes every role through one lifecycle
@@ -105,6 +107,7 @@ class Runner:
         self._env_steps_offset = 0  # env steps of a resumed run not in its (restored) replay counters
         self.run_tag = run_tag(self.run_dir)  # in this run's segment headers: a resume gc touches only them
         self.stop_signal = 0  # the signal that stopped the run (0: none)
+        self._metrics_log: MetricsLog | None = None  # open while run() runs: rows of the eval role
         # set by SIGINT/SIGTERM (or by whoever passed ``stop``), also before the learner exists
         self._stop = stop if stop is not None else threading.Event()
 
@@ -140,6 +143,7 @@ class Runner:
             self.params.publish(agent.learner_network(), version=version)
             self.learner = build.learner(agent, self.table, self.params, self.progress, **self._learner_kwargs())
             self.serial_actor = build.actors(agent, self.table, self.params, self.progress)
+            build.evaluator(self.params, self.progress, env_steps=self.env_steps, emit=self._write_row)
 
     def _connect_shards(self, build: Builder) -> None:
         """``transport.shards``: sample the shard nodes, push weights to them, read their progress
@@ -203,6 +207,11 @@ class Runner:
             return int(self.serial_actor.version)
         return self.progress.actor_weights_version()
 
+    def _write_row(self, row: dict) -> None:
+        """A metrics row from a role (the eval role's results), while the metric sinks are open."""
+        if self._metrics_log is not None:
+            self._metrics_log.write(row)
+
     def _on_signal(self, signum: int, frame) -> None:
         self.stop_signal = signum
         self._stop.set()
@@ -251,6 +260,7 @@ class Runner:
             metrics_log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resume_from=resume_from)
             learner = self.learner
             learner.metric_offsets = metrics_log.offsets
+            self._metrics_log = metrics_log
             display = make_display(cfg.run.progress, cfg.run.max_env_steps, title=f"gearflow train {self.run_dir}")
             self.roles.start()
             if self.serial_actor is not None:
@@ -302,6 +312,7 @@ class Runner:
                 self.roles.stop(self.progress)  # those not stopped yet (a failure on the way)
             finally:
                 self.roles.close()  # every role, last built first, also after a failure
+            self._metrics_log = None
             for closable in (display, metrics_log):
                 if closable is not None:
                     closable.close()

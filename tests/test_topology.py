@@ -33,6 +33,11 @@ PLANS = [  # (overrides, command, mode, roles, local actors, remote actor indice
     (["actor.num_actors=3", "actor.remote_actors=2"], "train", "local",
      ("replay", "params", "learner", "actors", "remote_actors"), 1, (1, 2)),
     (["run.serial=true"], "train", "serial", ("replay", "params", "learner", "serial_actor"), 0, ()),
+    (["run.eval_every=20000"], "train", "local", ("replay", "params", "learner", "actors", "eval"), 2, ()),
+    (["run.serial=true", "run.eval_every=5m"], "train", "serial", ("replay", "params", "learner", "serial_actor", "eval"), 0, ()),
+    (["run.mode=offline", "run.dataset=d.h5", "run.max_env_steps=0", "run.max_updates=5", "replay.samples_per_insert=0",
+      "run.eval_every=100"], "train", "offline", ("replay", "params", "learner", "dataset", "eval"), 0, ()),
+    (["run.eval_every=20000"], "serve", "serve", ("replay", "params", "shard_service", "actors"), 2, ()),
     (["run.mode=offline", "run.dataset=d.h5", "run.max_env_steps=0", "run.max_updates=5", "replay.samples_per_insert=0"], "train", "offline",
      ("replay", "params", "learner", "dataset"), 0, ()),
     (["transport.shards=[127.0.0.1:5000]"], "train", "shards", ("shards", "learner"), 0, ()),
@@ -207,6 +212,7 @@ def test_closes_registers_a_part_and_returns_it():
 @pytest.mark.parametrize("overrides,roles", [
     (["actor.remote_actors=1", "transport.token=0123456789abcdef0123"], ["replay", "params", "LocalLauncher", "RemoteActors"]),
     (["run.serial=true"], ["replay", "params", "serial_actor"]),
+    (["run.serial=true", "run.eval_every=1000"], ["replay", "params", "serial_actor", "eval"]),
 ])  # fmt: skip
 def test_the_builder_makes_the_roles_the_plan_names(tmp_path, overrides, roles):
     """The runner's roles are what its plan names, built (not started) in build order; closing

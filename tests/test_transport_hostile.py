@@ -206,14 +206,13 @@ def test_fuzzed_frames_close_only_their_connection(shard, caplog):
         meta, _ = c.call("replay.stats")
         assert meta["count"] == 40
         assert c.call("replay.sample", {"batch_size": 8})[0]["count"] == 40
-    # every broken frame was refused, counted and logged with its reason
+    # every broken frame was refused and counted; the log says why, one line per interval
+    # (transport.limits.refusal_log_interval_s) with the count of those it did not log
     refused = svc.counts["refused"] + svc.counts["auth_refused"]
     assert refused == sent["broken"]
     logged = [r for r in caplog.records if "refused" in r.getMessage()]
-    assert len(logged) >= sent["broken"]
+    assert 1 <= len(logged) <= sent["broken"]
     assert any("bad magic" in r.getMessage() for r in logged)
-    assert any("dtype" in r.getMessage() and "not allowed" in r.getMessage() for r in logged)
-    assert any("exceeds max_frame_bytes" in r.getMessage() for r in logged)
     # memory: no receive block past the frame limit was ever made, and nothing is held now
     f = LIMITS.frame
     assert svc.peak_block_bytes <= LIMITS.max_connections * 2 * (LIMITS.max_in_flight + 1) * f.max_frame_bytes
@@ -296,7 +295,13 @@ def test_connection_and_in_flight_limits(shard):
     reading replies is not read past max_in_flight (its socket backs up; memory stays put)."""
     svc, port, _ = shard
     socks = [raw_connect(port) for _ in range(LIMITS.max_connections)]
+    # a socket past the limit gets its challenge (pre-auth sockets have their own pool), and is
+    # refused once it has logged in
     extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+    kind, meta = recv_frame(extra)
+    assert kind == CHALLENGE
+    cn = auth.new_nonce()
+    extra.sendall(b"".join(bytes(p) for p in encode(AUTH, 0, "", {"nonce": cn, "mac": auth.client_mac(TOKEN.encode(), meta["nonce"], cn)})))
     _, meta = recv_frame(extra)
     assert meta["type"] == "ServiceUnavailable" and "connection limit" in meta["message"]
     _expect_closed(extra)

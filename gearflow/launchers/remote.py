@@ -261,8 +261,13 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
                                size=0, stats=lambda: _storage_stats(storage))  # fmt: skip
         members = Members(cfg_yaml, partitions, reports, stop_event)
         every = sorted(p for parts in partitions.values() for p in parts)
+        from omegaconf import OmegaConf
+
+        from gearflow.transport.service import service_limits
+
+        limits = service_limits(OmegaConf.create(cfg_yaml).transport.get("limits"))
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
-                             learners=False)  # fmt: skip
+                             learners=False, limits=limits)  # fmt: skip
         shard.service.register("run.join", members.join, with_connection=True)
         shard.service.register("run.report", members.report, with_connection=True, inline=True)
         bound = shard.start()

@@ -145,6 +145,7 @@ class ShardNode:
         from gearflow.launchers.remote import Members
         from gearflow.run.tables import env_steps_in
         from gearflow.transport.server.node import NodeService
+        from gearflow.transport.service import service_limits
 
         t, table = self.cfg.transport, self.table
         members = Members(to_yaml(self.cfg), remote, self.relay, self.stop_event) if remote else None
@@ -154,7 +155,8 @@ class ShardNode:
                                   ladder_offset=int(self.cfg.actor.ladder_offset), network=str(self.cfg.agent.name),
                                   remote=[p for parts in remote.values() for p in parts], members=members,
                                   host=str(t.host), port=int(t.port), token=self.token, loop=str(t.loop),
-                                  transport=str(t.kind), checkpoint_dir=str(self.run_dir / "replay"))  # fmt: skip
+                                  transport=str(t.kind), checkpoint_dir=str(self.run_dir / "replay"),
+                                  limits=service_limits(t.get("limits")))  # fmt: skip
         self.shard, self.transport, self.rdma, self.epoch = self.server.shard, self.server.transport, self.server.rdma, self.server.epoch
 
     def _stopped_by(self, reason: str) -> None:

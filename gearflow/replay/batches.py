@@ -1,8 +1,8 @@
 """A table's CPU batch path, in three small roles that a table and the RDMA sampler share:
 
 * :class:`BatchBuffers` — ``num_buffers`` preallocated buffer sets of an item kind's batch
-  layout (pinned where asked), used in turn: a batch stays valid until ``num_buffers - 1``
-  further batches have been drawn; nothing is allocated per batch.
+  layout (pinned where asked), used in turn (a :class:`BufferRing`): a batch stays valid until
+  ``num_buffers - 1`` further batches have been drawn; nothing is allocated per batch.
 * :class:`GatherThreads` — how many torch threads a gather runs on, chosen by measuring, and
   the timed gather itself (:meth:`GatherThreads.gather`).
 * :class:`HostGather` — the rows of drawn items (the kind's row rule over their records) and
@@ -27,7 +27,7 @@ import torch
 from gearflow.replay.items import FrameStacks, ItemKind, gatherable
 from gearflow.replay.layout import slot_partition
 
-__all__ = ["BatchBuffers", "GatherThreads", "HostGather", "Sample"]
+__all__ = ["BatchBuffers", "BufferRing", "GatherThreads", "HostGather", "Sample"]
 
 
 @dataclass
@@ -48,9 +48,37 @@ class Sample:
             self.on_release(stream)
 
 
+class BufferRing:
+    """``num`` output buffer sets of one batch size, used in turn: a batch drawn into the ring
+    stays valid for ``num - 1`` more draws into the same ring. A table has its own (in its
+    :class:`BatchBuffers`); the shard service gives each sampling connection one
+    (:meth:`Table.draw` ``ring=``), so the replies a client has not read yet hold only that
+    client's buffers."""
+
+    def __init__(self, num: int, pin_memory: bool = False):
+        self.num, self.pin_memory = int(num), pin_memory
+        self.batch, self.sets, self.next = -1, [], 0
+
+    def take(self, layout: dict | None, batch_size: int) -> dict[str, torch.Tensor]:
+        """The next set for a batch of ``batch_size`` (``layout``: name → (shape, dtype), read
+        only when the batch size changes and the sets are made anew)."""
+        if batch_size != self.batch:
+            self.sets = [{name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+                          for name, (shape, dtype) in layout.items()} for _ in range(self.num)]  # fmt: skip
+            self.batch, self.next = batch_size, 0
+        buf = self.sets[self.next]
+        self.next = (self.next + 1) % self.num
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.sets for t in s.values())
+
+
 class BatchBuffers:
-    """``num_buffers`` buffer sets ``{name: tensor}`` of ``kind.layout(spec, B)``, made on the
-    first batch of size ``B`` (again when it changes) and handed out in turn by :meth:`next`."""
+    """The buffer sets of a kind's batches: a :class:`BufferRing` of ``num_buffers`` sets of
+    ``kind.layout(spec, B)``, made on the first batch of size ``B`` (again when it changes) and
+    handed out in turn by :meth:`next`."""
 
     def __init__(self, kind: ItemKind, spec: Any, num_buffers: int = 3, *, pin_memory: bool = False):
         self.kind, self.spec, self.pin_memory = kind, spec, pin_memory
@@ -59,35 +87,23 @@ class BatchBuffers:
     @property
     def num_buffers(self) -> int:
         """Sets used in turn: a batch stays valid for ``num_buffers - 1`` more batches."""
-        return self._num_buffers
+        return self.ring.num
 
     @num_buffers.setter
     def num_buffers(self, n: int) -> None:
         if n < 1:
             raise ValueError(f"num_buffers must be ≥ 1, got {n}")
-        self._num_buffers = n
-        self.clear()
+        self.ring = BufferRing(n, self.pin_memory)
 
     def clear(self) -> None:
         """Drop every set (the next batch allocates afresh)."""
-        self._sets: list[dict[str, torch.Tensor]] = []
-        self._batch, self._next = -1, 0
+        self.ring = BufferRing(self.ring.num, self.pin_memory)
 
-    def next(self, batch_size: int) -> dict[str, torch.Tensor]:
-        """The next set for a batch of ``batch_size`` items."""
-        if batch_size != self._batch:
-            layout = self.kind.layout(self.spec, batch_size)
-            self._sets = [
-                {
-                    name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
-                    for name, (shape, dtype) in layout.items()
-                }
-                for _ in range(self._num_buffers)
-            ]
-            self._batch = batch_size
-        buf = self._sets[self._next]
-        self._next = (self._next + 1) % self._num_buffers
-        return buf
+    def next(self, batch_size: int, ring: BufferRing | None = None) -> dict[str, torch.Tensor]:
+        """The next set for a batch of ``batch_size`` items, from ``ring`` (default: these)."""
+        ring = self.ring if ring is None else ring
+        layout = self.kind.layout(self.spec, batch_size) if batch_size != ring.batch else None
+        return ring.take(layout, batch_size)
 
 
 class GatherThreads:

@@ -45,7 +45,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.replay.batches import BatchBuffers, GatherThreads, HostGather, Sample
+from gearflow.replay.batches import (  # re-exported
+    BatchBuffers,
+    BufferRing,
+    GatherThreads,
+    HostGather,
+    Sample,
+)
 from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.items import ItemKind
@@ -149,7 +155,6 @@ class Table(TableIngest):
         storage.header[H_SAMPLES] = 0
         self._publish_insert_limit()
 
-
     def set_rate_limiter(self, limiter: RateLimiter) -> None:
         """Replace the rate limiter (a resumed run's config) and publish its insert limit."""
         self.rate_limiter = limiter
@@ -228,21 +233,23 @@ class Table(TableIngest):
         :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
         return self.draw(batch_size, timeout_s)[0]
 
-    def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None):
+    def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None,
+             ring: BufferRing | None = None):
         """:meth:`sample`, returning ``(sample, slots, records)`` (records as :meth:`records`
         gives them; slots and records None on a device table); ``tensors`` (default every
         column's): the storage columns gathered into the batch, the others left for the
         caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`).
-        The shard service's sample replies use it."""
+        The shard service's sample replies use it. ``ring``: the buffer sets to draw into
+        (default the table's own)."""
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         self._active += 1
         try:
-            return self._draw_open(batch_size, timeout_s, tensors)
+            return self._draw_open(batch_size, timeout_s, tensors, ring)
         finally:
             self._active -= 1
 
-    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None):
+    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None, ring: BufferRing | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self.scan()
@@ -253,7 +260,7 @@ class Table(TableIngest):
             return sample_on_device(self, self._device, batch_size, timeout_s), None, None
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
-        out = self.batches.next(batch_size)
+        out = self.batches.next(batch_size, ring)  # the table's own sets, or the caller's ring
         rec = self._records(slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)

@@ -48,6 +48,14 @@ def _policy(cfg, checkpoint, env_spec):
 
 def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list[float]:
     """Returns of the first ``episodes_per_env`` episodes of every env of ``env``, greedily."""
+    return play(cfg, agent, network, env, episodes_per_env, on_step)[0]
+
+
+def play(cfg, agent, network, env, episodes_per_env: int, on_step=None, stop=None) -> tuple[list[float], int]:
+    """Greedy returns of the first ``episodes_per_env`` episodes of every env of ``env`` (closed
+    after) played by the run's own actor class with ``network``, and the env steps it took;
+    ``stop()`` true: give up (an empty list). ``gearflow eval`` and the evaluation during training
+    (:mod:`gearflow.launchers.evaluator`) both play through it."""
     from gearflow.actors.process import make_actor
 
     E = env.num_envs
@@ -61,12 +69,33 @@ def _play(cfg, agent, network, env, episodes_per_env: int, on_step=None) -> list
     with make_actor(cfg, 0, agent, env, None, None, None, epsilon=0.0, network=network, on_episode=on_episode) as actor:
         steps, limit = 0, MAX_STEPS_FACTOR * E * episodes_per_env
         while any(len(r) < episodes_per_env for r in returns.values()):
+            if stop is not None and stop():
+                return [], steps
             steps += actor.step()
             if on_step is not None:
                 on_step()
             if steps > limit:
                 raise GearflowError(f"evaluation did not finish {episodes_per_env} episode(s) per env in {steps} steps")
-    return [r for e in range(E) for r in returns[e]]
+    return [r for e in range(E) for r in returns[e]], steps
+
+
+def eval_envs(cfg, episodes: int) -> tuple[Any, int]:
+    """The config of an evaluation's env (``min(episodes, 32)`` envs, one actor) and the episodes
+    each env plays."""
+    parallel = min(episodes, MAX_PARALLEL)
+    envs = {"env": {"num_envs": parallel, "batch_size": parallel}, "actor": {"num_actors": 1}}
+    return OmegaConf.merge(cfg, envs), -(-episodes // parallel)
+
+
+def summarize(returns: list[float]) -> dict[str, float]:
+    """``eval/episodes``, ``eval/return_mean``/``_std``/``_min``/``_max`` of greedy ``returns``."""
+    return {
+        "eval/episodes": len(returns),
+        "eval/return_mean": float(np.mean(returns)),
+        "eval/return_std": float(np.std(returns)),
+        "eval/return_min": float(np.min(returns)),
+        "eval/return_max": float(np.max(returns)),
+    }
 
 
 def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None = None, seed: int = 12345,
@@ -82,25 +111,15 @@ def evaluate(run_dir: str | Path, episodes: int = 10, video: str | Path | None =
         checkpoint = RunCheckpoints.load(checkpoint, replay=False)
     else:
         checkpoint = RunCheckpoints(run_dir / "checkpoints").latest(replay=False)
-    parallel = min(episodes, MAX_PARALLEL)
-    per_env = -(-episodes // parallel)
-    env_cfg = OmegaConf.merge(cfg.env, {"num_envs": parallel, "batch_size": parallel})
-    env = make_vec_env(env_cfg, seed=seed)
+    eval_cfg, per_env = eval_envs(cfg, episodes)
+    env = make_vec_env(eval_cfg.env, seed=seed)
     try:
         agent, network = _policy(cfg, checkpoint, env.env_spec)
     except BaseException:
         env.close()
         raise
-    eval_cfg = OmegaConf.merge(cfg, {"env": {"num_envs": parallel, "batch_size": parallel}, "actor": {"num_actors": 1}})
     returns = _play(eval_cfg, agent, network, env, per_env)[:episodes]
-    result = {
-        "checkpoint": str(checkpoint.path),
-        "eval/episodes": len(returns),
-        "eval/return_mean": float(np.mean(returns)),
-        "eval/return_std": float(np.std(returns)),
-        "eval/return_min": float(np.min(returns)),
-        "eval/return_max": float(np.max(returns)),
-    }
+    result = {"checkpoint": str(checkpoint.path), **summarize(returns)}
     if video is not None:
         result["video"] = str(record_video(cfg, agent, network, Path(video), seed))
     log.info("eval of %s: %d episodes, return %s ± %s", checkpoint.path, len(returns),

@@ -4,7 +4,7 @@ Every row is one dict of namespaced scalars (``actor/…``, ``learner/…``,
 ``replay/…``, ``time/…``), written to all sinks with the env step count as the
 step. A resumed run truncates the files back to the checkpoint's offsets and
 purges the TensorBoard events after the last row kept (TensorBoard gets one point per
-step: a row at a step already drawn is left out there), so the curves continue without a gap,
+step and key: a key at a step already drawn is left out there), so the curves continue without a gap,
 a repeat or a reset; each resume is noted in ``resumes.jsonl`` for ``gearflow plot``::
 
     sink = MetricsLog(run_dir, tensorboard=True)
@@ -86,7 +86,10 @@ class MetricsLog:
         self.jsonl_path, self.csv_path = self.dir / "metrics.jsonl", self.dir / "metrics.csv"
         self._columns: list[str] = []
         rows: list[dict[str, Any]] = []
-        self._tb_step = -1  # the last step TensorBoard got: one point per step, none repeated after a resume
+        # TensorBoard gets one point per step and key, none repeated after a resume: the last step each
+        # key got (the eval role's rows come at the earlier step of the weights they evaluated)
+        self._tb_step = -1  # every key's floor: the last step of the rows kept at a resume
+        self._tb_last: dict[str, int] = {}
         if resume_from is not None:  # back to the checkpoint's rows; the CSV is rebuilt from them
             offsets, _ = resume_from
             if self.jsonl_path.exists():
@@ -122,12 +125,15 @@ class MetricsLog:
         scalars = _scalars(row)
         self._write_csv(scalars)
         step = int(row.get(STEP_KEY, 0))
-        if self._tb is not None and step > self._tb_step:  # a row at a step already drawn is not drawn twice
-            self._tb_step = step
+        if self._tb is not None:  # a key at a step already drawn is not drawn twice
+            drawn = False
             for key, value in scalars.items():
-                if math.isfinite(value) and key != STEP_KEY:
+                if math.isfinite(value) and key != STEP_KEY and step > self._tb_last.get(key, self._tb_step):
+                    self._tb_last[key] = step
                     self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+                    drawn = True
+            if drawn:
+                self._tb.flush()
 
     def _write_csv(self, scalars: dict[str, float]) -> None:
         new = [k for k in scalars if k not in self._columns]

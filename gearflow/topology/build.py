@@ -14,6 +14,7 @@ what was built (the caller's ``roles.close()``)::
     params = build.params(agent)
     learner = build.learner(agent, table, params, progress, env_steps=..., actor_version=...)
     serial_actor = build.actors(agent, table, params, progress)   # actor processes: roles
+    build.evaluator(params, progress, env_steps=..., emit=...)    # run.eval_every: the eval role
 
 Each part is handed the config groups it reads: the table its ``replay`` group (and the run's
 seed and the learner's prefetch depth), the agent its ``agent`` group and
@@ -180,6 +181,19 @@ class Builder:
 
             self.roles.add(RemoteActors(cfg, table, params, {a: partitions[a] for a in plan.remote_actors}))
         return serial
+
+    def evaluator(self, params, progress, *, env_steps, emit):
+        """The ``eval`` role (``run.eval_every``): greedy evaluation in a process of its own over
+        ``params`` (:class:`~gearflow.launchers.evaluator.EvalProcess`), its rows to ``emit``;
+        None in a plan without it."""
+        if "eval" not in self.plan:
+            return None
+        import time
+
+        from gearflow.launchers.evaluator import EvalProcess
+
+        return self.roles.add(EvalProcess(self.cfg, params.name, env_steps=env_steps, updates=lambda: progress.updates,
+                                          elapsed=lambda: time.monotonic() - progress.start, emit=emit))  # fmt: skip
 
     def _serial_actor(self, agent, table, params, progress):
         from gearflow.actors.base import env_seed

@@ -27,6 +27,13 @@ shard      a shard node without actors of its own (Ray's shard role)   ``gearflo
                                                                        ``actors=False``
 =========  ==========================================================  =========================
 
+``offline``, ``serial`` and ``local`` end with the ``eval`` role when ``run.eval_every`` is set:
+greedy evaluation during training in a process of its own, reading this process's parameter
+store (:mod:`gearflow.launchers.evaluator`)::
+
+    plan_run(load_config(path, ["run.eval_every=20000"])).roles
+    # ("replay", "params", "learner", "actors", "eval")
+
 A new launch mode is one entry here (its roles) and its role's class. The configs of Ray's
 roles are made here too (:func:`shard_node_config`, :func:`learner_config`): each role is a
 plan of its own (``serve``/``shard`` and ``shards``) run by the same builder.
@@ -35,18 +42,19 @@ plan of its own (``serve``/``shard`` and ``shards``) run by the same builder.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
 
-__all__ = ["COMMANDS", "MODES", "ROLES", "RunPlan", "learner_config", "plan_run", "shard_node_config"]
+__all__ = ["COMMANDS", "MODES", "ROLES", "RunPlan", "evaluates", "learner_config", "plan_run", "shard_node_config"]
 
 COMMANDS = ("train", "serve")
 MODES = ("dry_run", "ray", "shards", "offline", "serial", "local", "serve", "shard")
 ROLES = ("dry_run", "ray_shards", "ray_actor_groups", "ray_learners", "data_parallel", "shards", "replay",
-         "params", "learner", "dataset", "serial_actor", "actors", "remote_actors", "shard_service")  # fmt: skip
+         "params", "learner", "dataset", "serial_actor", "actors", "remote_actors", "shard_service", "eval")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -101,12 +109,20 @@ def plan_run(cfg: DictConfig, command: str = "train", *, resume: bool = False, a
     if cfg.transport.shards:  # the replay and the actors are on shard nodes (gearflow serve)
         parallel = ("data_parallel",) if int(cfg.learner.world_size) > 1 else ()
         return RunPlan("shards", (*parallel, "shards", "learner"))
+    evals = ("eval",) if evaluates(cfg) else ()  # greedy evaluation in a process of its own, last built
     if run.mode == "offline":  # the dataset is the replay; no actors
-        return RunPlan("offline", ("replay", "params", "learner", "dataset"))
+        return RunPlan("offline", ("replay", "params", "learner", "dataset", *evals))
     if run.serial:
-        return RunPlan("serial", ("replay", "params", "learner", "serial_actor"))
-    return RunPlan("local", ("replay", "params", "learner", "actors", *(("remote_actors",) if remote else ())),
+        return RunPlan("serial", ("replay", "params", "learner", "serial_actor", *evals))
+    return RunPlan("local", ("replay", "params", "learner", "actors", *(("remote_actors",) if remote else ()), *evals),
                    num - remote, joining)  # fmt: skip
+
+
+def evaluates(cfg: DictConfig) -> bool:
+    """Whether ``run.eval_every`` asks for evaluation during training (its form is checked by
+    :func:`gearflow.config.validate`: a positive number of steps or a duration)."""
+    m = re.match(r"\s*(\d+(?:\.\d*)?)", str(cfg.run.get("eval_every") or 0))
+    return bool(m) and float(m.group(1)) > 0
 
 
 # ---------------------------------------------------------------------- Ray's roles

@@ -41,7 +41,9 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +69,7 @@ from gearflow.transport.framing import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits"]
+__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits", "service_limits"]
 
 # what a peer may send before it has authenticated: one small AUTH frame
 _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
@@ -75,16 +77,60 @@ _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=10
 
 @dataclass(frozen=True)
 class ServiceLimits:
-    """How much one client may make the service hold."""
+    """How much one client may make the service hold (the ``transport.limits`` config group).
+
+    Per connection the service holds at most ``max_queued_bytes + frame.max_frame_bytes`` of
+    receive buffers (requests read and not yet handled, and the free ones it keeps for reuse)
+    plus its staging buffer (:attr:`~gearflow.transport.framing.FrameReader.staging_bytes`); a
+    connection at its in-flight or queued-bytes limit is not read any further until a request
+    is answered. Handlers that wait bound their wait by ``max_wait_s`` and end it when the
+    connection closes; a ``replay.sample`` asks for at most ``max_batch`` items and a reply of
+    at most ``max_reply_bytes``. Sockets that have not authenticated yet sit in their own pool
+    of ``max_preauth`` (the oldest is dropped for a newcomer when it is full) and are closed
+    after ``auth_timeout_s``: they never take one of the ``max_connections`` slots."""
 
     frame: FrameLimits = field(default_factory=FrameLimits)
-    max_connections: int = 64
+    max_connections: int = 64  # authenticated connections
     max_in_flight: int = 8  # requests of one connection not yet answered (and drained)
-    auth_timeout_s: float = 10.0  # a connection that has not authenticated by then is closed
+    auth_timeout_s: float = 5.0  # a connection that has not authenticated by then is closed
+    max_preauth: int = 16  # sockets not yet authenticated (their own pool)
+    max_queued_bytes: int = 64 << 20  # receive buffers one connection may hold beyond its last frame
+    max_wait_s: float = 60.0  # the longest a request may wait server-side (sample / insert timeouts)
+    max_batch: int = 1 << 16  # items one replay.sample may ask for
+    max_reply_bytes: int = 256 << 20  # bytes one reply may hold
+    refusal_log_interval_s: float = 10.0  # refusals log one line per interval (with a count)
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.max_in_flight < 1 or not self.auth_timeout_s > 0:
-            raise ValueError("max_connections and max_in_flight must be ≥ 1, auth_timeout_s > 0")
+        for name in ("max_connections", "max_in_flight", "max_preauth", "max_queued_bytes", "max_batch", "max_reply_bytes"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"transport.limits.{name} must be an int ≥ 1, got {v!r}")
+        for name in ("auth_timeout_s", "max_wait_s", "refusal_log_interval_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                raise ValueError(f"transport.limits.{name} must be a finite number > 0, got {v!r}")
+
+    def wait_s(self, asked, default: float) -> float:
+        """A request's wait: ``asked`` (None: ``default``) capped at :attr:`max_wait_s`; a value that
+        is not a finite number ≥ 0 (``1e999`` parses as infinity, ``nan``) is a ``ValueError``."""
+        if asked is None:
+            asked = default
+        try:
+            ok = not isinstance(asked, bool) and isinstance(asked, (int, float)) and math.isfinite(asked) and asked >= 0
+        except OverflowError:  # an int too large for a float
+            ok = False
+        if not ok:
+            raise ValueError(f"timeout_s must be a finite number ≥ 0, got {str(asked)[:40]}")
+        return min(float(asked), self.max_wait_s)
+
+
+def service_limits(group: Any = None) -> ServiceLimits:
+    """:class:`ServiceLimits` of a config's ``transport.limits`` group (None: the defaults)."""
+    if group is None:
+        return ServiceLimits()
+    g = dict(group)
+    frame = FrameLimits(max_frame_bytes=int(g.pop("max_frame_bytes", FrameLimits.max_frame_bytes)))
+    return ServiceLimits(frame=frame, **{k: (int(v) if isinstance(v, int) else float(v)) for k, v in g.items()})
 
 
 class Defer(Exception):
@@ -107,8 +153,13 @@ class _Pool:
     """Receive buffers of one connection, reused: at most ``keep`` free ones are kept. ``nbytes``
     counts every buffer this pool has allocated and not dropped (the service's accounting)."""
 
-    def __init__(self, keep: int, service: Service):
-        self.keep, self.free, self.nbytes, self.service = keep, [], 0, service
+    def __init__(self, keep: int, service: Service, cap: int):
+        self.keep, self.free, self.nbytes, self.service, self.cap = keep, [], 0, service, cap
+
+    @property
+    def in_use(self) -> int:
+        """Bytes of blocks handed out and not yet put back (requests read, not yet handled)."""
+        return self.nbytes - sum(b.nbytes for b in self.free)
 
     def get(self, n: int) -> np.ndarray:
         best = None
@@ -116,6 +167,8 @@ class _Pool:
             if b.nbytes >= n and (best is None or b.nbytes < self.free[best].nbytes):
                 best = i
         if best is None:
+            while self.free and self.nbytes + n > self.cap:  # the free ones go before the cap is passed
+                self._drop(self.free.pop())
             base = np.empty(n, dtype=np.uint8)
             self.nbytes += n
             self.service._allocated(n)
@@ -127,6 +180,8 @@ class _Pool:
         base = block.base if isinstance(block.base, np.ndarray) else block
         if base.nbytes == 0 or self.keep == 0:  # keep 0: cleared (its connection is gone)
             return
+        if self.nbytes > self.cap:  # over the connection's cap: not kept for reuse
+            return self._drop(base)
         if len(self.free) < self.keep:
             self.free.append(base)
         else:
@@ -138,6 +193,10 @@ class _Pool:
             else:
                 self.service._allocated(-base.nbytes)
                 self.nbytes -= base.nbytes
+
+    def _drop(self, base: np.ndarray) -> None:
+        self.service._allocated(-base.nbytes)
+        self.nbytes -= base.nbytes
 
     def clear(self) -> None:
         """The connection is gone: its buffers are dropped (those in use go with their requests)."""
@@ -179,7 +238,7 @@ class _ServerProtocol(FramedProtocol):
     def __init__(self, service: Service):
         self.service = service
         limits = service.limits
-        self.pool = _Pool(limits.max_in_flight + 1, service)
+        self.pool = _Pool(limits.max_in_flight + 1, service, limits.max_queued_bytes)
         super().__init__(FrameReader(self._on_frame, limits.frame, {AUTH}, alloc=self.pool.get))
         self.reader.limits = _AUTH_LIMITS
         self.conn: Connection | None = None
@@ -197,12 +256,8 @@ class _ServerProtocol(FramedProtocol):
         svc = self.service
         peer = transport.get_extra_info("peername")
         self.conn = Connection(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
-        if len(svc._protocols) >= svc.limits.max_connections:
-            svc._refuse(self.conn.peer, f"connection limit ({svc.limits.max_connections}) reached")
-            self.send(encode(ERROR, 0, "", {"type": "ServiceUnavailable", "message": "the service is at its connection limit"}))
-            transport.close()
-            return
         svc._protocols.add(self)
+        svc._admit_preauth(self)
         svc.counts["connections"] += 1
         self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": 1}))
         self.timer = asyncio.get_running_loop().call_later(svc.limits.auth_timeout_s, self._auth_timeout)
@@ -215,6 +270,9 @@ class _ServerProtocol(FramedProtocol):
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)
         self.service._protocols.discard(self)
+        self.service._preauth.pop(self, None)
+        if self.authed:
+            self.service._authed.discard(self)
         if self.timer is not None:
             self.timer.cancel()
         if self.wakeup is not None:
@@ -237,9 +295,14 @@ class _ServerProtocol(FramedProtocol):
         self.in_flight += 1
         self.queue.append((rid, op, meta, arrays, block))
         self.wakeup.set()
-        if self.in_flight >= self.service.limits.max_in_flight and not self.reader.hold:
+        if self._over_limits() and not self.reader.hold:
             self.reader.hold = True
             self.transport.pause_reading()
+
+    def _over_limits(self) -> bool:
+        """The connection holds its in-flight requests or queued bytes: read no further for now."""
+        limits = self.service.limits
+        return self.in_flight >= limits.max_in_flight or self.pool.in_use >= limits.max_queued_bytes
 
     def _authenticate(self, meta: dict) -> None:
         svc = self.service
@@ -247,6 +310,11 @@ class _ServerProtocol(FramedProtocol):
         if not auth.valid_nonce(cn) or not auth.check(auth.client_mac(svc._secret, self.nonce, cn), mac):
             svc._refuse(self.conn.peer, "authentication failed (wrong secret or replayed handshake)", auth_failure=True)
             self.send(encode(ERROR, 0, "", {"type": "AuthenticationError", "message": "authentication failed"}))
+            self.transport.close()
+            self.reader.hold = True
+            return
+        if not svc._admit_authed(self):
+            self.send(encode(ERROR, 0, "", {"type": "ServiceUnavailable", "message": "the service is at its connection limit"}))
             self.transport.close()
             self.reader.hold = True
             return
@@ -338,7 +406,7 @@ class _ServerProtocol(FramedProtocol):
         if on_sent is not None:
             on_sent()
         self.in_flight -= 1
-        if self.reader.hold and self.in_flight < self.service.limits.max_in_flight and not self.closed:
+        if self.reader.hold and not self._over_limits() and not self.closed:
             try:
                 self.reader.resume()
             except FrameError as exc:
@@ -359,7 +427,10 @@ class Service:
         self.loop_kind = loop
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
         self._handlers: dict[str, Handler] = {}
-        self._protocols: set[_ServerProtocol] = set()
+        self._protocols: set[_ServerProtocol] = set()  # every open socket
+        self._preauth: dict[_ServerProtocol, None] = {}  # not yet authenticated, oldest first
+        self._authed: set[_ServerProtocol] = set()  # authenticated: at most limits.max_connections
+        self._refusals: dict[str, Any] = {"logged_at": None, "unlogged": 0, "last": "", "timer": None}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server = None
@@ -469,9 +540,50 @@ class Service:
         self.stop()
 
     # ----------------------------------------------------------------- accounting
+    def _admit_preauth(self, proto: _ServerProtocol) -> None:
+        """A new socket joins the pre-auth pool; when the pool is full its oldest member (the
+        one that has idled longest without logging in) is dropped for it."""
+        self._preauth[proto] = None
+        while len(self._preauth) > self.limits.max_preauth:
+            oldest = next(iter(self._preauth))
+            del self._preauth[oldest]
+            self._refuse(oldest.conn.peer, f"pre-auth pool full ({self.limits.max_preauth}): the oldest socket not "
+                                           f"logged in is dropped for a new one", auth_failure=True)  # fmt: skip
+            oldest.transport.abort()
+
+    def _admit_authed(self, proto: _ServerProtocol) -> bool:
+        """A socket that has logged in leaves the pre-auth pool and takes a connection slot, if one is free."""
+        self._preauth.pop(proto, None)
+        if len(self._authed) >= self.limits.max_connections:
+            self._refuse(proto.conn.peer, f"connection limit ({self.limits.max_connections}) reached")
+            return False
+        self._authed.add(proto)
+        return True
+
     def _refuse(self, peer: str, why: str, auth_failure: bool = False) -> None:
+        """Count a refusal; log it, at most one line per ``refusal_log_interval_s`` (the line after
+        a quiet spell says how many were refused meanwhile)."""
         self.counts["auth_refused" if auth_failure else "refused"] += 1
-        log.warning("transport: %s refused %s: %s", self.name, peer, why)
+        r = self._refusals
+        now = time.monotonic()
+        if r["logged_at"] is None or now - r["logged_at"] >= self.limits.refusal_log_interval_s:
+            more = f" (and {r['unlogged']} more refused in the last {now - r['logged_at']:.0f} s)" if r["unlogged"] else ""
+            log.warning("transport: %s refused %s: %s%s", self.name, peer, why, more)
+            r["logged_at"], r["unlogged"] = now, 0
+            return
+        r["unlogged"] += 1
+        r["last"] = f"{peer}: {why}"
+        if r["timer"] is None and self._loop is not None:
+            left = self.limits.refusal_log_interval_s - (now - r["logged_at"])
+            r["timer"] = self._loop.call_later(max(left, 0.0), self._flush_refusals)
+
+    def _flush_refusals(self) -> None:
+        r = self._refusals
+        r["timer"] = None
+        if r["unlogged"]:
+            log.warning("transport: %s refused %d more connections in the last %.0f s (the last: %s)", self.name,
+                        r["unlogged"], time.monotonic() - r["logged_at"], r["last"])  # fmt: skip
+            r["logged_at"], r["unlogged"] = time.monotonic(), 0
 
     def _allocated(self, n: int) -> None:
         self.block_bytes += n
@@ -484,13 +596,17 @@ class Service:
 
     def stats(self) -> dict[str, int]:
         return {
-            "transport/connections_open": len(self._protocols),
+            "transport/connections_open": len(self._authed),
+            "transport/preauth_open": len(self._preauth),
             "transport/connections": self.counts["connections"],
             "transport/requests": self.counts["requests"],
             "transport/errors": self.counts["errors"],
             "transport/refused": self.counts["refused"],
             "transport/auth_refused": self.counts["auth_refused"],
             "transport/buffer_bytes": self.buffer_bytes(),
+            "transport/in_flight": sum(p.in_flight for p in list(self._protocols)),
+            "transport/paused": sum(1 for p in list(self._protocols) if p.reader.hold and not p.closed),
+            "transport/replies_unsent": sum(len(p._unsent) for p in list(self._protocols)),
             "transport/peak_block_bytes": self.peak_block_bytes,
         }
 

@@ -47,14 +47,14 @@ class NodeService:
                  stop_event: threading.Event, on_stop: Callable[[str], None], num_actors: int, ladder_offset: int,
                  network: str, remote: Sequence[int] = (), members: Any = None, host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, loop: str = "auto", transport: str = "auto",
-                 checkpoint_dir: str | None = None):  # fmt: skip
+                 checkpoint_dir: str | None = None, limits=None):  # fmt: skip
         self.table, self.params, self._template = table, params, template
         self.relay, self.env_steps, self.stop_event, self.on_stop = relay, env_steps, stop_event, on_stop
         self.num_actors, self.ladder_offset, self.network = int(num_actors), int(ladder_offset), network
         self.epoch = secrets.token_hex(8)  # a restarted node is another epoch: learners restart their cursors
         self.rdma = None
         self.shard = ShardService(table, params=params, partitions=sorted(int(p) for p in remote), host=host, port=port,
-                                  token=token, loop=loop, checkpoint_dir=checkpoint_dir)  # fmt: skip
+                                  token=token, loop=loop, checkpoint_dir=checkpoint_dir, limits=limits)  # fmt: skip
         s = self.shard.service
         if members is not None:
             s.register("run.join", members.join, with_connection=True)

@@ -54,9 +54,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
+from gearflow.replay.table import BufferRing
 from gearflow.replay.writer import Writer
 from gearflow.transport.errors import SessionLost
 from gearflow.transport.ops import Append, CreateItems, EndEpisode, Episodes, Extend, Flush, decode_ops
@@ -68,6 +70,15 @@ log = logging.getLogger(__name__)
 __all__ = ["ShardService", "priority_total"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class _Lane:
+    """One sampler's buffer sets and the samples drawn into them whose replies have not left
+    the socket: sample ``j`` of a lane reuses the buffer set of sample ``j - num_buffers`` of
+    the same lane, so a client that does not read its replies holds only its own lane."""
+
+    def __init__(self, ring: BufferRing | None):
+        self.ring, self.samples, self.unsent = ring, 0, set()
 
 
 def priority_total(table) -> tuple[float, int]:
@@ -105,8 +116,7 @@ class ShardService:
         self._owner: dict[int, int] = {}  # partition -> session
         self._owners_lock = threading.Lock()
         self._sessions = itertools.count(1)
-        self._samples = 0  # samples drawn through this object (buffer-set reuse)
-        self._unsent: set[int] = set()  # samples whose reply has not left the socket
+        self._local = _Lane(None)  # sample(): the table's own buffer sets (each connection has its own lane)
         self._names = [c.name for c in table.storage.spec]
         s = self.service
         s.register("replay.info", self._info, inline=True)
@@ -116,7 +126,7 @@ class ShardService:
         s.register("replay.write", self._write, with_connection=True, inline=True)
         s.register("replay.stats", self._stats, inline=True)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
-            s.register("replay.sample", self._sample, inline=True)
+            s.register("replay.sample", self._sample, inline=True, with_connection=True)
             s.register("replay.update_priorities", self._update_priorities, inline=True)
             s.register("replay.total", self._total, inline=True)
             s.register("replay.checkpoint", self._checkpoint)
@@ -155,7 +165,7 @@ class ShardService:
     def _open_writer(self, meta: dict, bufs, conn: Connection):
         k = meta.get("num_streams")
         want = meta.get("partitions")
-        timeout = float(meta.get("insert_timeout_s", 60.0))
+        timeout = self.service.limits.wait_s(meta.get("insert_timeout_s"), 60.0)
         session = next(self._sessions)
         with self._owners_lock:
             if want is not None:
@@ -248,7 +258,7 @@ class ShardService:
                 streams = ints[o + m:o + 2 * m] if s < 0 else s
                 e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
                 ends = ints[e0:e0 + m] if op.has_ends else None
-                w.insert_timeout_s = op.timeout_s
+                w.insert_timeout_s = self.service.limits.wait_s(op.timeout_s, 60.0)
                 w.create_items(floats[op.floats_at:op.floats_at + m], ints[o:o + m], streams, ends, expired=op.expired)
             elif type(op) is EndEpisode:
                 w.end_episode(None if op.count < 0 else ints[op.ints_at:op.ints_at + op.count])
@@ -273,58 +283,89 @@ class ShardService:
         """Draw a batch under the table lock; returns ``(sample, total, count, release)``: call
         ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule).
         ``deferred=False`` (on the service's loop): raise :class:`Defer` rather than wait."""
-        batch, _, _, total, count, release = self._draw(batch_size, timeout_s, beta, deferred, None)
+        timeout_s = self.table.sample_timeout_s if timeout_s is None else float(timeout_s)
+        batch, _, _, total, count, release = self._draw(batch_size, timeout_s, beta, deferred, None, self._local)
         return batch, total, count, release
 
-    def _draw(self, batch_size: int, timeout_s: float | None, beta: float | None, deferred: bool, tensors):
-        """:meth:`sample` gathering only ``tensors`` (None: every column), with the draw's slots
-        and records: ``(sample, slots, records, total, count, release)``."""
+    def _draw(self, batch_size: int, timeout_s: float, beta: float | None, deferred: bool, tensors,
+              lane: _Lane, aborted=lambda: False):  # fmt: skip
+        """:meth:`sample` into ``lane``'s buffers, gathering only ``tensors`` (None: every column),
+        with the draw's slots and records: ``(sample, slots, records, total, count, release)``.
+        The wait (for the rate limiter, or for the lane's buffer set to leave the socket) is
+        spent without the table lock, and ends at ``timeout_s``, when the service stops or
+        when ``aborted()`` (the request's connection closed)."""
         t = self.table
-        timeout_s = t.sample_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout_s
-        self._locked(deferred)
-        try:
-            j = self._samples
-            if not deferred:
+        delay = 1e-4
+        while True:
+            self._locked(deferred)
+            try:
+                j = lane.samples
                 t.scan()
-                if (j - t.num_buffers) in self._unsent or not t.can_sample(batch_size):
+                busy = (j - t.num_buffers) in lane.unsent  # its buffer set is still being sent
+                last = time.monotonic() >= deadline
+                if not busy and (t.can_sample(batch_size) or (deferred and last)):
+                    if beta is not None and t.selector.importance_sampled:
+                        t.selector.beta = float(beta)
+                    try:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
+                        batch, slots, rec = t.draw(batch_size, max(0.0, deadline - time.monotonic()) if deferred else 0.0,
+                                                   tensors, lane.ring)  # fmt: skip
+                    except RateLimiterTimeout:
+                        if deferred:
+                            raise
+                        raise Defer from None
+                    total, count = priority_total(t)
+                    lane.samples = j + 1
+                    lane.unsent.add(j)
+                    break
+                if not deferred:
                     raise Defer
-            while (j - t.num_buffers) in self._unsent:  # its buffer set is still being sent
-                left = deadline - time.monotonic()
-                if left <= 0 or self.service.stopping:
-                    raise RateLimiterTimeout(f"sample of {batch_size}: the batch {t.num_buffers} samples ago is "
-                                             f"still being sent after {timeout_s:.1f} s")  # fmt: skip
-                self.lock.wait(min(left, 0.1))
-                j = self._samples
-            if beta is not None and t.selector.importance_sampled:
-                t.selector.beta = float(beta)
-            try:  # on the loop: never wait (a redraw after torn items that must wait goes to the pool)
-                batch, slots, rec = t.draw(batch_size, max(0.0, deadline - time.monotonic()) if deferred else 0.0, tensors)
-            except RateLimiterTimeout:
-                if deferred:
-                    raise
-                raise Defer from None
-            total, count = priority_total(t)
-            self._samples = j + 1
-            self._unsent.add(j)
-        finally:
-            self.lock.release()
+                if last or self.service.stopping or aborted():
+                    why = "its connection closed" if aborted() else "the service is stopping" if self.service.stopping else \
+                        f"the batch {t.num_buffers} samples ago is still being sent after {timeout_s:.1f} s"  # fmt: skip
+                    raise RateLimiterTimeout(f"sample of {batch_size}: {why}")
+                # wait without the table: a release() or the next poll wakes it
+                self.lock.wait(min(delay, max(deadline - time.monotonic(), 0.0)))
+                delay = min(delay * 2, 0.01)
+            finally:
+                self.lock.release()
 
         def release():
             with self.lock:
-                self._unsent.discard(j)
+                lane.unsent.discard(j)
                 self.lock.notify_all()
 
         return batch, slots, rec, total, count, release
 
-    def _sample(self, meta: dict, bufs, deferred: bool = False):
+    def _reply_bytes(self, batch_size: int) -> int:
+        """Bytes of a ``replay.sample`` reply of ``batch_size`` items (keys, probabilities,
+        weights, every output, the torn marks)."""
+        per = getattr(self, "_item_bytes", None)
+        if per is None:
+            layout = self.table.kind.layout(self.table.storage.spec, 1)
+            per = 8 + 8 + 4 + 1 + sum(int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+                                      for shape, dt in layout.values())  # fmt: skip
+            self._item_bytes = per
+        return per * batch_size
+
+    def _sample(self, meta: dict, bufs, conn: Connection, deferred: bool = False):
+        limits = self.service.limits
         b = meta.get("batch_size")
         if type(b) is not int or b < 1:
             raise ValueError(f"batch_size must be an int ≥ 1, got {b!r}")
-        beta, timeout = meta.get("beta"), meta.get("timeout_s")
+        if b > limits.max_batch:
+            raise ValueError(f"batch_size {b} exceeds this service's transport.limits.max_batch={limits.max_batch}")
+        if self._reply_bytes(b) > limits.max_reply_bytes:
+            raise ValueError(f"a sample of {b} items is a reply of {self._reply_bytes(b)} bytes, over this service's "
+                             f"transport.limits.max_reply_bytes={limits.max_reply_bytes}")  # fmt: skip
+        timeout = limits.wait_s(meta.get("timeout_s"), self.table.sample_timeout_s)
+        beta = meta.get("beta")
+        lane = conn.state.get("lane")
+        if lane is None:  # this connection's own buffer sets (dropped with it)
+            lane = conn.state["lane"] = _Lane(BufferRing(self.table.num_buffers))
         batch, slots, rec, total, count, release = self._draw(
-            b, timeout if isinstance(timeout, (int, float)) else None, beta if isinstance(beta, (int, float)) else None,
-            deferred, self.wire.gathered)  # fmt: skip
+            b, timeout, beta if isinstance(beta, (int, float)) and not isinstance(beta, bool) else None,
+            deferred, self.wire.gathered, lane, lambda: conn.closed)  # fmt: skip
         meta = {"total": total, "count": count, "beta": getattr(self.table.selector, "beta", None)}
         return self.wire.reply(batch, slots, rec, meta, release)
 
