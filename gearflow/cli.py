@@ -102,9 +102,13 @@ def _cmd_actor(args: argparse.Namespace) -> int:
     from gearflow.config import load_config, to_yaml
     from gearflow.log import inherited_verbosity
 
+    from gearflow.transport.auth import configure
+
     local = None
     if args.config is not None:
-        local = to_yaml(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        configure(cfg.transport)  # without CONFIG: $GEARFLOW_INTEGRITY (else on), $GEARFLOW_TLS (else none)
+        local = to_yaml(cfg)
     elif args.overrides:
         raise GearflowError("KEY=VALUE overrides need a CONFIG file")
     if args.actors < 1:
@@ -173,6 +177,31 @@ def _cmd_check_env(args: argparse.Namespace) -> int:
     from gearflow.tools.check_env import check_env
 
     return 1 if check_env(load_config(args.config, args.overrides), steps=args.steps) else 0
+
+
+def _cmd_secret(args: argparse.Namespace) -> int:
+    from gearflow.transport.auth import TOKEN_ENV, actor_credential, resolve_token
+
+    try:
+        if args.secret_file:
+            secret = resolve_token(open(args.secret_file, encoding="utf-8").read().strip())
+        else:
+            secret = resolve_token(None)
+        print(actor_credential(secret, args.name))
+    except (OSError, ValueError) as exc:
+        raise GearflowError(f"gearflow secret actor: {exc} (the learner's secret: ${TOKEN_ENV} or --secret-file)") from None
+    return 0
+
+
+def _cmd_tls_init(args: argparse.Namespace) -> int:
+    from gearflow.transport.tls import TlsError, init
+
+    try:
+        for path in init(args.dir, args.name or ""):
+            print(path)
+    except (TlsError, OSError) as exc:
+        raise GearflowError(f"gearflow tls init: {exc}") from None
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -274,6 +303,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file (env.factory / env.id and agent.name as in training)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     p.add_argument("--steps", type=int, default=200, help="recvs of each stage (default 200)")
+
+    p = add("secret", lambda a: a.secret_func(a), "credentials derived from the learner's secret")
+    ssub = p.add_subparsers(dest="secret_command", metavar="KIND", required=True)
+    sa = ssub.add_parser(
+        "actor",
+        help="print the actor credential of NAME (give it to that actor machine as $GEARFLOW_TOKEN)",
+        description="print the actor credential of NAME, derived from the learner's secret ($GEARFLOW_TOKEN, or "
+        "--secret-file): an actor machine that holds it may join, write its partitions, report and read "
+        "weights, nothing else, and cannot pose as the learner to another actor (give each machine its own NAME).",
+    )
+    sa.add_argument("name", help="the actor machine's name: letters, digits, '-', '_' (at most 64)")
+    sa.add_argument("--secret-file", metavar="FILE", help="read the learner's secret from FILE (default: $GEARFLOW_TOKEN)")
+    sa.set_defaults(secret_func=_cmd_secret)
+
+    p = add("tls", lambda a: a.tls_func(a), "mutual TLS files for transport.tls")
+    tsub = p.add_subparsers(dest="tls_command", metavar="ACTION", required=True)
+    ti = tsub.add_parser(
+        "init",
+        help="make DIR's certificate authority (if none) and a node certificate (needs the openssl command)",
+        description="make DIR/ca.pem + ca.key (once) and DIR/node.pem + node.key, or with --name NAME "
+        "DIR/NAME/{ca.pem,node.pem,node.key} for another machine; then transport.tls=DIR (or DIR/NAME there). "
+        "Keep ca.key where certificates are made.",
+    )
+    ti.add_argument("dir", help="the directory (created 0700; keys 0600)")
+    ti.add_argument("--name", default="", help="another machine's certificate, under DIR/NAME")
+    ti.set_defaults(tls_func=_cmd_tls_init)
 
     add("info", _cmd_info, "versions of the dependencies and whether CUDA, CuPy, nvcc, RDMA are usable")
 

@@ -295,7 +295,18 @@ class TransportConfig:
     port: int = 0
     """TCP port of that service; 0 picks a free one (logged)."""
     token: str = ""
-    """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``."""
+    """Shared secret every connection proves it holds (HMAC); empty: ``$GEARFLOW_TOKEN``. The
+    learner's secret, or on an actor machine an actor credential (``gearflow secret actor NAME``):
+    an actor-role connection may only join, write its partitions, report and read weights."""
+    integrity: bool = True
+    """Every frame after the handshake carries a MAC (AES-GMAC under a per-connection key) and a
+    sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
+    closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
+    frames are unprotected after the login (a benchmark on a trusted network)."""
+    tls: str = ""
+    """Mutual TLS (confidentiality): a directory with ``ca.pem``, ``node.pem``, ``node.key`` from
+    ``gearflow tls init DIR``; every end of the run needs one from the same CA. Empty: no TLS
+    (frames are in clear, integrity-protected when ``integrity`` is on)."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
     shards: list = field(default_factory=list)

@@ -368,6 +368,9 @@ def train(cfg: DictConfig, resume: bool = False, stop: threading.Event | None = 
     if plan.mode == "ray":
         raise ConfigError(f"launcher={cfg.launcher}: run it with the gearflow train command "
                           "(or gearflow.launchers.ray.train_on_ray); this function trains on this machine")  # fmt: skip
+    from gearflow.transport.auth import configure
+
+    configure(cfg.transport)  # this process's and its children's connections
     # run.serial: one thread — the actor's many tiny acting ops share the process, and with two
     # intra-op threads on a loaded machine each op waited for a descheduled thread (a serial
     # R2D2 run took 220 s instead of 6 s next to two CPU hogs)

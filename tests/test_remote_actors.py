@@ -66,10 +66,14 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
 @pytest.mark.slow
 def test_a_run_fed_only_by_remote_actors(tmp_path):
     """Both actors of the run connect with ``gearflow actor --connect``: the learner trains from
-    what they write, counts their episodes, and both sides exit 0 when the run ends."""
+    what they write, counts their episodes, and both sides exit 0 when the run ends. The actor
+    machine holds only an actor credential (``gearflow secret actor``), not the learner's secret."""
+    from gearflow.transport.auth import actor_credential
+
     learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=4000")
     actors_log = tmp_path / "actors.err"
-    actors = _gearflow("actor", "--connect", address, CONFIG, *TINY, "--actors", "2", log=actors_log)
+    actors = _gearflow("actor", "--connect", address, CONFIG, *TINY, "--actors", "2", log=actors_log,
+                       token=actor_credential(TOKEN, "box-1"))  # fmt: skip
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])

@@ -10,6 +10,11 @@
 * A wrong secret is refused; a recorded handshake replayed on a new connection is refused
   (fresh server nonce); a recorded server answer cannot convince a client (fresh client
   nonce).
+
+The raw sockets send unsealed frames, so these services run with ``transport.integrity``
+off: what is tested is the parser and the handlers behind it (what a peer that holds the
+secret can send). With integrity on every such frame is also refused for its missing MAC:
+tests/test_wire_security.py.
 """
 
 from __future__ import annotations
@@ -46,6 +51,22 @@ from gearflow.transport.server.shard import ShardService
 
 TOKEN = "hostile-test-token-42"
 APEX = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+
+
+@pytest.fixture(autouse=True)
+def _no_frame_integrity():
+    auth.set_default_integrity(False)
+    yield
+    auth.set_default_integrity(True)
+
+
+def _auth_frame(token: str, server_nonce: str, cn: str, integrity: bool = False) -> bytes:
+    """The AUTH frame of a learner-role client (protocol 2) answering ``server_nonce``."""
+    script = auth.transcript(server_nonce, cn, "learner", "", integrity)
+    meta = {"nonce": cn, "role": "learner", "name": "", "integrity": integrity, "mac": auth.client_mac(token.encode(), script)}
+    return b"".join(bytes(p) for p in encode(AUTH, 0, "", meta))
+
+
 LIMITS = ServiceLimits(frame=FrameLimits(max_frame_bytes=1 << 20, max_meta_bytes=4096, max_buffers=8, max_dims=4),
                        max_connections=8, max_in_flight=4, auth_timeout_s=5.0)  # fmt: skip
 
@@ -75,7 +96,7 @@ def raw_connect(port: int, token: str = TOKEN, record: list | None = None) -> so
     kind, meta = recv_frame(s)
     assert kind == CHALLENGE
     cn = auth.new_nonce()
-    frame = b"".join(bytes(p) for p in encode(AUTH, 0, "", {"nonce": cn, "mac": auth.client_mac(token.encode(), meta["nonce"], cn)}))
+    frame = _auth_frame(token, meta["nonce"], cn, meta["integrity"])
     if record is not None:
         record.append(frame)
     s.sendall(frame)
@@ -267,7 +288,7 @@ def test_wrong_secret_and_replayed_handshakes_are_refused(shard, caplog):
     real = socket.create_connection(("127.0.0.1", port), timeout=10)
     _, challenge = recv_frame(real)
     cn = auth.new_nonce()
-    real.sendall(b"".join(bytes(p) for p in encode(AUTH, 0, "", {"nonce": cn, "mac": auth.client_mac(TOKEN.encode(), challenge["nonce"], cn)})))
+    real.sendall(_auth_frame(TOKEN, challenge["nonce"], cn))
     _, ok = recv_frame(real)
     real.close()
     fake = socket.create_server(("127.0.0.1", 0))
@@ -275,7 +296,8 @@ def test_wrong_secret_and_replayed_handshakes_are_refused(shard, caplog):
 
     def serve():
         conn, _ = fake.accept()
-        conn.sendall(b"".join(bytes(p) for p in encode(CHALLENGE, 0, "", {"nonce": challenge["nonce"], "version": 1})))
+        conn.sendall(b"".join(bytes(p) for p in encode(CHALLENGE, 0, "", {"nonce": challenge["nonce"], "version": 2,
+                                                                          "integrity": False})))  # fmt: skip
         recv_frame(conn)
         conn.sendall(b"".join(bytes(p) for p in encode(AUTH_OK, 0, "", ok)))
         time.sleep(1)
@@ -301,7 +323,7 @@ def test_connection_and_in_flight_limits(shard):
     kind, meta = recv_frame(extra)
     assert kind == CHALLENGE
     cn = auth.new_nonce()
-    extra.sendall(b"".join(bytes(p) for p in encode(AUTH, 0, "", {"nonce": cn, "mac": auth.client_mac(TOKEN.encode(), meta["nonce"], cn)})))
+    extra.sendall(_auth_frame(TOKEN, meta["nonce"], cn, meta["integrity"]))
     _, meta = recv_frame(extra)
     assert meta["type"] == "ServiceUnavailable" and "connection limit" in meta["message"]
     _expect_closed(extra)

@@ -50,9 +50,12 @@ def assert_same_storage(a, b):
 
 
 @pytest.mark.parametrize("wire", [None, 0], ids=["gathered", "out-of-segment"])
-def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of, tmp_path, wire):
+def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shard_of, tmp_path, wire, monkeypatch):
     """``wire=0``: the shard sends every column's rows straight out of its segment (the path
-    of wide columns such as frames), not gathered into the table's buffers."""
+    of wide columns such as frames), not gathered into the table's buffers — with
+    ``transport.integrity`` off only (on, the rows are gathered so that the MAC covers the bytes sent)."""
+    if wire is not None:
+        monkeypatch.setenv("GEARFLOW_INTEGRITY", "0")
     E, S, n = 4, 64, 3
     kw = dict(spec=APEX, P=E, S=S, selector="prioritized", kind=Transition(next_columns=("obs",)),
               selector_kwargs={"alpha": 0.6, "beta": 0.4})  # fmt: skip

@@ -22,10 +22,20 @@ from gearflow.kinds.episode import Episode
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
 from gearflow.replay import Writer
+from gearflow.transport import auth
 from gearflow.transport.client import Client
 from gearflow.transport.learner import RemoteSampler
 
 TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
+
+
+@pytest.fixture(autouse=True)
+def _no_frame_integrity():
+    """Rows go out of the segment only with transport.integrity off (on, a MAC must cover the
+    bytes sent, so the shard gathers them first): these tests are about that path."""
+    auth.set_default_integrity(False)
+    yield
+    auth.set_default_integrity(True)
 
 
 def _frame(step: np.ndarray, part: np.ndarray, n: int) -> np.ndarray:

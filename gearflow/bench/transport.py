@@ -9,8 +9,10 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
 * ``actor`` — the EnvPool CartPole Ape-X actor itself, through each remote writer, against
   the same actor writing shared memory.
 * ``sample`` — ``RemoteSampler`` batches of 256 × 28 KiB rows against a raw TCP socket moving
-  the same bytes per request; ``gathered``: from a shard that gathers the rows into its batch
-  buffers before sending (``wire_min_row_bytes=None``), in the same rounds.
+  the same bytes per request, with ``transport.integrity`` on (the default: every frame
+  MACed), off (rows straight out of the segment), and off with the rows gathered into the
+  batch buffers before sending (``wire_min_row_bytes=None``), in the same rounds;
+  ``integrity_cost``: 1 − on/off (the median of the rounds' ratios).
 * ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
   socket's round trip of the same bytes.
 """
@@ -49,7 +51,11 @@ def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
     if "sample" in todo:
         r = tb.sample(seconds)
         rec("sample", f"GB_per_s[batch={r['batch']}]", r["remote_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
-        rec("sample", f"GB_per_s[batch={r['batch']},gathered]", r["gathered_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
+        rec("sample", f"GB_per_s[batch={r['batch']},integrity=false]", r["no_integrity_gb_per_s"], "GB/s",
+            r["raw_socket_gb_per_s"])  # fmt: skip
+        rec("sample", f"GB_per_s[batch={r['batch']},integrity=false,gathered]", r["gathered_gb_per_s"], "GB/s",
+            r["raw_socket_gb_per_s"])  # fmt: skip
+        rec("sample", f"integrity_cost[batch={r['batch']}]", r["integrity_cost"], "fraction")
     if "latency" in todo:
         for r in tb.latency(seconds / 2):
             # floors are round-trip times: ratio = gearflow's time over the raw socket's

@@ -67,8 +67,11 @@ def require_ray():
 def _cfg(cfg_yaml: str) -> DictConfig:
     from gearflow.config import use_module_dirs
 
+    from gearflow.transport.auth import configure
+
     cfg = OmegaConf.create(cfg_yaml)
     use_module_dirs(cfg.run.get("module_dirs") or [])  # a user's agent module, found as by the driver
+    configure(cfg.transport)  # the role's connections: transport.integrity, transport.tls
     return cfg
 
 

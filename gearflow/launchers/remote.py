@@ -247,6 +247,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
     from gearflow.params import ParameterStore
     from gearflow.replay.storage import SharedStorage
     from gearflow.transport.server.shard import ShardService
+    from gearflow.transport.service import ANY_ROLE
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner stops us through stop_event
     setup_logging(inherited_verbosity())
@@ -268,8 +269,8 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         limits = service_limits(OmegaConf.create(cfg_yaml).transport.get("limits"))
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
-        shard.service.register("run.join", members.join, with_connection=True)
-        shard.service.register("run.report", members.report, with_connection=True, inline=True)
+        shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
+        shard.service.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
     except BaseException as exc:
         ready.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -113,6 +113,9 @@ class ShardNode:
         # are started by someone else, a Ray actor group)
         self.plan = plan = plan_run(cfg, command="serve", actors=launch_actors)
         self.cfg = cfg
+        from gearflow.transport.auth import configure
+
+        configure(cfg.transport)
         try:
             self.token = resolve_token(cfg.transport.token or None).decode()
         except ValueError as exc:

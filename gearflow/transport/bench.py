@@ -19,8 +19,10 @@ take turns), so load that comes and goes on a shared machine hits both alike.
 * ``sample``: RemoteSampler batches of Atari-sized rows (28 KiB) from a shard, requested
   ``LEARNER_PREFETCH`` rounds ahead as a learner over shard nodes does, against a raw TCP
   socket moving the same bytes per request (request → that many bytes back): batches/s,
-  GB/s and the ratio; and the same from a shard that gathers the rows into its batch
-  buffers before sending them (the path before replies went out of the segment).
+  GB/s and the ratio. Three shards in the same rounds: with ``transport.integrity`` on (the
+  default: every frame MACed, rows gathered before they are sent), off (rows straight out
+  of the segment), and off with the rows gathered (the path before replies went out of the
+  segment); ``integrity_cost`` is 1 − on/off, the median over rounds.
 * ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
   with the raw socket's round trip of the same bytes as floor.
 """
@@ -37,6 +39,7 @@ import numpy as np
 from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, Writer, make_selector
 from gearflow.transport.actor import RemoteWriter, ShippingWriter
+from gearflow.transport.client import Client
 from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
 from gearflow.transport.server.shard import ShardService
 
@@ -63,8 +66,11 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
     return out
 
 
-def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn) -> None:
+def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True) -> None:
     """Child process: a table and its shard service; sends the port, serves until told to stop."""
+    from gearflow.transport.auth import set_default_integrity
+
+    set_default_integrity(integrity)
     table = _table(spec, P, S, selector)
     shard = ShardService(table, token=TOKEN, wire_min_row_bytes=wire)
     conn.send(shard.start())
@@ -78,12 +84,14 @@ def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, co
 class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
-    def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024):
+    def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024,
+                 integrity: bool = True):  # fmt: skip
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child), daemon=True)
+        self.integrity = integrity
+        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
@@ -202,12 +210,12 @@ def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
     return times
 
 
-def _atari_shard(obs, items: int, wire: int | None) -> ShardProcess:
+def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True) -> ShardProcess:
     """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
-    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire)
-    w = RemoteWriter(("127.0.0.1", shard.port), num_streams=4, token=TOKEN)
+    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity)
+    w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity), num_streams=4, token=TOKEN)
     k = items // 4
     rng = np.random.default_rng(0)
     for s in range(4):
@@ -221,25 +229,27 @@ def _atari_shard(obs, items: int, wire: int | None) -> ShardProcess:
 
 def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
     """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
-    alternating slices; the ratio is the median of the per-round ratios. The same sampler over
-    a shard that gathers every column into its batch buffers before sending
-    (``wire_min_row_bytes=None``) is measured in the same rounds: ``ratio_gathered``."""
+    alternating slices; the ratio is the median of the per-round ratios. Three shards in the same
+    rounds: integrity on (the default; rows gathered), off (rows out of the segment), off and
+    gathered (``wire_min_row_bytes=None``): ``ratio``, ``ratio_no_integrity``, ``ratio_gathered``."""
     shards, samplers = [], []
     raw = _RawServer()
     c = None
     try:
-        for wire in (1024, None):
-            shards.append(_atari_shard(obs, items, wire))
-            samplers.append(RemoteSampler(("127.0.0.1", shards[-1].port), token=TOKEN, prefetch=LEARNER_PREFETCH))
+        for wire, integrity in ((1024, True), (1024, False), (None, False)):
+            shards.append(_atari_shard(obs, items, wire, integrity))
+            client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity)
+            samplers.append(RemoteSampler([client], token=TOKEN, prefetch=LEARNER_PREFETCH))
         b0 = samplers[0].sample(batch)  # as a learner samples: LEARNER_PREFETCH rounds ahead
-        samplers[1].sample(batch)
+        for sm in samplers[1:]:
+            sm.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
-        remote, gathered, floor = [], [], []
+        remote, plain, gathered, floor = [], [], [], []
         for r in range(rounds):
-            paths = [(remote, lambda: samplers[0].sample(batch)), (gathered, lambda: samplers[1].sample(batch)),
-                     (floor, lambda: call(nbytes))]  # fmt: skip
-            for out, fn in paths[r % 3:] + paths[:r % 3]:
+            paths = [(remote, lambda: samplers[0].sample(batch)), (plain, lambda: samplers[1].sample(batch)),
+                     (gathered, lambda: samplers[2].sample(batch)), (floor, lambda: call(nbytes))]  # fmt: skip
+            for out, fn in paths[r % 4:] + paths[:r % 4]:
                 t = call_times(fn, seconds / rounds)
                 out.append(len(t) / sum(t))
     finally:
@@ -250,12 +260,15 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
         raw.close()
         for sh in shards:
             sh.close()
-    r, g, f = float(np.median(remote)), float(np.median(gathered)), float(np.median(floor))
+    r, p, g, f = (float(np.median(x)) for x in (remote, plain, gathered, floor))
+    remote, plain, gathered, floor = (np.array(x) for x in (remote, plain, gathered, floor))
     return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,
             "remote_batches_per_s": r, "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f,
-            "raw_socket_gb_per_s": f * nbytes / 1e9, "gathered_gb_per_s": g * nbytes / 1e9,
-            "ratio": float(np.median(np.array(remote) / np.array(floor))),
-            "ratio_gathered": float(np.median(np.array(gathered) / np.array(floor)))}  # fmt: skip
+            "raw_socket_gb_per_s": f * nbytes / 1e9, "no_integrity_gb_per_s": p * nbytes / 1e9,
+            "gathered_gb_per_s": g * nbytes / 1e9,
+            "ratio": float(np.median(remote / floor)), "ratio_no_integrity": float(np.median(plain / floor)),
+            "ratio_gathered": float(np.median(gathered / floor)),
+            "integrity_cost": float(np.median(1 - remote / plain))}  # fmt: skip
 
 
 def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:

@@ -37,7 +37,8 @@ from typing import Any
 
 from gearflow.errors import GearflowError
 from gearflow.transport import auth
-from gearflow.transport.auth import AuthenticationError
+from gearflow.transport import integrity as frames_mac
+from gearflow.transport.auth import AuthenticationError, AuthorizationError, IntegrityMismatch
 from gearflow.transport.framing import (
     AUTH,
     AUTH_OK,
@@ -77,7 +78,8 @@ class RemoteError(GearflowError):
 
 
 _ERRORS: dict[str, type] = {c.__name__: c for c in (ValueError, TypeError, KeyError, IndexError, FrameError,
-                                                     AuthenticationError, ServiceUnavailable)}  # fmt: skip
+                                                     AuthenticationError, AuthorizationError, IntegrityMismatch,
+                                                     ServiceUnavailable)}  # fmt: skip
 
 
 def register_error(cls: type) -> type:
@@ -111,6 +113,7 @@ class _ClientProtocol(FramedProtocol):
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.nonce = auth.new_nonce()
         self.server_nonce = ""
+        self.script = b""  # the handshake's transcript (auth.transcript)
         self.wsock: socket.socket | None = None  # the calling threads' duplicate, for sending
         self.asked = False  # this side closed it (Client.close, a send cut short): not a loss to report
 
@@ -121,18 +124,31 @@ class _ClientProtocol(FramedProtocol):
             self.transport.close()
 
     def _on_frame(self, kind, rid, op, meta, arrays, block) -> None:
-        secret = self.client._secret
+        cred, client = self.client._credential, self.client
         if kind == CHALLENGE:
-            sn = meta.get("nonce")
-            if not auth.valid_nonce(sn):
-                return self._fail_handshake(AuthenticationError("the service sent a malformed challenge"))
-            self.server_nonce = sn
-            self.reader.kinds = frozenset({AUTH_OK, ERROR})
-            self.send(encode(AUTH, 0, "", {"nonce": self.nonce, "mac": auth.client_mac(secret, sn, self.nonce)}))
-        elif kind == AUTH_OK:
-            if not auth.check(auth.server_mac(secret, self.server_nonce, self.nonce), meta.get("mac")):
+            sn, theirs = meta.get("nonce"), meta.get("integrity")
+            if not auth.valid_nonce(sn) or meta.get("version") != auth.PROTOCOL or not isinstance(theirs, bool):
                 return self._fail_handshake(AuthenticationError(
-                    f"the service at {self.client.address_text} did not prove it holds the secret"))
+                    f"the service at {client.address_text} sent a challenge of another protocol (this side speaks "
+                    f"version {auth.PROTOCOL}): upgrade both ends"))
+            if theirs != client.integrity:
+                on = {True: "true", False: "false"}
+                return self._fail_handshake(IntegrityMismatch(
+                    f"transport.integrity differs: the service at {client.address_text} has {on[theirs]}, this "
+                    f"client {on[client.integrity]}; set the same on both ends (true protects every frame with a MAC)"))
+            self.server_nonce = sn
+            self.script = auth.transcript(sn, self.nonce, cred.role, cred.name, client.integrity)
+            self.reader.kinds = frozenset({AUTH_OK, ERROR})
+            self.send(encode(AUTH, 0, "", {"nonce": self.nonce, "role": cred.role, "name": cred.name,
+                                           "integrity": client.integrity,
+                                           "mac": auth.client_mac(cred.secret, self.script)}))  # fmt: skip
+        elif kind == AUTH_OK:
+            if not auth.check(auth.server_mac(cred.secret, self.script), meta.get("mac")):
+                return self._fail_handshake(AuthenticationError(
+                    f"the service at {client.address_text} did not prove it holds the secret"))
+            if client.integrity:  # every later frame, both ways, carries a MAC and a sequence number
+                c2s, s2c = auth.frame_keys(cred.secret, self.script, self.server_nonce, self.nonce)
+                self.reader.opener, self.sealer = frames_mac.Opener(s2c), frames_mac.Sealer(c2s)
             self.reader.kinds = frozenset({REPLY, ERROR})
             if not self.ready.done():
                 self.ready.set_result(True)
@@ -150,8 +166,12 @@ class _ClientProtocol(FramedProtocol):
                 fut.set_exception(remote_exception(meta))
 
     def frame_error(self, exc: FrameError) -> None:
-        log.warning("transport: malformed frame from %s: %s", self.client.address_text, exc)
-        err = ServiceUnavailable(f"malformed frame from {self.client.address_text}: {exc}")
+        what = "frame integrity check failed" if isinstance(exc, frames_mac.IntegrityError) else "malformed frame"
+        log.warning("transport: %s from %s: %s; closing the connection, the frame was not applied", what,
+                    self.client.address_text, exc)  # fmt: skip
+        err = ServiceUnavailable(f"{what} from {self.client.address_text}: {exc}")
+        if self.transport is not None:
+            self.transport.abort()
         self._fail_handshake(err)
         self._fail_all(err)
 
@@ -176,10 +196,20 @@ class Client:
 
     def __init__(self, address: Any, token: str | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: FrameLimits | None = None,
-                 loop: str = "auto"):  # fmt: skip
+                 loop: str = "auto", integrity: bool | None = None, tls: str | None = None):  # fmt: skip
         self.host, self.port = parse_address(address)
         self.address_text = f"{self.host}:{self.port}"
-        self._secret = auth.resolve_token(token)
+        self._credential = auth.credential(auth.resolve_token(token))
+        self.role = self._credential.role
+        self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
+        if self.integrity:
+            frames_mac.require()
+        self.tls = auth.default_tls() if tls is None else str(tls or "")
+        self._ssl = None
+        if self.tls:  # mutual TLS: frames go through the loop's TLS transport (see _write)
+            from gearflow.transport.tls import client_context
+
+            self._ssl = client_context(self.tls)
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.limits = limits or FrameLimits()
         if max_in_flight < 1:
@@ -253,7 +283,9 @@ class Client:
             return proto_box[0]
 
         try:
-            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port), self.connect_timeout_s)
+            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port, ssl=self._ssl,
+                                                          server_hostname=self.host if self._ssl else None),
+                                   self.connect_timeout_s)  # fmt: skip
             await asyncio.wait_for(proto_box[0].ready, self.connect_timeout_s)
         except BaseException:
             if proto_box and proto_box[0].transport is not None:
@@ -262,7 +294,8 @@ class Client:
         proto = proto_box[0]
         # requests are sent from the calling threads on a duplicate of the socket (see _write);
         # the loop only reads. The duplicate shares the non-blocking flag and TCP_NODELAY.
-        proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
+        if self._ssl is None:
+            proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
         return proto
 
     def _drop_wsock(self, proto: _ClientProtocol) -> None:
@@ -323,8 +356,13 @@ class Client:
         timeout mid-frame closes the connection."""
         with self._send_lock:
             sock = proto.wsock
-            if proto.closed or sock is None:
+            if proto.closed or (sock is None and self._ssl is None):
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
+            if proto.sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
+                parts = proto.sealer.seal(parts)
+            if self._ssl is not None:  # TLS encrypts in the loop: a copy, queued in order
+                self._loop.call_soon_threadsafe(self._tls_write, proto, b"".join(parts))
+                return
             views = [memoryview(p) for p in parts]
             started = False
             while views:
@@ -345,9 +383,15 @@ class Client:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._poll_out(sock, left):
-                    if started:
+                    if started or proto.sealer is not None:  # a sealed frame not sent: the next one's number is off
                         self._loop.call_soon_threadsafe(self._abort, proto)
                     raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
+
+    @staticmethod
+    def _tls_write(proto: _ClientProtocol, data: bytes) -> None:
+        t = proto.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
 
     @staticmethod
     def _poll_out(sock, timeout_s: float) -> bool:

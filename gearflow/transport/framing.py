@@ -9,6 +9,9 @@ One frame::
              "bufs": [[dtype, [shape...]], ...]}
     buffers  the raw bytes of each array, C order, each starting at a multiple of
              ALIGN bytes from the start of the buffer block (zero padding between)
+    trailer  after the handshake, with transport.integrity on: 24 bytes "<Q16s",
+             the direction's sequence number and the AES-GMAC tag of every byte above
+             (:mod:`gearflow.transport.integrity`; checked before the frame is delivered)
 
 Every length in the header is checked against :class:`FrameLimits` before a byte of
 the frame's body is allocated; the envelope's dtypes (an allow-list, :data:`DTYPES`),
@@ -69,7 +72,7 @@ __all__ = [
 ]  # fmt: skip
 
 MAGIC = b"GFLW"
-VERSION = 1
+VERSION = 2  # 2: frames after the handshake may carry an integrity trailer
 HEADER = struct.Struct("<4sHHQIIQ")  # magic, version, kind, request id, envelope, buffers, buffer bytes
 ALIGN = 64  # each buffer starts at a multiple of this many bytes in the buffer block
 
@@ -274,6 +277,8 @@ class FrameReader:
         self._filled = 0  # bytes of _block received
         self._direct = False  # reading straight into _block
         self.frames = 0
+        self.opener = None  # integrity.Opener once the handshake made the keys: every frame's trailer checked
+        self._maced = False  # the frame's buffer block went into the opener
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
 
@@ -301,7 +306,10 @@ class FrameReader:
                 self._filled += nbytes
                 if self._filled == self._block.nbytes:
                     self._direct = False
-                    self._deliver()
+                    if self.opener is None:
+                        self._deliver()
+                    else:  # its trailer comes through the staging buffer
+                        self._parse()
                 return
             self._hi += nbytes
             self._parse()
@@ -327,6 +335,9 @@ class FrameReader:
                 if self.hold or avail < HEADER.size:
                     return
                 self._head = parse_header(self._view[self._lo:self._lo + HEADER.size], self.limits, self.kinds)
+                if self.opener is not None:
+                    self.opener.begin()
+                    self.opener.update(self._view[self._lo:self._lo + HEADER.size])
                 self._lo += HEADER.size
                 continue
             _, _, meta_len, nbufs, buf_bytes = self._head
@@ -334,6 +345,8 @@ class FrameReader:
                 if avail < meta_len:
                     return
                 self._env = parse_envelope(self._view[self._lo:self._lo + meta_len], nbufs, buf_bytes, self.limits)
+                if self.opener is not None:
+                    self.opener.update(self._view[self._lo:self._lo + meta_len])
                 self._lo += meta_len
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
@@ -348,6 +361,15 @@ class FrameReader:
                 self._lo = self._hi = 0
                 self._direct = True
                 return
+            if self.opener is not None:  # the trailer: checked before anyone sees the frame
+                if not self._maced:
+                    self.opener.update(self._block)
+                    self._maced = True
+                if self._hi - self._lo < _TRAILER_BYTES:
+                    return
+                self.opener.check(self._view[self._lo:self._lo + _TRAILER_BYTES])
+                self._lo += _TRAILER_BYTES
+                self._maced = False
             self._deliver()
             if self._lo == self._hi:
                 self._lo = self._hi = 0
@@ -364,6 +386,7 @@ class FrameReader:
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+_TRAILER_BYTES = 24  # integrity.TRAILER.size
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -375,6 +398,8 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, reader: FrameReader):
         self.reader = reader
+        self.sealer = None  # integrity.Sealer once the handshake made the keys: every frame sent gets a trailer
+        self._sealing = False  # a frame sent in pieces (send(..., more=True)) is open
         self.transport: asyncio.Transport | None = None
         self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
         self.closed = False
@@ -395,18 +420,33 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def frame_error(self, exc: FrameError) -> None:
         raise NotImplementedError
 
-    def send(self, parts: list, on_sent: Callable[[], None] | None = None) -> None:
+    def send(self, parts: list, on_sent: Callable[[], None] | None = None, more: bool = False) -> None:
+        """Write ``parts`` (one frame, or with ``more=True`` the first pieces of one whose rest
+        the next ``send`` writes); ``on_sent()`` once they have drained."""
         t = self.transport
         if self.closed or t is None or t.is_closing():
             if on_sent is not None:
                 on_sent()
             return
+        if self.sealer is not None:
+            if not self._sealing:
+                self.sealer.begin()
+            for p in parts:
+                self.sealer.update(p)
+            self._sealing = more
+            if not more:
+                parts = [*parts, self.sealer.trailer()]
         t.writelines(parts)
         if on_sent is not None:
             if t.get_write_buffer_size() == 0:
                 on_sent()
             else:
                 self._unsent.append(on_sent)
+
+    @property
+    def replies_unsent(self) -> int:
+        """Frames written whose ``on_sent`` waits for the transport to drain."""
+        return len(self._unsent)
 
     def pause_writing(self) -> None:
         pass

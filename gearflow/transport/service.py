@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.transport import auth
+from gearflow.transport import integrity as frames_mac
 from gearflow.transport.framing import (
     AUTH,
     AUTH_OK,
@@ -69,7 +70,9 @@ from gearflow.transport.framing import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "Defer", "Handler", "Service", "ServiceLimits", "service_limits"]
+__all__ = ["ANY_ROLE", "Connection", "Defer", "Handler", "Service", "ServiceLimits", "service_limits"]
+
+ANY_ROLE = (auth.ACTOR, auth.LEARNER)  # register(..., roles=ANY_ROLE): what an actor may call too
 
 # what a peer may send before it has authenticated: one small AUTH frame
 _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
@@ -147,6 +150,7 @@ class Handler:
     inline: bool = False
     with_connection: bool = False
     is_async: bool = False
+    roles: frozenset = frozenset({auth.LEARNER})  # the roles whose connections may call it
 
 
 class _Pool:
@@ -206,13 +210,16 @@ class _Pool:
 
 class Connection:
     """One authenticated client, as a ``with_connection`` handler sees it: ``id``, ``peer``,
-    ``state`` (a dict for the handlers' own per-connection data), ``closed``, and
-    :meth:`on_close` (called once, in the loop thread, when the connection ends)."""
+    ``role`` (``"learner"`` or ``"actor"``: the secret it proved at the handshake),
+    ``actor_name`` (its actor credential's name; ``""`` for a learner), ``state`` (a dict for the
+    handlers' own per-connection data), ``closed``, and :meth:`on_close` (called once, in the
+    loop thread, when the connection ends)."""
 
     _ids = itertools.count(1)
 
     def __init__(self, peer: str):
         self.id, self.peer = next(self._ids), peer
+        self.role, self.actor_name = "", ""  # set by the handshake, before any handler runs
         self.state: dict[str, Any] = {}
         self.closed = False
         self._on_close: list[Callable[[], None]] = []
@@ -259,7 +266,7 @@ class _ServerProtocol(FramedProtocol):
         svc._protocols.add(self)
         svc._admit_preauth(self)
         svc.counts["connections"] += 1
-        self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": 1}))
+        self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": auth.PROTOCOL, "integrity": svc.integrity}))
         self.timer = asyncio.get_running_loop().call_later(svc.limits.auth_timeout_s, self._auth_timeout)
 
     def _auth_timeout(self) -> None:
@@ -283,7 +290,9 @@ class _ServerProtocol(FramedProtocol):
         self.pool.clear()
 
     def frame_error(self, exc: FrameError) -> None:
-        self.service._refuse(self.conn.peer if self.conn else "?", f"malformed frame: {exc}", auth_failure=not self.authed)
+        what = "frame integrity check failed" if isinstance(exc, frames_mac.IntegrityError) else "malformed frame"
+        self.service._refuse(self.conn.peer if self.conn else "?", f"{what}: {exc}; closing the connection, "
+                             "the frame was not applied", auth_failure=not self.authed)  # fmt: skip
         self.send(encode(ERROR, 0, "", {"type": "FrameError", "message": str(exc)}))
         self.transport.close()
 
@@ -305,14 +314,19 @@ class _ServerProtocol(FramedProtocol):
         return self.in_flight >= limits.max_in_flight or self.pool.in_use >= limits.max_queued_bytes
 
     def _authenticate(self, meta: dict) -> None:
+        """Check the client's AUTH (see :mod:`gearflow.transport.auth`): its role's secret, then that
+        both ends agree on frame integrity; on success the connection's role is set, AUTH_OK sent,
+        and (integrity on) every later frame in either direction carries a MAC under its own key."""
         svc = self.service
-        cn, mac = meta.get("nonce"), meta.get("mac")
-        if not auth.valid_nonce(cn) or not auth.check(auth.client_mac(svc._secret, self.nonce, cn), mac):
-            svc._refuse(self.conn.peer, "authentication failed (wrong secret or replayed handshake)", auth_failure=True)
-            self.send(encode(ERROR, 0, "", {"type": "AuthenticationError", "message": "authentication failed"}))
-            self.transport.close()
-            self.reader.hold = True
-            return
+        cn, mac, role, name, wants = (meta.get(k) for k in ("nonce", "mac", "role", "name", "integrity"))
+        secret = auth.role_secret(svc._secret, role, name) if isinstance(wants, bool) else None
+        script = auth.transcript(self.nonce, cn, role, name, wants) if secret is not None and auth.valid_nonce(cn) else b""
+        if not script or not auth.check(auth.client_mac(secret, script), mac):
+            return self._refuse_auth("AuthenticationError", "authentication failed",
+                                     "authentication failed (wrong secret, unknown role or replayed handshake)")
+        if wants != svc.integrity:
+            return self._refuse_auth("IntegrityMismatch", _mismatch(svc.integrity, wants, "the service", "this client"),
+                                     _mismatch(svc.integrity, wants, "this service", "the client"))  # fmt: skip
         if not svc._admit_authed(self):
             self.send(encode(ERROR, 0, "", {"type": "ServiceUnavailable", "message": "the service is at its connection limit"}))
             self.transport.close()
@@ -320,11 +334,21 @@ class _ServerProtocol(FramedProtocol):
             return
         self.authed = True
         self.timer.cancel()
+        self.conn.role, self.conn.actor_name = role, name
         self.reader.kinds = frozenset({REQUEST})
         self.reader.limits = svc.limits.frame
-        self.send(encode(AUTH_OK, 0, "", {"mac": auth.server_mac(svc._secret, self.nonce, cn)}))
+        self.send(encode(AUTH_OK, 0, "", {"mac": auth.server_mac(secret, script)}))
+        if svc.integrity:
+            c2s, s2c = auth.frame_keys(secret, script, self.nonce, cn)
+            self.reader.opener, self.sealer = frames_mac.Opener(c2s), frames_mac.Sealer(s2c)
         self.wakeup = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _refuse_auth(self, kind: str, told: str, logged: str) -> None:
+        self.service._refuse(self.conn.peer, logged, auth_failure=True)
+        self.send(encode(ERROR, 0, "", {"type": kind, "message": told}))
+        self.transport.close()
+        self.reader.hold = True
 
     # ----------------------------------------------------------------- requests
     async def _serve(self) -> None:
@@ -344,6 +368,12 @@ class _ServerProtocol(FramedProtocol):
             try:
                 if h is None:
                     raise KeyError(f"no handler for message type {op!r} (registered: {sorted(svc._handlers)[:20]})")
+                if self.conn.role not in h.roles:
+                    svc.counts["forbidden"] += 1
+                    log.warning("transport: %s refused %s from %s: the %s role may not call it", svc.name, op[:128],
+                                self.conn.peer, self.conn.role)  # fmt: skip
+                    raise auth.AuthorizationError(f"{op} needs the {' or '.join(sorted(h.roles))} role; this connection "
+                                                  f"proved the {self.conn.role} secret")  # fmt: skip
                 args = (meta, arrays, self.conn) if h.with_connection else (meta, arrays)
                 if h.is_async:
                     result = await h.fn(*args)
@@ -388,7 +418,7 @@ class _ServerProtocol(FramedProtocol):
             # the last buffer is written once the rest has drained (left the process) and
             # ``tail`` has filled it; no other reply may start before it on this connection
             done = loop.create_future()
-            self.send(parts[:-1], functools.partial(self._tail, tail, parts[-1], on_sent, done))
+            self.send(parts[:-1], functools.partial(self._tail, tail, parts[-1], on_sent, done), more=True)
             await done
 
     def _tail(self, tail: Callable[[], None], last, on_sent, done: asyncio.Future) -> None:
@@ -415,14 +445,32 @@ class _ServerProtocol(FramedProtocol):
                 self.transport.resume_reading()
 
 
+def _mismatch(ours: bool, theirs: bool, us: str, them: str) -> str:
+    on = {True: "true", False: "false"}
+    return (f"transport.integrity differs: {us} has {on[ours]}, {them} {on[theirs]}; set the same on both ends "
+            "(true protects every frame with a MAC)")
+
+
 class Service:
     """The TCP service: handlers registered by name, served on ``host:port`` by a loop in a
     background thread (see the module docstring)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
-                 limits: ServiceLimits | None = None, loop: str = "auto", name: str = "gearflow"):  # fmt: skip
+                 limits: ServiceLimits | None = None, loop: str = "auto", name: str = "gearflow",
+                 integrity: bool | None = None, tls: str | None = None):  # fmt: skip
         self.host, self.port, self.name = host, int(port), name
         self._secret = auth.resolve_token(token)
+        if auth.credential(self._secret).role != auth.LEARNER:
+            raise ValueError("a service holds the learner's secret; this is an actor credential (gfa1.…)")
+        self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
+        if self.integrity:
+            frames_mac.require()  # a missing libcrypto fails here, with how to fix it
+        self.tls = auth.default_tls() if tls is None else str(tls or "")
+        self._ssl = None
+        if self.tls:  # mutual TLS (transport.tls): missing or bad files fail here, naming them
+            from gearflow.transport.tls import server_context
+
+            self._ssl = server_context(self.tls)
         self.limits = limits or ServiceLimits()
         self.loop_kind = loop
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
@@ -439,16 +487,21 @@ class Service:
         self.counts = collections.Counter()  # connections, requests, errors, refused, auth_refused
         self.block_bytes = 0  # receive buffer blocks allocated and not dropped, all connections
         self.peak_block_bytes = 0  # the most block_bytes has been
-        self.register("ping", lambda meta, buffers: ({"pong": True, "service": self.name}, []), inline=True)
+        self.register("ping", lambda meta, buffers: ({"pong": True, "service": self.name}, []), inline=True, roles=ANY_ROLE)
 
     # ----------------------------------------------------------------- handlers
-    def register(self, name: str, handler: Callable, *, inline: bool = False, with_connection: bool = False) -> None:
-        """Serve message type ``name`` with ``handler`` (see the module docstring)."""
+    def register(self, name: str, handler: Callable, *, inline: bool = False, with_connection: bool = False,
+                 roles=(auth.LEARNER,)) -> None:  # fmt: skip
+        """Serve message type ``name`` with ``handler`` (see the module docstring) to connections of
+        ``roles`` (default: the learner's only; :data:`ANY_ROLE` for what an actor may call too)."""
+        roles = frozenset(roles)
+        if not roles or not roles <= set(auth.ROLES):
+            raise ValueError(f"roles must be some of {auth.ROLES}, got {sorted(roles)}")
         if not isinstance(name, str) or not name or len(name) > 128:
             raise ValueError(f"a message type is a non-empty string of at most 128 characters, got {name!r}")
         if name in self._handlers:
             raise ValueError(f"message type {name!r} already has a handler")
-        self._handlers[name] = Handler(handler, inline, with_connection, inspect.iscoroutinefunction(handler))
+        self._handlers[name] = Handler(handler, inline, with_connection, inspect.iscoroutinefunction(handler), roles)
 
     @property
     def handlers(self) -> list[str]:
@@ -482,7 +535,8 @@ class Service:
 
         async def serve():
             self._server = await loop.create_server(lambda: _ServerProtocol(self), self.host, self.port,
-                                                    reuse_address=True)  # fmt: skip
+                                                    reuse_address=True, ssl=self._ssl,
+                                                    ssl_handshake_timeout=self.limits.auth_timeout_s if self._ssl else None)  # fmt: skip
             return self._server.sockets[0].getsockname()[1]
 
         try:
@@ -603,10 +657,11 @@ class Service:
             "transport/errors": self.counts["errors"],
             "transport/refused": self.counts["refused"],
             "transport/auth_refused": self.counts["auth_refused"],
+            "transport/forbidden": self.counts["forbidden"],
             "transport/buffer_bytes": self.buffer_bytes(),
             "transport/in_flight": sum(p.in_flight for p in list(self._protocols)),
             "transport/paused": sum(1 for p in list(self._protocols) if p.reader.hold and not p.closed),
-            "transport/replies_unsent": sum(len(p._unsent) for p in list(self._protocols)),
+            "transport/replies_unsent": sum(p.replies_unsent for p in list(self._protocols)),
             "transport/peak_block_bytes": self.peak_block_bytes,
         }
 

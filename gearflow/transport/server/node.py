@@ -30,6 +30,7 @@ import torch
 
 from gearflow.transport.choice import choose_transport
 from gearflow.transport.server.shard import ShardService
+from gearflow.transport.service import ANY_ROLE
 
 log = logging.getLogger("gearflow.serve")
 
@@ -57,8 +58,8 @@ class NodeService:
                                   token=token, loop=loop, checkpoint_dir=checkpoint_dir, limits=limits)  # fmt: skip
         s = self.shard.service
         if members is not None:
-            s.register("run.join", members.join, with_connection=True)
-            s.register("run.report", members.report, with_connection=True, inline=True)
+            s.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
+            s.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         self.transport = choose_transport(transport)  # auto: RDMA where a device and pyverbs are usable
         if self.transport.transport == "rdma":  # learners may read rows with one-sided READs (rdma.*)
             from gearflow.transport.rdma.fabric import VerbsExport
@@ -66,8 +67,8 @@ class NodeService:
 
             self.rdma = RdmaShard.serve(self.shard, VerbsExport())
         log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
-        s.register("params.push", self._params_push)
-        s.register("run.progress", self._progress, inline=True)
+        s.register("params.push", self._params_push)  # the learners' (the default role)
+        s.register("run.progress", self._progress, inline=True, roles=ANY_ROLE)
         s.register("run.stop", self._stop, with_connection=True)
 
     @property

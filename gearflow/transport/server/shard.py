@@ -62,7 +62,7 @@ from gearflow.replay.table import BufferRing
 from gearflow.replay.writer import Writer
 from gearflow.transport.errors import SessionLost
 from gearflow.transport.ops import Append, CreateItems, EndEpisode, Episodes, Extend, Flush, decode_ops
-from gearflow.transport.service import Connection, Defer, Service, ServiceLimits
+from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
 from gearflow.transport.server.wire import WireRows
 
 log = logging.getLogger(__name__)
@@ -104,14 +104,17 @@ class ShardService:
                  checkpoint_dir: str | None = None, service: Service | None = None,
                  learners: bool = True, wire_min_row_bytes: int | None = 1024):  # fmt: skip
         self.table, self.params = table, params
-        self.wire = WireRows(table, wire_min_row_bytes if learners else None)  # wide columns: out of the segment
+        self.service = service or Service(host, port, token, limits=limits, loop=loop, name="shard")
+        # wide columns out of the segment — but not under frame integrity: a MAC over rows a writer may
+        # change while the kernel copies them would not match the bytes sent, so they are gathered first
+        direct = learners and not self.service.integrity
+        self.wire = WireRows(table, wire_min_row_bytes if direct else None)
         P = table.storage.num_partitions
         parts = list(range(P)) if partitions is None else [int(p) for p in partitions]
         if any(not 0 <= p < P for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
         self.assignable = parts
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.service = service or Service(host, port, token, limits=limits, loop=loop, name="shard")
         self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
         self._owner: dict[int, int] = {}  # partition -> session
         self._owners_lock = threading.Lock()
@@ -119,18 +122,19 @@ class ShardService:
         self._local = _Lane(None)  # sample(): the table's own buffer sets (each connection has its own lane)
         self._names = [c.name for c in table.storage.spec]
         s = self.service
+        # actors (ANY_ROLE): write their sessions' partitions, read stats and weights; the rest is the learners'
         s.register("replay.info", self._info, inline=True)
-        s.register("replay.open_writer", self._open_writer, with_connection=True)
-        s.register("replay.close_writer", self._close_writer, with_connection=True)
+        s.register("replay.open_writer", self._open_writer, with_connection=True, roles=ANY_ROLE)
+        s.register("replay.close_writer", self._close_writer, with_connection=True, roles=ANY_ROLE)
         # on the loop while no rate limit is set (nothing can wait), else in the pool
-        s.register("replay.write", self._write, with_connection=True, inline=True)
-        s.register("replay.stats", self._stats, inline=True)
+        s.register("replay.write", self._write, with_connection=True, inline=True, roles=ANY_ROLE)
+        s.register("replay.stats", self._stats, inline=True, roles=ANY_ROLE)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
             s.register("replay.sample", self._sample, inline=True, with_connection=True)
             s.register("replay.update_priorities", self._update_priorities, inline=True)
             s.register("replay.total", self._total, inline=True)
             s.register("replay.checkpoint", self._checkpoint)
-        s.register("params.get", self._params_get)
+        s.register("params.get", self._params_get, roles=ANY_ROLE)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> int:

@@ -1,0 +1,501 @@
+"""The wire under attack (issue #32): frame integrity after the handshake, and roles.
+
+* An on-path relay that does not hold the token sits between a real client and a real service
+  (a :class:`Service` with counting handlers, and a real shard node — ``ShardNode``, what
+  ``gearflow serve`` runs — in this process). It injects a frame, alters one byte of a reply
+  (the weights of ``params.get``), replays, reorders or drops a frame: each time the receiver
+  closes the connection with a logged reason before acting on the frame, and nothing is
+  applied. With ``transport.integrity`` off the same relay's attacks go through (the control
+  that shows the relay works).
+* The two ends' ``transport.integrity`` must agree: a mismatch is refused at the handshake, and a
+  relay that rewrites the challenge's flag cannot switch it off.
+* An actor credential (``gfa1.<name>.…``, derived from the learner's secret) connects as the actor
+  role: it may join, write, report and read weights, and every learner handler of a real shard
+  node refuses it (``AuthorizationError``) without applying anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gearflow.config import load_config
+from gearflow.transport import auth, integrity
+from gearflow.transport.actor import RemoteParams
+from gearflow.transport.auth import AuthorizationError, IntegrityMismatch
+from gearflow.transport.client import Client, ServiceUnavailable
+from gearflow.transport.framing import HEADER
+from gearflow.transport.service import ANY_ROLE, Service
+from tests.test_train import CONFIG, TINY
+
+TOKEN = "wire-security-secret-0123"
+TRAILER = integrity.TRAILER.size
+
+
+# ----------------------------------------------------------------- the relay
+def _recv_exact(sock, n: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        try:
+            chunk = sock.recv(n - len(out))
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
+
+
+class Relay:
+    """A TCP relay on loopback that does not know the secret: it forwards whole frames, and
+    ``tamper(direction, index, frame) -> [frames]`` may drop, duplicate, reorder, rewrite or add
+    some. ``direction`` is ``"c2s"`` or ``"s2c"``; ``index`` counts that direction's frames (c2s 0
+    is AUTH; s2c 0 and 1 are CHALLENGE and AUTH_OK). After the handshake each frame ends with
+    the integrity trailer when the ends use integrity (``trailer``)."""
+
+    def __init__(self, port: int, tamper=None, trailer: bool = True):
+        self.target, self.tamper, self.trailer = port, tamper or (lambda d, i, f: [f]), trailer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        self.frames = {"c2s": [], "s2c": []}  # what the relay saw, for tests that replay it later
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target))
+            self.socks += [down, up]
+            threading.Thread(target=self._pump, args=(down, up, "c2s", 1), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, "s2c", 2), daemon=True).start()
+
+    def _pump(self, src, dst, direction: str, handshake: int) -> None:
+        i = 0
+        while True:
+            head = _recv_exact(src, HEADER.size)
+            if head is None:
+                break
+            _, _, _, _, meta_len, _, buf_bytes = HEADER.unpack(head)
+            rest = _recv_exact(src, meta_len + buf_bytes + (TRAILER if self.trailer and i >= handshake else 0))
+            if rest is None:
+                break
+            self.frames[direction].append(head + rest)
+            try:
+                for f in self.tamper(direction, i, head + rest):
+                    dst.sendall(f)
+            except OSError:
+                break
+            i += 1
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def _frame(op: str, meta: dict, kind: int = 4, rid: int = 99, trailer: bytes = b"") -> bytes:
+    """A well-formed frame made by someone without the keys (a guessed or zero trailer)."""
+    env = json.dumps({"op": op, "meta": meta, "bufs": []}).encode()
+    return HEADER.pack(b"GFLW", 2, kind, rid, len(env), 0, 0) + env + trailer
+
+
+def _flip_last_buffer_byte(frame: bytes) -> bytes:
+    """``frame`` with one byte of its buffer block changed (the trailer left as it was)."""
+    b = bytearray(frame)
+    b[-TRAILER - 8] ^= 0x01
+    return bytes(b)
+
+
+# ----------------------------------------------------------------- a service with counting handlers
+@pytest.fixture
+def service():
+    applied = {"stop": 0, "add": 0}
+
+    def stop(meta, bufs):
+        applied["stop"] += 1
+        return {"stopped": True}, []
+
+    def add(meta, bufs):
+        applied["add"] += 1
+        return {"n": applied["add"]}, []
+
+    svc = Service(token=TOKEN, name="target")
+    svc.register("run.stop", stop)
+    svc.register("counter.add", add, roles=ANY_ROLE)
+    svc.register("weights.get", lambda meta, bufs: ({}, [np.ones(4096, np.float32)]), roles=ANY_ROLE)
+    svc.start()
+    yield svc, applied
+    svc.stop()
+
+
+def _refused(caplog, what: str) -> bool:
+    return any(what in r.getMessage() for r in caplog.records)
+
+
+def test_injected_frame_is_refused_and_not_applied(service, caplog):
+    """The relay slips a ``run.stop`` in after the client's first request (with a guessed
+    trailer: the right sequence number, a zero tag)."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+
+    def inject(direction, i, frame):  # before the client's second request (its first was answered)
+        if direction == "c2s" and i == 2:
+            return [_frame("run.stop", {}, trailer=struct.pack("<Q16s", 1, bytes(16))), frame]
+        return [frame]
+
+    relay = Relay(svc.port, inject)
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=10) as c:
+        assert c.call("counter.add")[0] == {"n": 1}
+        with pytest.raises(ServiceUnavailable):  # the connection was closed on the injected frame
+            c.call("counter.add", timeout_s=10)
+    assert applied == {"stop": 0, "add": 1}
+    assert _refused(caplog, "frame integrity check failed: frame 1 failed its MAC check")
+    relay.close()
+
+
+def test_injected_frame_goes_through_without_integrity(caplog):
+    """The control: with transport.integrity off on both ends the same relay stops the service."""
+    applied = []
+    svc = Service(token=TOKEN, integrity=False)
+    svc.register("run.stop", lambda meta, bufs: applied.append(1))
+    svc.register("counter.add", lambda meta, bufs: None, roles=ANY_ROLE)
+    svc.start()
+    relay = Relay(svc.port, lambda d, i, f: [_frame("run.stop", {}), f] if d == "c2s" and i == 2 else [f],
+                  trailer=False)  # fmt: skip
+    try:
+        with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=10, integrity=False) as c:
+            c.call("counter.add")
+            try:  # the injected frame is handled before this one (in order); its reply, of an id
+                c.call("counter.add")  # this client never used, may end the connection first
+            except ServiceUnavailable:
+                pass
+        assert applied == [1]
+    finally:
+        relay.close()
+        svc.stop()
+
+
+def test_altered_reply_byte_is_refused(service, caplog):
+    svc, _ = service
+    caplog.set_level(logging.WARNING)
+    relay = Relay(svc.port, lambda d, i, f: [_flip_last_buffer_byte(f)] if d == "s2c" and i == 3 else [f])
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=10) as c:
+        _, (w,) = c.call("weights.get")  # reply 0 (s2c frame 2): as sent
+        assert float(w.sum()) == 4096.0
+        with pytest.raises(ServiceUnavailable, match="integrity check failed"):
+            c.call("weights.get")  # reply 1: one byte changed
+    assert _refused(caplog, "failed its MAC check: altered or injected on the way")
+    relay.close()
+
+
+@pytest.mark.parametrize("attack", ["replay", "reorder", "drop"])
+def test_replayed_reordered_dropped_requests_are_refused(service, caplog, attack):
+    """Three ``counter.add`` requests pipelined; the relay plays the second one twice, swaps the
+    second and third, or drops the second. The service applies those before the attack only."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+    held = []
+    seen = []
+    svc._handlers["counter.add"].fn = lambda meta, bufs: (seen.append(meta["i"]), ({"n": len(seen)}, []))[1]
+
+    def tamper(direction, i, frame):
+        if direction != "c2s" or i < 2:
+            return [frame]
+        if attack == "replay" and i == 2:
+            return [frame, frame]
+        if attack == "reorder":
+            if i == 2:
+                held.append(frame)
+                return []
+            if i == 3:
+                return [frame, held[0]]
+        if attack == "drop" and i == 2:
+            return []
+        return [frame]
+
+    relay = Relay(svc.port, tamper)
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=10) as c:
+        futs = [c.submit("counter.add", {"i": i}) for i in range(3)]
+        assert c.result(futs[0], "counter.add", 10)[0] == {"n": 1}
+        with pytest.raises(ServiceUnavailable):
+            c.result(futs[2], "counter.add", 10)
+    # the replayed second request is never applied twice (its original may or may not have run
+    # before the connection closed); reordered or after a gap: none after the first
+    assert seen in ([0], [0, 1]) if attack == "replay" else seen == [0]
+    expected = {"replay": "frame sequence number 1, expected 2", "reorder": "frame sequence number 2, expected 1",
+                "drop": "frame sequence number 2, expected 1"}[attack]  # fmt: skip
+    assert _refused(caplog, expected)
+    relay.close()
+
+
+def test_replayed_reply_and_a_recorded_session_are_refused(service, caplog):
+    """A reply played twice to the client; a whole recorded session played to the service on a new
+    connection (the handshake is fresh, the recorded frames are under another connection's keys)."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+    closed = threading.Event()
+    relay = Relay(svc.port, lambda d, i, f: [f, f] if d == "s2c" and i == 2 else [f])
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=10) as c:
+        c.call("counter.add")  # its reply arrives twice: the second copy closes the connection
+        proto = c._proto
+        c._loop.call_soon_threadsafe(lambda: proto.closed and closed.set())
+        lost = proto.connection_lost
+        proto.connection_lost = lambda exc: (lost(exc), closed.set())
+        c._loop.call_soon_threadsafe(lambda: proto.closed and closed.set())
+        assert closed.wait(30), "the client kept a connection that replayed a reply"
+    assert any("frame sequence number 0, expected 1" in r.getMessage() for r in caplog.records)
+    recorded = relay.frames["c2s"]
+    relay.close()
+    before = applied["add"]
+    s = socket.create_connection(("127.0.0.1", svc.port), timeout=10)
+    head = _recv_exact(s, HEADER.size)
+    _recv_exact(s, HEADER.unpack(head)[4])  # a new challenge
+    for f in recorded:
+        s.sendall(f)
+    while _recv_exact(s, 1) is not None:  # an ERROR, then closed
+        pass
+    s.close()
+    assert applied["add"] == before
+
+
+# ----------------------------------------------------------------- integrity settings must agree
+def test_integrity_mismatch_is_refused_at_the_handshake(caplog):
+    caplog.set_level(logging.WARNING)
+    for server_on in (True, False):
+        svc = Service(token=TOKEN, integrity=server_on)
+        svc.start()
+        try:
+            with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=5, integrity=not server_on) as c:
+                with pytest.raises(IntegrityMismatch, match="transport.integrity differs: the service at .* has "
+                                   + ("true" if server_on else "false")):  # fmt: skip
+                    c.call("ping")
+            with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=5, integrity=server_on) as c:
+                assert c.call("ping")[0]["pong"]
+        finally:
+            svc.stop()
+
+
+def test_a_relay_cannot_switch_integrity_off(service, caplog):
+    """Both ends have integrity on; the relay rewrites the challenge to say off (so that its later
+    frames need no MAC), or the client's AUTH: refused either way, and no request is served."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+
+    def rewrite(flag_of):
+        def tamper(direction, i, frame):
+            if (direction, i) == flag_of:  # a well-formed frame: the header's envelope length fixed
+                magic, version, kind, rid, meta_len, nbufs, buf_bytes = HEADER.unpack(frame[:HEADER.size])
+                env = json.loads(frame[HEADER.size:HEADER.size + meta_len])
+                assert env["meta"]["integrity"] is True
+                env["meta"]["integrity"] = False
+                env = json.dumps(env).encode()
+                return [HEADER.pack(magic, version, kind, rid, len(env), nbufs, buf_bytes) + env]
+            return [frame]
+
+        return tamper
+
+    relay = Relay(svc.port, rewrite(("s2c", 0)))
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=5) as c:
+        with pytest.raises(IntegrityMismatch, match="has false, this client true"):
+            c.call("counter.add")
+    relay.close()
+    relay = Relay(svc.port, rewrite(("c2s", 0)))
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=5) as c:
+        with pytest.raises(auth.AuthenticationError):
+            c.call("counter.add")
+    relay.close()
+    assert applied["add"] == 0
+    assert _refused(caplog, "authentication failed")
+
+
+# ----------------------------------------------------------------- a real shard node
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """A real shard node in this process (``gearflow serve``'s ShardNode), actors not started."""
+    from gearflow.launchers.serve import ShardNode
+
+    monkeypatch.setenv("GEARFLOW_TOKEN", TOKEN)
+    cfg = load_config(CONFIG, [*TINY, "actor.num_actors=1", f"run.dir={tmp_path / 'node'}"])
+    n = ShardNode(cfg)
+    n.shard.start()
+    yield n
+    n.close()
+
+
+def test_altered_weights_in_params_get_never_reach_the_actor(node, caplog):
+    """The issue's attack: the relay zeroed the weights of a params.get reply; now a changed byte
+    closes the connection and the actor's network keeps what it had."""
+    caplog.set_level(logging.WARNING)
+    _, state = node.params.read()
+    node.params.publish({k: v + 1 for k, v in state.items()}, version=2)
+    relay = Relay(node.shard.port, lambda d, i, f: [_flip_last_buffer_byte(f)] if d == "s2c" and i == 2 else [f])
+    params = RemoteParams(("127.0.0.1", relay.port), auth.actor_credential(TOKEN, "a0"), timeout_s=10)
+    net = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(ServiceUnavailable, match="integrity check failed"):
+        params.load_into(net)
+    assert all(float(v.abs().sum()) == 0.0 for v in net.values())  # nothing copied
+    params.close()
+    relay.close()
+    good = RemoteParams(("127.0.0.1", node.shard.port), auth.actor_credential(TOKEN, "a0"), timeout_s=10)
+    assert good.load_into(net) == 2 and all(torch.equal(net[k], state[k] + 1) for k in state)
+    good.close()
+
+
+def test_an_actor_credential_cannot_call_learner_handlers(node, tmp_path, caplog):
+    """Every handler of a real shard node not tagged for actors refuses an actor-role connection;
+    nothing is applied (no stop, no push, no sample drawn, no checkpoint written)."""
+    caplog.set_level(logging.WARNING)
+    svc = node.shard.service
+    learner_only = sorted(n for n, h in svc._handlers.items() if auth.ACTOR not in h.roles)
+    assert {"params.push", "run.stop", "replay.sample", "replay.update_priorities", "replay.checkpoint",
+            "replay.total", "replay.info"} <= set(learner_only)  # fmt: skip
+    _, state = node.params.read()
+    names = list(state)
+    calls = {"params.push": ({"version": 2**62, "names": names}, [v.numpy() * 0 for v in state.values()]),
+             "run.stop": ({"reason": "x"}, []), "replay.sample": ({"batch_size": 4}, []),
+             "replay.update_priorities": ({}, [np.zeros(1, np.int64), np.full(1, 1e300)]),
+             "replay.checkpoint": ({"name": "mine"}, [])}  # fmt: skip
+    version, samples = node.params.latest_version(), node.table.samples
+    with Client(("127.0.0.1", node.shard.port), auth.actor_credential(TOKEN, "actor-7"), timeout_s=10) as c:
+        assert c.role == "actor"
+        for op in learner_only:
+            meta, bufs = calls.get(op, ({}, []))
+            with pytest.raises(AuthorizationError, match=f"{op} needs the learner role; this connection proved the actor"):
+                c.call(op, meta, bufs)
+        assert c.call("params.get", {"min_version": 0})[0]["version"] == version  # what an actor may do
+        assert "messages" in c.call("run.progress", {"cursor": 0})[0]
+    assert not node.stop_event.is_set()
+    assert node.params.latest_version() == version
+    assert node.table.samples == samples
+    assert not any(p.name.startswith("mine") for p in tmp_path.rglob("*"))
+    assert svc.counts["forbidden"] == len(learner_only)
+    with Client(("127.0.0.1", node.shard.port), TOKEN, timeout_s=10) as c:  # the learner's secret may
+        assert c.role == "learner"
+        c.call("run.stop", {"reason": "the learner"})
+    assert node.stop_event.is_set()
+
+
+def test_actor_credentials_are_per_name_and_cannot_serve(node):
+    """A credential is bound to its name (another name's secret, a forged one, or a learner secret
+    posing as one fail); a service refuses to run on an actor credential; one actor credential
+    cannot convince another actor's client (a fake service that holds actor a0's secret)."""
+    a0 = auth.actor_credential(TOKEN, "a0")
+    forged = "gfa1.a1." + a0.split(".")[2]  # a0's key under a1's name
+    with Client(("127.0.0.1", node.shard.port), forged, timeout_s=5) as c:
+        with pytest.raises(auth.AuthenticationError):
+            c.call("params.get", {"min_version": 0})
+    with pytest.raises(ValueError, match="actor credential"):
+        Service(token=a0)
+    with pytest.raises(ValueError, match="cannot derive another"):
+        auth.actor_credential(a0, "a2")
+    # a fake service run by actor a0's machine: it knows a0's secret only, not the learner's
+    fake = Service(token="not-the-learners-secret")
+    fake._secret = b"unused"
+    real_role_secret = auth.role_secret
+    fake_key = auth.credential(a0.encode()).secret
+    try:
+        auth.role_secret = lambda learner, role, name: fake_key if role == auth.ACTOR and name == "a0" else None
+        fake.start()
+        with Client(("127.0.0.1", fake.port), a0, timeout_s=5) as c:  # the one it can fool: a0 itself
+            assert c.call("ping")[0]["pong"]
+        with Client(("127.0.0.1", fake.port), auth.actor_credential(TOKEN, "a1"), timeout_s=5) as c:
+            with pytest.raises(auth.AuthenticationError):
+                c.call("ping")
+        with Client(("127.0.0.1", fake.port), TOKEN, timeout_s=5) as c:
+            with pytest.raises(auth.AuthenticationError):
+                c.call("ping")
+    finally:
+        auth.role_secret = real_role_secret
+        fake.stop()
+
+
+# ----------------------------------------------------------------- mutual TLS
+@pytest.fixture(scope="module")
+def tls_dirs(tmp_path_factory):
+    """A run's CA with the service's node certificate and a client machine's, and another CA's."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make certificates")
+    from tests.test_train import ROOT
+
+    root = tmp_path_factory.mktemp("tls")
+    for args in (["run"], ["run", "--name", "box-b"], ["other"]):  # through the real command
+        r = subprocess.run([sys.executable, "-m", "gearflow", "tls", "init", str(root / args[0]), *args[1:]],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    assert (root / "run" / "ca.key").stat().st_mode & 0o077 == 0 and (root / "run" / "node.key").stat().st_mode & 0o077 == 0
+    (root / "mixed").mkdir()  # trusts the run's CA, but its own certificate is another CA's
+    shutil.copyfile(root / "run" / "ca.pem", root / "mixed" / "ca.pem")
+    for n in ("node.pem", "node.key"):
+        shutil.copyfile(root / "other" / n, root / "mixed" / n)
+    return root
+
+
+def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
+    from gearflow.transport.tls import TlsError
+
+    svc = Service(token=TOKEN, tls=str(tls_dirs / "run"))
+    svc.register("echo", lambda meta, bufs: (meta, bufs), roles=ANY_ROLE)
+    svc.start()
+    try:
+        data = np.arange(1 << 18, dtype=np.float32)
+        with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b")) as c:
+            for i in range(3):
+                meta, (back,) = c.call("echo", {"i": i}, [data])
+                assert meta == {"i": i} and np.array_equal(back, data)
+        # an on-path listener sees neither the frames nor what they carry
+        seen = bytearray()
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def sniff():
+            down, _ = listener.accept()
+            up = socket.create_connection(("127.0.0.1", svc.port))
+
+            def pump(a, b):
+                while chunk := a.recv(1 << 16):
+                    seen.extend(chunk)
+                    b.sendall(chunk)
+                b.shutdown(socket.SHUT_WR)
+
+            t = threading.Thread(target=pump, args=(up, down), daemon=True)
+            t.start()
+            pump(down, up)
+            t.join(10)
+
+        th = threading.Thread(target=sniff, daemon=True)
+        th.start()
+        with Client(("127.0.0.1", listener.getsockname()[1]), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b")) as c:
+            assert c.call("echo", {"note": "plaintext-marker-4711"})[0] == {"note": "plaintext-marker-4711"}
+        th.join(10)
+        listener.close()
+        assert len(seen) > 1000 and b"plaintext-marker-4711" not in seen and b"GFLW" not in seen
+        # a client with a certificate of another CA, and one without TLS: no request is served
+        for tls in (str(tls_dirs / "mixed"), str(tls_dirs / "other"), ""):
+            with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=3, connect_timeout_s=3, tls=tls) as c:
+                with pytest.raises((ServiceUnavailable, auth.AuthenticationError)):
+                    c.call("echo", {"i": -1})
+        assert svc.counts["requests"] == 4
+    finally:
+        svc.stop()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "ca.pem").write_text("x")
+    with pytest.raises(TlsError, match=r"node.pem, node.key missing there \(make them with `gearflow tls init"):
+        Client(("127.0.0.1", 1), TOKEN, tls=str(tmp_path / "half"))
