@@ -72,7 +72,7 @@ def test_native_adder_writes_what_the_reference_writes(storage_factory, spec, E,
     (sa, ref), (sb, nat) = pair(storage_factory, spec, E, S, n)
     if flush_every is not None:
         ref.flush_every = nat.flush_every = flush_every
-        nat._make_native(capacity=1)
+        nat._native.rebuild(capacity=1)  # the C path (NativeNStep): a one-entry list
     col = sa.spec["obs"]
     recvs = Recvs(E, b, 4, seed=E * 100 + n, p_end=p_end, obs=(col.shape, col.dtype), with_values=with_values)
     for step in range(400):
@@ -127,7 +127,7 @@ def test_native_adder_drops_items_held_by_the_rate_limiter_at_shutdown(storage_f
             recvs.reset[:] = True
         ref.add(ids, obs, reward, term, trunc, first, actions, values, v)
         nat.add(ids, obs, reward, term, trunc, first, actions, values, v)
-    assert nat._p_count[0] > 0
+    assert nat._native.pending > 0  # items queued in the C path (NativeNStep)
     ref.finish(block=False)
     nat.finish(block=False)
     assert_same_tables(sa, sb)

@@ -676,7 +676,7 @@ def test_emulated_buffers_replaced_on_a_batch_size_change_live_while_torch_may_r
     table, device = emulated_table("uniform", kind, num_buffers=2)
     _fill(table, kind)
     a = table.sample(7)
-    old = [weakref.ref(x) for x in device._buffers]
+    old = [weakref.ref(x) for x in device.buffer_sets.sets]
     a.release(SIDE)
     del a
     TRACE.reset()

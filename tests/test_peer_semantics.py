@@ -327,7 +327,7 @@ def test_c_adder_flush_that_exactly_reaches_the_limit_passes(storage_factory):
     recvs = Recvs(2, 2, 3, seed=5, p_end=0.0)
     for step in range(6):
         nat.add(*recvs(step))
-    m = int(nat._p_count[0])
+    m = nat._native.pending  # items queued in the C path (NativeNStep)
     assert m > 0
     sb.header[H_INSERT_LIMIT] = m  # nothing published yet: exactly room for the m queued items
     waits = []

@@ -129,6 +129,12 @@ def test_wrong_secret_and_mismatched_config_are_one_line_errors(tmp_path):
         assert other.returncode == 2, other.stderr
         assert "env.id is 'Acrobot-v1' here, 'CartPole-v1' in the learner's config" in other.stderr
         assert "Traceback" not in other.stderr
+        plain = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, "--wait", "2"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=240,
+                               env={**os.environ, "GEARFLOW_TOKEN": TOKEN, "GEARFLOW_INTEGRITY": "0"})  # fmt: skip
+        assert plain.returncode == 2, plain.stderr  # frame integrity off here, on at the learner: one line
+        assert "Traceback" not in plain.stderr
+        assert "transport.integrity differs: the service at" in plain.stderr and "has true, this client false" in plain.stderr
         assert "refused" in learner_log.read_text()  # the wrong secret was logged by the service
     finally:
         learner.send_signal(signal.SIGTERM)

@@ -64,12 +64,13 @@ class Adder:
         raise NotImplementedError
 
     @classmethod
-    def min_steps(cls, cfg, kind: ItemKind) -> int:
-        """The fewest steps per stream this adder can write ``kind`` items into."""
+    def min_steps(cls, actor, kind: ItemKind) -> int:
+        """The fewest steps per stream this adder can write ``kind`` items into (``actor``: the
+        run's actor group, e.g. ``actor.n_step``; the adder reads no other group)."""
         raise NotImplementedError
 
     @classmethod
-    def size_error(cls, cfg, kind: ItemKind, steps: int) -> str:
+    def size_error(cls, actor, kind: ItemKind, steps: int) -> str:
         raise NotImplementedError
 
     def add(self, ids, obs, reward, terminated, truncated, first, actions, values, version: int) -> None:

@@ -35,8 +35,8 @@ from gearflow.actors.adders import Adder
 from gearflow.actors.checks import guard
 from gearflow.kinds.registry import kind_def
 from gearflow.params.protocol import ParameterSource
+from gearflow.replay.inserts import InsertAborted
 from gearflow.replay.protocols import WriterLike
-from gearflow.replay.writer import InsertAborted
 
 try:  # the per-recv episode statistics in C (setup.py builds it); _count_episodes is the reference
     from gearflow.replay import _hotpath
@@ -146,8 +146,8 @@ class ActorBase:
         spec, E = writer.spec, self.num_envs
         if set(spec.names) != set(adder_cls.COLUMNS):
             raise ValueError(f"{self.NAME} writes columns {adder_cls.COLUMNS}; the table has {spec.names}")
-        if writer.steps_per_stream < adder_cls.min_steps(self.cfg, self.kind):
-            raise ValueError(adder_cls.size_error(self.cfg, self.kind, writer.steps_per_stream))
+        if writer.steps_per_stream < adder_cls.min_steps(self.cfg.actor, self.kind):
+            raise ValueError(adder_cls.size_error(self.cfg.actor, self.kind, writer.steps_per_stream))
         if writer.num_streams != E:
             raise ValueError(f"{writer.num_streams} partitions for {E} envs (one per env)")
         obs_col, env = spec["obs"], self.env

@@ -86,7 +86,7 @@ def scratch_actor(cfg, agent, env, steps_per_partition: int, **kwargs):
     from gearflow.kinds.registry import kind_def
 
     E, kind = int(env.num_envs), agent.item_kind()
-    steps = max(int(steps_per_partition), kind_def(kind.name).adder.min_steps(cfg, kind))
+    steps = max(int(steps_per_partition), kind_def(kind.name).adder.min_steps(cfg.actor, kind))
     storage = SharedStorage.create(TableSpec.parse(agent.replay_columns()), E, steps)
     actor = None
     try:

@@ -12,7 +12,8 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
   the same bytes per request, with ``transport.integrity`` on (the default: every frame
   MACed), off (rows straight out of the segment), and off with the rows gathered into the
   batch buffers before sending (``wire_min_row_bytes=None``), in the same rounds;
-  ``integrity_cost``: 1 − on/off (the median of the rounds' ratios).
+  ``integrity_cost``: 1 − on/off (the median of the rounds' ratios); and over mutual TLS
+  (``transport.tls``, integrity on) where the ``openssl`` command can make the certificates.
 * ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
   socket's round trip of the same bytes.
 """
@@ -56,6 +57,8 @@ def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
         rec("sample", f"GB_per_s[batch={r['batch']},integrity=false,gathered]", r["gathered_gb_per_s"], "GB/s",
             r["raw_socket_gb_per_s"])  # fmt: skip
         rec("sample", f"integrity_cost[batch={r['batch']}]", r["integrity_cost"], "fraction")
+        if "tls_gb_per_s" in r:
+            rec("sample", f"GB_per_s[batch={r['batch']},tls]", r["tls_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
     if "latency" in todo:
         for r in tb.latency(seconds / 2):
             # floors are round-trip times: ratio = gearflow's time over the raw socket's

@@ -124,11 +124,11 @@ class EpisodeAdder(Adder):
             raise ValueError(f"the episode actor writes episode items; agent {agent_name} asks for {kind}")
 
     @classmethod
-    def min_steps(cls, cfg, kind) -> int:
+    def min_steps(cls, actor, kind) -> int:
         return kind.max_length  # the longest episode item
 
     @classmethod
-    def size_error(cls, cfg, kind, steps: int) -> str:
+    def size_error(cls, actor, kind, steps: int) -> str:
         return (f"steps_per_partition={steps} is too small for episode items of {kind.max_length} steps "
                 f"(replay.max_episode_length); need at least {kind.max_length}")  # fmt: skip
 

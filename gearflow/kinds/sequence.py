@@ -272,11 +272,11 @@ class WindowAdder(Adder):
             raise TypeError(f"the sequence actor writes sequence windows; agent {agent_name} asks for {kind}")
 
     @classmethod
-    def min_steps(cls, cfg, kind) -> int:
+    def min_steps(cls, actor, kind) -> int:
         return kind.max_length + 1  # a whole window plus the staged step
 
     @classmethod
-    def size_error(cls, cfg, kind, steps: int) -> str:
+    def size_error(cls, actor, kind, steps: int) -> str:
         return (f"steps_per_partition={steps} is too small for windows of {kind.max_length} steps; "
                 f"need at least {kind.max_length + 1}")  # fmt: skip
 

@@ -47,13 +47,14 @@ except ImportError:  # pragma: no cover - depends on the build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KIND", "Actor", "Transition", "TransitionAdder", "apex_min_steps"]
+__all__ = ["KIND", "Actor", "NativeNStep", "Transition", "TransitionAdder", "apex_min_steps"]
 
 
-def apex_min_steps(cfg) -> int:
+def apex_min_steps(actor) -> int:
     """The fewest steps per partition Ape-X transitions need: ``2 (n + 1)`` (n staged steps, then
-    the item's n + 1 rows), ``n = actor.n_step``. The config's check and the adder's read this."""
-    return 2 * (int(cfg.actor.n_step) + 1)
+    the item's n + 1 rows), ``n = actor.n_step`` (``actor``: the run's actor group). The config's
+    check and the adder's read this."""
+    return 2 * (int(actor.n_step) + 1)
 
 
 @dataclass(frozen=True)
@@ -203,12 +204,12 @@ class TransitionAdder(Adder):
         self._end_pending = np.zeros(E, dtype=bool)
         self._recvs_since_flush = 0
         self._adds = 0  # add calls so far
-        self._native = None  # the C context (_hotpath.nstep_*), or None: the numpy reference below
-        why_not = self._native_unsupported(writer)
+        self._native: NativeNStep | None = None  # the C path, or None: the numpy reference below
+        why_not = NativeNStep.unsupported(writer, dt)
         if native and why_not:
             raise ValueError(f"TransitionAdder(native=True): {why_not}")
         if native is not False and not why_not:
-            self._make_native(capacity=n * E * (2 * n + 1))
+            self._native = NativeNStep(self, capacity=n * E * (2 * n + 1))
 
     @classmethod
     def check_kind(cls, kind, agent_name: str) -> None:
@@ -218,56 +219,13 @@ class TransitionAdder(Adder):
             )
 
     @classmethod
-    def min_steps(cls, cfg, kind) -> int:
-        return apex_min_steps(cfg)
+    def min_steps(cls, actor, kind) -> int:
+        return apex_min_steps(actor)
 
     @classmethod
-    def size_error(cls, cfg, kind, steps: int) -> str:
-        return (f"steps_per_partition={steps} is too small for n_step={int(cfg.actor.n_step)}; "
-                f"need at least {cls.min_steps(cfg, kind)}")  # fmt: skip
-
-    # ------------------------------------------------------------------ the C path
-    def _native_unsupported(self, writer) -> str:
-        """Why the C path cannot serve ``writer`` ('' when it can)."""
-        if _hotpath is None or not hasattr(_hotpath, "nstep_add"):
-            return "the C module gearflow.replay._hotpath is not built (python setup.py build_ext --inplace)"
-        if not isinstance(writer, Writer):
-            return f"the C path writes into a local Writer's table, not a {type(writer).__name__}"
-        dt = self._dt
-        for col, kinds in (("action", ("int64", "int32")), ("version", ("int64", "int32")),
-                           ("ret", ("float32", "float64")), ("disc", ("float32", "float64"))):  # fmt: skip
-            if dt[col].name not in kinds:
-                return f"column {col!r} is {dt[col].name}; the C path takes {' or '.join(kinds)}"
-        if writer.spec["action"].shape != ():
-            return f"column 'action' is {writer.spec['action'].describe()}; the C path takes one action per step"
-        return ""
-
-    def _make_native(self, capacity: int) -> None:
-        """(Re)build the C context over the staging arrays, a pending-item list of
-        ``capacity`` items (keeping the items already queued) and the writer's arrays."""
-        old = getattr(self, "_p", None)
-        self._p = {  # the items queued for the next flush: nstep_add fills them, nstep_publish empties them
-            "p_prio": np.zeros(capacity, np.float64), "p_len": np.zeros(capacity, np.int64),
-            "p_stream": np.zeros(capacity, np.int64), "p_end": np.zeros(capacity, np.int64),
-            "p_count": np.zeros(1, np.int64),
-        }  # fmt: skip
-        if old is not None:
-            k = int(old["p_count"][0])
-            for name in ("p_prio", "p_len", "p_stream", "p_end"):
-                self._p[name][:k] = old[name][:k]
-            self._p["p_count"][0] = k
-        self._p_count = self._p["p_count"]
-        w = self.writer.native_arrays()
-        cols = w.pop("columns")
-        arrays = {
-            "s_obs": self._obs, "s_action": self._action, "s_version": self._version, "acc": self._acc,
-            "qsa": self._qsa, "item_prio": self._item_prio, "t": self._t, "episode_row": self._episode_row,
-            "end_pending": self._end_pending, **self._p, **w,
-            "c_obs": cols["obs"], "c_action": cols["action"], "c_ret": cols["ret"], "c_disc": cols["disc"],
-            "c_version": cols["version"],
-        }  # fmt: skip
-        self._native = _hotpath.nstep_context(arrays, self.writer.num_streams, self.n, self.writer.steps_per_stream,
-                                              self.writer.storage.items_per_partition, self.gamma, OFFSET_MAX)  # fmt: skip
+    def size_error(cls, actor, kind, steps: int) -> str:
+        return (f"steps_per_partition={steps} is too small for n_step={int(actor.n_step)}; "
+                f"need at least {cls.min_steps(actor, kind)}")  # fmt: skip
 
     @property
     def native(self) -> bool:
@@ -290,42 +248,10 @@ class TransitionAdder(Adder):
         obs = self._frames(obs)  # (b, *obs), or the newest frames (b, *frame): a view
         if obs.dtype != self._dt["obs"]:
             raise ValueError(f"column 'obs': expected dtype {self._dt['obs'].name}, got {obs.dtype.name}")
-        try:
-            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
-        except (TypeError, ValueError, BufferError):  # not the exact arrays: convert, then its real errors
-            ids, reward, terminated, truncated, actions = (
-                np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(reward, np.float64),
-                np.ascontiguousarray(terminated, bool), np.ascontiguousarray(truncated, bool),
-                np.ascontiguousarray(actions, np.int64),
-            )  # fmt: skip
-            values = None if values is None else np.ascontiguousarray(values, np.float64)
-            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
-        while r < 0:  # nothing was changed: make room, then the same batch again
-            if r == -1:  # an env ends while its last episode end waits for the flush
-                self.flush_items()
-            else:  # -2: the pending list could overflow
-                self._make_native(capacity=2 * self._p["p_prio"].size + ids.size * (2 * self.n + 1))
-            r = _hotpath.nstep_add(self._native, ids, obs, reward, terminated, truncated, actions, values, version)
+        self._native.add(ids, obs, reward, terminated, truncated, actions, values, version)
         self._recvs_since_flush += 1
         if self._recvs_since_flush >= self.flush_every:
             self.flush_items()
-
-    def _flush_native(self, block: bool) -> int:
-        m = int(self._p_count[0])
-        try:
-            published = _hotpath.nstep_publish(self._native, 0)
-            if published < 0:  # the rate limiter holds them
-                if block:
-                    self.writer.wait_for_insert(m)
-                    published = _hotpath.nstep_publish(self._native, 1)
-                else:
-                    log.debug("dropped %d items at shutdown (rate limiter)", m)
-                    published = _hotpath.nstep_publish(self._native, 2)
-        except BaseException:
-            self._p_count[0] = 0  # as the reference: the items of a failed flush are gone
-            raise
-        self.items += published
-        return published
 
     # ------------------------------------------------------------------ the numpy reference
     def _add_reference(self, ids, obs, reward, terminated, truncated, actions, values, version: int) -> None:
@@ -375,7 +301,9 @@ class TransitionAdder(Adder):
         ``block=False`` (shutdown) drops the items instead of waiting on the rate limiter."""
         self._recvs_since_flush = 0
         if self._native is not None:
-            return self._flush_native(block)
+            published = self._native.publish(block)
+            self.items += published
+            return published
         w = self.writer
         pending, self._pending_items = self._pending_items, []
         published = 0
@@ -493,6 +421,104 @@ class TransitionAdder(Adder):
         self.flush_items(block=block)
 
 
+class NativeNStep:
+    """The C path of a :class:`TransitionAdder` (``_hotpath.nstep_*``): the adder's staging arrays
+    (``(E, n, ...)``), a pending-item list and the writer's arrays (``Writer.native_arrays``)
+    handed to one C context; :meth:`add` is one ``nstep_add`` per recv (staging, returns, rows
+    written into the table, items queued), :meth:`publish` one ``nstep_publish`` per flush. It
+    changes exactly what the adder's numpy reference changes (tests/test_adders_native.py)."""
+
+    def __init__(self, adder: TransitionAdder, capacity: int):
+        self.adder = adder
+        self._p: dict[str, np.ndarray] | None = None
+        self.rebuild(capacity)
+
+    @staticmethod
+    def unsupported(writer, dt: dict) -> str:
+        """Why the C path cannot serve ``writer`` with column dtypes ``dt`` ('' when it can)."""
+        if _hotpath is None or not hasattr(_hotpath, "nstep_add"):
+            return "the C module gearflow.replay._hotpath is not built (python setup.py build_ext --inplace)"
+        if not isinstance(writer, Writer):
+            return f"the C path writes into a local Writer's table, not a {type(writer).__name__}"
+        for col, kinds in (("action", ("int64", "int32")), ("version", ("int64", "int32")),
+                           ("ret", ("float32", "float64")), ("disc", ("float32", "float64"))):  # fmt: skip
+            if dt[col].name not in kinds:
+                return f"column {col!r} is {dt[col].name}; the C path takes {' or '.join(kinds)}"
+        if writer.spec["action"].shape != ():
+            return f"column 'action' is {writer.spec['action'].describe()}; the C path takes one action per step"
+        return ""
+
+    def rebuild(self, capacity: int) -> None:
+        """(Re)build the C context over the staging arrays, a pending-item list of
+        ``capacity`` items (keeping the items already queued) and the writer's arrays."""
+        a, old = self.adder, self._p
+        self._p = {  # the items queued for the next flush: nstep_add fills them, nstep_publish empties them
+            "p_prio": np.zeros(capacity, np.float64), "p_len": np.zeros(capacity, np.int64),
+            "p_stream": np.zeros(capacity, np.int64), "p_end": np.zeros(capacity, np.int64),
+            "p_count": np.zeros(1, np.int64),
+        }  # fmt: skip
+        if old is not None:
+            k = int(old["p_count"][0])
+            for name in ("p_prio", "p_len", "p_stream", "p_end"):
+                self._p[name][:k] = old[name][:k]
+            self._p["p_count"][0] = k
+        self._p_count = self._p["p_count"]
+        w = a.writer.native_arrays()
+        cols = w.pop("columns")
+        arrays = {
+            "s_obs": a._obs, "s_action": a._action, "s_version": a._version, "acc": a._acc,
+            "qsa": a._qsa, "item_prio": a._item_prio, "t": a._t, "episode_row": a._episode_row,
+            "end_pending": a._end_pending, **self._p, **w,
+            "c_obs": cols["obs"], "c_action": cols["action"], "c_ret": cols["ret"], "c_disc": cols["disc"],
+            "c_version": cols["version"],
+        }  # fmt: skip
+        self.context = _hotpath.nstep_context(arrays, a.writer.num_streams, a.n, a.writer.steps_per_stream,
+                                              a.writer.storage.items_per_partition, a.gamma, OFFSET_MAX)  # fmt: skip
+
+    @property
+    def pending(self) -> int:
+        """Items queued for the next :meth:`publish`."""
+        return int(self._p_count[0])
+
+    def add(self, ids, obs, reward, terminated, truncated, actions, values, version: int) -> None:
+        """One recv (``obs``: the frames the adder stages, of the obs column's dtype)."""
+        ctx = self.context
+        try:
+            r = _hotpath.nstep_add(ctx, ids, obs, reward, terminated, truncated, actions, values, version)
+        except (TypeError, ValueError, BufferError):  # not the exact arrays: convert, then its real errors
+            ids, reward, terminated, truncated, actions = (
+                np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(reward, np.float64),
+                np.ascontiguousarray(terminated, bool), np.ascontiguousarray(truncated, bool),
+                np.ascontiguousarray(actions, np.int64),
+            )  # fmt: skip
+            values = None if values is None else np.ascontiguousarray(values, np.float64)
+            r = _hotpath.nstep_add(ctx, ids, obs, reward, terminated, truncated, actions, values, version)
+        while r < 0:  # nothing was changed: make room, then the same batch again
+            if r == -1:  # an env ends while its last episode end waits for the flush
+                self.adder.flush_items()
+            else:  # -2: the pending list could overflow
+                self.rebuild(capacity=2 * self._p["p_prio"].size + ids.size * (2 * self.adder.n + 1))
+            r = _hotpath.nstep_add(self.context, ids, obs, reward, terminated, truncated, actions, values, version)
+
+    def publish(self, block: bool) -> int:
+        """Publish the queued items (``block=False``: drop them if the rate limiter holds them).
+        Returns the items published."""
+        m = int(self._p_count[0])
+        try:
+            published = _hotpath.nstep_publish(self.context, 0)
+            if published < 0:  # the rate limiter holds them
+                if block:
+                    self.adder.writer.wait_for_insert(m)
+                    published = _hotpath.nstep_publish(self.context, 1)
+                else:
+                    log.debug("dropped %d items at shutdown (rate limiter)", m)
+                    published = _hotpath.nstep_publish(self.context, 2)
+        except BaseException:
+            self._p_count[0] = 0  # as the reference: the items of a failed flush are gone
+            raise
+        return published
+
+
 # ---------------------------------------------------------------------- the actor
 
 
@@ -528,4 +554,4 @@ class Actor(ActorBase):
         return self._count_steps(ids.size)
 
 
-KIND = KindDef("transition", item=Transition, adder=TransitionAdder, actor=Actor, config_min_steps=apex_min_steps)
+KIND = KindDef("transition", item=Transition, adder=TransitionAdder, actor=Actor, config_min_steps=lambda cfg: apex_min_steps(cfg.actor))

@@ -32,7 +32,7 @@ A sample, every device operation queued on :attr:`DeviceReplay.stream` under
 4. one reused event recorded and waited for: **the sample's one host
    synchronization** (a blocking-sync event: the sampling thread sleeps in the
    driver instead of spinning a CPU core). The table then reads the RESERVE counters (the seqlock
-   rule of ``Table.overwritten``, via :func:`gather.torn_items` on the draw's
+   rule of ``Table.overwritten``, via :func:`~gearflow.replay.layout.torn_items` on the draw's
    records); torn items are evicted, impossible and torn rows redrawn
    (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
    gathered again. Nothing is returned before every row passed.
@@ -84,19 +84,20 @@ import logging
 import threading
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
-from gearflow.native.cuda_backend import dptr, to_torch
-from gearflow.native.gather import CudaGather, torn_items, transition_rows
+from gearflow.native.cuda_backend import dptr
+from gearflow.native.device_buffers import BufferSets, DeviceBuffers, RawStream, torch_stream
+from gearflow.native.gather import CudaGather, transition_rows
 from gearflow.native.hostmem import register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.native.select import CudaSelect, num_chunks
-from gearflow.replay.layout import item_key
+from gearflow.replay.layout import item_key, torn_items
 
 log = logging.getLogger(__name__)
 
@@ -193,44 +194,6 @@ class DeviceDraw:
     valid: Any  # bool (B,) 0 <= slot < N
     invalid: Any  # int64 (1,) count of rows not valid (copied to the host by gather)
     num_invalid: int | None = None  # that count on the host, once gather has synchronized
-
-
-@dataclass
-class DeviceBuffers:
-    """One preallocated output set: name → (CuPy array, torch tensor over the same memory)."""
-
-    data: dict[str, tuple[Any, Any]]  # the kind's layout: (B, ...) or (B, T, ...), mask, length
-    keys: tuple[Any, Any]  # int64 (B,)
-    weights: tuple[Any, Any]  # float32 (B,)
-    probabilities: tuple[Any, Any]  # float64 (B,)
-    # consumer stream (raw cudaStream_t) -> the reused event recorded there by release(); and the
-    # streams whose event was recorded since this set's last fill (waited for before the next)
-    released: dict[int, Any] = field(default_factory=dict)
-    recorded: set[int] = field(default_factory=set)
-    retired_for: int = 0  # samples synchronized since the set was replaced (batch-size change)
-
-
-def _torch_stream(device_id: int) -> int | None:
-    """Raw ``cudaStream_t`` of torch's current stream on ``device_id`` (None without CUDA torch)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.current_stream(device_id).cuda_stream)
-
-
-class _RawStream:
-    """A stream CuPy does not own, by its raw ``cudaStream_t`` (0: the legacy default stream):
-    what ``cupy.cuda.Event.record`` reads (``.ptr``). CuPy's ``ExternalStream`` is deprecated
-    in CuPy 14 and ``Stream.from_external`` is not in 13."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __repr__(self) -> str:
-        return f"consumer stream 0x{self.ptr:x}"
 
 
 class _OnDevice:
@@ -377,7 +340,7 @@ class DeviceReplay:
         N = self._P * self._R
         self._gather = gather or CudaGather(cp)
         self._select = select or CudaSelect(cp)
-        self._consumer_stream = consumer_stream or (lambda: _torch_stream(device_id))
+        self._consumer_stream = consumer_stream or (lambda: torch_stream(device_id))
         if seed is None:  # follow the selector's seed (public state), so seeded runs stay seeded
             seed = zlib.crc32(np.asarray(selector.state_dict()["rng_state"]).tobytes())
         with cp.cuda.Device(device_id):
@@ -387,7 +350,7 @@ class DeviceReplay:
             # "consumer" orders this stream after the consumer's queued reads of the buffer sets
             self._gathered = cp.cuda.Event(block=True, disable_timing=True)  # the host sleeps on it
             self._consumer_done = cp.cuda.Event(disable_timing=True)
-            self._consumer = _RawStream(0)  # the consumer's stream, re-pointed per sample
+            self._consumer = RawStream(0)  # the consumer's stream, re-pointed per sample
             self._pinned = cp.cuda.alloc_pinned_memory(8)  # int64: impossible slots of the last gather
             self._status_host = np.frombuffer(self._pinned, dtype=np.int64, count=1)
             with self.stream:
@@ -403,10 +366,8 @@ class DeviceReplay:
         self._S_trust = storage.trusted_steps
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
-        self._buffers: list[DeviceBuffers] = []
-        self._retired: list[DeviceBuffers] = []  # replaced sets torch may still read (see the docstring)
-        self._buffer_key: tuple[int, int] = (-1, -1)
-        self._next_buffer = 0
+        # the output sets and their consumers' releases (gearflow/native/device_buffers.py)
+        self.buffer_sets = BufferSets(cp, device_id, self._on, self.stream, kind, storage.spec, self._consumer_stream)
         self._invalid_rounds = 0
 
     # ------------------------------------------------------------------ mirror of the table's ingest
@@ -557,35 +518,11 @@ class DeviceReplay:
         with self._on:
             return cp.asnumpy(draw.slots[cp.asarray(np.asarray(positions, dtype=np.int64))])
 
-    def _stream_ptr(self, stream: Any) -> int | None:
-        """Raw ``cudaStream_t`` of ``stream``: None → torch's current stream on the device; a
-        ``torch.cuda.Stream`` (``cuda_stream``), a CuPy stream (``ptr``) or an int."""
-        if stream is None:
-            return self._consumer_stream()
-        for attr in ("cuda_stream", "ptr"):
-            if hasattr(stream, attr):
-                return int(getattr(stream, attr))
-        return int(stream)
-
     def release(self, out: DeviceBuffers, stream: Any = None) -> None:
         """The consumer has queued every read of the batch in ``out`` on ``stream`` (default:
-        torch's current stream on the device): record that point, so the set is refilled only
-        after the consumer's stream has passed it. One reused event per (set, stream); no wait."""
-        ptr = self._stream_ptr(stream)
-        if ptr is None:  # no CUDA consumer (CPU torch, the emulation without one)
-            return
-        with self.cupy.cuda.Device(self.device_id):
-            event = out.released.get(ptr)
-            if event is None:
-                event = out.released[ptr] = self.cupy.cuda.Event(disable_timing=True)
-            event.record(_RawStream(ptr))
-            out.recorded.add(ptr)
-
-    def _wait_for_release(self, out: DeviceBuffers) -> None:  # inside self._on
-        """Order this stream after the consumers' recorded releases of ``out`` (then forget them)."""
-        for ptr in sorted(out.recorded):
-            self.stream.wait_event(out.released[ptr])
-        out.recorded.clear()
+        torch's current stream on the device): ``out`` is refilled only after that stream passed
+        this point (:meth:`BufferSets.release`: one reused event per (set, stream); no wait)."""
+        self.buffer_sets.release(out, stream)
 
     def buffers(self, batch_size: int, num_buffers: int) -> DeviceBuffers:
         """The next of ``num_buffers`` preallocated output sets. A batch stays valid for
@@ -593,37 +530,7 @@ class DeviceReplay:
         its set comes round again: a set is refilled only after the sample's :meth:`draw`
         made the stream wait for torch's current stream, and after the stream waited for every
         release the consumer recorded on its own stream since the set's last fill."""
-        if (batch_size, num_buffers) != self._buffer_key:
-            self._retired.extend(self._buffers)  # kept until no consumer can still read them
-            from gearflow.replay.items import TORCH_DTYPES
-
-            numpy_dtype = {t: d for d, t in TORCH_DTYPES.items()}
-            layout = self.kind.layout(self.storage.spec, batch_size)
-            cp = self.cupy
-
-            def pair(shape, dtype):
-                a = cp.zeros(shape, dtype=dtype)
-                return a, to_torch(a)
-
-            with self._on:
-                self._buffers = [
-                    DeviceBuffers(
-                        data={n: pair(shape, numpy_dtype[t]) for n, (shape, t) in layout.items()},
-                        keys=pair(batch_size, cp.int64),
-                        weights=pair(batch_size, cp.float32),
-                        probabilities=pair(batch_size, cp.float64),
-                    )
-                    for _ in range(num_buffers)
-                ]
-            self._buffer_key, self._next_buffer = (batch_size, num_buffers), 0
-        out = self._buffers[self._next_buffer]
-        self._next_buffer = (self._next_buffer + 1) % num_buffers
-        with self._on:
-            self._wait_for_release(out)
-            for old in self._retired:
-                self._wait_for_release(old)
-                old.retired_for += 1  # this sample waited for the consumer stream too (draw)
-        return out
+        return self.buffer_sets.next(batch_size, num_buffers)
 
     def gather(self, draw: DeviceDraw, out: DeviceBuffers) -> None:
         """Gather the drawn items' steps into ``out`` (zero-copy from the segment) from the draw's
@@ -640,9 +547,7 @@ class DeviceReplay:
             self._gathered.record(self.stream)
         self._gathered.synchronize()
         draw.num_invalid = int(self._status_host[0])
-        if self._retired:  # this stream waited for their consumers before the sync: after num_buffers
-            keep = max(1, self._buffer_key[1])  # samples (a batch's life), their memory may go
-            self._retired = [old for old in self._retired if old.retired_for < keep]
+        self.buffer_sets.after_sync()  # this stream waited for the retired sets' consumers before the sync
 
     def invalid(self, draw: DeviceDraw) -> np.ndarray:
         """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
@@ -687,7 +592,7 @@ class DeviceReplay:
         self._pending, self._pending_n = [], 0
         with self.cupy.cuda.Device(self.device_id):
             self.stream.synchronize()
-            self._buffers, self._retired, self._buffer_key = [], [], (-1, -1)
+            self.buffer_sets.clear()
             self._reg.close()
 
     def __repr__(self) -> str:

@@ -64,7 +64,10 @@ from gearflow.native.cuda_backend import (
     ptr_arg,
     stream_scope,
 )
-from gearflow.replay.layout import step_rows
+from gearflow.replay.layout import (  # torn_items: re-exported (the seqlock rule)
+    step_rows,
+    torn_items,
+)
 
 THREADS = 256  # threads per block of every gather kernel (GF_GATHER_THREADS in gather.cu)
 WIDTHS = (16, 8, 4, 1)  # bytes per load/store of the kernel variants _v16, _v8, _v4, _v1
@@ -151,29 +154,6 @@ def transition_rows(parts, starts, lengths, S: int):
     """
     S = check_int("S", S, minimum=1)
     return step_rows(parts, starts, S), step_rows(parts, starts + lengths - 1, S)
-
-
-def torn_items(parts, starts, reserve, S: int):
-    """bool[B]: items whose first step may have been overwritten during the gather.
-
-    ``reserve`` is int64[P], the partitions' RESERVE counters read *after* the
-    gather finished (for a CUDA gather: after its stream synchronized). An item
-    is torn when ``start < RESERVE[p] - S`` (``Table.overwritten``'s rule): the
-    writer may have been writing its first rows while they were copied. Works on
-    numpy and CuPy arrays alike.
-
-    >>> torn_items(np.array([0, 1]), np.array([5, 5]), np.array([20, 22]), 16)  # 5 < 22 - 16
-    array([False,  True])
-    """
-    S = check_int("S", S, minimum=1)
-    for name, a in (("parts", parts), ("starts", starts), ("reserve", reserve)):
-        if getattr(a, "ndim", None) != 1:
-            raise ValueError(f"{name} must be a 1-D array, got {type(a).__name__} of shape {getattr(a, 'shape', None)}")
-        if a.dtype.kind not in "iu":
-            raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
-    if starts.shape != parts.shape:
-        raise ValueError(f"starts has shape {starts.shape} but parts has shape {parts.shape}")
-    return starts < reserve[parts] - S
 
 
 def _host_index(x: Any, name: str, dtype, length: int | None) -> np.ndarray:

@@ -392,6 +392,41 @@ static int check_priorities(const Floats *pr) {
     return 0;
 }
 
+/* Writer.create_items' checks of m items, in the order and with the messages of replay/checks.py's
+ * check_items (its Python reference): priorities finite and >= 0, every length in [1, S], no item
+ * ending after its stream's next step, none reaching back over its stream's episode start. Item j:
+ * length len[j] (len_all when len is NULL), end end[j], stream stream[j] (stream_all when stream
+ * is NULL); its stream's next step pos[k] and episode start ep0[k], k = stream[j] (0 when stream is
+ * NULL). 0, or -1 with ValueError set. The one copy of these checks in C: stream_items (one stream,
+ * the extend path) and nstep_publish (the n-step adder's flush) call it. */
+static int check_item_batch(const Floats *prio, Py_ssize_t m, const int64_t *len, int64_t len_all, const int64_t *end,
+                            const int64_t *stream, int64_t stream_all, const int64_t *pos, const int64_t *ep0,
+                            Py_ssize_t S) {
+    #define ITEM_LEN(j) (len ? len[j] : len_all)
+    #define ITEM_STREAM(j) (stream ? stream[j] : 0)
+    if (check_priorities(prio) < 0) return -1;
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (ITEM_LEN(j) < 1 || ITEM_LEN(j) > S) {
+            PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)ITEM_LEN(j));
+            return -1;
+        }
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (end[j] > pos[ITEM_STREAM(j)]) {
+            PyErr_SetString(PyExc_ValueError, "an item ends after the last appended step");
+            return -1;
+        }
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (end[j] - ITEM_LEN(j) < ep0[ITEM_STREAM(j)]) {
+            PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %lld has %lld "
+                         "steps in its current episode", (long long)ITEM_LEN(j),
+                         (long long)(stream ? stream[j] : stream_all), (long long)(end[j] - ep0[ITEM_STREAM(j)]));
+            return -1;
+        }
+    #undef ITEM_LEN
+    #undef ITEM_STREAM
+    return 0;
+}
+
 /* The slot that holds item ``key`` (seq * P + p lives in slot p * R + seq % R), or -1 when the
  * slot no longer holds that very item (evicted, overwritten, never ingested). */
 static inline int64_t key_slot(int64_t k, Py_ssize_t P, Py_ssize_t R, const int64_t *rec, const char *live) {
@@ -665,20 +700,10 @@ static PyObject *stream_items(PyObject *self, PyObject *args) {
     if (PyLong_Check(nobj)) {
         n_scalar = PyLong_AsLongLong(nobj);
         if (n_scalar == -1 && PyErr_Occurred()) goto done;
-        if (n_scalar < 1 || n_scalar > S) {
-            PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)n_scalar);
-            goto done;
-        }
     } else {
         if (PyObject_GetBuffer(nobj, &nb, PyBUF_C_CONTIGUOUS) < 0) goto done;
         n_is_array = 1;
         if (nb.len != m * 8) { PyErr_SetString(PyExc_ValueError, "num_steps: one int64 per item"); goto done; }
-        const int64_t *nn = (const int64_t *)nb.buf;
-        for (Py_ssize_t j = 0; j < m; j++)
-            if (nn[j] < 1 || nn[j] > S) {
-                PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)nn[j]);
-                goto done;
-            }
     }
     if (pb.len != m * 8) {
         PyErr_Format(PyExc_ValueError, "%zd priorities but %zd ends", pb.len / 8, m);
@@ -688,15 +713,10 @@ static PyObject *stream_items(PyObject *self, PyObject *args) {
     const double *prios = (const double *)pb.buf;
     #define NSTEPS(j) (n_is_array ? ((const int64_t *)nb.buf)[j] : n_scalar)
     Floats pf = {.view = pb, .is_f32 = 0, .n = m};
-    if (check_priorities(&pf) < 0) goto done;
-    for (Py_ssize_t j = 0; j < m; j++)
-        if (ends[j] > pos) { PyErr_SetString(PyExc_ValueError, "an item ends after the last appended step"); goto done; }
-    for (Py_ssize_t j = 0; j < m; j++)
-        if (ends[j] - NSTEPS(j) < ep0) {
-            PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %zd has %lld steps "
-                         "in its current episode", (long long)NSTEPS(j), stream, (long long)(ends[j] - ep0));
-            goto done;
-        }
+    const int64_t pos64 = pos, ep064 = ep0;
+    if (check_item_batch(&pf, m, n_is_array ? (const int64_t *)nb.buf : NULL, n_scalar, ends, NULL, stream,
+                         &pos64, &ep064, S) < 0)
+        goto done;
     for (Py_ssize_t j = 0; j < m; j++)  /* Reverb's CreateItemRejectsExpiredCellRefs: steps the ring overwrote */
         if (ends[j] - NSTEPS(j) < pos - trust) {
             PyErr_Format(PyExc_ValueError, "item starting at step %lld of stream %zd refers to steps the ring already "
@@ -1262,15 +1282,7 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
         /* Writer.create_items' checks, with its messages; nothing is written unless all pass */
         Floats pf = {.is_f32 = 0, .n = m};
         pf.view.buf = c->p_prio;
-        if (check_priorities(&pf) < 0) return NULL;
-        for (Py_ssize_t k = 0; k < m; k++) {
-            const int64_t s = c->p_stream[k], len = c->p_len[k], end = c->p_end[k];
-            if (len < 1 || len > S) return PyErr_Format(PyExc_ValueError, "num_steps must be in [1, %zd], got %lld", S, (long long)len);
-            if (end > c->wpos[s]) { PyErr_SetString(PyExc_ValueError, "an item ends after the last appended step"); return NULL; }
-            if (end - len < c->ep_start[s])
-                return PyErr_Format(PyExc_ValueError, "item of %lld steps crosses an episode boundary: stream %lld has %lld "
-                                    "steps in its current episode", (long long)len, (long long)s, (long long)(end - c->ep_start[s]));
-        }
+        if (check_item_batch(&pf, m, c->p_len, 0, c->p_end, c->p_stream, 0, c->wpos, c->ep_start, S) < 0) return NULL;
         int64_t *last = PyMem_Malloc(c->E * sizeof(int64_t));
         if (last == NULL) return PyErr_NoMemory();
         memcpy(last, c->last_start, c->E * sizeof(int64_t));

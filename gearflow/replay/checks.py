@@ -22,6 +22,7 @@ __all__ = [
     "check_items",
     "check_stream_order",
     "crossing_message",
+    "drop_expired",
     "expired_message",
     "stream_order",
 ]
@@ -93,3 +94,19 @@ def stream_order(streams: np.ndarray, start: np.ndarray, last_item_start: np.nda
         raise ValueError(f"more than {R} items for one stream in one call")
     last = np.r_[group_start[1:] - 1, m - 1]
     return order, first, group_start, rank, last
+
+
+def drop_expired(prio, num_steps, s, ends, pos, trust, streams):
+    """``create_items(expired="drop")``: its arguments without the items that start before the
+    ring's trusted steps (``ends[j] - num_steps[j] < pos[s[j]] - trust``), and how many were
+    dropped. ``s`` is each item's stream (``streams`` as passed: returned unchanged when nothing
+    is dropped, or when ``s`` does not match the items and the usual checks say what is wrong)."""
+    m = prio.size
+    if m == 0 or s.size != m:
+        return prio, num_steps, streams, ends, 0
+    lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
+    end = pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
+    keep = end - lengths >= pos[s] - trust
+    if keep.all():
+        return prio, num_steps, streams, ends, 0
+    return prio[keep], lengths[keep], s[keep], end[keep], int(m - keep.sum())

@@ -9,6 +9,7 @@ writers, the CUDA/RDMA back ends (:mod:`gearflow.native`) and the transport all 
     slot of item seq of partition p = p * R + seq % R        (the record ring, the selector's slot)
     key  of item seq of partition p = seq * P + p            (unique while the table lives)
     partition of a slot             = slot // R;  of a key: key % P, its seq: key // P
+    an item copied while RESERVE[p] was r is intact while start >= r - S   (the seqlock rule)
     a learner over several shards tags shard i's keys with i << SHARD_SHIFT (bits 56..62)
 
 The C hot paths (``replay/_hotpath.c``) and the CUDA kernels (``native/kernels``) apply the
@@ -34,6 +35,7 @@ __all__ = [
     "shard_key",
     "slot_partition",
     "step_rows",
+    "torn_items",
 ]
 
 SHARD_SHIFT = 56  # a several-shard sampler puts the shard's index in a key's bits 56..62
@@ -61,6 +63,31 @@ def slot_partition(slots, R: int):
 def item_key(seqs, partitions, P: int):
     """The key rule: item ``seq`` of partition ``p`` has key ``seq * P + p``."""
     return seqs * P + partitions
+
+
+def torn_items(parts, starts, reserve, S: int):
+    """The seqlock rule: bool[B], True where an item's first step ``starts`` (int64 (B,), in
+    partition ``parts``) may have been overwritten while it was copied, ``reserve`` being the
+    partitions' RESERVE counters (int64[P]) read *after* the copy (for a CUDA gather: after its
+    stream synchronized): ``start < RESERVE[p] - S``, ``S`` the steps a reader may trust (the
+    ring less the steps a frame stack reaches back). The table's ``overwritten``, the GPU
+    path and the RDMA sampler apply it. Works on numpy and CuPy arrays alike.
+
+    >>> torn_items(np.array([0, 1]), np.array([5, 5]), np.array([20, 22]), 16)  # 5 < 22 - 16
+    array([False,  True])
+    """
+    if isinstance(S, (bool, np.bool_)) or not isinstance(S, (int, np.integer)):
+        raise ValueError(f"S must be an integer, got {S!r}")
+    if S < 1:
+        raise ValueError(f"S must be >= 1, got {int(S)}")
+    for name, a in (("parts", parts), ("starts", starts), ("reserve", reserve)):
+        if getattr(a, "ndim", None) != 1:
+            raise ValueError(f"{name} must be a 1-D array, got {type(a).__name__} of shape {getattr(a, 'shape', None)}")
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    if starts.shape != parts.shape:
+        raise ValueError(f"starts has shape {starts.shape} but parts has shape {parts.shape}")
+    return starts < reserve[parts] - int(S)
 
 
 def key_partition(keys, P: int):

@@ -40,18 +40,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from gearflow.replay.batches import (  # re-exported
+    BatchBuffers,
+    BufferRing,
+    GatherThreads,
+    HostGather,
+    Sample,
+)
+from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
-from gearflow.replay.layout import item_key, slot_partition
-from gearflow.replay.items import FrameStacks, ItemKind, gatherable
+from gearflow.replay.items import ItemKind
+from gearflow.replay.layout import item_key, slot_partition, torn_items
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
-from gearflow.replay.selectors import KeyIndex, Selector, check_priorities
+from gearflow.replay.selectors import KeyIndex, Selector
 from gearflow.replay.storage import (
     CLOSED_LIMIT,
     H_CLOSED,
@@ -93,95 +99,6 @@ def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector
 _INT64, _FLOATS = (np.dtype(np.int64),), (np.dtype(np.float64), np.dtype(np.float32))
 
 
-class GatherThreads:
-    """How many torch threads the table's CPU gather uses, chosen by measuring.
-
-    torch's gather splits a batch over its intra-op threads; when another process holds
-    the other cores (actors next to the learner), the split waits on a descheduled thread
-    and a 2-thread gather can take 30 × as long as a 1-thread one (measured here: 6.6 ms
-    against 0.23 ms for 256 Atari frames). So the table times its gathers with 1 thread
-    and with all of torch's, keeps a moving average of the count in use per batch size,
-    uses torch's count unless one thread is clearly cheaper (``MARGIN``), and re-tries the
-    other now and then (``RETRY`` gathers in a row, every 32 samples while the two are within
-    1.2 ×, every 128 within 2 ×, every 256 beyond; the re-try's median replaces that count's
-    figure), so it follows the machine's load both ways.
-    Each count's first gather is a warm-up (cold buffers) and is not counted; each is
-    measured ``WARMUP`` times, in turn, before the choice starts.
-    ``fixed`` (``Table(num_threads=N)``) turns the choice off.
-    """
-
-    WARMUP = 4  # gathers per count, taken in turn, before choosing (the first one not counted)
-    RETRY = 3  # gathers in a row when the other count is re-tried (its figure: their median)
-    MARGIN = 1.3  # one thread replaces torch's count only when this much cheaper
-
-    def __init__(self, fixed: int | None = None, most: int | None = None):
-        if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1):
-            raise ValueError(f"num_threads must be an int ≥ 1 or None (chosen by measuring), got {fixed!r}")
-        self.fixed = fixed
-        self.candidates = sorted({1, max(1, most or torch.get_num_threads())})
-        # per batch size: [cost of each count, gathers timed of each, best index, period, calls,
-        # the re-try's gathers so far];
-        # plain lists and ints, read and written every sample
-        self._state: dict[int, list] = {}
-
-    def _of(self, batch_size: int) -> list:
-        st = self._state.get(batch_size)
-        if st is None:
-            k = len(self.candidates)
-            st = self._state[batch_size] = [[0.0] * k, [0] * k, -1, 32, 0, []]
-        return st
-
-    def pick(self, batch_size: int) -> int:
-        if self.fixed is not None or len(self.candidates) == 1:
-            return self.fixed or self.candidates[0]
-        st = self._of(batch_size)
-        best = st[2]
-        if best < 0:  # measure each in turn first
-            seen = st[1]
-            return self.candidates[seen.index(min(seen))]
-        st[4] += 1
-        if st[4] % st[3] < self.RETRY:
-            return self.candidates[1 - best]  # a re-try of the other count (RETRY gathers in a row)
-        return self.candidates[best]
-
-    def record(self, batch_size: int, threads: int, seconds: float) -> None:
-        if self.fixed is not None or len(self.candidates) == 1:
-            return
-        st = self._of(batch_size)
-        costs, seen = st[0], st[1]
-        i = self.candidates.index(threads)
-        seen[i] += 1
-        if seen[i] <= 2:  # the first gather (cold buffers) is replaced by the second
-            costs[i] = seconds
-        elif seen[i] <= self.WARMUP:  # the warm-up: a plain mean
-            costs[i] += (seconds - costs[i]) / (seen[i] - 1)
-        elif i != st[2]:  # a re-try of the other count: the middle of its RETRY gathers
-            burst = st[5]
-            burst.append(seconds)
-            if len(burst) >= self.RETRY:
-                costs[i] = sorted(burst)[len(burst) // 2]
-                burst.clear()
-        else:
-            costs[i] = 0.8 * costs[i] + 0.2 * seconds
-        if min(seen) >= self.WARMUP:
-            # torch's own count (all threads) unless one thread is clearly cheaper: a split gather
-            # stalled by a busy core costs many times more, a noisy measurement only a little
-            d = len(costs) - 1
-            best = 0 if costs[0] * self.MARGIN < costs[d] else d
-            if best != st[2]:
-                st[5].clear()
-            st[2] = best
-            worse = costs[1 - best] / max(costs[best], 1e-12)
-            st[3] = 32 if worse < 1.2 else 128 if worse < 2 else 256  # a much worse count is re-tried rarely
-
-    def chosen(self, batch_size: int) -> int | None:
-        """The count in use for ``batch_size`` (None while still measuring)."""
-        if self.fixed is not None or len(self.candidates) == 1:
-            return self.fixed or self.candidates[0]
-        best = self._of(batch_size)[2]
-        return None if best < 0 else self.candidates[best]
-
-
 def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
     """``x`` (a tensor on any device, an array, a list) as a 1-D C-contiguous numpy array of
     one of ``dtypes`` (converted to the first when it is none of them)."""
@@ -194,48 +111,6 @@ def _host_array(x: Any, dtypes: tuple) -> np.ndarray:
     if not (isinstance(x, np.ndarray) and x.dtype in dtypes):
         x = np.asarray(x, dtype=dtypes[0])
     return np.ascontiguousarray(x.reshape(-1))
-
-
-@dataclass
-class Sample:
-    """One batch. ``data`` views a reusable buffer (see the module docstring)."""
-
-    data: dict[str, torch.Tensor]  # (B, ...) or (B, T, ...) + mask (B, T)
-    keys: torch.Tensor  # int64 (B,)
-    weights: torch.Tensor  # float32 (B,) importance weights, max 1
-    probabilities: torch.Tensor  # float64 (B,)
-    on_release: Any = field(default=None, repr=False, compare=False)  # the device path's (stream) -> None
-
-    def release(self, stream: Any = None) -> None:
-        """Every read of this batch is queued on ``stream`` (default: torch's current stream):
-        on the GPU path its buffer set is refilled only after that stream passes this point
-        (gearflow/native/device_replay.py); nothing on the CPU path."""
-        if self.on_release is not None:
-            self.on_release(stream)
-
-
-class BufferRing:
-    """``num`` output buffer sets of one batch size, used in turn: a batch drawn into the ring
-    stays valid for ``num - 1`` more draws into the same ring. A table has its own; the shard
-    service gives each sampling connection one (:meth:`Table.draw` ``ring=``), so the replies
-    a client has not read yet hold only that client's buffers."""
-
-    def __init__(self, num: int, pin_memory: bool = False):
-        self.num, self.pin_memory = int(num), pin_memory
-        self.batch, self.sets, self.next = -1, [], 0
-
-    def take(self, layout: dict, batch_size: int) -> dict[str, torch.Tensor]:
-        if batch_size != self.batch:
-            self.sets = [{name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
-                          for name, (shape, dtype) in layout.items()} for _ in range(self.num)]  # fmt: skip
-            self.batch, self.next = batch_size, 0
-        buf = self.sets[self.next]
-        self.next = (self.next + 1) % self.num
-        return buf
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.sets for t in s.values())
 
 
 class Table(TableIngest):
@@ -259,31 +134,26 @@ class Table(TableIngest):
         self.storage, self.kind, self.selector = storage, kind, selector
         self.rate_limiter = rate_limiter or RateLimiter()
         self.sample_timeout_s = sample_timeout_s
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers must be ≥ 1, got {num_buffers}")
-        self._num_buffers = num_buffers
-        self.gather_threads = GatherThreads(num_threads)  # CPU gathers: measured, or num_threads
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # the CPU path's batch buffer sets and gather (gearflow/replay/batches.py)
+        self.batches = BatchBuffers(kind, storage.spec, num_buffers, pin_memory=self.pin_memory)
+        self.gather_threads = GatherThreads(num_threads)  # CPU gathers: measured, or num_threads
         self._P, self._R, self._S = P, R, storage.steps_per_partition
         # an item is intact while its first step is ≥ RESERVE - _S_trust: S less the steps its
         # stacks reach back (stacked-frame columns), so eviction and the re-check cover them
         self._S_trust = storage.trusted_steps
-        self._stacks = FrameStacks.of(storage)  # None without stacked-frame columns
         kind.layout(storage.spec, 1)  # validates the kind against the spec
+        self.host_gather = HostGather(storage, self.gather_threads)
         # "cuda": selection and gather on the GPU (gearflow.native.device_replay), set up before the
         # table touches the storage, so a missing CuPy leaves the caller's storage as it was
         self._device = _device_replay(device, storage, kind, selector)
         self._max_item_steps = kind.max_steps(storage.steps_per_partition)
         self._init_ingest(P, R)
         self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        self._buffer_batch = -1
-        self._next_buffer = 0
         self._closed = False
         self._active = 0  # samples / waits in progress (close() lets them leave first)
         storage.header[H_SAMPLES] = 0
         self._publish_insert_limit()
-
 
     def set_rate_limiter(self, limiter: RateLimiter) -> None:
         """Replace the rate limiter (a resumed run's config) and publish its insert limit."""
@@ -304,28 +174,11 @@ class Table(TableIngest):
     @property
     def num_buffers(self) -> int:
         """Output buffer sets used in turn: a batch stays valid for ``num_buffers - 1`` more samples."""
-        return self._num_buffers
+        return self.batches.num_buffers
 
     @num_buffers.setter
     def num_buffers(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"num_buffers must be ≥ 1, got {n}")
-        self._num_buffers, self._buffer_batch, self._buffers, self._next_buffer = n, -1, [], 0
-
-    def _buffers_for(self, batch_size: int) -> dict[str, torch.Tensor]:
-        if batch_size != self._buffer_batch:
-            layout = self.kind.layout(self.storage.spec, batch_size)
-            self._buffers = [
-                {
-                    name: torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
-                    for name, (shape, dtype) in layout.items()
-                }
-                for _ in range(self.num_buffers)
-            ]
-            self._buffer_batch = batch_size
-        buf = self._buffers[self._next_buffer]
-        self._next_buffer = (self._next_buffer + 1) % self.num_buffers
-        return buf
+        self.batches.num_buffers = n
 
     def _refuse_closed(self, what: str) -> None:
         raise TableClosed(f"replay table {self.storage.name} is closed: {what}")
@@ -404,10 +257,10 @@ class Table(TableIngest):
         if self._device is not None:
             if tensors is not None:
                 raise ValueError("a device table gathers every column on the GPU")
-            return self._sample_on_device(batch_size, timeout_s), None, None
+            return sample_on_device(self, self._device, batch_size, timeout_s), None, None
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
-        out = self._buffers_for(batch_size) if ring is None else ring.take(self.kind.layout(self.storage.spec, batch_size), batch_size)
+        out = self.batches.next(batch_size, ring)  # the table's own sets, or the caller's ring
         rec = self._records(slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)
@@ -443,8 +296,7 @@ class Table(TableIngest):
     def rows_of(self, slots: np.ndarray, rec: np.ndarray) -> tuple[dict, np.ndarray]:
         """The item kind's storage rows of the items at ``slots`` (records ``rec`` as
         :meth:`draw` returns them) and their lengths."""
-        stack = {} if self._stacks is None else {"stacks": self._stacks}
-        return self.kind.rows(slots // self._R, rec[0], rec[2], self._S, **stack), rec[2]
+        return self.host_gather.rows_of(self.kind, slots, rec)
 
     def overwritten(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Positions of the items (drawn at ``slots`` with records ``rec``) whose steps writers
@@ -455,7 +307,7 @@ class Table(TableIngest):
         starts = rec[0]
         if starts.min() >= reserve.max() - self._S_trust:  # nothing can be torn (the usual case)
             return _NONE
-        return np.flatnonzero(starts < reserve[slots // self._R] - self._S_trust)
+        return np.flatnonzero(torn_items(slot_partition(slots, self._R), starts, reserve, self._S_trust))
 
     def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
@@ -512,66 +364,19 @@ class Table(TableIngest):
 
     def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None,
                 tensors: dict | None = None) -> None:  # fmt: skip
-        tensors = self.storage.tensors if tensors is None else tensors
-        parts = slots // self._R
-        starts, lengths = rec[0], rec[2]
-        stack = {} if self._stacks is None else {"stacks": self._stacks}
-        if only is None:
-            rows = self.kind.rows(parts, starts, lengths, self._S, **stack)
-            B = slots.size
-            n = self.gather_threads.pick(B)
-            before = torch.get_num_threads()
-            if n != before:
-                torch.set_num_threads(n)
-            t0 = time.perf_counter()
-            try:
-                self.kind.gather(tensors, out, rows, lengths)
-            finally:
-                if n != before:
-                    torch.set_num_threads(before)
-            self.gather_threads.record(B, n, time.perf_counter() - t0)
-            return
-        # replacements: gather the few redrawn items, then place them (rare path)
-        sub = {k: torch.empty((only.size, *v.shape[1:]), dtype=v.dtype) for k, v in out.items()}
-        p, s, n = parts[only], starts[only], lengths[only]
-        self.kind.gather(tensors, sub, self.kind.rows(p, s, n, self._S, **stack), n)
-        idx = torch.from_numpy(only)
-        for k, v in out.items():
-            gatherable(v).index_copy_(0, idx, gatherable(sub[k]))
+        self.host_gather.gather(self.kind, slots, rec, out, only, tensors)
 
     def _torn(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """Positions whose first step (or, with stacked frames, the oldest step its stacks reach
         back to) may have been overwritten (seqlock check)."""
-        if self._counter_total() == self._seen_total:  # read after the copy
+        if not self.writers_moved():  # read after the copy
             return _NONE  # no writer has moved since this sample's scan evicted the overwritten
         return self.overwritten(slots, rec)
 
-    def _sample_on_device(self, batch_size: int, timeout_s: float | None) -> Sample:
-        """:meth:`sample` with selection and gather on the GPU (``device="cuda"``): the same
-        seqlock rule and torn-item replacement, a batch of CUDA tensors. Each row keeps the
-        record it was drawn with (only redrawn rows get new ones), so its key names the item
-        whose rows were gathered; a slot outside the table (< 0 or ≥ capacity) is redrawn."""
-        dev = self._device
-        draw = dev.draw(batch_size, self.size)  # the device first waits for the consumer's queued work
-        out = dev.buffers(batch_size, self.num_buffers)
-        dev.gather(draw, out)  # the one host sync: the counters below postdate the copy
-        deadline = None
-        while True:
-            redo = dev.invalid(draw)  # impossible slots: redrawn, never returned (no device read if none)
-            if self._counter_total() != self._seen_total:  # a writer moved since this sample's scan
-                torn = dev.torn(draw, self.storage.counters[:, RESERVE])
-                if torn.size:
-                    deadline = self.evict_torn(dev.slots_at(draw, torn), deadline, timeout_s,
-                                                "the GPU could gather them")  # fmt: skip
-                    redo = np.union1d(redo, torn)
-            if not redo.size:
-                break
-            draw = dev.redraw(draw, redo, self.size)  # new records for those rows only
-            dev.gather(draw, out)  # the whole batch again (rare path): every item is re-checked
-        self.samples += batch_size
-        self._publish_insert_limit()
-        data, keys, weights, probs = dev.batch(out)
-        return Sample(data=data, keys=keys, weights=weights, probabilities=probs, on_release=partial(dev.release, out))
+    def writers_moved(self) -> bool:
+        """Whether any writer's counter moved since the last scan (read now: after a copy, False
+        means nothing copied since that scan can be torn)."""
+        return self._counter_total() != self._seen_total
 
     @property
     def device(self) -> str:
@@ -595,14 +400,7 @@ class Table(TableIngest):
             raise ValueError(f"{keys.size} keys but {prios.size} priorities")
         if self._device is None:  # one C pass where built: checked, mapped, applied
             return self.selector.update_by_key(keys, prios, self._key_index)
-        check_priorities(prios)
-        slots = self._key_index.slots(keys)
-        held = slots >= 0
-        if not held.all():
-            slots, prios = slots[held], prios[held]
-        self.selector.update(slots, prios)
-        self._device.update(slots, prios)  # the device path: its priority vector mirrors the selector's
-        return int(slots.size)
+        return update_on_device(self, self._device, keys, prios)
 
     # ------------------------------------------------------------------ close
     def close(self, wait_s: float = 5.0) -> None:
@@ -621,7 +419,7 @@ class Table(TableIngest):
         deadline = time.monotonic() + wait_s
         while self._active > 0 and time.monotonic() < deadline:
             time.sleep(MAX_BACKOFF_S)  # a blocked sample re-checks at least this often
-        self._buffers = []
+        self.batches.clear()
         if self._device is not None:
             self._device.close()  # unregisters the segment: before it is unmapped
         owner = self.storage.owner

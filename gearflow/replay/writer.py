@@ -28,9 +28,17 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from gearflow.errors import GearflowError
-from gearflow.replay.checks import ORDER_MESSAGE, check_items, check_stream_order, crossing_message, expired_message, stream_order
-from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
+from gearflow.replay.checks import (
+    ORDER_MESSAGE,
+    check_items,
+    check_stream_order,
+    crossing_message,
+    drop_expired,
+    expired_message,
+    stream_order,
+)
+from gearflow.replay.inserts import InsertAborted, wait_for_insert  # noqa: F401 - InsertAborted: re-exported
+from gearflow.replay.rate_limiter import NO_LIMIT
 from gearflow.replay.spec import MAX_STACK
 
 try:  # C item records for one stream (setup.py builds it); the numpy code below is the reference
@@ -42,15 +50,12 @@ from gearflow.replay.layout import step_rows
 from gearflow.replay.storage import (
     COMMIT,
     EPISODES,
-    H_CLOSED,
     H_INSERT_LIMIT,
-    H_SAMPLES,
     HEARTBEAT_NS,
     PUBLISHED,
     REC_RESERVE,
     RESERVE,
     SharedStorage,
-    TableClosed,
     claim_partitions,
     release_partitions,
 )
@@ -59,8 +64,6 @@ LARGE_ROW_BYTES = 2048  # rows this big are copied one slice at a time by append
 OFFSET_MAX = MAX_STACK - 1  # a step's offset in its episode is stored capped (uint8)
 
 
-class InsertAborted(GearflowError):
-    """A blocked insert gave up because ``Writer.abort()`` said the writer should stop."""
 
 
 
@@ -296,8 +299,13 @@ class Writer(StreamPositions):
         if expired != "raise":
             if expired != "drop":
                 raise ValueError(f'expired must be "raise" or "drop", got {expired!r}')
-            prio, num_steps, streams, ends = self._drop_expired(prio, num_steps, streams, ends)
-            m = prio.size
+            if m:  # items starting before the ring's trusted steps: dropped and counted
+                one = streams is not None and np.ndim(streams) == 0
+                s = np.full(m, int(streams)) if one else self._streams(streams)
+                prio, num_steps, streams, ends, dropped = drop_expired(prio, num_steps, s, ends, self._pos, self._trust,
+                                                                       streams)  # fmt: skip
+                self._expired[0] += dropped
+                m = prio.size
         if m == 0:
             return
         if isinstance(streams, (int, np.integer)) or (streams is not None and np.ndim(streams) == 0):
@@ -326,23 +334,6 @@ class Writer(StreamPositions):
         st.item_priority[parts, slot] = prio
         c[parts[last], PUBLISHED] = ends  # publish after the records are written
         self._last_item_start[s[last]] = start[last]
-
-    def _drop_expired(self, prio, num_steps, streams, ends):
-        """``create_items``' arguments without the items that start before the ring's trusted
-        steps (counted in :attr:`expired_items`)."""
-        m = prio.size
-        if m == 0:
-            return prio, num_steps, streams, ends
-        s = np.full(m, int(streams)) if streams is not None and np.ndim(streams) == 0 else self._streams(streams)
-        if s.size != m:
-            return prio, num_steps, streams, ends  # the usual checks say what is wrong
-        lengths = np.broadcast_to(np.asarray(num_steps, dtype=np.int64), (m,))
-        end = self._pos[s] if ends is None else np.broadcast_to(np.asarray(ends, dtype=np.int64), (m,))
-        keep = end - lengths >= self._pos[s] - self._trust
-        if keep.all():
-            return prio, num_steps, streams, ends
-        self._expired[0] += int(m - keep.sum())
-        return prio[keep], lengths[keep], s[keep], end[keep]
 
     def _create_stream_items(self, prio: np.ndarray, num_steps, stream: int, ends) -> None:
         """``create_items`` for many items of one stream (the ``extend`` path): one C call
@@ -392,26 +383,8 @@ class Writer(StreamPositions):
         self._last_item_start[stream] = start[-1]
 
     def _wait_for_insert(self, m: int) -> None:
-        header, counters = self.storage.header, self.storage.counters
-        limit = int(header[H_INSERT_LIMIT])
-        if limit == NO_LIMIT or counters[:, PUBLISHED].sum() + m <= limit:
-            return
-        deadline = time.monotonic() + self.insert_timeout_s
-        delay = 1e-4
-        while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
-            if header[H_CLOSED]:  # Table.close() set the limit below any count: it never opens again
-                raise TableClosed(f"insert of {m} item(s) refused: the replay table {self.storage.name} was closed")
-            if self.abort is not None and self.abort():
-                raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
-            if time.monotonic() > deadline:
-                raise RateLimiterTimeout(
-                    f"insert of {m} item(s) blocked for {self.insert_timeout_s:.1f} s by the rate "
-                    f"limiter: {int(counters[:, PUBLISHED].sum())} inserted, "
-                    f"{int(header[H_SAMPLES])} sampled, limit {int(header[H_INSERT_LIMIT])} "
-                    f"(is the learner sampling?)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF_S)
+        """Before publishing ``m`` items (a hook: the shipping writer ships here)."""
+        wait_for_insert(self.storage, m, self.insert_timeout_s, self.abort)
 
     def end_episode(self, streams=None) -> None:
         """Close the current episode of ``streams``: later items cannot reach back into it."""

@@ -145,7 +145,7 @@ def _check_agent(cfg, spec, report: _Report, steps: int) -> None:
     from gearflow.kinds.registry import kind_def
 
     try:  # a small ring per env: twice what the actor's adder needs, at least 512 steps
-        small.replay.capacity = int(small.env.num_envs) * max(512, 2 * kind_def(kind.name).adder.min_steps(small, kind))
+        small.replay.capacity = int(small.env.num_envs) * max(512, 2 * kind_def(kind.name).adder.min_steps(small.actor, kind))
     except (KeyError, ValueError, TypeError) as exc:
         report.fail(f"{label}: no actor writes its item kind {kind!r}: {_first_line(exc)}")
         return

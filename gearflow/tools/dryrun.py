@@ -198,7 +198,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
     geom = replay_geometry(cfg, kind)
     P, S, R = geom.num_partitions, geom.steps_per_partition, geom.items_per_partition
     kd = kind_def(kind.name)  # the registry's adder and actor of the agent's kind
-    need = int(kd.adder.min_steps(cfg, kind))
+    need = int(kd.adder.min_steps(cfg.actor, kind))
     segment = SharedStorage.segment_nbytes(table_spec, P, S, R)
     buffers = buffer_sets(cfg.learner.prefetch)  # the table's rotating batch buffers
     replay = {
@@ -210,7 +210,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         "steps_per_partition": S,
         "items_per_partition": R,
         "min_steps_per_partition": need,  # the adder's minimum: the actor refuses a smaller ring
-        "steps_too_few": kd.adder.size_error(cfg, kind, S) if S < need else "",
+        "steps_too_few": kd.adder.size_error(cfg.actor, kind, S) if S < need else "",
         "actor": f"{kd.actor.__name__} + {kd.adder.__name__}",
         "bytes_at_capacity": P * S * table_spec.stored_step_nbytes,
         "segment_bytes": segment,

@@ -66,11 +66,13 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
     return out
 
 
-def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True) -> None:
+def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True,
+                 tls: str = "") -> None:  # fmt: skip
     """Child process: a table and its shard service; sends the port, serves until told to stop."""
-    from gearflow.transport.auth import set_default_integrity
+    from gearflow.transport.auth import set_default_integrity, set_default_tls
 
     set_default_integrity(integrity)
+    set_default_tls(tls)
     table = _table(spec, P, S, selector)
     shard = ShardService(table, token=TOKEN, wire_min_row_bytes=wire)
     conn.send(shard.start())
@@ -85,13 +87,13 @@ class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
     def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024,
-                 integrity: bool = True):  # fmt: skip
+                 integrity: bool = True, tls: str = ""):  # fmt: skip
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.integrity = integrity
-        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity), daemon=True)
+        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity, tls), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
@@ -210,12 +212,12 @@ def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
     return times
 
 
-def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True) -> ShardProcess:
+def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls: str = "") -> ShardProcess:
     """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
-    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity)
-    w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity), num_streams=4, token=TOKEN)
+    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls)
+    w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity, tls=tls), num_streams=4, token=TOKEN)
     k = items // 4
     rng = np.random.default_rng(0)
     for s in range(4):
@@ -232,24 +234,38 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
     alternating slices; the ratio is the median of the per-round ratios. Three shards in the same
     rounds: integrity on (the default; rows gathered), off (rows out of the segment), off and
     gathered (``wire_min_row_bytes=None``): ``ratio``, ``ratio_no_integrity``, ``ratio_gathered``."""
+    import shutil
+    import tempfile
+
     shards, samplers = [], []
     raw = _RawServer()
     c = None
+    tls_dir = None
+    variants = [(1024, True, ""), (1024, False, ""), (None, False, "")]
+    if shutil.which("openssl"):  # and over mutual TLS (integrity on too: the default with transport.tls)
+        from gearflow.transport.tls import init
+
+        tls_dir = tempfile.mkdtemp(prefix="gearflow-bench-tls-")
+        init(tls_dir)
+        variants.append((1024, True, tls_dir))
     try:
-        for wire, integrity in ((1024, True), (1024, False), (None, False)):
-            shards.append(_atari_shard(obs, items, wire, integrity))
-            client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity)
+        for wire, integrity, tls in variants:
+            shards.append(_atari_shard(obs, items, wire, integrity, tls))
+            client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity, tls=tls)
             samplers.append(RemoteSampler([client], token=TOKEN, prefetch=LEARNER_PREFETCH))
         b0 = samplers[0].sample(batch)  # as a learner samples: LEARNER_PREFETCH rounds ahead
         for sm in samplers[1:]:
             sm.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
-        remote, plain, gathered, floor = [], [], [], []
+        remote, plain, gathered, floor, tls_rates = [], [], [], [], []
         for r in range(rounds):
             paths = [(remote, lambda: samplers[0].sample(batch)), (plain, lambda: samplers[1].sample(batch)),
                      (gathered, lambda: samplers[2].sample(batch)), (floor, lambda: call(nbytes))]  # fmt: skip
-            for out, fn in paths[r % 4:] + paths[:r % 4]:
+            if tls_dir:
+                paths.append((tls_rates, lambda: samplers[3].sample(batch)))
+            k = r % len(paths)
+            for out, fn in paths[k:] + paths[:k]:
                 t = call_times(fn, seconds / rounds)
                 out.append(len(t) / sum(t))
     finally:
@@ -260,6 +276,12 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
         raw.close()
         for sh in shards:
             sh.close()
+        if tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+    tls_out = {}
+    if tls_rates:
+        tls_out = {"tls_gb_per_s": float(np.median(tls_rates)) * nbytes / 1e9,
+                   "ratio_tls": float(np.median(np.array(tls_rates) / np.array(floor)))}  # fmt: skip
     r, p, g, f = (float(np.median(x)) for x in (remote, plain, gathered, floor))
     remote, plain, gathered, floor = (np.array(x) for x in (remote, plain, gathered, floor))
     return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,
@@ -268,7 +290,7 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
             "gathered_gb_per_s": g * nbytes / 1e9,
             "ratio": float(np.median(remote / floor)), "ratio_no_integrity": float(np.median(plain / floor)),
             "ratio_gathered": float(np.median(gathered / floor)),
-            "integrity_cost": float(np.median(1 - remote / plain))}  # fmt: skip
+            "integrity_cost": float(np.median(1 - remote / plain)), **tls_out}  # fmt: skip
 
 
 def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:

@@ -15,9 +15,9 @@ in the learner, an ``InsertAborted`` one in the actor.
 
 from __future__ import annotations
 
+from gearflow.replay.inserts import InsertAborted
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.storage import PartitionOwned, TableClosed
-from gearflow.replay.writer import InsertAborted
 from gearflow.transport.client import ServiceUnavailable, register_error
 
 __all__ = ["SHARD_ERRORS", "InsertAborted", "PartitionOwned", "RateLimiterTimeout", "SessionLost", "TableClosed"]

@@ -280,7 +280,7 @@ class FrameReader:
         self._direct = False  # reading straight into _block
         self.frames = 0
         self.opener = None  # integrity.Opener once the handshake made the keys: every frame's trailer checked
-        self._maced = False  # the frame's buffer block went into the opener
+        self._maced = 0  # bytes of the frame's buffer block the opener has taken (as they arrive: cache-hot)
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
 
@@ -306,6 +306,9 @@ class FrameReader:
         try:
             if self._direct:
                 self._filled += nbytes
+                if self.opener is not None:  # MAC each piece as it lands, while it is in cache
+                    self.opener.update(self._block[self._maced:self._filled])
+                    self._maced = self._filled
                 if self._filled == self._block.nbytes:
                     self._direct = False
                     if self.opener is None:
@@ -364,14 +367,14 @@ class FrameReader:
                 self._direct = True
                 return
             if self.opener is not None:  # the trailer: checked before anyone sees the frame
-                if not self._maced:
-                    self.opener.update(self._block)
-                    self._maced = True
+                if self._maced < self._block.nbytes:
+                    self.opener.update(self._block[self._maced:])
+                    self._maced = self._block.nbytes
                 if self._hi - self._lo < _TRAILER_BYTES:
                     return
                 self.opener.check(self._view[self._lo:self._lo + _TRAILER_BYTES])
                 self._lo += _TRAILER_BYTES
-                self._maced = False
+                self._maced = 0
             self._deliver()
             if self._lo == self._hi:
                 self._lo = self._hi = 0

@@ -127,8 +127,8 @@ def require():
 
 def _address(part) -> tuple[int, int]:
     """(address, nbytes) of a bytes-like part (bytes, memoryview, numpy array), without a copy."""
-    a = np.frombuffer(part, dtype=np.uint8)
-    return a.ctypes.data, a.nbytes
+    a = part if type(part) is np.ndarray and part.flags.c_contiguous else np.frombuffer(part, dtype=np.uint8)
+    return a.__array_interface__["data"][0], a.nbytes
 
 
 class _Mac:

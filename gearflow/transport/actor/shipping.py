@@ -18,9 +18,9 @@ from gearflow.replay.layout import step_rows
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COMMIT, EPISODES, H_INSERT_LIMIT, PUBLISHED, RESERVE, SHM_DIR, SharedStorage
 from gearflow.replay.writer import Writer
-from gearflow.transport.actor.writer import POLL_S
-from gearflow.transport.client import RequestTimeout, ServiceUnavailable, as_client
-from gearflow.transport.errors import InsertAborted, RateLimiterTimeout, SessionLost
+from gearflow.transport.actor.writer import POLL_S, close_session
+from gearflow.transport.client import RequestTimeout, as_client
+from gearflow.transport.errors import InsertAborted, SessionLost
 from gearflow.transport.ops import CreateItems, Episodes, Extend, Flush, WriteOp, encode_ops
 
 __all__ = ["ShippingWriter"]
@@ -204,13 +204,13 @@ class ShippingWriter(Writer):
     def close(self) -> None:
         """Ship and wait (errors of a gone shard are dropped), end the session, drop the private ring."""
         try:
-            self.flush()
-            self._client.call("replay.close_writer", {"session": self._session}, timeout_s=self.timeout_s)
-        except (ServiceUnavailable, RequestTimeout, RateLimiterTimeout, InsertAborted):
-            pass
+            close_session(self._client, self._own_client, self._session, self.timeout_s, self._drain)
         finally:
-            if self._own_client:
-                self._client.close()
             name = self.storage.name
             self.storage.close()
             (SHM_DIR / name).unlink(missing_ok=True)
+
+    def _drain(self) -> bool:
+        """Ship everything and wait for the replies (the session is then ended)."""
+        self.flush()
+        return True

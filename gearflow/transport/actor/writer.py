@@ -47,9 +47,25 @@ from gearflow.transport.client import RequestTimeout, ServiceUnavailable, as_cli
 from gearflow.transport.errors import InsertAborted, RateLimiterTimeout, SessionLost
 from gearflow.transport.ops import Append, CreateItems, EndEpisode, Extend, Flush, WriteOp, encode_ops
 
-__all__ = ["POLL_S", "RemoteWriter"]
+__all__ = ["POLL_S", "RemoteWriter", "close_session"]
 
 POLL_S = 0.05  # how often a wait polls ``abort``
+# what a writer's close drops: the shard is gone, its rate limiter or service said stop
+GONE = (ServiceUnavailable, RequestTimeout, RateLimiterTimeout, InsertAborted)
+
+
+def close_session(client: Any, own_client: bool, session: Any, timeout_s: float, drain: Callable[[], bool]) -> None:
+    """A remote writer's close: ``drain()`` sends what is left and says whether the session is
+    still there to end (``replay.close_writer``); errors of a gone shard (:data:`GONE`) are
+    dropped; the client is closed if the writer made it (``own_client``)."""
+    try:
+        if drain():
+            client.call("replay.close_writer", {"session": session}, timeout_s=timeout_s)
+    except GONE:
+        pass
+    finally:
+        if own_client:
+            client.close()
 
 
 class _Stage:
@@ -371,13 +387,12 @@ class RemoteWriter(StreamPositions):
 
     def close(self) -> None:
         """Send what is staged (waiting up to the timeout), end the session, close the connection."""
-        try:
-            if self._client.connected and self._client.generation == self._gen:
-                self._send()
-                self._wait_all()
-                self._client.call("replay.close_writer", {"session": self._session}, timeout_s=self.timeout_s)
-        except (ServiceUnavailable, RequestTimeout, RateLimiterTimeout, InsertAborted):
-            pass
-        finally:
-            if self._own_client:
-                self._client.close()
+        close_session(self._client, self._own_client, self._session, self.timeout_s, self._drain)
+
+    def _drain(self) -> bool:
+        """Send what is staged and wait for the replies, if the session is still this connection's."""
+        if not (self._client.connected and self._client.generation == self._gen):
+            return False
+        self._send()
+        self._wait_all()
+        return True

@@ -18,7 +18,7 @@ The learner (:class:`RdmaSampler`, a :class:`~gearflow.replay.protocols.SamplerL
 the records into rows with the item kind's own row rule, reads the sorted unique rows of
 every column in ONE chain (:func:`~gearflow.transport.rdma.fabric.plan_reads`: one READ per contiguous
 row run per column) whose last, fenced READ re-reads the partitions' counters; then applies
-the shared-memory path's seqlock rule (:func:`~gearflow.native.gather.torn_items`, the rule of
+the shared-memory path's seqlock rule (:func:`~gearflow.replay.layout.torn_items`, the rule of
 ``Table.overwritten``: an item whose first step is older than ``RESERVE - trusted_steps``, RESERVE
 read after the copy, may have been overwritten mid-read): torn rows are discarded and
 redrawn, the whole batch read and checked again, never returned. The kind's own ``gather``
@@ -56,14 +56,20 @@ import numpy as np
 import torch
 
 from gearflow.kinds.registry import kind_from_dict
-from gearflow.native.gather import torn_items
+from gearflow.replay.batches import BatchBuffers, GatherThreads, Sample
 from gearflow.replay.items import FrameStacks
+from gearflow.replay.layout import torn_items
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
-from gearflow.replay.table import GatherThreads, Sample
-from gearflow.transport.rdma.fabric import Region, RegionExport, RemoteAccessError, RemoteMemory, plan_reads
+from gearflow.transport.rdma.fabric import (
+    Region,
+    RegionExport,
+    RemoteAccessError,
+    RemoteMemory,
+    plan_reads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -328,14 +334,16 @@ class RdmaSampler:
         self._stacks = None
         if self.spec.stacked:  # the kind reads each item's first-step offset here (sent by select)
             self._stacks = FrameStacks(np.zeros(self.P * self.S, np.uint8), self.spec.stacked)
-        self.num_buffers = num_buffers
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        self._batch = -1
-        self._next = 0
+        self.batches = BatchBuffers(self.kind, self.spec, num_buffers)  # the batches' buffer sets, as a table's
         self._staging: _Staging | None = None
         self.torn = 0
         self.samples = 0
         self.reads_per_batch = 0
+
+    @property
+    def num_buffers(self) -> int:
+        """Buffer sets used in turn: a batch stays valid for ``num_buffers - 1`` more samples."""
+        return self.batches.num_buffers
 
     # ------------------------------------------------------------------ sampling
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
@@ -344,7 +352,7 @@ class RdmaSampler:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         meta, arrays = self._select({"n": batch_size, "timeout_s": timeout_s, "beta": self.selector.beta}, {})
-        out = self._buffers_for(batch_size)
+        out = self.batches.next(batch_size)
         self.reads_per_batch = 0
         deadline = time.monotonic() + timeout_s
         while True:
@@ -411,18 +419,8 @@ class RdmaSampler:
         reads = plan_reads(unique, cols, tail)
         self.memory.read_chain(reads, self.region.rkey, fence_last=True)
         self.reads_per_batch += reads.shape[0]
-        B = parts.size
-        n = self.gather_threads.pick(B)  # the table's rule: one torch thread when that is clearly cheaper
-        before = torch.get_num_threads()
-        if n != before:
-            torch.set_num_threads(n)
-        t0 = time.perf_counter()
-        try:
-            self.kind.gather(staging.tensors, out, _renumber(rows, unique), lengths)
-        finally:
-            if n != before:
-                torch.set_num_threads(before)
-        self.gather_threads.record(B, n, time.perf_counter() - t0)
+        # the table's rule: one torch thread when that is clearly cheaper
+        self.gather_threads.gather(self.kind, staging.tensors, out, _renumber(rows, unique), lengths)
         return staging.counters[:, self._reserve_field].copy()
 
     def _staging_for(self, entries: int) -> _Staging:
@@ -430,16 +428,6 @@ class RdmaSampler:
             self._staging = _Staging(self.spec, self.P, entries)
             self.memory.register(self._staging.buffer)
         return self._staging
-
-    def _buffers_for(self, batch_size: int) -> dict[str, torch.Tensor]:
-        if batch_size != self._batch:
-            layout = self.kind.layout(self.spec, batch_size)
-            self._buffers = [{k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()}
-                             for _ in range(self.num_buffers)]  # fmt: skip
-            self._batch, self._next = batch_size, 0
-        buf = self._buffers[self._next]
-        self._next = (self._next + 1) % self.num_buffers
-        return buf
 
     # ------------------------------------------------------------------ the rest of SamplerLike
     def update_priorities(self, keys, priorities) -> int:
