@@ -57,6 +57,10 @@ log = logging.getLogger("gearflow.runner")
 __all__ = ["Members", "RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
+# how long the shard process waits, once the run is over, for joined actors to hear it (their next
+# run.report, about once a second) and leave: an actor still building its env and agent on a loaded
+# machine reported 5 s late and found no service (exit 2); a normal end waits about a second
+LEAVE_S = 30.0
 MAX_REPORTS = 4096  # messages of one run.report (a second's episodes of a fast actor fit many times)
 START_TIMEOUT_S = 60.0
 
@@ -150,9 +154,10 @@ class RemoteActors:
                 log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", int(msg["actor"]),
                             msg["peer"])  # fmt: skip
 
-    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
+    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = LEAVE_S + 15.0) -> None:
         """Tell joined actors the run is over (held inserts give up, the next report's reply
-        says so), give them a few seconds to leave, then stop the shard process."""
+        says so), wait for the shard process, which waits up to ``LEAVE_S`` for them to leave,
+        then stop it."""
         self.stop_event.set()
         deadline = time.monotonic() + timeout
         while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
@@ -285,7 +290,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         while not stop_event.is_set() and os.getppid() == parent_pid:  # or the learner is gone (even SIGKILLed)
             time.sleep(0.2)
         shard.service.stopping = True  # inserts the rate limiter holds give up (InsertAborted)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + LEAVE_S
         while members.joined and time.monotonic() < deadline:  # their next report says stop
             time.sleep(0.05)
     finally:
