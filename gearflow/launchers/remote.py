@@ -119,7 +119,8 @@ class RemoteActors:
             raise GearflowError(f"remote actors: cannot serve on {host}:{port}: {value}")
         if not self.port:
             log.info("waiting for %d remote actor(s) (indices %s) on %s:%d: run gearflow actor --connect %s:%d CONFIG "
-                     "(with the same transport.token / $GEARFLOW_TOKEN)", len(self.partitions), sorted(self.partitions),
+                     "with $GEARFLOW_TOKEN set to that machine's actor credential (`gearflow secret actor NAME` "
+                     "here prints it; it can only act) or to this secret", len(self.partitions), sorted(self.partitions),
                      host, value, host, value)  # fmt: skip
         self.port = int(value)
         return self.port
@@ -187,7 +188,14 @@ class Members:
     def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event):
         self.cfg_yaml, self.partitions, self.reports, self.stop_event = cfg_yaml, partitions, reports, stop_event
         self.joined: dict[int, str] = {}  # actor index -> peer
+        self.names: dict[int, str] = {}  # actor index -> the actor credential's name that joined it
         self.lock = threading.Lock()
+
+    def writable(self, conn) -> set[int]:
+        """The partitions an actor-role connection may open a writer on: those of the places
+        joined with its credential's name (its control connection joined; its writers are others)."""
+        with self.lock:
+            return {p for a, name in self.names.items() if name == conn.actor_name for p in self.partitions[a]}
 
     def join(self, meta: dict, bufs, conn):
         if self.stop_event.is_set():
@@ -213,6 +221,7 @@ class Members:
                 raise ValueError(f"all {len(self.partitions)} remote actor places are taken "
                                  f"({', '.join(f'{a}: {p}' for a, p in sorted(self.joined.items()))})")  # fmt: skip
             self.joined[actor] = str(conn.peer)
+            self.names[actor] = conn.actor_name if conn.role == "actor" else ""
         conn.state["actor"] = actor
         conn.on_close(lambda: self._left(actor))
         self.reports.put({"type": "joined", "actor": actor, "peer": str(conn.peer)})
@@ -221,6 +230,7 @@ class Members:
     def _left(self, actor: int) -> None:
         with self.lock:
             peer = self.joined.pop(actor, None)
+            self.names.pop(actor, None)
         if not self.stop_event.is_set():
             self.reports.put({"type": "left", "actor": actor, "peer": str(peer)})
 
@@ -274,6 +284,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         limits = service_limits(OmegaConf.create(cfg_yaml).transport.get("limits"))
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
+        shard.writable = members.writable  # an actor credential writes the partitions of places it joined
         shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
         shard.service.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
