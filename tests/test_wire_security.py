@@ -499,3 +499,33 @@ def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
     (tmp_path / "half" / "ca.pem").write_text("x")
     with pytest.raises(TlsError, match=r"node.pem, node.key missing there \(make them with `gearflow tls init"):
         Client(("127.0.0.1", 1), TOKEN, tls=str(tmp_path / "half"))
+
+
+def test_an_actor_credential_writes_only_the_partitions_of_its_joined_place(make_table):
+    """Writer sessions of an actor-role connection are bound to the places joined under its
+    credential's name (``run.join`` on its control connection, then writers on others)."""
+    import multiprocessing as mp
+    import queue
+
+    from gearflow.launchers.remote import Members
+    from gearflow.transport.actor import RemoteWriter
+    from gearflow.transport.server.shard import ShardService
+
+    apex = {"obs": "float32[3]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+    table = make_table(spec=apex, P=4, S=64)
+    members = Members("cfg: 1", {0: [0, 1], 1: [2, 3]}, queue.Queue(), mp.Event())
+    with ShardService(table, token=TOKEN, learners=False) as shard:
+        shard.writable = members.writable
+        shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
+        a0, a1 = auth.actor_credential(TOKEN, "box-a"), auth.actor_credential(TOKEN, "box-b")
+        with Client(("127.0.0.1", shard.port), a0, timeout_s=10) as control:
+            assert control.call("run.join", {"actor": None})[0]["partitions"] == [0, 1]
+            w = RemoteWriter(("127.0.0.1", shard.port), num_streams=2, token=a0, partitions=[0, 1], timeout_s=10)
+            assert w.partitions.tolist() == [0, 1]
+            w.close()
+            for token, parts in ((a0, [2, 3]), (a0, None), (a1, [2, 3])):  # another place; none asked; not joined
+                with pytest.raises(AuthorizationError):
+                    RemoteWriter(("127.0.0.1", shard.port), num_streams=2, token=token, partitions=parts, timeout_s=10)
+            w = RemoteWriter(("127.0.0.1", shard.port), num_streams=2, token=TOKEN, partitions=[2, 3], timeout_s=10)
+            assert w.partitions.tolist() == [2, 3]  # the learner's secret is not bound to places
+            w.close()

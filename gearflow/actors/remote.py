@@ -131,7 +131,7 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
     env = writer = actor = None
     # reporting starts with the membership, not after the env and agent are built: a run that
     # ends while this actor is still setting up (seconds on a loaded machine) reaches it as
-    # "stop" on the next report, before the shard stops (it waits 5 s for joined actors)
+    # "stop" on the next report, before the shard stops (it waits up to LEAVE_S = 30 s for joined actors)
     reporter = _Reporter(control, stop)
     reporter.start()
     try:

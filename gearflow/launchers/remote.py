@@ -58,6 +58,10 @@ log = logging.getLogger("gearflow.runner")
 __all__ = ["Members", "RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
+# how long the shard process waits, once the run is over, for joined actors to hear it (their next
+# run.report, about once a second) and leave: an actor still building its env and agent on a loaded
+# machine reported 5 s late and found no service (exit 2); a normal end waits about a second
+LEAVE_S = 30.0
 MAX_REPORTS = 4096  # messages of one run.report (a second's episodes of a fast actor fit many times)
 START_TIMEOUT_S = 60.0
 
@@ -117,7 +121,8 @@ class RemoteActors:
             raise GearflowError(f"remote actors: cannot serve on {host}:{port}: {value}")
         if not self.port:
             log.info("waiting for %d remote actor(s) (indices %s) on %s:%d: run gearflow actor --connect %s:%d CONFIG "
-                     "(with the same transport.token / $GEARFLOW_TOKEN)", len(self.partitions), sorted(self.partitions),
+                     "with $GEARFLOW_TOKEN set to that machine's actor credential (`gearflow secret actor NAME` "
+                     "here prints it; it can only act) or to this secret", len(self.partitions), sorted(self.partitions),
                      host, value, host, value)  # fmt: skip
         self.port = int(value)
         return self.port
@@ -152,9 +157,10 @@ class RemoteActors:
                 log.warning("remote actor %d (%s) left; its place waits for it, the learner goes on", int(msg["actor"]),
                             msg["peer"])  # fmt: skip
 
-    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
+    def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = LEAVE_S + 15.0) -> None:
         """Tell joined actors the run is over (held inserts give up, the next report's reply
-        says so), give them a few seconds to leave, then stop the shard process."""
+        says so), wait for the shard process, which waits up to ``LEAVE_S`` for them to leave,
+        then stop it."""
         self.stop_event.set()
         deadline = time.monotonic() + timeout
         while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
@@ -184,12 +190,19 @@ class Members:
     def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event, episodes_written=None):
         self.cfg_yaml, self.partitions, self.reports, self.stop_event = cfg_yaml, partitions, reports, stop_event
         self.joined: dict[int, str] = {}  # actor index -> peer
+        self.names: dict[int, str] = {}  # actor index -> the actor credential's name that joined it
         self.lock = threading.Lock()
         # ``episodes_written(partitions)``: episodes those partitions hold (the storage counters); an
         # actor's episode reports past that wait (at most MAX_REPORTS) until its writes catch up
         self.episodes_written = episodes_written
         self.reported: dict[int, int] = {}  # actor -> episode reports passed on
         self.held: dict[int, list] = {}  # actor -> episode reports ahead of its writes
+
+    def writable(self, conn) -> set[int]:
+        """The partitions an actor-role connection may open a writer on: those of the places
+        joined with its credential's name (its control connection joined; its writers are others)."""
+        with self.lock:
+            return {p for a, name in self.names.items() if name == conn.actor_name for p in self.partitions[a]}
 
     def join(self, meta: dict, bufs, conn):
         if self.stop_event.is_set():
@@ -215,6 +228,7 @@ class Members:
                 raise ValueError(f"all {len(self.partitions)} remote actor places are taken "
                                  f"({', '.join(f'{a}: {p}' for a, p in sorted(self.joined.items()))})")  # fmt: skip
             self.joined[actor] = str(conn.peer)
+            self.names[actor] = conn.actor_name if conn.role == "actor" else ""
         conn.state["actor"] = actor
         conn.on_close(lambda: self._left(actor))
         self.reports.put({"type": "joined", "actor": actor, "peer": str(conn.peer)})
@@ -223,6 +237,7 @@ class Members:
     def _left(self, actor: int) -> None:
         with self.lock:
             peer = self.joined.pop(actor, None)
+            self.names.pop(actor, None)
         if not self.stop_event.is_set():
             self.reports.put({"type": "left", "actor": actor, "peer": str(peer)})
 
@@ -295,6 +310,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         limits = service_limits(OmegaConf.create(cfg_yaml).transport.get("limits"))
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
+        shard.writable = members.writable  # an actor credential writes the partitions of places it joined
         shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
         shard.service.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
@@ -311,7 +327,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         while not stop_event.is_set() and os.getppid() == parent_pid:  # or the learner is gone (even SIGKILLed)
             time.sleep(0.2)
         shard.service.stopping = True  # inserts the rate limiter holds give up (InsertAborted)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + LEAVE_S
         while members.joined and time.monotonic() < deadline:  # their next report says stop
             time.sleep(0.05)
     finally:

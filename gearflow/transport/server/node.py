@@ -58,6 +58,7 @@ class NodeService:
                                   token=token, loop=loop, checkpoint_dir=checkpoint_dir, limits=limits)  # fmt: skip
         s = self.shard.service
         if members is not None:
+            self.shard.writable = members.writable  # an actor credential writes the partitions of places it joined
             s.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
             s.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         self.transport = choose_transport(transport)  # auto: RDMA where a device and pyverbs are usable

@@ -50,7 +50,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,7 @@ from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
 from gearflow.replay.table import BufferRing
 from gearflow.replay.writer import Writer
+from gearflow.transport.auth import AuthorizationError
 from gearflow.transport.errors import SessionLost
 from gearflow.transport.ops import Append, CreateItems, EndEpisode, Episodes, Extend, Flush, decode_ops
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
@@ -115,6 +116,9 @@ class ShardService:
             raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
         self.assignable = parts
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        # writable(conn) -> the partitions an actor-role connection may write (the run's places it
+        # joined: launchers.remote.Members); None: any assignable one
+        self.writable: Callable[[Connection], set[int]] | None = None
         self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
         self._owner: dict[int, int] = {}  # partition -> session
         self._owners_lock = threading.Lock()
@@ -171,6 +175,14 @@ class ShardService:
         want = meta.get("partitions")
         timeout = self.service.limits.wait_s(meta.get("insert_timeout_s"), 60.0)
         session = next(self._sessions)
+        allowed = self.writable(conn) if self.writable is not None and conn.role == "actor" else None
+        if allowed is not None:
+            if want is None:
+                raise AuthorizationError("an actor credential opens writers on the partitions of its joined place "
+                                      "(run.join first, then replay.open_writer with those partitions)")
+            if not isinstance(want, list) or not set(want) <= allowed:
+                raise AuthorizationError(f"partitions {want!r} are not those of a place this actor credential "
+                                      f"({conn.actor_name}) joined: {sorted(allowed)}")  # fmt: skip
         with self._owners_lock:
             if want is not None:
                 if not isinstance(want, list) or not all(type(p) is int for p in want) or (k is not None and len(want) != k):
