@@ -45,7 +45,6 @@ the op and the field, and nothing the table holds changes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 import threading
@@ -56,15 +55,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
-from gearflow.replay.storage import EPISODES, H_INSERT_LIMIT, PartitionOwned
+from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.table import BufferRing
-from gearflow.replay.writer import Writer
-from gearflow.transport.auth import AuthorizationError
-from gearflow.transport.errors import SessionLost
-from gearflow.transport.ops import Append, CreateItems, EndEpisode, Episodes, Extend, Flush, decode_ops
-from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
+from gearflow.transport.server.sessions import WriterSessions
 from gearflow.transport.server.wire import WireRows
+from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
 
 log = logging.getLogger(__name__)
 
@@ -110,28 +105,14 @@ class ShardService:
         # change while the kernel copies them would not match the bytes sent, so they are gathered first
         direct = learners and not self.service.integrity
         self.wire = WireRows(table, wire_min_row_bytes if direct else None)
-        P = table.storage.num_partitions
-        parts = list(range(P)) if partitions is None else [int(p) for p in partitions]
-        if any(not 0 <= p < P for p in parts) or len(set(parts)) != len(parts):
-            raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
-        self.assignable = parts
+        self.sessions = WriterSessions(table, self.service, partitions)  # replay.open_writer / write / close_writer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        # writable(conn) -> the partitions an actor-role connection may write (the run's places it
-        # joined: launchers.remote.Members); None: any assignable one
-        self.writable: Callable[[Connection], set[int]] | None = None
         self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
-        self._owner: dict[int, int] = {}  # partition -> session
-        self._owners_lock = threading.Lock()
-        self._sessions = itertools.count(1)
         self._local = _Lane(None)  # sample(): the table's own buffer sets (each connection has its own lane)
-        self._names = [c.name for c in table.storage.spec]
         s = self.service
         # actors (ANY_ROLE): write their sessions' partitions, read stats and weights; the rest is the learners'
         s.register("replay.info", self._info, inline=True)
-        s.register("replay.open_writer", self._open_writer, with_connection=True, roles=ANY_ROLE)
-        s.register("replay.close_writer", self._close_writer, with_connection=True, roles=ANY_ROLE)
-        # on the loop while no rate limit is set (nothing can wait), else in the pool
-        s.register("replay.write", self._write, with_connection=True, inline=True, roles=ANY_ROLE)
+        self.sessions.register(s)
         s.register("replay.stats", self._stats, inline=True, roles=ANY_ROLE)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
             s.register("replay.sample", self._sample, inline=True, with_connection=True)
@@ -139,6 +120,20 @@ class ShardService:
             s.register("replay.total", self._total, inline=True)
             s.register("replay.checkpoint", self._checkpoint)
         s.register("params.get", self._params_get, roles=ANY_ROLE)
+
+    @property
+    def assignable(self) -> list[int]:
+        return self.sessions.assignable
+
+    @property
+    def writable(self) -> Callable[[Connection], set[int]] | None:
+        """``writable(conn)`` → the partitions an actor-role connection may write (the run's
+        places it joined: ``launchers.remote.Members``); None: any assignable one."""
+        return self.sessions.writable
+
+    @writable.setter
+    def writable(self, fn: Callable[[Connection], set[int]] | None) -> None:
+        self.sessions.writable = fn
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> int:
@@ -168,123 +163,6 @@ class ShardService:
             "importance_sampled": bool(t.selector.importance_sampled), "assignable": self.assignable,
             "params": self.params is not None,
         }, []  # fmt: skip
-
-    # ----------------------------------------------------------------- writers
-    def _open_writer(self, meta: dict, bufs, conn: Connection):
-        k = meta.get("num_streams")
-        want = meta.get("partitions")
-        timeout = self.service.limits.wait_s(meta.get("insert_timeout_s"), 60.0)
-        session = next(self._sessions)
-        allowed = self.writable(conn) if self.writable is not None and conn.role == "actor" else None
-        if allowed is not None:
-            if want is None:
-                raise AuthorizationError("an actor credential opens writers on the partitions of its joined place "
-                                      "(run.join first, then replay.open_writer with those partitions)")
-            if not isinstance(want, list) or not set(want) <= allowed:
-                raise AuthorizationError(f"partitions {want!r} are not those of a place this actor credential "
-                                      f"({conn.actor_name}) joined: {sorted(allowed)}")  # fmt: skip
-        with self._owners_lock:
-            if want is not None:
-                if not isinstance(want, list) or not all(type(p) is int for p in want) or (k is not None and len(want) != k):
-                    raise ValueError(f"partitions must be a list of {k} ints, got {want!r}")
-                bad = [p for p in want if p not in self.assignable]
-                if bad:
-                    raise ValueError(f"partitions {bad} are not assignable to remote writers here ({self.assignable})")
-                taken = [p for p in want if p in self._owner]
-                if taken:
-                    raise PartitionOwned(f"partitions {taken} are written by another remote writer")
-                parts = want
-            else:
-                if type(k) is not int or k < 1:
-                    raise ValueError(f"num_streams must be an int ≥ 1, got {k!r}")
-                free = [p for p in self.assignable if p not in self._owner]
-                if len(free) < k:
-                    raise ValueError(f"{k} streams asked for, {len(free)} of the shard's {len(self.assignable)} "
-                                     f"assignable partitions are free")  # fmt: skip
-                parts = free[:k]
-            for p in parts:
-                self._owner[p] = session
-        try:
-            w = Writer(self.table.storage, parts, insert_timeout_s=timeout)
-        except BaseException:
-            self._release(session, parts)
-            raise
-        w.abort = lambda: conn.closed or self.service.stopping
-        conn.state.setdefault("writers", {})[session] = w
-        conn.on_close(lambda: self._release(session, parts))
-        log.info("shard: writer session %d from %s: partitions %s", session, conn.peer, parts)
-        return {
-            "session": session, "partitions": parts, "positions": w.positions.tolist(),
-            "episode_starts": w.episode_starts().tolist(), "spec": self.table.storage.spec.to_dict(),
-            "steps_per_stream": w.steps_per_stream, "items_per_stream": self.table.storage.items_per_partition,
-        }, []  # fmt: skip
-
-    def _release(self, session: int, parts: list[int]) -> None:
-        with self._owners_lock:
-            for p in parts:
-                if self._owner.get(p) == session:
-                    del self._owner[p]
-
-    def _session(self, conn: Connection, meta: dict) -> Writer:
-        w = conn.state.get("writers", {}).get(meta.get("session"))
-        if w is None:
-            raise SessionLost(f"no writer session {meta.get('session')!r} on this connection (reopen it)")
-        return w
-
-    def _close_writer(self, meta: dict, bufs, conn: Connection):
-        w = conn.state.get("writers", {}).pop(meta.get("session"), None)
-        if w is not None:
-            self._release(meta["session"], w.partitions.tolist())
-        return {}, []
-
-    def _write(self, meta: dict, bufs: list, conn: Connection, deferred: bool = False):
-        if not deferred and int(self.table.storage.header[H_INSERT_LIMIT]) != NO_LIMIT:
-            raise Defer  # a create_items may wait on the rate limiter: not on the loop
-        w = self._session(conn, meta)
-        if len(bufs) < 2:
-            raise ValueError("replay.write: the buffers must be [ints, floats, columns...]")
-        ints, floats, cols = bufs[0], bufs[1], bufs[2:]
-        if ints.dtype != np.int64 or floats.dtype != np.float64 or ints.ndim != 1 or floats.ndim != 1:
-            raise ValueError("replay.write: buffers 0 and 1 must be 1-D int64 and float64")
-        if cols and len(cols) != len(self._names):
-            raise ValueError(f"replay.write: {len(cols)} column buffers for {len(self._names)} columns")
-        if cols and len({len(c) for c in cols}) != 1:
-            raise ValueError(f"replay.write: the column buffers hold {sorted({len(c) for c in cols})} rows: one count for every column")
-        # every op and every range it names checked before the first is applied: a malformed batch changes nothing
-        ops = decode_ops(meta.get("ops"), ints.size, floats.size, len(cols[0]) if cols else None)
-        row = 0
-
-        def rows(n: int) -> dict:
-            return {name: c[row:row + n] for name, c in zip(self._names, cols)}
-
-        for op in ops:
-            if type(op) is Append:
-                w.append(rows(op.count), streams=ints[op.ints_at:op.ints_at + op.count])
-                row += op.count
-            elif type(op) is Extend:
-                stream, n, t0 = op.stream, op.count, op.first_step
-                if t0 is not None:  # the first step's index: a shipped log continues exactly where it stopped
-                    if not 0 <= stream < w.num_streams or int(w.positions[stream]) != t0:
-                        raise SessionLost(f"replay.write: steps from {t0} of stream {stream} do not continue the "
-                                          f"shard's partition (at {int(w.positions[stream]) if 0 <= stream < w.num_streams else '?'})")
-                w.extend(rows(n), stream=stream)
-                row += n
-            elif type(op) is CreateItems:
-                m, o, s = op.count, op.ints_at, op.stream
-                streams = ints[o + m:o + 2 * m] if s < 0 else s
-                e0 = o + (2 * m if s < 0 else m)  # ends follow the streams, if any
-                ends = ints[e0:e0 + m] if op.has_ends else None
-                w.insert_timeout_s = self.service.limits.wait_s(op.timeout_s, 60.0)
-                w.create_items(floats[op.floats_at:op.floats_at + m], ints[o:o + m], streams, ends, expired=op.expired)
-            elif type(op) is EndEpisode:
-                w.end_episode(None if op.count < 0 else ints[op.ints_at:op.ints_at + op.count])
-            elif type(op) is Episodes:  # episodes ended (the counter only: a shipped log's items carry their own ends)
-                if not 0 <= op.stream < w.num_streams:
-                    raise ValueError(f"streams [{op.stream}] out of range [0, {w.num_streams})")
-                self.table.storage.counters[int(w.partitions[op.stream]), EPISODES] += op.count
-            elif type(op) is Flush:
-                w.flush()
-        return {}, []
 
     # ----------------------------------------------------------------- learners
     def _locked(self, deferred: bool) -> None:
@@ -413,10 +291,8 @@ class ShardService:
             total, count = priority_total(self.table)
         finally:
             self.lock.release()
-        with self._owners_lock:
-            writing = len(self._owner)
         stats.update(self.service.stats())
-        stats["replay/remote_partitions"] = writing
+        stats["replay/remote_partitions"] = self.sessions.writing()
         if self.wire:
             stats["replay/torn_resampled"] = stats.get("replay/torn_resampled", 0) + self.wire.torn
         return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count}, []
