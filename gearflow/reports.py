@@ -13,17 +13,28 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import re
 from typing import Any
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["ReportSink", "check_report", "fold_report", "log_text"]
+__all__ = ["ReportSink", "check_report", "fold_report", "log_text", "queued"]
 
 _KEY = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 MAX_RETURN = 1e12  # |episode return| an actor may report
 MAX_TEXT = 8192  # characters of an error report that reach the log
+
+
+def queued(q) -> list:
+    """Every message in the (multiprocessing) queue ``q`` now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def log_text(text: Any, limit: int = MAX_TEXT) -> str:

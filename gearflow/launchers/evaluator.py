@@ -41,6 +41,7 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from gearflow.config import eval_period, to_yaml
+from gearflow.reports import queued
 
 log = logging.getLogger("gearflow.runner")
 
@@ -148,12 +149,7 @@ class EvalProcess:
         self._fold(self._reports())
 
     def _reports(self) -> list:
-        out = []
-        while True:
-            try:
-                out.append(self.results.get_nowait())
-            except queue.Empty:
-                return out
+        return queued(self.results)
 
     def _fold(self, reports: list) -> None:
         for msg in reports:

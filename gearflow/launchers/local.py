@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import queue
 import time
 from typing import Callable
 
@@ -30,7 +29,7 @@ from omegaconf import DictConfig
 
 from gearflow.config import to_yaml
 from gearflow.launchers.failures import ActorFailed, FailureLog
-from gearflow.reports import fold_report
+from gearflow.reports import fold_report, queued
 
 log = logging.getLogger("gearflow.runner")
 
@@ -102,13 +101,10 @@ class LocalLauncher:
 
     def _reports(self) -> list:
         """Every report in the queue now (failure reports noted in :attr:`failures`)."""
-        out = []
-        while True:
-            try:
-                out.append(self.metrics.get_nowait())
-            except queue.Empty:
-                return out
-            self.failures.note(out[-1])
+        out = queued(self.metrics)
+        for msg in out:
+            self.failures.note(msg)
+        return out
 
     def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """Ask every actor to stop and wait for it; ``drain`` keeps reading the metrics

@@ -51,7 +51,7 @@ from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
 from gearflow.replay.storage import EPISODES
-from gearflow.reports import check_report, fold_report
+from gearflow.reports import check_report, fold_report, queued
 
 log = logging.getLogger("gearflow.runner")
 
@@ -144,11 +144,7 @@ class RemoteActors:
 
     def drain(self, progress) -> None:
         """Fold what remote actors reported into ``progress`` (as LocalLauncher.drain)."""
-        while True:
-            try:
-                msg = self.reports.get_nowait()
-            except queue.Empty:
-                return
+        for msg in queued(self.reports):
             kind = fold_report(progress, msg, self.errors, source="remote actor")
             if kind == "joined":
                 log.info("remote actor %d joined from %s: partitions %s", int(msg["actor"]), msg["peer"],
