@@ -141,3 +141,38 @@ def _held_long(err: Path) -> bool:
     more replay.timeout_s (1 s)."""
     after = err.read_text().split("actor 0 paused", 1)[-1]
     return after.count(" env steps, ") >= 3
+
+
+def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
+    """launcher=ray: a shard role that died with its host (its wait() raises ActorDiedError) is a
+    lost node in the run's summary and one warning line, not the driver's traceback; the
+    learners' summary stands."""
+    ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (pip install 'gearflow[cluster]')")
+    from gearflow.launchers.ray import _wait_nodes, run_summary
+
+    class Node:
+        def wait(self, hold: bool) -> dict:
+            if hold:
+                time.sleep(600)  # the dead host's shard: never answers
+            return {"actor/env_steps": 123, "address": "10.0.0.1:7000"}
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        Remote = ray.remote(num_cpus=0, max_restarts=0)(Node)
+        alive, dead = Remote.remote(), Remote.remote()
+        waits = [alive.wait.remote(False), dead.wait.remote(True)]
+        ray.get(waits[0])
+        ray.kill(dead, no_restart=True)  # its host is gone: the pending wait() fails
+        with caplog.at_level("WARNING", logger="gearflow.runner"):
+            nodes = _wait_nodes(ray, waits, ["10.0.0.1:7000", "10.0.0.2:7000"], timeout_s=30)
+    finally:
+        ray.shutdown()
+    assert nodes[0]["actor/env_steps"] == 123
+    assert nodes[1]["address"] == "10.0.0.2:7000" and "ActorDiedError" in nodes[1]["lost"]
+    lines = [r.getMessage() for r in caplog.records if "lost shard node" in r.getMessage()]
+    assert len(lines) == 1 and "10.0.0.2:7000" in lines[0] and "\n" not in lines[0]
+    learner = {"actor/env_steps": 999, "learner/updates": 10, "learner/parameters_fingerprint": "a",
+               "stop_reason": "reached run.max_updates=10"}  # fmt: skip
+    s = run_summary([learner], nodes, {}, 2, 1)
+    assert s["cluster/node_env_steps"] == [123, None]
+    assert list(s["cluster/nodes_lost"]) == ["10.0.0.2:7000"]
