@@ -61,8 +61,8 @@ class TolerantSampler:
     one batch, then the error is raised (the run stops, checkpointed); priority updates for an
     unreachable node are dropped (its items are gone with it); stats repeat the last ones read."""
 
-    def __init__(self, inner, patience_s: float):
-        self.inner, self.patience_s = inner, float(patience_s)
+    def __init__(self, inner, patience_s: float, health: NodeHealth | None = None):
+        self.inner, self.patience_s, self.health = inner, float(patience_s), health
         self._since: float | None = None  # when the current outage began
         self._stats: dict[str, float] = {}
 
@@ -82,7 +82,12 @@ class TolerantSampler:
             time.sleep(min(0.2, float(timeout_s or 0.2)))
             raise ShardsUnavailable(str(exc)) from None
         if self._since is not None:
-            log.warning("every shard node answers again after %.1f s", time.monotonic() - self._since)
+            down = len(self.health.addresses) - len(self.health.live()) if self.health is not None else 0
+            if down:  # a node marked down: the next rounds went to the others
+                log.warning("sampling goes on over %d shard node(s) after %.1f s (%d down)",
+                            len(self.health.live()), time.monotonic() - self._since, down)  # fmt: skip
+            else:
+                log.warning("every shard node answers again after %.1f s", time.monotonic() - self._since)
             self._since = None
         return batch
 
@@ -218,7 +223,8 @@ class RemoteShards:
             raise
         self.params = PushedParams(self.clients, self.timeout_s, self.health)
         self.health.on_change(lambda i, up: None if up else self.clients[i].drop())
-        self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)))
+        self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)),
+                                       health=self.health)  # fmt: skip
         n = len(self.clients)
         self._cursors, self._steps, self._base = [0] * n, [0] * n, [0] * n
         self._epochs: list = [None] * n
