@@ -45,6 +45,11 @@ them into its ``run.dir`` (``gearflow plot``/``eval`` read them there). A shard 
 checkpoints (``run.dir/replay``) stay on that node's disk. ``run.module_dirs`` and the driver's
 ``PYTHONPATH`` must exist at the same paths on every node: a role that misses a module dir
 says so in one line, missing ``PYTHONPATH`` entries are logged with the node's address.
+
+A node whose host dies is marked down by the learners after one ``transport.node_timeout_s``
+(:mod:`gearflow.transport.learner.health`): they train on the survivors, and the driver ends
+with rank 0's summary (``cluster/nodes_lost``) and one line naming the lost node, exit status 0
+when the run otherwise completed.
 """
 
 from __future__ import annotations
@@ -442,7 +447,7 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
             summaries = _wait_learners(ray, runs)
         finally:
             copied = _copy_back(ray, learners, run_dir)
-        node_summaries = ray.get(waits, timeout=60)
+        node_summaries = _wait_nodes(ray, waits, [i["address"] for i in infos])
         restarts = ray.get(registry.restarts.remote())
     finally:
         for g in groups:
@@ -457,7 +462,10 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001
                 log.debug("shard close: %s", exc)
         for h in [*groups, *shards, *learners, *([registry] if registry is not None else [])]:
-            ray.kill(h, no_restart=True)
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - a role of a lost node is already gone
+                log.debug("ray.kill: %s", exc)
         _clean_nodes(ray, run_dir)
         if started:
             ray.shutdown()
@@ -483,7 +491,10 @@ def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dic
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
     summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
-    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
+    summary["cluster/node_env_steps"] = [n.get("actor/env_steps") for n in node_summaries]
+    lost = {n["address"]: n["lost"] for n in node_summaries if n.get("lost")}
+    if lost:
+        summary["cluster/nodes_lost"] = lost
     return summary
 
 
@@ -602,6 +613,27 @@ def _clean_nodes(ray, run_dir: Path) -> None:
                 log.info("ray: removed /dev/shm/%s (%.1f MiB) left by this run", name, size / 2**20)
     except Exception as exc:  # noqa: BLE001 - best effort: `gearflow replay gc` on that node does the same
         log.warning("ray: this run's segments could not be cleaned on every node: %s", exc)
+
+
+def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0) -> list[dict]:
+    """Each shard node's summary once the learners ended the run; a node that is gone (its host
+    died: Ray cannot restart its shard there) or does not end within ``timeout_s`` is a summary
+    ``{"address", "lost": why}`` and one warning line, never the run's error: the learners went on
+    without it and their summary stands."""
+    ready, _ = ray.wait(waits, num_returns=len(waits), timeout=timeout_s)
+    out = []
+    for i, (w, address) in enumerate(zip(waits, addresses)):
+        why = f"it did not end within {timeout_s:.0f} s of the learners"
+        if w in ready:
+            try:
+                out.append(ray.get(w))
+                continue
+            except Exception as exc:  # noqa: BLE001 - ActorDiedError, ActorUnschedulableError, ...
+                cause = getattr(exc, "cause", None) or exc
+                why = f"{type(exc).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"[:300]
+        log.warning("ray: lost shard node %d at %s (%s); the learners went on without it", i, address, why)
+        out.append({"address": address, "lost": why, "actor/env_steps": None})
+    return out
 
 
 def learner_gpus(cfg: DictConfig, cluster_gpus: float) -> float:
