@@ -21,6 +21,39 @@ keyed ``hashlib.blake2b`` and 1.1 GB/s for HMAC-SHA256 (14.5 MB, this machine). 
 never repeats under one key: each direction of each connection has its own key and counts
 its own frames.
 
+Rows marked torn (the one exception to "every byte"). A shard sends a sample reply's wide
+rows straight out of its shared-memory segment (:mod:`gearflow.transport.server.wire`), where a
+writer may overwrite them while the kernel copies them: the bytes the receiver gets may then
+differ from the ones the sender MACed, and a MAC over them would fail a legitimate frame. Such
+a frame says so: its envelope's meta holds ``"torn": true`` and its last buffer is ``uint8[n]``,
+the *marks* (non-zero: that item's rows may have changed on the way). Then
+
+    tag = GMAC(key, iv(seq), header | envelope | for each buffer but the last: its padding, then
+               its bytes without the rows i where marks[i] != 0 (a buffer of n rows only: shape[0]
+               == n; any other buffer whole) | the marks' padding | the marks)
+
+— with no mark set this is every byte of the frame, as above. The receiver MACs the frame as it
+lands; at the trailer it reads the marks (unauthenticated as yet, but inside the MAC), and only
+if one is set MACs the frame again without the marked rows (:func:`masked_frame`, the same
+function on both sides) before checking the tag. The input is unambiguous: the header and
+envelope fix every buffer's size and the marks are the MAC input's last ``n`` bytes, so a frame
+with other marks, rows or bytes is a different input (a forgery needs a GMAC forgery). What the
+MAC does not cover, the marked rows' bytes, the receiver never uses: the sampler replaces every
+marked item by a fresh draw (:meth:`~gearflow.transport.learner.RemoteSampler._mend`); an attacker
+can change those bytes, not what the learner trains on, and cannot set or clear a mark.
+
+Why the sender's tag is true of the bytes sent (the seqlock argument). The shard draws the items
+(time d), MACs the frame's bytes straight from the segment as it hands them to the socket (the
+MAC reads a row just before the kernel copies it: cache-warm), and once everything before the
+marks has left the process it marks every item a writer may have overwritten since d (the
+table's seqlock rule, :meth:`~gearflow.replay.table.Table.overwritten`, which counts a write as
+soon as it is *reserved*). An item left unmarked was not written between d and that check, so
+its rows were the same bytes when the MAC read them and when the kernel copied them. If some item
+is marked, the shard MACs the frame again without the marked rows and checks again after that
+pass; an item newly marked meanwhile means another pass (at most :data:`RESEAL_PASSES`, then every
+item is marked: the frame then MACs only bytes that never change, the gathered columns). Only the
+last pass's tag is finalised and sent: one tag per IV, as GCM requires.
+
     seal, opener = Sealer(key_out), Opener(key_in)
     parts = seal.seal(encode(REQUEST, 1, "replay.stats", {}))   # + trailer
 """
@@ -39,12 +72,14 @@ import numpy as np
 from gearflow.errors import MissingDependencyError
 from gearflow.transport.framing import FrameError
 
-__all__ = ["TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf", "require", "session_keys"]
+__all__ = ["RESEAL_PASSES", "TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf",
+           "marks_of", "masked_frame", "require", "session_keys"]  # fmt: skip
 
 TRAILER = struct.Struct("<Q16s")  # sequence number, tag
 TAG_BYTES = 16
 ALGORITHM = "aes-128-gmac"
 KEY_BYTES = 16
+RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
 
 
 class IntegrityError(FrameError):
@@ -156,10 +191,18 @@ class _Mac:
         """Start the MAC of the next frame; returns its sequence number."""
         seq = self.seq
         self.seq += 1
+        self._init(seq)
+        return seq
+
+    def restart(self) -> None:
+        """Start the current frame's MAC over (same sequence number and IV): what was fed so far
+        is dropped, never finalised — one tag per IV leaves (or is checked)."""
+        self._init(self.seq - 1)
+
+    def _init(self, seq: int) -> None:
         ctypes.memmove(self._iv, b"\0\0\0\0" + seq.to_bytes(8, "little"), 12)
         if self._lib.EVP_MAC_init(self._ctx, self._key, KEY_BYTES, self._params) != 1:
             raise IntegrityError("EVP_MAC_init failed")
-        return seq
 
     def update(self, part) -> None:
         if isinstance(part, bytes):
@@ -169,6 +212,18 @@ class _Mac:
         addr, n = _address(part)
         if n:
             self._lib.EVP_MAC_update(self._ctx, addr, n)
+
+    def update_spans(self, spans: list) -> None:
+        """:meth:`update` with each of ``spans``: an ``(address, nbytes)`` pair (memory the caller
+        keeps alive: a segment row's address, computed without a Python object per row) or a
+        bytes-like part."""
+        upd, ctx = self._lib.EVP_MAC_update, self._ctx
+        for s in spans:
+            if type(s) is tuple:
+                if s[1]:
+                    upd(ctx, s[0], s[1])
+            else:
+                self.update(s)
 
     def final(self) -> bytes:
         if self._lib.EVP_MAC_final(self._ctx, self._out, ctypes.byref(self._outlen), TAG_BYTES) != 1:
@@ -208,3 +263,58 @@ class Opener(_Mac):
             raise IntegrityError(f"frame sequence number {seq}, expected {want}: a replayed, reordered or dropped frame")
         if not hmac.compare_digest(tag, self.final()):
             raise IntegrityError(f"frame {seq} failed its MAC check: altered or injected on the way")
+
+
+# ----------------------------------------------------------------- frames with torn rows
+def marks_of(meta: dict, layout: list) -> int | None:
+    """The number of marks ``n`` when a frame carries torn marks (``meta["torn"] is True`` and its
+    last buffer is ``uint8`` of shape ``(n,)``: ``layout`` is ``[(dtype, shape), ...]``), else None."""
+    if meta.get("torn") is not True or not layout:
+        return None
+    dtype, shape = layout[-1][0], layout[-1][1]
+    if np.dtype(dtype) != np.uint8 or len(shape) != 1:
+        return None
+    return int(shape[0])
+
+
+def _kept(pieces: list, nbytes: int, rows: int, keep_lo: np.ndarray, keep_hi: np.ndarray, n: int):
+    """The bytes of one buffer (``pieces`` in order, ``nbytes`` in all, ``rows`` the leading dim)
+    without its marked rows when it has ``n`` rows; kept rows are ``[keep_lo[k], keep_hi[k])``."""
+    if rows != n or nbytes == 0 or n == 0:
+        yield from pieces
+        return
+    rb = nbytes // n
+    lo, hi = (keep_lo * rb).tolist(), (keep_hi * rb).tolist()
+    pos, k = 0, 0
+    for p in pieces:
+        m = p if type(p) is memoryview else memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
+        m = m.cast("B") if m.format != "B" or m.ndim != 1 else m
+        end = pos + m.nbytes
+        while k < len(lo) and lo[k] < end:
+            a, b = max(lo[k], pos), min(hi[k], end)
+            if a < b:
+                yield m[a - pos:b - pos]
+            if hi[k] <= end:
+                k += 1
+            else:
+                break
+        pos = end
+
+
+def masked_frame(head: list, buffers: list, marks: np.ndarray):
+    """The MAC input of a frame with torn marks, up to (not including) the marks themselves:
+    ``head`` (the header's and envelope's bytes), then for each of ``buffers`` — ``(padding,
+    pieces, nbytes, rows)`` in frame order, the marks' entry last — its padding and its bytes
+    without the rows ``marks`` sets (buffers of ``len(marks)`` rows only), and the marks' padding.
+    The shard's reseal and the receiver's check call it alike (see the module docstring)."""
+    n = int(marks.size)
+    keep = np.concatenate(([0], (marks == 0).view(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(keep))
+    lo, hi = edges[0::2], edges[1::2]
+    yield from head
+    for i, (pad, pieces, nbytes, rows) in enumerate(buffers):
+        if len(pad):
+            yield pad
+        if i == len(buffers) - 1:
+            return
+        yield from _kept(pieces, nbytes, rows, lo, hi, n)
