@@ -93,7 +93,7 @@ class Runner:
                               "trains on this machine; launcher=ray is gearflow.launchers.ray.train_on_ray)")  # fmt: skip
         self.run_dir = make_run_dir(cfg)
         self.resume = resume  # continue from the run directory's latest valid checkpoint
-        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, config=cfg)
         self.checkpoint: Checkpoint | None = None  # the one resumed from
         self.progress = Progress()
         # every role of the run, in build order: started, supervised, stopped and closed together
@@ -289,6 +289,8 @@ class Runner:
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
             metrics_log.write(summary)
+            if self.shards is not None and (lost := self.shards.lost()):  # the run went on without them
+                summary["transport/nodes_lost"] = lost
             unsaved = None
             if learner.checkpoints_on:  # SIGTERM/SIGINT included: resume continues here
                 try:
@@ -388,4 +390,13 @@ def train(cfg: DictConfig, resume: bool = False, stop: threading.Event | None = 
         summary["learner/updates"], summary["time/elapsed_s"], summary["actor/return_last100"],
         summary["actor/return_last100_greediest"],
     )  # fmt: skip
+    log_lost_nodes(summary)
     return summary
+
+
+def log_lost_nodes(summary: dict) -> None:
+    """One line per shard node that was down at the run's end (``transport/nodes_lost``): the run
+    went on without it and ended as it would have (exit status 0 when nothing else failed)."""
+    for address, why in (summary.get("transport/nodes_lost") or {}).items():
+        log.warning("lost shard node %s (%s): the run went on with the other node(s); its replay and actors "
+                    "were not part of the rest of the run", address, why)  # fmt: skip
