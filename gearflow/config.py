@@ -340,6 +340,16 @@ class ClusterConfig:
     """Data-parallel learners (``learner.world_size``), sampling every shard."""
     learner_gpus: float = 0.0
     """GPUs each learner asks Ray for (0: CPU learners; 1 with ``learner.device=cuda``)."""
+    shard_cpus: float = 1.0
+    """CPUs a shard node's service asks Ray for; its node must also hold its actor group's
+    ``actor.num_actors`` × ``cluster.actor_cpus`` (placement checks both before any role starts)."""
+    actor_cpus: float = 1.0
+    """CPUs each actor process of a node's actor group asks Ray for."""
+    learner_cpus: float = 1.0
+    """CPUs each learner asks Ray for."""
+    shard_resources: Dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources a shard node asks for (``{"shard_host": 1}`` keeps shards on the nodes
+    started with ``ray start --resources='{"shard_host": 1}'``)."""
     max_restarts: int = 3
     """Times Ray restarts a dead actor group before the run fails."""
 
