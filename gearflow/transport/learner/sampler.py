@@ -52,6 +52,8 @@ import numpy as np
 import torch
 
 from gearflow.kinds.registry import kind_from_dict
+from gearflow.replay.pacing import GlobalPacing
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter
 from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, key_shard, local_key, shard_key
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.selectors import check_priorities
@@ -83,6 +85,8 @@ class RemoteSampler:
         sampler.update_priorities(batch.keys, new_priorities)
     """
 
+    _pacing: GlobalPacing | None = None  # several shards: the rate limit kept over all of them (_setup)
+
     def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
                  timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto"):  # fmt: skip
         if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
@@ -108,6 +112,7 @@ class RemoteSampler:
         self._known = np.zeros(n, dtype=np.int64)  # tag of the reply the totals above come from
         self._tags = threading.Lock()
         self._stale = False  # a round failed: read the totals afresh before the next split
+        self._pacing = None
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self.torn = 0  # items the shards marked torn in their replies, redrawn here
@@ -129,6 +134,13 @@ class RemoteSampler:
                              f"global order over {n} shards, so their draws cannot be one table's; use "
                              f"{' or '.join(PROPORTIONAL_SELECTORS)}, or sample one shard")  # fmt: skip
         self.selector = SelectorInfo(first["selector"], first.get("importance_sampled", True))
+        if n > 1 and all("rate_limiter" in info for info in infos):
+            for i, info in enumerate(infos[1:], 1):
+                if info["rate_limiter"] != first["rate_limiter"]:
+                    raise ValueError(f"shard {i} ({self._clients[i].address_text}) limits its rate with "
+                                     f"{info['rate_limiter']}, shard 0 with {first['rate_limiter']}: several shards "
+                                     f"are paced as one table only with one rate limiter")  # fmt: skip
+            self._pacing = GlobalPacing(RateLimiter(**first["rate_limiter"]), [info["num_partitions"] for info in infos])
         if n > 1:
             self._refresh_totals()
 
@@ -151,22 +163,65 @@ class RemoteSampler:
         with self._tags:
             if tag > self._known[i]:
                 self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
+                if self._pacing is not None and "inserts" in meta:
+                    self._pacing.note(i, inserts=int(meta["inserts"]), samples=int(meta["samples"]),
+                                      deletes=int(meta["deletes"]), size=int(meta["size"]))  # fmt: skip
+
+    def _paces(self) -> list[dict]:
+        """Each shard's ``pace`` (its writers' insert limit, from the global pacing) for its next request."""
+        if self._pacing is None:
+            return [{} for _ in self._clients]
+        with self._tags:
+            limits = self._pacing.insert_limits()
+        return [{"pace": int(x)} for x in limits.tolist()]
 
     def _refresh_totals(self) -> None:
         """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
-        futs = [(i, *self._submit(i, "replay.total")) for i in range(len(self._clients))]
+        paces = self._paces()
+        futs = [(i, *self._submit(i, "replay.total", paces[i])) for i in range(len(self._clients))]
         for i, tag, f in futs:
             self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
         self._stale = False
 
     # ----------------------------------------------------------------- draws
-    def _request(self, batch_size: int, timeout_s: float) -> tuple:
+    def _in_flight(self) -> int:
+        """Items of the rounds requested ahead (drawn, or about to be, not yet counted here)."""
+        return sum(b for b, r in self._ahead if r is not None)
+
+    def _pace_wait(self, batch_size: int, timeout_s: float, wait: bool) -> bool:
+        """Whether the global pacing lets ``batch_size`` more items be drawn; ``wait``: block until
+        it does (reading every shard's counters afresh, which also sends each its insert limit),
+        up to ``timeout_s``, then :class:`RateLimiterTimeout`."""
+        pacing = self._pacing
+        if pacing is None:
+            return True
+        with self._tags:
+            ok = pacing.can_sample(batch_size, self._in_flight())
+        if ok or not wait:
+            return ok
+        deadline, delay = time.monotonic() + timeout_s, MAX_BACKOFF_S
+        while True:
+            self._refresh_totals()
+            with self._tags:
+                if pacing.can_sample(batch_size, self._in_flight()):
+                    return True
+                why = pacing.why_blocked(batch_size, self._in_flight())
+            if time.monotonic() > deadline:
+                raise RateLimiterTimeout(f"sample of {batch_size} blocked for {timeout_s:.1f} s {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _request(self, batch_size: int, timeout_s: float, wait: bool = True) -> tuple | None:
         """One round: the split ``q`` (each shard's share of every draw) and each shard's request;
         ``b_i ~ Multinomial(B, q)`` with ``q = T / ΣT`` over the newest totals; a shard given no
-        draw still reports its total (``replay.total``)."""
+        draw still reports its total (``replay.total``). Several shards: once the global pacing
+        lets it go (``wait=False``: None when it does not now), each request carrying its shard's
+        insert limit (``pace``)."""
         n = len(self._clients)
         if self._stale and n > 1:
             self._refresh_totals()
+        if not self._pace_wait(batch_size, timeout_s, wait):
+            return None
         if n == 1:
             q, split = np.ones(1), [batch_size]
         else:
@@ -178,8 +233,10 @@ class RemoteSampler:
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
-        parts = [(i, int(b), *(self._submit(i, "replay.sample", {**meta, "batch_size": int(b)}, timeout_s=timeout_s + self.timeout_s)
-                               if b else self._submit(i, "replay.total")))
+        paces = self._paces()
+        parts = [(i, int(b), *(self._submit(i, "replay.sample", {**meta, **paces[i], "batch_size": int(b)},
+                                            timeout_s=timeout_s + self.timeout_s)
+                               if b else self._submit(i, "replay.total", paces[i])))
                  for i, b in enumerate(split)]  # fmt: skip
         return q, parts
 
@@ -192,7 +249,8 @@ class RemoteSampler:
         while self._ahead and self._ahead[0][0] != batch_size:
             self._ahead.popleft()  # drawn for another batch size: dropped
         try:
-            q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
+            ahead = self._ahead.popleft()[1] if self._ahead else None  # None: not requested yet (paced)
+            q, parts = ahead if ahead is not None else self._request(batch_size, timeout_s)
             replies, drawn = [], np.empty(len(parts))
             for i, b, tag, fut in parts:
                 meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
@@ -205,8 +263,8 @@ class RemoteSampler:
             self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
             # the rounds ahead are requested after this round's replies: split by the totals they
             # carry (a change the shards saw reaches the split one round later, not two)
-            while len(self._ahead) < self.prefetch:
-                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
+            while len(self._ahead) < self.prefetch:  # None: the pacing holds it for now, requested when due
+                self._ahead.append((batch_size, self._request(batch_size, timeout_s, wait=False)))
         except BaseException:
             self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
             self._stale = True
@@ -232,7 +290,7 @@ class RemoteSampler:
         if not bad.size:
             return i, b, meta, bufs
         masses = bufs[1] * max(float(meta["total"]), 0.0)  # each item's mass at its draw
-        m = {"timeout_s": timeout_s}
+        m = {"timeout_s": timeout_s, **self._paces()[i]}  # a request without a pace unpaces the shard
         if self.selector.beta is not None:
             m["beta"] = float(self.selector.beta)
         deadline = time.monotonic() + timeout_s
