@@ -38,6 +38,14 @@ Uniform shards draw uniformly over the union (``P = 1/N``, weights 1). Ranked se
 (fifo, lifo, max/min heap, top_k) order the items of one table; no global order exists across
 shards, so a sampler over several refuses them (one shard: its own draw, passed through).
 ``prefetch`` rounds are requested ahead, from every shard in parallel.
+
+**One rate limiter over several shards** (:class:`~gearflow.replay.pacing.GlobalPacing`): a
+shard's own samples-per-insert limit cannot hold when its share of the draws follows its
+priority total, so over several shards the sampler keeps the shards' (common) rate limiter
+over their union: a round is requested once the union's counters — reported with every reply
+— allow it (a round ahead that is not allowed yet is requested when it is due), and every
+request carries the shard's insert limit (``pace``), its share of the union's room. The split
+is untouched: the draws stay one table's.
 """
 
 from __future__ import annotations

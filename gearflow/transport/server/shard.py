@@ -31,6 +31,12 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
   left the socket, since it reuses that buffer set.
 * ``replay.total`` — the total and count only (after a scan): a several-shard round's shard
   that was given no draw still reports them, so its share of the next split is current.
+* Pacing (a learner over several shards keeps one rate limiter over all of them,
+  :mod:`gearflow.replay.pacing`): ``replay.info`` names the rate limiter; every reply above
+  and ``replay.update_priorities`` / ``replay.stats`` carry the table's ``inserts``,
+  ``samples``, ``deletes`` and ``size``; a ``pace`` in ``replay.sample`` / ``replay.total`` is
+  the writers' insert limit (:meth:`Table.pace`: the table then samples whenever it holds an
+  item), and a ``replay.sample`` without one puts the table back on its own limiter.
 * ``replay.update_priorities`` (replies with the total and count it left), ``replay.stats``,
   ``replay.checkpoint`` (into the shard's ``checkpoint_dir``, by a plain name). ``replay.info``
   names the selector (and its ``alpha``): several shards sample as one table only with one.
