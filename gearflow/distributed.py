@@ -9,7 +9,7 @@ update to the same weights. Rank 0 publishes weights to the actors and writes ch
     if parallel is not None:
         parallel.init()            # rendezvous at learner.dist_address (gloo on CPU, NCCL on CUDA)
         parallel.setup(agent)      # rank 0's learner state everywhere; gradient averaging hooks
-    learner = Learner(cfg, agent, table, params, progress, ..., parallel=parallel)
+    learner = Learner(cfg.learner, agent, table, params, progress, run=cfg.run, ..., parallel=parallel)
     learner.run(batches.next_batch)   # learns only when every rank has a batch; stops together
     parallel.close()
 

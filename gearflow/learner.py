@@ -5,7 +5,7 @@ write-back, β schedule, weight publishing, metric rows, stop limits, periodic c
 (:class:`~gearflow.replay.protocols.SamplerLike`: ``sample`` / ``update_priorities`` /
 ``stats``) and publishes through the parameter store; it does not know where actors run::
 
-    learner = Learner(cfg, agent, table, params, progress, env_steps=lambda: ...)
+    learner = Learner(cfg.learner, agent, table, params, progress, run=cfg.run, env_steps=lambda: ...)
     batches = Prefetcher(table, learner.lock, cfg.learner.batch_size, cfg.learner.prefetch, stop)
     reason = learner.run(batches.next_batch, between=supervise, emit=metrics.write)
 
@@ -32,8 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from gearflow.run.checkpoint import RunCheckpoints, rng_states
-from gearflow.config import parse_period, to_yaml
-from gearflow.run.private import redacted
+from gearflow.config import parse_period
 from gearflow.replay.protocols import SamplerLike
 
 if TYPE_CHECKING:
@@ -219,12 +218,15 @@ class Learner:
     ``actor_version()`` the oldest weights version an actor acts with. ``parallel``: this
     learner's data-parallel group (None: the only learner)."""
 
-    def __init__(self, cfg: DictConfig, agent, table: SamplerLike, params, progress: Progress, *,
-                 env_steps: Callable[[], int], actor_version: Callable[[], int],
+    def __init__(self, learner: DictConfig, agent, table: SamplerLike, params, progress: Progress, *,
+                 run: DictConfig, env_steps: Callable[[], int], actor_version: Callable[[], int],
                  checkpoints: Optional[RunCheckpoints] = None, beta: Optional[BetaSchedule] = None,
                  device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None,
                  parallel: Optional["DataParallel"] = None):  # fmt: skip
-        self.cfg, self.agent, self.table, self.params, self.progress = cfg, agent, table, params, progress
+        # its own groups only: ``learner`` (batch, publishing, bf16) and ``run`` (limits, logging,
+        # checkpoints); the checkpoints record the run's whole config themselves
+        self.learner_cfg, self.run_cfg = learner, run
+        self.agent, self.table, self.params, self.progress = agent, table, params, progress
         if parallel is not None:  # the ranks' highest count (each misses what a killed shard took with it)
             own = env_steps
             env_steps = lambda: max(own(), parallel.env_steps)
@@ -235,10 +237,10 @@ class Learner:
         self.stop = stop if stop is not None else threading.Event()  # set: the run stops (signals)
         self._pending_tokens = None  # tensor: valid steps learned from since the last row
         self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
-        self._checkpoint_period = parse_period(cfg.run.checkpoint_every)
+        self._checkpoint_period = parse_period(run.checkpoint_every)
         self._last_checkpoint = (time.monotonic(), progress.updates)
         self.metric_offsets: Callable[[], dict[str, int]] = dict  # where a resume continues the metric files
-        if cfg.learner.bf16 and not getattr(agent, "bf16", False):  # the agent applies bf16 itself
+        if learner.bf16 and not getattr(agent, "bf16", False):  # the agent applies bf16 itself
             log.warning("learner.bf16=true, but agent %s does not say it runs its forward passes in bf16 (no "
                         "true 'bf16' attribute): it learns in fp32; see docs/custom_agent.md, 'bf16'",
                         type(agent).__module__)  # fmt: skip
@@ -271,7 +273,7 @@ class Learner:
         release = getattr(batch, "release", None)  # every read of the batch is queued on this stream:
         if release is not None:  # the GPU path may refill its buffers once the stream passes here
             release()
-        if p.updates % self.cfg.learner.publish_every == 0 and self.publisher:
+        if p.updates % self.learner_cfg.publish_every == 0 and self.publisher:
             self.params.publish(self.agent.learner_network())
         if self.beta is not None:
             self.table.selector.beta = self.beta(self.env_steps())
@@ -318,7 +320,7 @@ class Learner:
     # ------------------------------------------------------------------ the loop
     def done(self) -> str:
         """Why the run stops now ("" while it goes on): a signal or a ``run.*`` limit."""
-        r, p = self.cfg.run, self.progress
+        r, p = self.run_cfg, self.progress
         if self.stop.is_set():
             return "stopped by signal"
         if r.max_env_steps and self.env_steps() >= r.max_env_steps:
@@ -345,7 +347,7 @@ class Learner:
         reason; a rank stopped by another's reason returns "stopped with the other learners".
         ``env_steps()`` is then the ranks' highest count as of the last agree, or this rank's own
         if higher."""
-        p, every = self.progress, self.cfg.run.log_every_s
+        p, every = self.progress, self.run_cfg.log_every_s
         self._last_checkpoint = (time.monotonic(), p.updates)
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
         last_samples, last_tokens = p.samples, p.tokens
@@ -395,11 +397,10 @@ class Learner:
             "weights_version": self.params.latest_version(),
             "progress": self.progress.state(now),
             "metric_offsets": metric_offsets if metric_offsets is not None else self.metric_offsets(),
-            "config": to_yaml(redacted(self.cfg)),  # never the secret
         }
         learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
         with self.lock:  # the prefetcher samples under the same lock
-            table = self.table if self.cfg.run.checkpoint_replay else None
+            table = self.table if self.run_cfg.checkpoint_replay else None
             path = self.checkpoints.save(self.progress.updates, learner_state, runner_state, table)
         self._last_checkpoint = (time.monotonic(), self.progress.updates)
         log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)

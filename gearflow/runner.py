@@ -93,7 +93,7 @@ class Runner:
                               "trains on this machine; launcher=ray is gearflow.launchers.ray.train_on_ray)")  # fmt: skip
         self.run_dir = make_run_dir(cfg)
         self.resume = resume  # continue from the run directory's latest valid checkpoint
-        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=cfg.run.keep_checkpoints, config=cfg)
         self.checkpoint: Checkpoint | None = None  # the one resumed from
         self.progress = Progress()
         # every role of the run, in build order: started, supervised, stopped and closed together

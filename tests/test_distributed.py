@@ -219,7 +219,7 @@ def _run_loop(rank, world, port, out: Path):
     try:
         parallel.setup(agent)
         own_steps = lambda: 10 * iterations[0] + 5 * rank  # rank 1 counts 5 more
-        learner = Learner(cfg, agent, table, params, Progress(), env_steps=own_steps, actor_version=lambda: 0,
+        learner = Learner(cfg.learner, agent, table, params, Progress(), run=cfg.run, env_steps=own_steps, actor_version=lambda: 0,
                           parallel=parallel)  # fmt: skip
         reason, _ = learner.run(next_batch, between=between, emit=rows.append)
         torch.save({"reason": reason, "env_steps": learner.env_steps(), "own_steps": own_steps(), "updates": learner.progress.updates, "learned": table.learned,
@@ -299,7 +299,7 @@ def _run_on_replay(rank, world, port, out: Path, num_buffers: int):
     try:
         parallel.setup(agent)
         version0 = params.publish(agent.learner_network())
-        learner = Learner(cfg, agent, table, params, Progress(), env_steps=lambda: 0, actor_version=lambda: 0,
+        learner = Learner(cfg.learner, agent, table, params, Progress(), run=cfg.run, env_steps=lambda: 0, actor_version=lambda: 0,
                           parallel=parallel)  # fmt: skip
         prefetcher = Prefetcher(table, learner.lock, B, cfg.learner.prefetch, stop)
         dry = (lambda i: i % 3 == 2) if rank == 0 else (lambda i: 5 <= i < 12)
@@ -350,7 +350,7 @@ def test_only_rank_0_writes_checkpoints():
 
     cfg = load_config(CONFIG, ["run.checkpoint_every=1"])
     parallel = {r: DataParallel(r, 2, "127.0.0.1:1", "gloo") for r in range(2)}  # not joined: nothing needs it
-    learners = {r: Learner(cfg, None, RecordingTable(), RecordingParams(), Progress(), env_steps=lambda: 0,
+    learners = {r: Learner(cfg.learner, None, RecordingTable(), RecordingParams(), Progress(), run=cfg.run, env_steps=lambda: 0,
                            actor_version=lambda: 0, parallel=parallel[r]) for r in range(2)}  # fmt: skip
     for learner in learners.values():
         learner.progress.updates = 5

@@ -94,11 +94,11 @@ def test_bf16_with_an_agent_that_does_not_apply_it_is_said(caplog):
 
     cfg = load_config(None, ["learner.bf16=true"])
     with caplog.at_level("WARNING", logger="gearflow.runner"):
-        Learner(cfg, SimpleNamespace(), None, None, Progress(), env_steps=lambda: 0, actor_version=lambda: 0)
+        Learner(cfg.learner, SimpleNamespace(), None, None, Progress(), run=cfg.run, env_steps=lambda: 0, actor_version=lambda: 0)
     assert "does not say it runs its forward passes in bf16" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="gearflow.runner"):
-        Learner(cfg, SimpleNamespace(bf16=True), None, None, Progress(), env_steps=lambda: 0, actor_version=lambda: 0)
+        Learner(cfg.learner, SimpleNamespace(bf16=True), None, None, Progress(), run=cfg.run, env_steps=lambda: 0, actor_version=lambda: 0)
     assert "bf16" not in caplog.text
 
 

@@ -151,7 +151,7 @@ def test_the_first_row_after_a_resume_has_no_policy_lag_yet(tmp_path):
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.create({"learner": {"bf16": False}, "run": {"checkpoint_every": "0"}})
-        learner = Learner(cfg, object(), NoStats(), params, progress, env_steps=lambda: 0,
+        learner = Learner(cfg.learner, object(), NoStats(), params, progress, run=cfg.run, env_steps=lambda: 0,
                           actor_version=progress.actor_weights_version)  # fmt: skip
         row = learner.snapshot({})
         assert np.isnan(row["actor/policy_lag"]) and " lag - " in log_line(row)

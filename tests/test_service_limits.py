@@ -333,9 +333,9 @@ def test_reports_are_checked_and_bounded_by_what_the_actor_wrote(caplog):
     from gearflow.learner import Progress
     from gearflow.reports import fold_report
 
-    written = {"episodes": 2}
+    written = {"actor/episodes": 2, "actor/env_steps": 40, "actor/items": 38, "actor/weight_version": 3}
     q: queue.Queue = queue.Queue()
-    members = Members("", {0: [0, 1]}, q, threading.Event(), episodes_written=lambda parts: written["episodes"])
+    members = Members("", {0: [0, 1]}, q, threading.Event(), written=lambda parts: dict(written))
     conn = _Conn(0)
 
     def episode(ret):
@@ -353,9 +353,17 @@ def test_reports_are_checked_and_bounded_by_what_the_actor_wrote(caplog):
     members.report({"messages": [episode(500.0) for _ in range(100)]}, [], conn)
     got = [q.get_nowait() for _ in range(q.qsize())]
     assert len(got) == 2 and all(m["actor"] == 0 for m in got)
-    written["episodes"] = 5  # its writes catch up: three more pass at its next report
+    written["actor/episodes"] = 5  # its writes catch up: three more pass at its next report
     members.report({"messages": []}, [], conn)
     assert q.qsize() == 3
+    [q.get_nowait() for _ in range(3)]
+    # counters past what its partitions hold (and weights the learner never published) are capped
+    members.report({"messages": [{"type": "counters", "actor/env_steps": 10**15, "actor/episodes": 10**9,
+                                  "actor/items": 7, "actor/weight_version": 10**17, "actor/env_steps_per_s": 99.5}]},
+                   [], conn)  # fmt: skip
+    c = q.get_nowait()
+    assert (c["actor/env_steps"], c["actor/episodes"], c["actor/items"], c["actor/weight_version"]) == (40, 5, 7, 3)
+    assert c["actor"] == 0 and c["actor/env_steps_per_s"] == 99.5
     # an error report's lines are indented in the log: none can pose as a log line of its own
     progress = Progress()
     with caplog.at_level(logging.ERROR):

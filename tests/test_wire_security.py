@@ -21,6 +21,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -529,3 +530,41 @@ def test_an_actor_credential_writes_only_the_partitions_of_its_joined_place(make
             w = RemoteWriter(("127.0.0.1", shard.port), num_streams=2, token=TOKEN, partitions=[2, 3], timeout_s=10)
             assert w.partitions.tolist() == [2, 3]  # the learner's secret is not bound to places
             w.close()
+
+
+def test_a_place_stays_bound_to_the_actor_name_that_first_joined_it(make_table):
+    """A remote actor place joined under an actor credential's name is that name's for the run:
+    when its connection drops, the same name gets it back on rejoin and another name cannot
+    take it (it is given a free place of its own, or a clear refusal when none is left)."""
+    import multiprocessing as mp
+    import queue
+
+    from gearflow.launchers.remote import Members
+    from gearflow.transport.server.shard import ShardService
+
+    table = make_table(spec={"obs": "float32[3]"}, P=4, S=64)
+    members = Members("cfg: 1", {0: [0, 1], 1: [2, 3]}, queue.Queue(), mp.Event())
+    a, b, c = (auth.actor_credential(TOKEN, n) for n in ("box-a", "box-b", "box-c"))
+    with ShardService(table, token=TOKEN, learners=False) as shard:
+        shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
+        addr = ("127.0.0.1", shard.port)
+
+        def join(token, actor=None):
+            with Client(addr, token, timeout_s=10) as control:
+                return control.call("run.join", {"actor": actor})[0]["actor"]
+
+        def wait_free():  # the server sees the closed connection (its on_close frees the place)
+            while members.joined:
+                time.sleep(0.01)
+
+        assert join(b, 1) == 1  # box-b holds place 1, then drops
+        wait_free()
+        with pytest.raises(ValueError, match="bound to actor credential 'box-b'"):
+            join(a, 1)
+        assert join(a) == 0  # box-a: the free place no other name holds
+        wait_free()
+        assert join(b) == 1 and join(a) == 0  # each name gets its own place back
+        wait_free()
+        with pytest.raises(ValueError, match="no remote actor place is free for actor credential .box-c.: the free ones are bound to names 0: box-a, 1: box-b"):
+            join(c)
+        assert join(TOKEN, 1) == 1  # the learner's secret is not bound to names

@@ -50,7 +50,7 @@ from omegaconf import DictConfig
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
-from gearflow.replay.storage import EPISODES
+from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
 
 log = logging.getLogger("gearflow.runner")
@@ -183,14 +183,19 @@ class RemoteActors:
 class Members:
     """``run.join`` / ``run.report`` of the shard process: places of remote actors."""
 
-    def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event, episodes_written=None):
+    def __init__(self, cfg_yaml: str, partitions: dict[int, list[int]], reports, stop_event, written=None):
         self.cfg_yaml, self.partitions, self.reports, self.stop_event = cfg_yaml, partitions, reports, stop_event
         self.joined: dict[int, str] = {}  # actor index -> peer
         self.names: dict[int, str] = {}  # actor index -> the actor credential's name that joined it
+        # actor index -> the credential name that first joined it, for the whole run: that name
+        # gets the place back when it rejoins, and no other actor credential can take it
+        self.bound: dict[int, str] = {}
         self.lock = threading.Lock()
-        # ``episodes_written(partitions)``: episodes those partitions hold (the storage counters); an
-        # actor's episode reports past that wait (at most MAX_REPORTS) until its writes catch up
-        self.episodes_written = episodes_written
+        # ``written(partitions)``: what those partitions hold, from the storage counters and the
+        # parameter store (:func:`written_in`): ``actor/episodes``, ``actor/env_steps``,
+        # ``actor/items``, ``actor/weight_version``. An actor's episode reports past its episodes
+        # wait (at most MAX_REPORTS) until its writes catch up; its counters are capped by them
+        self.written = written
         self.reported: dict[int, int] = {}  # actor -> episode reports passed on
         self.held: dict[int, list] = {}  # actor -> episode reports ahead of its writes
 
@@ -212,19 +217,30 @@ class Members:
                 raise ValueError(f"this connection holds remote actor {mine}'s place; it cannot join as actor {want}")
             self.reports.put({"type": "joined", "actor": mine, "peer": str(conn.peer)})
             return {"actor": mine, "partitions": self.partitions[mine], "config": self.cfg_yaml}, []
+        name = conn.actor_name if conn.role == "actor" else ""
         with self.lock:
             free = [a for a in sorted(self.partitions) if a not in self.joined]
+            if name:  # an actor credential: the place its name held before, else one no other name holds
+                free = sorted((a for a in free if self.bound.get(a, name) == name), key=lambda a: a not in self.bound)
             if want is not None:
-                if want not in free:
+                if want in self.joined:
                     raise ValueError(f"remote actor {want} is already joined (from {self.joined[want]})")
+                if want not in free:
+                    raise ValueError(f"remote actor {want}'s place is bound to actor credential {self.bound[want]!r}: "
+                                     "a place stays with the name that first joined it (join with that name's credential)")
                 actor = want
             elif free:
                 actor = free[0]
-            else:
+            elif len(self.joined) == len(self.partitions):
                 raise ValueError(f"all {len(self.partitions)} remote actor places are taken "
                                  f"({', '.join(f'{a}: {p}' for a, p in sorted(self.joined.items()))})")  # fmt: skip
+            else:
+                raise ValueError(f"no remote actor place is free for actor credential {name!r}: the free ones are bound "
+                                 f"to names {', '.join(f'{a}: {n}' for a, n in sorted(self.bound.items()))}")  # fmt: skip
             self.joined[actor] = str(conn.peer)
-            self.names[actor] = conn.actor_name if conn.role == "actor" else ""
+            self.names[actor] = name
+            if name:
+                self.bound[actor] = name
         conn.state["actor"] = actor
         conn.on_close(lambda: self._left(actor))
         self.reports.put({"type": "joined", "actor": actor, "peer": str(conn.peer)})
@@ -247,11 +263,11 @@ class Members:
         msgs = [check_report(m) for m in msgs]  # every field checked before any is passed on
         for m in msgs:
             m["actor"] = actor  # a connection reports for the place it joined, nothing else
-            if m["type"] == "episode" and self.episodes_written is not None:
+            if m["type"] == "episode" and self.written is not None:
                 self._episode(actor, m)
             else:
-                self.reports.put(m)
-        if self.episodes_written is not None:
+                self.reports.put(self._capped(actor, m) if m.get("type") == "counters" else m)
+        if self.written is not None:
             self._episode(actor, None)
         return {"stop": self.stop_event.is_set()}, []
 
@@ -265,12 +281,40 @@ class Members:
             held.append(m)
         if not held:
             return
-        room = int(self.episodes_written(self.partitions[actor])) - self.reported.get(actor, 0)
+        room = int(self.written(self.partitions[actor])["actor/episodes"]) - self.reported.get(actor, 0)
         take = held[:max(room, 0)]
         del held[:len(take)]
         self.reported[actor] = self.reported.get(actor, 0) + len(take)
         for e in take:
             self.reports.put(e)
+
+
+    def _capped(self, actor: int, m: dict) -> dict:
+        """``actor``'s counters, each of ``written``'s capped by what its partitions hold: a
+        connection cannot claim more steps, episodes or items than it wrote, nor weights newer
+        than the learner published (an honest actor's counters only lag behind them)."""
+        if self.written is None:
+            return m
+        for k, most in self.written(self.partitions[actor]).items():
+            v = m.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > most:
+                m[k] = int(most)
+        return m
+
+
+def written_in(counters, params=None) -> Callable[[list[int]], dict[str, int]]:
+    """``Members``' ``written``: what partitions hold, from a storage's ``counters`` (and the
+    newest weights version of ``params``, a parameter store, when given)."""
+
+    def written(parts: list[int]) -> dict[str, int]:
+        c = counters[parts]
+        out = {"actor/episodes": int(c[:, EPISODES].sum()), "actor/env_steps": int(c[:, COMMIT].sum()),
+               "actor/items": int(c[:, PUBLISHED].sum())}  # fmt: skip
+        if params is not None:
+            out["actor/weight_version"] = int(params.latest_version())
+        return out
+
+    return written
 
 
 def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, partitions: dict[int, list[int]],
@@ -297,7 +341,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
                                selector=SimpleNamespace(name=selector, importance_sampled=weighted),
                                size=0, stats=lambda: _storage_stats(storage))  # fmt: skip
         members = Members(cfg_yaml, partitions, reports, stop_event,
-                          episodes_written=lambda parts: int(storage.counters[parts, EPISODES].sum()))  # fmt: skip
+                          written=written_in(storage.counters, params))  # fmt: skip
         every = sorted(p for parts in partitions.values() for p in parts)
         from omegaconf import OmegaConf
 

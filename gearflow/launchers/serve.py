@@ -146,18 +146,15 @@ class ShardNode:
 
     def _build_service(self, remote: dict[int, list[int]]) -> None:
         from gearflow.config import to_yaml
-        from gearflow.launchers.remote import Members
+        from gearflow.launchers.remote import Members, written_in
         from gearflow.run.private import redacted
         from gearflow.run.tables import env_steps_in
         from gearflow.transport.server.node import NodeService
         from gearflow.transport.service import service_limits
 
         t, table = self.cfg.transport, self.table
-        from gearflow.replay.storage import EPISODES
-
-        counters = table.storage.counters
         members = Members(to_yaml(redacted(self.cfg)), remote, self.relay, self.stop_event,
-                          episodes_written=lambda parts: int(counters[parts, EPISODES].sum())) if remote else None  # fmt: skip
+                          written=written_in(table.storage.counters, self.params)) if remote else None  # fmt: skip
         self.server = NodeService(table, self.params, self._template, relay=self.relay,
                                   env_steps=lambda: env_steps_in(table), stop_event=self.stop_event,
                                   on_stop=self._stopped_by, num_actors=self.geom.num_actors,

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.run.private import private_dir
+from gearflow.run.private import private_dir, redacted
 from gearflow.replay.checkpoint import (
     CheckpointError,
     check_manifest,
@@ -145,8 +145,11 @@ def _save_torch(obj: Any, f) -> None:
 class RunCheckpoints:
     """The ``checkpoints`` directory of a run: atomic saves, rotation, newest-valid loading."""
 
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = 3, config=None):
         self.dir, self.keep = Path(directory), int(keep)
+        # the run's config (a DictConfig): each save records it, redacted, in runner.json's
+        # "config" (read at save time: what the run holds then), which a resume and eval rebuild from
+        self.config = config
 
     def paths(self) -> list[Path]:
         """Complete-looking checkpoint directories, newest (most updates) first."""
@@ -173,6 +176,10 @@ class RunCheckpoints:
         try:
             with open(tmp / "learner.pt", "wb") as f:  # a full disk is an OSError (a path: RuntimeError)
                 _save_torch(learner, f)
+            if self.config is not None and "config" not in runner:
+                from gearflow.config import to_yaml
+
+                runner = {**runner, "config": to_yaml(redacted(self.config))}  # never the secret
             (tmp / "runner.json").write_text(json.dumps(runner, indent=1))
             extra = []
             if table is not None:

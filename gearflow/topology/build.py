@@ -137,7 +137,7 @@ class Builder:
         beta = None
         if sampler.selector.importance_sampled and cfg.run.max_env_steps:
             beta = BetaSchedule(float(cfg.replay.beta), int(cfg.run.max_env_steps))
-        return Learner(cfg, agent, sampler, params, progress, beta=beta, **kwargs)
+        return Learner(cfg.learner, agent, sampler, params, progress, run=cfg.run, beta=beta, **kwargs)
 
     def data_parallel(self, device: torch.device, agent):
         """This learner's data-parallel group (``learner.world_size > 1``), joined and set up."""

@@ -6,7 +6,7 @@ and run the actors. The runner plugs three pieces of :class:`RemoteShards` where
 table, parameter store and launcher would go::
 
     shards = RemoteShards(cfg, agent)       # connects, checks the nodes hold the agent's items
-    learner = Learner(cfg, agent, shards.sampler, shards.params, progress, env_steps=shards.env_steps, ...)
+    learner = Learner(cfg.learner, agent, shards.sampler, shards.params, progress, run=cfg.run, env_steps=shards.env_steps, ...)
     shards.poll(progress)                   # between batches: the nodes' episodes and counters
     shards.end_run("reached run.max_env_steps")   # the publishing learner: the nodes stop and exit
 
