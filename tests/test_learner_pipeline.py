@@ -139,8 +139,9 @@ def test_the_stop_rule_reads_the_greediest_actor_that_is_acting():
     for _ in range(100):
         p.add_episode(0, 480.0)  # acting now, and good
         p.add_episode(1, 10.0)  # the greediest index
-    learner = Learner(load_config(None, ["run.stop_at_return=475"]), SimpleNamespace(), None, None, p,
-                      env_steps=lambda: 0, actor_version=lambda: 0)  # fmt: skip
+    cfg = load_config(None, ["run.stop_at_return=475"])
+    learner = Learner(cfg.learner, SimpleNamespace(), None, None, p, run=cfg.run, env_steps=lambda: 0,
+                      actor_version=lambda: 0)  # fmt: skip
     assert learner.done() == "" and p.greediest() == 1  # both acting: actor 1 is the one read
     now = time.monotonic()
     p.saw(1, now - 2 * ACTING_S)  # actor 1 stalled: nothing from it for twice the window
