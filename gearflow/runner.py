@@ -289,6 +289,8 @@ class Runner:
             summary["stop_reason"] = reason
             before_summary = metrics_log.offsets()  # a resumed run drops the summary row: no repeated step
             metrics_log.write(summary)
+            if self.shards is not None and (lost := self.shards.lost()):  # the run went on without them
+                summary["transport/nodes_lost"] = lost
             unsaved = None
             if learner.checkpoints_on:  # SIGTERM/SIGINT included: resume continues here
                 try:
@@ -388,4 +390,13 @@ def train(cfg: DictConfig, resume: bool = False, stop: threading.Event | None = 
         summary["learner/updates"], summary["time/elapsed_s"], summary["actor/return_last100"],
         summary["actor/return_last100_greediest"],
     )  # fmt: skip
+    log_lost_nodes(summary)
     return summary
+
+
+def log_lost_nodes(summary: dict) -> None:
+    """One line per shard node that was down at the run's end (``transport/nodes_lost``): the run
+    went on without it and ended as it would have (exit status 0 when nothing else failed)."""
+    for address, why in (summary.get("transport/nodes_lost") or {}).items():
+        log.warning("lost shard node %s (%s): the run went on with the other node(s); its replay and actors "
+                    "were not part of the rest of the run", address, why)  # fmt: skip

@@ -196,6 +196,7 @@ VALIDATION_CASES = [
     (["transport.limits.max_batch=0"], "transport.limits.max_batch", "must be ≥ 1"),
     (["transport.limits.max_reply_bytes=-1"], "transport.limits.max_reply_bytes", "must be ≥ 1"),
     (["transport.limits.max_frame_bytes=1000"], "transport.limits.max_frame_bytes", "must be ≥ 65568 (a header and an envelope)"),
+    (["transport.node_timeout_s=-1"], "transport.node_timeout_s", "must be a finite number of seconds ≥ 0 (0: max(30, replay.timeout_s))"),
     (["transport.limits.auth_timeout_s=0"], "transport.limits.auth_timeout_s", "must be a finite number of seconds > 0"),
     (["transport.limits.max_wait_s=inf"], "transport.limits.max_wait_s", "must be a finite number of seconds > 0"),
     (["transport.limits.refusal_log_interval_s=-1"], "transport.limits.refusal_log_interval_s", "must be a finite number of seconds > 0"),

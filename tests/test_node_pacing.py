@@ -50,7 +50,7 @@ def test_a_restarted_node_catches_up_and_no_actor_dies(tmp_path):
     the nodes' env steps are within 2× of each other, over the whole run and since the restart,
     and no actor died of the rate limiter (none restarted). Today's code (each node's own
     limiter): 19,554 vs 4,488 env steps, 1,428 after the restart against 16,206."""
-    common = ["replay.samples_per_insert=8", "replay.error_buffer=2000", "actor.ladder_total=2"]
+    common = ["replay.samples_per_insert=8", "replay.error_buffer=2000", "replay.timeout_s=15", "actor.ladder_total=2"]
     n0, a0 = _serve(tmp_path, "n0", "actor.ladder_offset=0", *common)
     n1, a1 = _serve(tmp_path, "n1", "actor.ladder_offset=1", *common)
     nodes = [n0, n1]
@@ -95,7 +95,8 @@ def test_a_restarted_node_catches_up_and_no_actor_dies(tmp_path):
     print(f"env steps: node 0 {node0}, node 1 {node1} ({before} before its restart, {after1} after; "
           f"node 0 made {after0} meanwhile)")
     errs = "".join((tmp_path / f"{n}.err").read_text() for n in ("n0", "n1", "n1b", "learner"))
-    assert "RateLimiterTimeout" not in errs and "blocked for" not in errs
+    # no actor died of its rate limiter, nor paused on an insert held past replay.timeout_s
+    assert "RateLimiterTimeout" not in errs and "blocked for" not in errs and "paused" not in errs
     assert summary["actor/restarts"] == 0
     assert summary["actor/env_steps"] >= MAX_STEPS
     assert max(node0, node1) <= 2 * min(node0, node1), (node0, node1)

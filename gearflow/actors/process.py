@@ -54,6 +54,28 @@ class _OrphanGuard:
         return self._event.is_set() or os.getppid() != self._parent
 
 
+class _Paused:
+    """``Writer.hold`` of an actor process: an insert the rate limiter held past ``replay.timeout_s``
+    means no learner samples this table (a shard node between learners, a learner resuming or
+    checkpointing). Killing the actor would not bring one back and would spend a restart
+    (``actor.max_restarts``), so it pauses, as a Reverb writer's insert blocks: logged once per
+    pause (and every 10 minutes of it); it goes on the moment sampling makes room, and a stop
+    (``Writer.abort``) still ends the wait."""
+
+    def __init__(self, actor_index: int):
+        self.actor_index = actor_index
+        self._said = self._last = -1.0
+
+    def __call__(self, held_s: float) -> bool:
+        new_pause = held_s <= self._last  # within one pause held_s only grows
+        self._last = held_s
+        if self._said < 0 or new_pause or held_s - self._said >= 600:
+            log.warning("actor %d paused: its insert has been held %.0f s by the rate limiter (no learner is "
+                        "sampling this replay); it waits for one", self.actor_index, held_s)  # fmt: skip
+            self._said = held_s
+        return True
+
+
 def actor_process_main(*args) -> None:
     """The spawn target of a local actor process: :func:`run_actor_process`, exiting 1 after an error it
     reported (the launcher logs the report once; multiprocessing would print the traceback again)."""
@@ -123,6 +145,7 @@ def run_actor_process(
             })  # fmt: skip
 
         actor = make_actor(cfg, actor_index, agent, env, storage, partitions, params, on_episode=on_episode)
+        actor.writer.hold = _Paused(actor_index)  # no learner sampling: the actor waits, its restarts untouched
         last = {"t": time.monotonic(), "steps": 0}
 
         def on_tick(a: ActorBase) -> None:

@@ -26,8 +26,11 @@ is hard-coded. Each node's actors get their slice of the run's Ape-X ε ladder
 The run ends when the learners end it (rank 0's ``run.stop`` stops the shards); the driver
 then removes every role and, if it started Ray, shuts it down.
 
-A shard role is not restarted (its table is the node's replay: a lost node fails the run, whose
-learner checkpoints let ``--resume`` continue with fresh nodes).
+A shard role killed on a live node is restarted by Ray on its port with a fresh table. A node
+whose host dies is marked down by the learners after one ``transport.node_timeout_s``
+(:mod:`gearflow.transport.learner.health`): they train on the survivors, and the driver ends
+with rank 0's summary (``cluster/nodes_lost``) and one line naming the lost node, exit status 0
+when the run otherwise completed.
 """
 
 from __future__ import annotations
@@ -368,7 +371,7 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         if on_started is not None:
             on_started({"shards": shards, "groups": groups, "learners": learners})
         summaries = _wait_learners(ray, runs)
-        node_summaries = ray.get(waits, timeout=60)
+        node_summaries = _wait_nodes(ray, waits, [i["address"] for i in infos])
         restarts = ray.get(registry.restarts.remote())
     finally:
         for g in groups:
@@ -383,7 +386,10 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001
                 log.debug("shard close: %s", exc)
         for h in [*groups, *shards, *learners, *([registry] if registry is not None else [])]:
-            ray.kill(h, no_restart=True)
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - a role of a lost node is already gone
+                log.debug("ray.kill: %s", exc)
         if started:
             ray.shutdown()
     summary = run_summary(summaries, node_summaries, restarts, S, K)
@@ -407,8 +413,32 @@ def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dic
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
     summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
-    summary["cluster/node_env_steps"] = [n["actor/env_steps"] for n in node_summaries]
+    summary["cluster/node_env_steps"] = [n.get("actor/env_steps") for n in node_summaries]
+    lost = {n["address"]: n["lost"] for n in node_summaries if n.get("lost")}
+    if lost:
+        summary["cluster/nodes_lost"] = lost
     return summary
+
+
+def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0) -> list[dict]:
+    """Each shard node's summary once the learners ended the run; a node that is gone (its host
+    died: Ray cannot restart its shard there) or does not end within ``timeout_s`` is a summary
+    ``{"address", "lost": why}`` and one warning line, never the run's error: the learners went on
+    without it and their summary stands."""
+    ready, _ = ray.wait(waits, num_returns=len(waits), timeout=timeout_s)
+    out = []
+    for i, (w, address) in enumerate(zip(waits, addresses)):
+        why = f"it did not end within {timeout_s:.0f} s of the learners"
+        if w in ready:
+            try:
+                out.append(ray.get(w))
+                continue
+            except Exception as exc:  # noqa: BLE001 - ActorDiedError, ActorUnschedulableError, ...
+                cause = getattr(exc, "cause", None) or exc
+                why = f"{type(exc).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"[:300]
+        log.warning("ray: lost shard node %d at %s (%s); the learners went on without it", i, address, why)
+        out.append({"address": address, "lost": why, "actor/env_steps": None})
+    return out
 
 
 def learner_gpus(cfg: DictConfig, cluster_gpus: float) -> float:

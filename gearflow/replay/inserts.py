@@ -6,7 +6,9 @@ The table publishes in its segment's header how many items writers may have publ
 ratio); a writer about to publish ``m`` items compares it with the partitions' PUBLISHED total
 and, while it is reached, sleeps with a capped backoff, re-reading the header: until the limit
 moves, the table is closed (:class:`TableClosed`), the writer's ``abort()`` says stop
-(:class:`InsertAborted`) or ``timeout_s`` passes (:class:`RateLimiterTimeout`).
+(:class:`InsertAborted`) or ``timeout_s`` passes (:class:`RateLimiterTimeout`). With ``hold``,
+a wait past ``timeout_s`` calls ``hold(seconds_held)`` instead; while it returns True the insert
+waits on (Reverb's blocking insert: an actor whose learner is away pauses, it is not killed).
 
     wait_for_insert(storage, m, timeout_s=60.0, abort=stop_event.is_set)   # then publish m items
 """
@@ -34,14 +36,16 @@ class InsertAborted(GearflowError):
     """A blocked insert gave up because ``Writer.abort()`` said the writer should stop."""
 
 
-def wait_for_insert(storage: SharedStorage, m: int, timeout_s: float, abort: Callable[[], bool] | None) -> None:
+def wait_for_insert(storage: SharedStorage, m: int, timeout_s: float, abort: Callable[[], bool] | None,
+                    hold: Callable[[float], bool] | None = None) -> None:
     """Return once the table's insert limit takes ``m`` more items (at once in the usual case:
     no limit, or room); see the module docstring for how it gives up."""
     header, counters = storage.header, storage.counters
     limit = int(header[H_INSERT_LIMIT])
     if limit == NO_LIMIT or counters[:, PUBLISHED].sum() + m <= limit:
         return
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     delay = 1e-4
     while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
         if header[H_CLOSED]:  # Table.close() set the limit below any count: it never opens again
@@ -49,6 +53,9 @@ def wait_for_insert(storage: SharedStorage, m: int, timeout_s: float, abort: Cal
         if abort is not None and abort():
             raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
         if time.monotonic() > deadline:
+            if hold is not None and hold(time.monotonic() - start):
+                deadline = time.monotonic() + timeout_s  # asked again after another timeout_s
+                continue
             raise RateLimiterTimeout(
                 f"insert of {m} item(s) blocked for {timeout_s:.1f} s by the rate "
                 f"limiter: {int(counters[:, PUBLISHED].sum())} inserted, "

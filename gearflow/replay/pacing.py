@@ -88,9 +88,11 @@ class GlobalPacing:
         return "over every shard node: " + self.limiter.why_blocked(
             int(self.size.sum()), self.total_inserts(), self.total_samples() + in_flight, n)
 
-    def insert_limits(self) -> np.ndarray:
+    def insert_limits(self, live=None) -> np.ndarray:
         """Each node's insert limit (int64, in the node's own count since its table started):
-        the union's room ``H`` split half by weight, half by water-filling (module docstring)."""
+        the union's room ``H`` split half by weight, half by water-filling (module docstring).
+        ``live``: the nodes that share the room (default all; a node down keeps its count as
+        its limit, and its counters in the union's)."""
         lim = self.limiter
         if lim.samples_per_insert == 0:
             return np.full(self.weights.size, NO_LIMIT, dtype=np.int64)
@@ -99,11 +101,16 @@ class GlobalPacing:
         if room <= 0:
             return self.inserts.copy()
         if filling:  # stage 1: any node may fill the union to its minimum size (one not acting yet holds no one)
-            return self.inserts + max(room, lim.min_size_to_sample - int(self.size.sum()))
-        w = self.weights
+            return self.inserts + max(room, lim.min_size_to_sample - int(self.size.sum()))  # (a down node's: unsent)
+        up = np.ones(self.weights.size, dtype=bool) if live is None else np.isin(np.arange(self.weights.size), live)
+        out = self.inserts.copy()
+        if not up.any():
+            return out
+        w = self.weights[up]
         share = 0.5 * room * w / w.sum()  # by weight
-        share += _water_fill((self.inserts + self.base_inserts) / w, w, 0.5 * room)
-        return self.inserts + np.floor(share).astype(np.int64)
+        share += _water_fill((self.inserts + self.base_inserts)[up] / w, w, 0.5 * room)
+        out[up] += np.floor(share).astype(np.int64)
+        return out
 
 
 def _water_fill(level: np.ndarray, w: np.ndarray, amount: float) -> np.ndarray:

@@ -143,6 +143,8 @@ class Writer(StreamPositions):
         c[parts, COMMIT] = self._pos
         c[parts, RESERVE] = self._pos
         self.abort: Callable[[], bool] | None = None  # polled while an insert waits on the rate limiter
+        # an insert held past insert_timeout_s calls hold(seconds held): True waits on, else RateLimiterTimeout
+        self.hold: Callable[[float], bool] | None = None
         self._closed = False  # close(): partitions handed over, writes refused
         if prefault:
             storage.prefault(parts)  # no page faults in the env loop's first lap
@@ -384,7 +386,7 @@ class Writer(StreamPositions):
 
     def _wait_for_insert(self, m: int) -> None:
         """Before publishing ``m`` items (a hook: the shipping writer ships here)."""
-        wait_for_insert(self.storage, m, self.insert_timeout_s, self.abort)
+        wait_for_insert(self.storage, m, self.insert_timeout_s, self.abort, self.hold)
 
     def end_episode(self, streams=None) -> None:
         """Close the current episode of ``streams``: later items cannot reach back into it."""

@@ -420,6 +420,21 @@ class Client:
             raise RequestTimeout(f"{op}: no reply from {self.address_text} in {timeout_s:.1f} s")
         return fut.result()
 
+    def drop(self) -> None:
+        """Abort the current connection now (a host marked down): its unanswered calls fail with
+        :class:`ServiceUnavailable` at once, a send waiting on a full buffer too; the next call
+        connects afresh."""
+        p = self._proto
+        if p is None or p.closed:
+            return
+        if p.wsock is not None:
+            try:
+                p.wsock.shutdown(socket.SHUT_RDWR)  # wakes a sender polling the silent peer's full buffer
+            except OSError:
+                pass
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._abort, p)
+
     def close(self) -> None:
         """Close the connection and stop the loop thread (idempotent)."""
         if self.closed:

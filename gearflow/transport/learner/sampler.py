@@ -45,7 +45,16 @@ priority total, so over several shards the sampler keeps the shards' (common) ra
 over their union: a round is requested once the union's counters — reported with every reply
 — allow it (a round ahead that is not allowed yet is requested when it is due), and every
 request carries the shard's insert limit (``pace``), its share of the union's room. The split
-is untouched: the draws stay one table's.
+is untouched: the draws stay one table's. A shard marked down keeps its counters in the union's
+and gets no share of the room (the live ones share it) until it is back.
+
+**A dead node.** With ``health`` (a :class:`~gearflow.transport.learner.health.NodeHealth`, as
+:class:`~gearflow.transport.learner.shards.RemoteShards` passes), a shard whose call times out or
+whose connection is refused is marked down: the round fails (the prefetcher asks again), and
+every later round is split over the live shards only (``q_i = T_i / ΣT`` over them: exact over
+what is left), their items counted in ``N``; a down shard's priority updates are dropped (its
+items are out of reach), ``stats`` and ``checkpoint`` skip it. Re-admitted (it answers a probe),
+it is back in the next round's split, by its newest total.
 """
 
 from __future__ import annotations
@@ -67,10 +76,12 @@ from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.table import Sample
-from gearflow.transport.client import Client, as_client
+from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable, as_client
 from gearflow.transport.errors import RateLimiterTimeout  # and the shard's other errors, raised here as themselves
 
 __all__ = ["LEARNER_PREFETCH", "RemoteSampler"]
+
+GONE = (ServiceUnavailable, RequestTimeout)  # a node that does not answer (not a shard's own error)
 
 LEARNER_PREFETCH = 2  # rounds a learner's RemoteSampler requests ahead: the shard draws and gathers one while
 # the one before is on the wire (gearflow bench transport sample, 2 cores: ~0.77 of a raw socket vs ~0.63 at 1)
@@ -96,7 +107,8 @@ class RemoteSampler:
     _pacing: GlobalPacing | None = None  # several shards: the rate limit kept over all of them (_setup)
 
     def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
-                 timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto"):  # fmt: skip
+                 timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto",
+                 health=None):  # fmt: skip
         if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
             shards = [shards]
         if not shards or len(shards) > 127:
@@ -104,6 +116,7 @@ class RemoteSampler:
         pairs = [as_client(s, token, timeout_s, loop) for s in shards]
         self._clients = [c for c, _ in pairs]
         self._own = [own for _, own in pairs]
+        self.health = health  # NodeHealth: down shards are left out (None: every shard, always)
         try:
             self._setup(timeout_s, prefetch, num_buffers, seed)
         except BaseException:
@@ -151,10 +164,28 @@ class RemoteSampler:
             self._pacing = GlobalPacing(RateLimiter(**first["rate_limiter"]), [info["num_partitions"] for info in infos])
         if n > 1:
             self._refresh_totals()
+        if self.health is not None:
+            self.health.on_change(self.node_changed)
 
     @property
     def num_shards(self) -> int:
         return len(self._clients)
+
+    # ----------------------------------------------------------------- down shards
+    def _live(self) -> list[int]:
+        return list(range(len(self._clients))) if self.health is None else self.health.live()
+
+    def _gone(self, i: int, exc: BaseException) -> None:
+        """Shard ``i`` did not answer: marked down (with a health), else the error stands."""
+        if self.health is not None:
+            self.health.mark_down(i, exc)
+
+    def node_changed(self, i: int, up: bool) -> None:
+        """NodeHealth's call: a shard marked down has its connection dropped (its unanswered calls
+        fail now, not after their timeouts); one back makes the next split read every total."""
+        if not up:
+            self._clients[i].drop()
+        self._stale = True
 
     # ----------------------------------------------------------------- shard totals
     def _submit(self, i: int, op: str, meta: dict | None = None, bufs: Sequence[Any] = (), timeout_s: float | None = None):
@@ -179,16 +210,23 @@ class RemoteSampler:
         """Each shard's ``pace`` (its writers' insert limit, from the global pacing) for its next request."""
         if self._pacing is None:
             return [{} for _ in self._clients]
+        live = self._live()
         with self._tags:
-            limits = self._pacing.insert_limits()
+            limits = self._pacing.insert_limits(live if len(live) < len(self._clients) else None)
         return [{"pace": int(x)} for x in limits.tolist()]
 
     def _refresh_totals(self) -> None:
         """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
         paces = self._paces()
-        futs = [(i, *self._submit(i, "replay.total", paces[i])) for i in range(len(self._clients))]
-        for i, tag, f in futs:
-            self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
+        futs = []
+        try:
+            for i in self._live():
+                futs.append((i, *self._submit(i, "replay.total", paces[i])))
+            for i, tag, f in futs:
+                self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
+        except GONE as exc:
+            self._gone(i, exc)
+            raise
         self._stale = False
 
     # ----------------------------------------------------------------- draws
@@ -226,6 +264,9 @@ class RemoteSampler:
         lets it go (``wait=False``: None when it does not now), each request carrying its shard's
         insert limit (``pace``)."""
         n = len(self._clients)
+        live = self._live()
+        if not live:
+            raise ServiceUnavailable(f"every shard node is down ({', '.join(c.address_text for c in self._clients)})")
         if self._stale and n > 1:
             self._refresh_totals()
         if not self._pace_wait(batch_size, timeout_s, wait):
@@ -235,17 +276,26 @@ class RemoteSampler:
         else:
             with self._tags:
                 t = np.maximum(self._totals, 0.0)  # a copy
+            up = np.zeros(n, dtype=bool)
+            up[live] = True
+            t[~up] = 0.0  # a down shard: out of the split
             s = float(t.sum())
-            q = t / s if s > 0 else np.full(n, 1.0 / n)  # nothing known yet: even, and said so by q
+            q = t / s if s > 0 else up / up.sum()  # nothing known yet: even over the live, and said so by q
             split = self._rng.multinomial(batch_size, q).tolist()
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
         paces = self._paces()
-        parts = [(i, int(b), *(self._submit(i, "replay.sample", {**meta, **paces[i], "batch_size": int(b)},
-                                            timeout_s=timeout_s + self.timeout_s)
-                               if b else self._submit(i, "replay.total", paces[i])))
-                 for i, b in enumerate(split)]  # fmt: skip
+        parts = []
+        for i in live:
+            b = int(split[i])
+            try:
+                parts.append((i, b, *(self._submit(i, "replay.sample", {**meta, **paces[i], "batch_size": b},
+                                                   timeout_s=timeout_s + self.timeout_s)
+                                      if b else self._submit(i, "replay.total", paces[i]))))  # fmt: skip
+            except GONE as exc:
+                self._gone(i, exc)
+                raise
         return q, parts
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
@@ -259,9 +309,13 @@ class RemoteSampler:
         try:
             ahead = self._ahead.popleft()[1] if self._ahead else None  # None: not requested yet (paced)
             q, parts = ahead if ahead is not None else self._request(batch_size, timeout_s)
-            replies, drawn = [], np.empty(len(parts))
+            replies, drawn = [], np.zeros(len(self._clients))
             for i, b, tag, fut in parts:
-                meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
+                try:
+                    meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
+                except GONE as exc:
+                    self._gone(i, exc)
+                    raise
                 self._note(i, tag, meta)
                 drawn[i] = max(float(meta["total"]), 0.0)  # the shard's total at its draw
                 if b:
@@ -368,7 +422,7 @@ class RemoteSampler:
             shard_key(keys, i)
             np.multiply(bufs[1], q[i], out=probs[row:row + b])
             row += b
-        w = self._is_weights(float(self._counts.sum()), probs, replies[0][2])
+        w = self._is_weights(float(self._counts[self._live()].sum()), probs, replies[0][2])
         if w is not None:
             out["weights"].copy_(torch.from_numpy(w))
         out["probabilities"].copy_(torch.from_numpy(probs))
@@ -396,13 +450,27 @@ class RemoteSampler:
         if (shard < 0).any() or (shard >= len(self._clients)).any():
             raise ValueError(f"keys name shards outside [0, {len(self._clients)})")
         futs = []
+        live = self._live()
         for i in np.unique(shard).tolist():
+            if i not in live:
+                continue  # a down shard's items are out of reach: their updates are dropped
             sel = shard == i
             local = local_key(keys[sel])
-            futs.append((i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]])))
+            try:
+                futs.append((i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]])))
+            except GONE as exc:
+                if self.health is None:
+                    raise
+                self._gone(i, exc)
         applied = 0
         for i, tag, f in futs:
-            meta, _ = self._clients[i].result(f, "replay.update_priorities", self.timeout_s)
+            try:
+                meta, _ = self._clients[i].result(f, "replay.update_priorities", self.timeout_s)
+            except GONE as exc:
+                if self.health is None:
+                    raise
+                self._gone(i, exc)
+                continue
             self._note(i, tag, meta)
             applied += int(meta["applied"])
         return applied
@@ -414,13 +482,22 @@ class RemoteSampler:
         """Every shard's stats summed (counts) or averaged (fill), ``replay/shards``, and
         ``replay/split_drift``: how far the last batch's split was from the shards' totals at
         their draws (max over shards of |share - T_i/ΣT|; 0: drawn exactly as one table)."""
-        futs = [(i, *self._submit(i, "replay.stats")) for i in range(len(self._clients))]
-        per = []
-        for i, tag, f in futs:
-            meta, _ = self._clients[i].result(f, "replay.stats", self.timeout_s)
-            self._note(i, tag, meta)
-            per.append(meta["stats"])
+        futs, per = [], []
+        try:
+            for i in self._live():
+                futs.append((i, *self._submit(i, "replay.stats")))
+            for i, tag, f in futs:
+                meta, _ = self._clients[i].result(f, "replay.stats", self.timeout_s)
+                self._note(i, tag, meta)
+                per.append(meta["stats"])
+        except GONE as exc:
+            self._gone(i, exc)
+            raise
+        if not per:
+            raise ServiceUnavailable("replay.stats: every shard node is down")
         out: dict[str, float] = {"replay/shards": float(len(per)), "replay/split_drift": self.split_drift}
+        if self.health is not None:
+            out["replay/shards_down"] = float(len(self._clients) - len(per))
         for k in per[0]:
             vals = [s.get(k, 0.0) for s in per]
             out[k] = float(sum(vals)) if (k in self.SUMMED or k.startswith("transport/")) else (
@@ -430,8 +507,9 @@ class RemoteSampler:
     def checkpoint(self, name: str) -> list[str]:
         """Each shard writes its table to ``<its checkpoint_dir>/<name>`` (``replay.checkpoint``);
         returns the paths, shard by shard."""
-        futs = [c.submit("replay.checkpoint", {"name": name}, timeout_s=self.timeout_s) for c in self._clients]
-        return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(self._clients, futs)]
+        live = [self._clients[i] for i in self._live()]  # a down shard's table is out of reach
+        futs = [c.submit("replay.checkpoint", {"name": name}, timeout_s=self.timeout_s) for c in live]
+        return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(live, futs)]
 
     def close(self) -> None:
         if hasattr(self, "_ahead"):

@@ -19,6 +19,11 @@ table, parameter store and launcher would go::
 * ``poll`` — ``run.progress`` of each node (at most every 0.25 s): episodes and counters, with the
   actor's index in the run, folded into the learner's :class:`~gearflow.learner.Progress`; the
   run's env steps are the sum of the nodes'.
+* ``health`` — a :class:`~gearflow.transport.learner.health.NodeHealth` the four share: a node
+  whose call times out (``transport.node_timeout_s``) or is refused is marked down at once for
+  all of them (nothing waits on it again), re-probed in the background and re-admitted when it
+  answers; ``lost()`` names the nodes down at the run's end (the summary's
+  ``transport/nodes_lost``, and a warning line).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from gearflow.errors import ConfigError, GearflowError
 from gearflow.reports import fold_report
 from gearflow.replay.layout import buffer_sets
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
+from gearflow.transport.learner.health import NodeHealth
 from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
 
 log = logging.getLogger("gearflow.runner")
@@ -55,8 +61,8 @@ class TolerantSampler:
     one batch, then the error is raised (the run stops, checkpointed); priority updates for an
     unreachable node are dropped (its items are gone with it); stats repeat the last ones read."""
 
-    def __init__(self, inner, patience_s: float):
-        self.inner, self.patience_s = inner, float(patience_s)
+    def __init__(self, inner, patience_s: float, health: NodeHealth | None = None):
+        self.inner, self.patience_s, self.health = inner, float(patience_s), health
         self._since: float | None = None  # when the current outage began
         self._stats: dict[str, float] = {}
 
@@ -76,7 +82,12 @@ class TolerantSampler:
             time.sleep(min(0.2, float(timeout_s or 0.2)))
             raise ShardsUnavailable(str(exc)) from None
         if self._since is not None:
-            log.warning("every shard node answers again after %.1f s", time.monotonic() - self._since)
+            down = len(self.health.addresses) - len(self.health.live()) if self.health is not None else 0
+            if down:  # a node marked down: the next rounds went to the others
+                log.warning("sampling goes on over %d shard node(s) after %.1f s (%d down)",
+                            len(self.health.live()), time.monotonic() - self._since, down)  # fmt: skip
+            else:
+                log.warning("every shard node answers again after %.1f s", time.monotonic() - self._since)
             self._since = None
         return batch
 
@@ -105,8 +116,8 @@ class PushedParams:
     A node that does not answer misses the versions of its outage (logged once) and gets the
     next one when it is back (a node restarted by Ray)."""
 
-    def __init__(self, clients: list, timeout_s: float):
-        self.clients, self.timeout_s = clients, float(timeout_s)
+    def __init__(self, clients: list, timeout_s: float, health: NodeHealth | None = None):
+        self.clients, self.timeout_s, self.health = clients, float(timeout_s), health
         self.version = 0
         self._pending: list = []
         self._down: set[str] = set()
@@ -115,6 +126,8 @@ class PushedParams:
         return self.version
 
     def _lost(self, c, exc: BaseException) -> None:
+        if self.health is not None:
+            self.health.mark_down(self.clients.index(c), exc)
         if c.address_text not in self._down:
             self._down.add(c.address_text)
             log.warning("shard node %s: weights not delivered (%s); it gets the next version once it answers",
@@ -138,7 +151,10 @@ class PushedParams:
         bufs = [np.ascontiguousarray(state[n].detach().float().cpu().numpy() if state[n].dtype == torch.bfloat16
                                      else state[n].detach().cpu().numpy()) for n in names]  # fmt: skip
         self._wait()
-        for c in self.clients:
+        for i, c in enumerate(self.clients):
+            if self.health is not None and self.health.is_down(i):
+                self._down.add(c.address_text)
+                continue  # it gets the version after it is back
             try:
                 self._pending.append((c, c.submit("params.push", {"version": version, "names": names}, bufs,
                                                   timeout_s=self.timeout_s)))  # fmt: skip
@@ -168,11 +184,13 @@ class RemoteShards:
             token = resolve_token(config_token(t)).decode()
         except ValueError as exc:
             raise ConfigError(f"transport.shards: {exc}") from None
-        self.timeout_s = max(30.0, float(cfg.replay.timeout_s))
+        # a node's reply: how long before it is marked down (transport.node_timeout_s; 0: as before)
+        self.timeout_s = float(t.get("node_timeout_s", 0) or 0) or max(30.0, float(cfg.replay.timeout_s))
         self.choice = choose_transport(str(t.kind))
         self.publisher = publisher
         self.clients: list = []
         self.sampler = None
+        self.health = NodeHealth(self.addresses, token, probe_timeout_s=min(5.0, self.timeout_s), loop=str(t.loop))
         try:
             self.clients = [Client(a, token, timeout_s=self.timeout_s, loop=str(t.loop)) for a in self.addresses]
             for c in self.clients:  # one clear line for an unreachable node, before anything else
@@ -185,7 +203,8 @@ class RemoteShards:
             else:
                 self.sampler = RemoteSampler(self.addresses, token, prefetch=LEARNER_PREFETCH, timeout_s=self.timeout_s,
                                              num_buffers=buffer_sets(cfg.learner.prefetch),
-                                             seed=cfg.run.seed if seed is None else seed, loop=str(t.loop))  # fmt: skip
+                                             seed=cfg.run.seed if seed is None else seed, loop=str(t.loop),
+                                             health=self.health)  # fmt: skip
             log.info("learner samples %d shard node(s) %s over %s (%s)", len(self.clients), ", ".join(self.addresses),
                      self.choice.transport, self.choice.reason)  # fmt: skip
             want = agent.item_kind().to_dict()
@@ -202,8 +221,10 @@ class RemoteShards:
         except BaseException:
             self.close()
             raise
-        self.params = PushedParams(self.clients, self.timeout_s)
-        self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)))
+        self.params = PushedParams(self.clients, self.timeout_s, self.health)
+        self.health.on_change(lambda i, up: None if up else self.clients[i].drop())
+        self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)),
+                                       health=self.health)  # fmt: skip
         n = len(self.clients)
         self._cursors, self._steps, self._base = [0] * n, [0] * n, [0] * n
         self._epochs: list = [None] * n
@@ -238,6 +259,9 @@ class RemoteShards:
         self._next_poll = now + POLL_S
         futs = []
         for i, c in enumerate(self.clients):
+            if self.health.is_down(i):
+                self._lost(i, "marked down")
+                continue
             try:
                 futs.append((i, c, c.submit("run.progress", {"cursor": self._cursors[i]}, timeout_s=self.timeout_s)))
             except GearflowError as exc:
@@ -271,7 +295,9 @@ class RemoteShards:
             for m in meta["messages"]:
                 fold_report(progress, m, self.errors, source=f"shard node {c.address_text}: actor")
 
-    def _lost(self, i: int, exc: BaseException) -> None:
+    def _lost(self, i: int, exc: BaseException | str) -> None:
+        if isinstance(exc, (ServiceUnavailable, RequestTimeout)):
+            self.health.mark_down(i, exc)
         if i not in self._down:
             self._down.add(i)
             log.warning("shard node %s: no progress (%s); the learner goes on with what it can sample",
@@ -279,13 +305,22 @@ class RemoteShards:
 
     def end_run(self, reason: str) -> None:
         """Tell every node the run is over (they stop their actors and exit); unreachable ones are logged."""
-        for c in self.clients:
+        for i, c in enumerate(self.clients):
+            if self.health.is_down(i):
+                log.warning("shard node %s: run.stop not sent (the node is down)", c.address_text)
+                continue
             try:
                 c.call("run.stop", {"reason": reason}, timeout_s=min(10.0, self.timeout_s))
             except GearflowError as exc:
                 log.warning("shard node %s: run.stop not delivered (%s)", c.address_text, exc)
 
+    def lost(self) -> dict[str, str]:
+        """The nodes down now (``{address: since when and why}``): lost for the rest of the run."""
+        return self.health.lost()
+
     def close(self) -> None:
+        if getattr(self, "health", None) is not None:
+            self.health.close()
         if getattr(self, "params", None) is not None:
             self.params.close()
         if self.sampler is not None:
