@@ -11,16 +11,20 @@ where the samples are known, over the union:
 * **samples**: a batch of ``B`` may be drawn iff the configured :class:`RateLimiter` allows it
   with the nodes' counters summed (``size``, ``inserts``, ``samples`` of every node, plus the
   rounds this learner has requested and not yet seen answered);
-* **inserts**: the union may hold ``G = limiter.insert_limit(ΣS, Σdeletes)`` inserts in all;
-  the room left, ``H = G - ΣI``, is handed out as each node's own insert limit
-  ``L_i = I_i + h_i`` with ``Σ h_i ≤ H`` (so the union never passes ``G``): half of it in
-  proportion to the nodes' weights (their partitions: no node, even a stalled one that never
-  uses its share, holds the others at 0), half by water-filling on inserts per weight (the
-  node furthest behind gets it first: a late or restarted node catches up). While the union
-  holds fewer than ``min_size_to_sample`` items, every node may insert the whole room (stage 1:
-  a node not acting yet must not keep the union below its minimum size). A node's share at
-  the limit is about ``error_buffer / samples_per_insert / N`` items; it must take one of its
-  writers' inserts (a chunk: an actor's batch of items), as the whole buffer must for one table.
+* **inserts**: the union may hold ``G = limiter.insert_limit(ΣS, Σdeletes)`` inserts in all.
+  Each node's limit is ``L_i = I_i + c_i``: its inserts plus its *credit*, room of the union
+  handed to it and not used yet, with ``Σ c_i ≤ G - ΣI`` (the union never passes ``G``). Each
+  call hands out the room no credit holds, half in proportion to the nodes' weights (their
+  partitions), half by water-filling on inserts per weight (the node furthest behind gets it
+  first: a late or restarted node catches up). A credit stays until it is used — a node's
+  share of one call's room may be an item, its writers insert a chunk (33 items), so shares
+  that did not add up held the node ahead still for as long as the other caught up — and is
+  capped at the node's share of the error buffer, ``2·e/spi · w_i/Σw`` (the excess to the
+  others): a stalled node holds at most that, and the union's room at the sampling limit,
+  ``≈ 2·e/spi``, is the others'. While the union holds fewer than ``min_size_to_sample``
+  items every node may insert the whole room (stage 1: a node not acting yet must not keep
+  the union below its minimum size). A node's cap must take one of its writers' chunks, as the
+  whole buffer must for one table.
 
 A node whose counters go backwards was restarted (a fresh table): what it had inserted and
 sampled stays in the union's counters (``base``), so the union's ratio does not jump, and
@@ -30,7 +34,7 @@ its inserts since the restart count toward its catching up from where it was.
     pacing.note(0, inserts=5000, samples=40000, deletes=0, size=5000)
     pacing.note(1, inserts=0, samples=0, deletes=0, size=0)    # restarted: empty
     pacing.can_sample(256)        # False: 5000·8 - 40000 - 256 < 1000·8 - 4000 (the union waits for inserts)
-    pacing.insert_limits()        # array([5375, 1125]): room 1500, 375 each by weight, 750 more to node 1
+    pacing.insert_limits()        # array([5500, 500]): of the room 1500, each its cap 2·4000/8/2 = 500
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class GlobalPacing:
         self.size = np.zeros(n, dtype=np.int64)
         self.base_inserts = np.zeros(n, dtype=np.int64)  # earlier tables of a restarted node
         self.base_samples = np.zeros(n, dtype=np.int64)
+        self.credit = np.zeros(n)  # room handed to each node and not used yet (insert_limits)
+        self._limits = np.zeros(n, dtype=np.int64)  # the limits last handed out
         self.restarts = 0
 
     def note(self, i: int, *, inserts: int, samples: int, deletes: int, size: int) -> None:
@@ -66,6 +72,7 @@ class GlobalPacing:
         if inserts < self.inserts[i] or samples < self.samples[i]:  # a fresh table: the node restarted
             self.base_inserts[i] += self.inserts[i]
             self.base_samples[i] += self.samples[i]
+            self._limits[i] = 0  # its credit went with its table
             self.restarts += 1
         self.inserts[i], self.samples[i], self.deletes[i], self.size[i] = inserts, samples, deletes, size
 
@@ -90,27 +97,45 @@ class GlobalPacing:
 
     def insert_limits(self, live=None) -> np.ndarray:
         """Each node's insert limit (int64, in the node's own count since its table started):
-        the union's room ``H`` split half by weight, half by water-filling (module docstring).
-        ``live``: the nodes that share the room (default all; a node down keeps its count as
-        its limit, and its counters in the union's)."""
-        lim = self.limiter
+        what it has inserted plus its credit — room of the union handed to it and not used yet.
+        Each call hands out the room no credit holds (``G - ΣI - Σcredit``) half by weight, half
+        by water-filling (module docstring); a credit stays until it is used, so a node whose
+        inserts come in chunks larger than one call's share gathers one, and is capped at the
+        node's share of the error buffer (``2·e/spi·w_i/Σw``, the rest to the others), so a
+        stalled node holds no more than that. ``live``: the nodes that share the room (default
+        all; a node down gets no credit, keeps its counters in the union's)."""
+        lim, n = self.limiter, self.weights.size
         if lim.samples_per_insert == 0:
-            return np.full(self.weights.size, NO_LIMIT, dtype=np.int64)
+            return np.full(n, NO_LIMIT, dtype=np.int64)
         filling = int(self.size.sum()) < lim.min_size_to_sample
         room = lim.insert_limit(self.total_samples(), self._deletes() if filling else 0) - self.total_inserts()
-        if room <= 0:
+        up = np.ones(n, dtype=bool) if live is None else np.isin(np.arange(n), live)
+        if room <= 0 or not up.any():
+            self.credit[:] = 0.0
             return self.inserts.copy()
         if filling:  # stage 1: any node may fill the union to its minimum size (one not acting yet holds no one)
+            self.credit[:] = 0.0
             return self.inserts + max(room, lim.min_size_to_sample - int(self.size.sum()))  # (a down node's: unsent)
-        up = np.ones(self.weights.size, dtype=bool) if live is None else np.isin(np.arange(self.weights.size), live)
-        out = self.inserts.copy()
-        if not up.any():
-            return out
-        w = self.weights[up]
-        share = 0.5 * room * w / w.sum()  # by weight
-        share += _water_fill((self.inserts + self.base_inserts)[up] / w, w, 0.5 * room)
-        out[up] += np.floor(share).astype(np.int64)
-        return out
+        c = np.where(up, np.maximum(self._limits - self.inserts, 0), 0).astype(np.float64)  # credit left unused
+        if c.sum() > room:  # the union's room shrank under the credits (a restart, another learner's draws)
+            c *= room / c.sum()
+        free = room - c.sum()
+        w = np.where(up, self.weights, 0.0)
+        cap = 2.0 * lim.error_buffer / lim.samples_per_insert * w / w.sum()
+        give = np.zeros(n)
+        give[up] = 0.5 * free * w[up] / w[up].sum()  # by weight
+        give[up] += _water_fill((self.inserts + self.base_inserts + c)[up] / w[up], w[up], 0.5 * free)  # the one behind first
+        c += give
+        for _ in range(n):  # a credit over its cap: the excess to the nodes under theirs, by weight
+            excess = np.maximum(c - cap, 0.0)
+            c -= excess
+            under = up & (c < cap)
+            if excess.sum() < 1.0 or not under.any():
+                break
+            c[under] += excess.sum() * w[under] / w[under].sum()
+        self.credit = c
+        self._limits = self.inserts + np.floor(c).astype(np.int64)
+        return self._limits.copy()
 
 
 def _water_fill(level: np.ndarray, w: np.ndarray, amount: float) -> np.ndarray:
