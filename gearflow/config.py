@@ -305,7 +305,7 @@ class TransportConfig:
     """File holding the shared secret (mode 0600: one readable by others is refused); used when
     ``transport.token`` is empty."""
     integrity: bool = True
-    """Every frame after the handshake carries a MAC (AES-GMAC under a per-connection key) and a
+    """Every frame after the handshake carries a MAC (Poly1305, keys per connection and frame) and a
     sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
     closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
     frames are unprotected after the login (a benchmark on a trusted network)."""
@@ -341,6 +341,16 @@ class ClusterConfig:
     """Data-parallel learners (``learner.world_size``), sampling every shard."""
     learner_gpus: float = 0.0
     """GPUs each learner asks Ray for (0: CPU learners; 1 with ``learner.device=cuda``)."""
+    shard_cpus: float = 1.0
+    """CPUs a shard node's service asks Ray for; its node must also hold its actor group's
+    ``actor.num_actors`` × ``cluster.actor_cpus`` (placement checks both before any role starts)."""
+    actor_cpus: float = 1.0
+    """CPUs each actor process of a node's actor group asks Ray for."""
+    learner_cpus: float = 1.0
+    """CPUs each learner asks Ray for."""
+    shard_resources: Dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources a shard node asks for (``{"shard_host": 1}`` keeps shards on the nodes
+    started with ``ray start --resources='{"shard_host": 1}'``)."""
     max_restarts: int = 3
     """Times Ray restarts a dead actor group before the run fails."""
 

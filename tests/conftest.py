@@ -10,7 +10,9 @@ only counts new segments that belong to this test process: created by it
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -149,3 +151,31 @@ def shard_of():
     yield make
     for s in made:
         s.stop()
+
+
+_host_sets = itertools.count()  # a bridge/namespace prefix per set: several test runs coexist
+
+
+@pytest.fixture
+def make_hosts():
+    """``make_hosts(n, subnet=..., rate_mbit=None) -> Hosts`` (up): emulated hosts from
+    launch/hosts.py, for tests marked with ``tests.helpers_hosts.hosts_tests``. Every set is
+    brought down at teardown and the test fails if a namespace, veth or bridge of it is left."""
+    from launch.hosts import Hosts
+
+    made: list[Hosts] = []
+
+    def make(n: int, subnet: str, **kwargs) -> Hosts:
+        hosts = Hosts(n, subnet=subnet, name=f"t{os.getpid() % 100000}{next(_host_sets)}", **kwargs)
+        made.append(hosts)
+        return hosts.up()
+
+    yield make
+    for hosts in made:
+        hosts.down()
+    names = [h.name for hosts in made for h in hosts]
+    bridges = [hosts.bridge for hosts in made]
+    left = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
+    netns = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout.split()
+    leaked = [n for n in names if n in netns] + [b for b in bridges if f" {b}:" in left]
+    assert not leaked, f"emulated hosts left behind: {leaked}"

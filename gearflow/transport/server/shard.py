@@ -116,10 +116,9 @@ class ShardService:
                  learners: bool = True, wire_min_row_bytes: int | None = 1024):  # fmt: skip
         self.table, self.params = table, params
         self.service = service or Service(host, port, token, limits=limits, loop=loop, name="shard")
-        # wide columns out of the segment — but not under frame integrity: a MAC over rows a writer may
-        # change while the kernel copies them would not match the bytes sent, so they are gathered first
-        direct = learners and not self.service.integrity
-        self.wire = WireRows(table, wire_min_row_bytes if direct else None)
+        # wide columns out of the segment, integrity on or off: a row a writer changes while it is sent
+        # is marked torn, and the frame's MAC leaves it out (gearflow.transport.integrity: torn rows)
+        self.wire = WireRows(table, wire_min_row_bytes if learners else None)
         self.sessions = WriterSessions(table, self.service, partitions)  # replay.open_writer / write / close_writer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
