@@ -449,6 +449,7 @@ class FrameReader:
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _TRAILER_BYTES = 24  # integrity.TRAILER.size
+_SLICE_BYTES = 256 << 10  # a sealed frame is MACed and written in slices of about this many bytes (L2-sized)
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -495,7 +496,19 @@ class FramedProtocol(asyncio.BufferedProtocol):
         if self.sealer is not None:
             if not self._sealing:
                 self.sealer.begin()
-            self.sealer.update_spans(parts if spans is None else spans)
+            if spans is not None and len(spans) == len(parts) and len(parts) > 1:
+                # a big frame in slices: each MACed, then written at once, while its bytes are in cache
+                lo, nbytes = 0, 0
+                for i, s in enumerate(spans):
+                    nbytes += s[1] if type(s) is tuple else len(s)
+                    if nbytes >= _SLICE_BYTES or i == len(spans) - 1:
+                        self.sealer.update_spans(spans[lo:i + 1])
+                        if i < len(spans) - 1:
+                            t.writelines(parts[lo:i + 1])
+                            lo, nbytes = i + 1, 0
+                parts = parts[lo:]
+            else:
+                self.sealer.update_spans(parts if spans is None else spans)
             self._sealing = more
             if not more:
                 parts = [*parts, self.sealer.trailer()]
