@@ -231,7 +231,8 @@ class RunConfig:
     max_updates: int = 0
     """Stop after this many learner updates (0: no limit)."""
     stop_at_return: float = 0.0
-    """Stop once the greediest actor's mean return over its last 100 episodes reaches this (0: never)."""
+    """Stop once the greediest acting actor's mean return over its last 100 episodes reaches this (0: never);
+    acting: it reported within the last 30 s (``gearflow.learner.ACTING_S``), so a starved or dead actor is passed over."""
     log_every_s: float = 5.0
     """Seconds between progress lines and metric rows."""
     checkpoint_every: str = "10m"
