@@ -39,9 +39,12 @@ its inserts since the restart count toward its catching up from where it was.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 
-from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiter
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiter, RateLimiterTimeout
 
 __all__ = ["GlobalPacing"]
 
@@ -94,6 +97,24 @@ class GlobalPacing:
     def why_blocked(self, n: int, in_flight: int = 0) -> str:
         return "over every shard node: " + self.limiter.why_blocked(
             int(self.size.sum()), self.total_inserts(), self.total_samples() + in_flight, n)
+
+    def wait_to_sample(self, n: int, in_flight: Callable[[], int], refresh: Callable[[], None], lock,
+                       timeout_s: float) -> None:  # fmt: skip
+        """Block until the union may be sampled ``n`` more items: ``refresh()`` reads every node's
+        counters afresh (a sampler's ``replay.total`` round, which also sends each its insert
+        limit) before each check, made under ``lock`` with ``in_flight()`` items requested and not
+        yet counted; :class:`RateLimiterTimeout` after ``timeout_s``."""
+        deadline, delay = time.monotonic() + timeout_s, MAX_BACKOFF_S
+        while True:
+            refresh()
+            with lock:
+                if self.can_sample(n, in_flight()):
+                    return
+                why = self.why_blocked(n, in_flight())
+            if time.monotonic() > deadline:
+                raise RateLimiterTimeout(f"sample of {n} blocked for {timeout_s:.1f} s {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     def insert_limits(self, live=None) -> np.ndarray:
         """Each node's insert limit (int64, in the node's own count since its table started):

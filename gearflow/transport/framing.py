@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import GearflowError
+from gearflow.transport.torn_marks import marks_of, masked_frame
 
 __all__ = [
     "ALIGN",
@@ -202,7 +203,7 @@ def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequ
 def frame_buffers(buffers: Sequence[Any]) -> list[tuple]:
     """``(padding, pieces, nbytes, rows)`` of each buffer as :func:`encode` lays it out (``rows``:
     its leading dimension, None for a scalar): what
-    :func:`~gearflow.transport.integrity.masked_frame` takes on the sending side."""
+    :func:`~gearflow.transport.torn_marks.masked_frame` takes on the sending side."""
     out, pos = [], 0
     for b in buffers:
         a = b if type(b) is Chunks else as_array(b)
@@ -416,9 +417,7 @@ class FrameReader:
 
     def _unmark(self) -> None:
         """A frame with torn marks, some set: its MAC again, without the marked rows (the rule of
-        :func:`~gearflow.transport.integrity.masked_frame`; the marks are checked with the rest)."""
-        from gearflow.transport.integrity import marks_of, masked_frame
-
+        :func:`~gearflow.transport.torn_marks.masked_frame`; the marks are checked with the rest)."""
         _, meta, layout = self._env
         n = marks_of(meta, layout)
         if n is None:

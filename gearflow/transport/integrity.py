@@ -76,6 +76,7 @@ import numpy as np
 
 from gearflow.errors import MissingDependencyError
 from gearflow.transport.framing import FrameError
+from gearflow.transport.torn_marks import marks_of, masked_frame  # the MAC rule of torn rows (also integrity.masked_frame)
 
 __all__ = ["RESEAL_PASSES", "TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf",
            "marks_of", "masked_frame", "require", "session_keys"]  # fmt: skip
@@ -277,58 +278,3 @@ class Opener(_Mac):
             raise IntegrityError(f"frame sequence number {seq}, expected {want}: a replayed, reordered or dropped frame")
         if not hmac.compare_digest(tag, self.final()):
             raise IntegrityError(f"frame {seq} failed its MAC check: altered or injected on the way")
-
-
-# ----------------------------------------------------------------- frames with torn rows
-def marks_of(meta: dict, layout: list) -> int | None:
-    """The number of marks ``n`` when a frame carries torn marks (``meta["torn"] is True`` and its
-    last buffer is ``uint8`` of shape ``(n,)``: ``layout`` is ``[(dtype, shape), ...]``), else None."""
-    if meta.get("torn") is not True or not layout:
-        return None
-    dtype, shape = layout[-1][0], layout[-1][1]
-    if np.dtype(dtype) != np.uint8 or len(shape) != 1:
-        return None
-    return int(shape[0])
-
-
-def _kept(pieces: list, nbytes: int, rows: int, keep_lo: np.ndarray, keep_hi: np.ndarray, n: int):
-    """The bytes of one buffer (``pieces`` in order, ``nbytes`` in all, ``rows`` the leading dim)
-    without its marked rows when it has ``n`` rows; kept rows are ``[keep_lo[k], keep_hi[k])``."""
-    if rows != n or nbytes == 0 or n == 0:
-        yield from pieces
-        return
-    rb = nbytes // n
-    lo, hi = (keep_lo * rb).tolist(), (keep_hi * rb).tolist()
-    pos, k = 0, 0
-    for p in pieces:
-        m = p if type(p) is memoryview else memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8))
-        m = m.cast("B") if m.format != "B" or m.ndim != 1 else m
-        end = pos + m.nbytes
-        while k < len(lo) and lo[k] < end:
-            a, b = max(lo[k], pos), min(hi[k], end)
-            if a < b:
-                yield m[a - pos:b - pos]
-            if hi[k] <= end:
-                k += 1
-            else:
-                break
-        pos = end
-
-
-def masked_frame(head: list, buffers: list, marks: np.ndarray):
-    """The MAC input of a frame with torn marks, up to (not including) the marks themselves:
-    ``head`` (the header's and envelope's bytes), then for each of ``buffers`` — ``(padding,
-    pieces, nbytes, rows)`` in frame order, the marks' entry last — its padding and its bytes
-    without the rows ``marks`` sets (buffers of ``len(marks)`` rows only), and the marks' padding.
-    The shard's reseal and the receiver's check call it alike (see the module docstring)."""
-    n = int(marks.size)
-    keep = np.concatenate(([0], (marks == 0).view(np.int8), [0]))
-    edges = np.flatnonzero(np.diff(keep))
-    lo, hi = edges[0::2], edges[1::2]
-    yield from head
-    for i, (pad, pieces, nbytes, rows) in enumerate(buffers):
-        if len(pad):
-            yield pad
-        if i == len(buffers) - 1:
-            return
-        yield from _kept(pieces, nbytes, rows, lo, hi, n)

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,14 +69,15 @@ import torch
 
 from gearflow.kinds.registry import kind_from_dict
 from gearflow.replay.pacing import GlobalPacing
-from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter
-from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, key_shard, local_key, shard_key
+from gearflow.replay.rate_limiter import RateLimiter
+from gearflow.replay.layout import key_shard, local_key
 from gearflow.replay.protocols import SelectorInfo
-from gearflow.replay.selectors import check_priorities
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.table import Sample
+from gearflow.transport.learner.assembly import (BatchAssembly, check_shards_agree, priority_arrays, split_round,
+                                                 summed_stats)  # fmt: skip
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable, as_client
-from gearflow.transport.errors import RateLimiterTimeout  # and the shard's other errors, raised here as themselves
+from gearflow.transport.errors import RateLimiterTimeout  # noqa: F401  (the shard's errors are raised here as themselves)
 
 __all__ = ["LEARNER_PREFETCH", "RemoteSampler"]
 
@@ -137,30 +137,14 @@ class RemoteSampler:
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self.torn = 0  # items the shards marked torn in their replies, redrawn here
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        self._buffer_batch, self._next = -1, 0
         infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
         self.spec = TableSpec.parse(infos[0]["spec"])
         self.kind = kind_from_dict(infos[0]["kind"])
+        check_shards_agree(infos, [c.address_text for c in self._clients])
         first = infos[0]
-        for i, info in enumerate(infos[1:], 1):
-            if info["spec"] != first["spec"] or info["kind"] != first["kind"]:
-                raise ValueError(f"shard {i} ({self._clients[i].address_text}) holds another spec or item kind than shard 0")
-            if info["selector"] != first["selector"] or info.get("alpha") != first.get("alpha"):
-                raise ValueError(f"shard {i} ({self._clients[i].address_text}) selects with {info['selector']} "
-                                 f"(alpha {info.get('alpha')}), shard 0 with {first['selector']} (alpha "
-                                 f"{first.get('alpha')}): several shards sample as one table only with one selector")  # fmt: skip
-        if n > 1 and first["selector"] not in PROPORTIONAL_SELECTORS:
-            raise ValueError(f"the shards' {first['selector']!r} selector ranks the items of one table: there is no "
-                             f"global order over {n} shards, so their draws cannot be one table's; use "
-                             f"{' or '.join(PROPORTIONAL_SELECTORS)}, or sample one shard")  # fmt: skip
         self.selector = SelectorInfo(first["selector"], first.get("importance_sampled", True))
+        self._assembly = BatchAssembly(self.selector, self.num_buffers)
         if n > 1 and all("rate_limiter" in info for info in infos):
-            for i, info in enumerate(infos[1:], 1):
-                if info["rate_limiter"] != first["rate_limiter"]:
-                    raise ValueError(f"shard {i} ({self._clients[i].address_text}) limits its rate with "
-                                     f"{info['rate_limiter']}, shard 0 with {first['rate_limiter']}: several shards "
-                                     f"are paced as one table only with one rate limiter")  # fmt: skip
             self._pacing = GlobalPacing(RateLimiter(**first["rate_limiter"]), [info["num_partitions"] for info in infos])
         if n > 1:
             self._refresh_totals()
@@ -245,17 +229,8 @@ class RemoteSampler:
             ok = pacing.can_sample(batch_size, self._in_flight())
         if ok or not wait:
             return ok
-        deadline, delay = time.monotonic() + timeout_s, MAX_BACKOFF_S
-        while True:
-            self._refresh_totals()
-            with self._tags:
-                if pacing.can_sample(batch_size, self._in_flight()):
-                    return True
-                why = pacing.why_blocked(batch_size, self._in_flight())
-            if time.monotonic() > deadline:
-                raise RateLimiterTimeout(f"sample of {batch_size} blocked for {timeout_s:.1f} s {why}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+        pacing.wait_to_sample(batch_size, self._in_flight, self._refresh_totals, self._tags, timeout_s)
+        return True
 
     def _request(self, batch_size: int, timeout_s: float, wait: bool = True) -> tuple | None:
         """One round: the split ``q`` (each shard's share of every draw) and each shard's request;
@@ -276,12 +251,7 @@ class RemoteSampler:
         else:
             with self._tags:
                 t = np.maximum(self._totals, 0.0)  # a copy
-            up = np.zeros(n, dtype=bool)
-            up[live] = True
-            t[~up] = 0.0  # a down shard: out of the split
-            s = float(t.sum())
-            q = t / s if s > 0 else up / up.sum()  # nothing known yet: even over the live, and said so by q
-            split = self._rng.multinomial(batch_size, q).tolist()
+            q, split = split_round(t, live, batch_size, self._rng)
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
@@ -337,97 +307,24 @@ class RemoteSampler:
             return Sample(data={n: torch.from_numpy(a) for n, a in zip(meta["names"], data)},
                           keys=torch.from_numpy(keys), weights=torch.from_numpy(weights),
                           probabilities=torch.from_numpy(probs))  # fmt: skip
-        return self._combine(batch_size, q, parts, replies)
+        return self._assembly.combine(batch_size, q, replies, float(self._counts[self._live()].sum()))
 
     def _mend(self, reply: tuple, timeout_s: float) -> tuple:
-        """A reply sent out of the shard's segment ends with ``torn``: items a writer overwrote
-        while the reply was written. Each is replaced by a fresh draw from the same shard (until
-        none is torn), and the batch reweighed against the shard's newest total, as a local
-        table replaces torn items."""
-        i, b, meta, bufs = reply
-        if not meta.get("torn"):
-            return reply
-        *bufs, torn = bufs
-        bad = self._torn_of(i, torn, b)
-        if not bad.size:
-            return i, b, meta, bufs
-        masses = bufs[1] * max(float(meta["total"]), 0.0)  # each item's mass at its draw
+        """A reply whose ``torn`` marks are set, mended by fresh draws from its shard
+        (:meth:`BatchAssembly.mend`); ``self.torn`` counts the items redrawn."""
+        i = reply[0]
         m = {"timeout_s": timeout_s, **self._paces()[i]}  # a request without a pace unpaces the shard
         if self.selector.beta is not None:
             m["beta"] = float(self.selector.beta)
-        deadline = time.monotonic() + timeout_s
-        while bad.size:
-            if time.monotonic() > deadline:  # as a local table gives up
-                raise RateLimiterTimeout(f"replay: writers kept overwriting the drawn items of shard {i} faster than "
-                                         f"they could be sent ({self.torn} redrawn so far); its rings are too small "
-                                         f"for the write rate")  # fmt: skip
-            self.torn += int(bad.size)
-            tag, fut = self._submit(i, "replay.sample", {**m, "batch_size": int(bad.size)}, timeout_s=timeout_s + self.timeout_s)
+
+        def redraw(n: int) -> tuple[dict, list]:
+            self.torn += n
+            tag, fut = self._submit(i, "replay.sample", {**m, "batch_size": n}, timeout_s=timeout_s + self.timeout_s)
             meta, fresh = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
             self._note(i, tag, meta)
-            again = self._torn_of(i, fresh.pop(), bad.size) if meta.get("torn") else bad[:0]
-            for a, f in zip(bufs, fresh):
-                a[bad] = f
-            masses[bad] = fresh[1] * max(float(meta["total"]), 0.0)
-            bad = bad[again]
-        total = max(float(meta["total"]), 0.0)
-        if total > 0:
-            np.divide(masses, total, out=bufs[1])  # one normalisation, against the shard now
-            w = self._is_weights(float(meta["count"]), bufs[1], meta)
-            if w is not None:
-                bufs[2][:] = w
-        return i, b, meta, bufs
+            return meta, fresh
 
-    def _is_weights(self, count: float, probs: np.ndarray, meta: dict) -> np.ndarray | None:
-        """IS weights ``(N·P)^-β / max`` over the batch (a local table's rule); None without
-        importance sampling (uniform: the shards' weights, ones, stand). β: the learner's, else
-        the shard's (``meta``)."""
-        beta = self.selector.beta if self.selector.beta is not None else meta.get("beta")
-        if beta is None or not self.selector.importance_sampled:
-            return None
-        w = (count * probs) ** -float(beta)
-        return w / w.max()
-
-    def _torn_of(self, i: int, torn: np.ndarray, b: int) -> np.ndarray:
-        """Positions a reply's ``torn`` buffer marks (checked: uint8, one per item)."""
-        if torn.dtype != np.uint8 or torn.shape != (b,):
-            raise ValueError(f"shard {i} ({self._clients[i].address_text}) sent a torn buffer of {torn.dtype}"
-                             f"{list(torn.shape)} for {b} items")  # fmt: skip
-        return np.flatnonzero(torn)
-
-    def _out(self, batch_size: int, meta: dict, bufs: list) -> dict[str, torch.Tensor]:
-        if batch_size != self._buffer_batch:
-            names = ["keys", "probabilities", "weights", *meta["names"]]
-            self._buffers = [{n: torch.empty((batch_size, *a.shape[1:]), dtype=torch.from_numpy(a[:0]).dtype)
-                              for n, a in zip(names, bufs)} for _ in range(self.num_buffers)]  # fmt: skip
-            self._buffer_batch = batch_size
-        out = self._buffers[self._next]
-        self._next = (self._next + 1) % self.num_buffers
-        return out
-
-    def _combine(self, batch_size: int, q: np.ndarray, parts: list, replies: list) -> Sample:
-        """The shards' rows in one batch: keys tagged with their shard, ``P = q_i · m/T_i`` (the
-        shard reports ``m/T_i`` at its draw), IS weights ``(N·P)^-β / max`` over the batch with
-        ``N`` the shards' live items at the draws (a local table's normalisation)."""
-        out = self._out(batch_size, replies[0][2], replies[0][3])
-        names = ["keys", "probabilities", "weights", *replies[0][2]["names"]]
-        row = 0
-        probs = np.empty(batch_size)
-        for i, b, meta, bufs in replies:
-            for n, a in zip(names, bufs):
-                out[n][row:row + b] = torch.from_numpy(a)
-            keys = out["keys"][row:row + b]
-            if int(key_shard(keys.max())):
-                raise ValueError(f"shard {i} returned a key ≥ 2^{SHARD_SHIFT}: cannot tag it with the shard")
-            shard_key(keys, i)
-            np.multiply(bufs[1], q[i], out=probs[row:row + b])
-            row += b
-        w = self._is_weights(float(self._counts[self._live()].sum()), probs, replies[0][2])
-        if w is not None:
-            out["weights"].copy_(torch.from_numpy(w))
-        out["probabilities"].copy_(torch.from_numpy(probs))
-        return Sample(data={n: out[n] for n in names[3:]}, keys=out["keys"], weights=out["weights"],
-                      probabilities=out["probabilities"])  # fmt: skip
+        return self._assembly.mend(reply, self._clients[i].address_text, redraw, timeout_s, lambda: self.torn)
 
     # ----------------------------------------------------------------- priorities, stats
     def update_priorities(self, keys, priorities) -> int:
@@ -435,17 +332,7 @@ class RemoteSampler:
         many were applied (keys of evicted items are ignored, as locally). Waits for every
         shard's reply: a round requested after this returns is drawn after the update, and
         split by the totals it left."""
-        keys = np.ascontiguousarray(torch.as_tensor(keys).cpu().numpy(), dtype=np.int64).reshape(-1)
-        if isinstance(priorities, torch.Tensor):
-            p = priorities.detach()
-            p = (p.float() if p.dtype in (torch.bfloat16, torch.float16) else p).cpu().numpy()
-        else:
-            p = np.asarray(priorities)
-        # float32 and float64 go as they are (the shard's table converts as a local one does)
-        prios = np.ascontiguousarray(p.reshape(-1), dtype=p.dtype if p.dtype in (np.float32, np.float64) else np.float64)
-        if keys.shape != prios.shape:
-            raise ValueError(f"{keys.size} keys but {prios.size} priorities")
-        check_priorities(prios)
+        keys, prios = priority_arrays(keys, priorities)
         shard = key_shard(keys)
         if (shard < 0).any() or (shard >= len(self._clients)).any():
             raise ValueError(f"keys name shards outside [0, {len(self._clients)})")
@@ -475,9 +362,6 @@ class RemoteSampler:
             applied += int(meta["applied"])
         return applied
 
-    SUMMED = ("replay/size", "replay/inserts", "replay/samples", "replay/evictions", "replay/torn_resampled",
-              "replay/steps", "replay/bytes", "replay/remote_partitions")  # fmt: skip
-
     def stats(self) -> dict[str, float]:
         """Every shard's stats summed (counts) or averaged (fill), ``replay/shards``, and
         ``replay/split_drift``: how far the last batch's split was from the shards' totals at
@@ -498,11 +382,7 @@ class RemoteSampler:
         out: dict[str, float] = {"replay/shards": float(len(per)), "replay/split_drift": self.split_drift}
         if self.health is not None:
             out["replay/shards_down"] = float(len(self._clients) - len(per))
-        for k in per[0]:
-            vals = [s.get(k, 0.0) for s in per]
-            out[k] = float(sum(vals)) if (k in self.SUMMED or k.startswith("transport/")) else (
-                float(min(vals)) if k.endswith("_min") else float(np.mean(vals)))
-        return out
+        return {**out, **summed_stats(per)}
 
     def checkpoint(self, name: str) -> list[str]:
         """Each shard writes its table to ``<its checkpoint_dir>/<name>`` (``replay.checkpoint``);
