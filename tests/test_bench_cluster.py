@@ -292,3 +292,49 @@ def test_cli_quick_measurement(tmp_path):
     for r in rows[1:-1]:
         assert_same(r, cluster.model(fig, r["nodes"], r["actors_per_node"], r["learners"], 10.0))
     assert rows[-1]["figures"] == fig
+
+
+def test_link_round_trip_is_paid_once_per_update_and_per_request_in_flight():
+    """R = 10 ms: the priority write-back waits R each update (0.01 s learn + τ + R → 50 updates/s);
+    the samples pay (τ + R) per request with 2 in flight."""
+    r = cluster.model(FIG, 20, 1, 1, 10.0, link_rtt_ms=10.0)
+    assert r["bottleneck"] == "learner" and r["round_trip_s"] == pytest.approx(1e-4 + 0.01)
+    assert r["updates_per_s"] == pytest.approx(1 / (0.0099 + 1e-4 + 0.01))
+    assert r["env_steps_per_s"] == pytest.approx(128 * r["updates_per_s"])  # ρ = 1
+    assert r["limits"]["network_learner"] == pytest.approx(128 / ((1e-4 + 0.01) / 2 + 128 * 100 / 1.25e9))
+    assert cluster.model(FIG, 20, 1, 1, 10.0)["updates_per_s"] == pytest.approx(100.0)  # R = 0: τ only
+
+
+def test_shared_cores_bound_the_cluster():
+    """C = 2 cores for 2 nodes × 4 actors + their shards + the learner: each env step costs
+    1/a + 1/I core-seconds, each update c_u (the learn step, and per node its sample plus a
+    sample and a priority request of τ each): X·(1/a + 1/I) + (ρX/B)·c_u = C."""
+    t_s = 1e-4 + (2e-4 - 1e-4) / 120 * (64 - 8)  # each node's share: 64 items
+    c_u = 0.0099 + 2 * (t_s + 2 * 1e-4)
+    assert cluster.cpu_s_per_update(FIG, 2, 1) == pytest.approx(c_u)
+    r = cluster.model(FIG, 2, 4, 1, 10.0, cores=2.0)
+    X = 2.0 / (1 / 1000 + 1 / 1e6 + c_u / 128)
+    assert r["bottleneck"] == "cpu" and r["env_steps_per_s"] == pytest.approx(X)
+    assert r["cpu_cores_used"] == pytest.approx(2.0)
+    assert "cpu" not in cluster.model(FIG, 2, 4, 1, 10.0)["limits"]  # no --cores: a core per process
+    # a measured RemoteSampler rate S: the learner's side of each draw costs 1/S, and caps its fetches
+    drawn = {**FIG, "transport_sample_batches_per_s": 50.0}
+    assert cluster.cpu_s_per_update(drawn, 2, 1) == pytest.approx(c_u + 1 / 50)
+    assert cluster.model(drawn, 2, 4, 1, 10.0)["limits"]["network_learner"] == pytest.approx(50 * 128)
+    free = cluster.model(FIG, 2, 4, 1, 10.0, cores=64.0)  # enough cores: the other bounds again
+    assert free["bottleneck"] == "actors" and free["env_steps_per_s"] == pytest.approx(8000.0)
+    # ρ = 0: the actors and shards get 10 of the 11 processes' share, the updates what is left
+    r = cluster.model(FIG, 2, 4, 1, 10.0, rho=0.0, cores=2.0)
+    assert r["bottleneck"] == "cpu" and r["env_steps_per_s"] == pytest.approx(2.0 * 10 / 11 / (1 / 1000 + 1 / 1e6))
+    assert r["update_bottleneck"] == "cpu"
+    assert r["updates_per_s"] == pytest.approx((2.0 - r["env_steps_per_s"] * (1 / 1000 + 1 / 1e6)) / c_u)
+
+
+def test_cli_takes_the_round_trip_and_cores(fig_file):
+    proc = cli("--simulate", "--from", str(fig_file), "--nodes", "2", "--actors-per-node", "4",
+               "--learners", "1", "--link-rtt-ms", "10", "--cores", "2", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if '"workload": "model"' in line]
+    assert row["link_rtt_ms"] == 10.0 and row["cores"] == 2.0 and "cpu" in row["limits"]
+    bad = cli("--simulate", "--from", str(fig_file), "--link-rtt-ms", "-1")
+    assert bad.returncode != 0 and "--link-rtt-ms -1.0" in bad.stderr

@@ -45,8 +45,18 @@ transport_loopback_bytes_per_s)`` — one shard process cannot serve faster than
   items): ``X/(N·I) + K·U·t_s(B/(K·N)) ≤ 1``;
 * **network_shard** (a node sends what is sampled from it): ``U·B·c/N ≤ L``;
 * **network_learner** (a learner fetches b items per update, ``p`` = ``learner.prefetch``
-  requests in flight, τ = ``transport_request_latency_us``): ``U ≤ 1 / (τ/p + b·c/L)``;
-* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K))``.
+  requests in flight, τ = ``transport_request_latency_us``, R = ``--link-rtt-ms``):
+  ``U ≤ 1 / ((τ + R)/p + b·c/L)``;
+* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K) + τ + R)``: after each learn step the learner writes
+  the batch's priorities back and waits for every shard's reply
+  (``RemoteSampler.update_priorities``), one request round trip per update, not overlapped;
+* **cpu** (only with ``--cores C``: every process shares C cores, e.g. an emulated cluster on one
+  machine): ``X·(1/a + 1/I) + U·c_u ≤ C``, with ``c_u = K·(t_l(b) + 1/S) + N·K·(t_s + 2τ)``
+  the core-seconds of one update (learn steps, the learner's side of its draw, 1/S with S =
+  ``transport_sample_batches_per_s``, the shards' samples, a sample and a priority request per
+  node and learner, τ of CPU each). Where the figures have S, ``network_learner`` is also
+  capped at S (what one ``RemoteSampler`` drew on loopback, ``prefetch`` ahead). With ρ = 0 the actors and shards get their processes'
+  share ``C·N(M+1)/(N(M+1)+K)`` and the updates what they leave.
 
 With ``ρ > 0`` (Reverb's samples-per-insert limiter) the rates are tied, ``U·B = ρ·X``: each
 stage's bound becomes a bound on X, X is the smallest, and that stage is the ``bottleneck``.
@@ -59,10 +69,14 @@ ratio ``U·B/X`` is then an output).
 gloo-on-loopback one (NCCL between GPUs is far faster; put your own in ``allreduce_s``).
 
 What it leaves out, on purpose: weights to actors (a parameter fetch per
-``actor.weight_sync_period`` steps), priority updates (16 B per sampled item), switch
-contention, stragglers, and that a node's M actors share its cores with the shard: a node is
-assumed to have a core per actor and one for its shard. The per-actor rate is this machine's
-per-core rate.
+``actor.weight_sync_period`` steps), the priority updates' bytes (16 B per sampled item; their
+round trip is in), switch contention, stragglers. Without ``--cores`` a node is assumed to have
+a core per actor and one for its shard; the per-actor rate is this machine's per-core rate.
+
+Checked against real sharded runs on emulated hosts (``launch/hosts_scale.py``: two
+``gearflow serve`` nodes and a learner in network namespaces, links shaped with ``tc tbf`` and
+a delaying relay, the measured round trip given as ``--link-rtt-ms``, ``--cores`` = this
+machine's): the table is in the README (cluster section).
 
 **Ape-X** ran 360 actors feeding one learner: about 50 k Atari frames/s, i.e. 12.5 k env steps/s
 at frame skip 4 (Horgan et al. 2018; ``--apex-env-steps-per-s``). The summary says how many
@@ -169,7 +183,8 @@ def cpu_s_per_update(fig: dict, N: int, K: int) -> float:
     l0, l1 = _fit(fig["learn_s"])
     s0, s1 = _fit(fig["shard_sample_s"])
     tau = float(fig["transport_request_latency_us"]) * 1e-6
-    return K * (l0 + l1 * B / K) + N * K * (s0 + s1 * B / (K * N) + 2 * tau)
+    draw = 1.0 / float(fig["transport_sample_batches_per_s"]) if fig.get("transport_sample_batches_per_s") else 0.0
+    return K * (l0 + l1 * B / K + draw) + N * K * (s0 + s1 * B / (K * N) + 2 * tau)
 
 
 def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: float | None = None,
@@ -199,6 +214,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
     t_round_trip = tau + rtt  # the priority write-back: the learner waits for every shard's reply
     t_update = (l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L) + t_round_trip
     u_net_learner = 1.0 / ((tau + rtt) / p + b * c / L)
+    if fig.get("transport_sample_batches_per_s"):  # measured: what one RemoteSampler draws on loopback
+        u_net_learner = min(u_net_learner, float(fig["transport_sample_batches_per_s"]))
     u_learner = 1.0 / t_update
     env_cpu = 1.0 / a + 1.0 / I_  # core-seconds of one env step: acting, then the shard's ingest
     c_u = cpu_s_per_update(fig, N, K) - K * (l0 + l1 * b) * (1 - 1 / learner_speedup)
