@@ -231,7 +231,8 @@ class RunConfig:
     max_updates: int = 0
     """Stop after this many learner updates (0: no limit)."""
     stop_at_return: float = 0.0
-    """Stop once the greediest actor's mean return over its last 100 episodes reaches this (0: never)."""
+    """Stop once the greediest acting actor's mean return over its last 100 episodes reaches this (0: never);
+    acting: it reported within the last 30 s (``gearflow.learner.ACTING_S``), so a starved or dead actor is passed over."""
     log_every_s: float = 5.0
     """Seconds between progress lines and metric rows."""
     checkpoint_every: str = "10m"
@@ -304,7 +305,7 @@ class TransportConfig:
     """File holding the shared secret (mode 0600: one readable by others is refused); used when
     ``transport.token`` is empty."""
     integrity: bool = True
-    """Every frame after the handshake carries a MAC (AES-GMAC under a per-connection key) and a
+    """Every frame after the handshake carries a MAC (Poly1305, keys per connection and frame) and a
     sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
     closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
     frames are unprotected after the login (a benchmark on a trusted network)."""
@@ -340,6 +341,16 @@ class ClusterConfig:
     """Data-parallel learners (``learner.world_size``), sampling every shard."""
     learner_gpus: float = 0.0
     """GPUs each learner asks Ray for (0: CPU learners; 1 with ``learner.device=cuda``)."""
+    shard_cpus: float = 1.0
+    """CPUs a shard node's service asks Ray for; its node must also hold its actor group's
+    ``actor.num_actors`` × ``cluster.actor_cpus`` (placement checks both before any role starts)."""
+    actor_cpus: float = 1.0
+    """CPUs each actor process of a node's actor group asks Ray for."""
+    learner_cpus: float = 1.0
+    """CPUs each learner asks Ray for."""
+    shard_resources: Dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources a shard node asks for (``{"shard_host": 1}`` keeps shards on the nodes
+    started with ``ray start --resources='{"shard_host": 1}'``)."""
     max_restarts: int = 3
     """Times Ray restarts a dead actor group before the run fails."""
 

@@ -59,7 +59,11 @@ that hangs, after ``timeout_s``; both as a GearflowError naming the rank and the
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
+import os
+import socket
+import threading
 import time
 from typing import Any
 
@@ -71,9 +75,99 @@ from gearflow.errors import GearflowError
 
 log = logging.getLogger("gearflow.distributed")
 
-__all__ = ["DataParallel", "fingerprint", "resolve_backend"]
+__all__ = ["DataParallel", "fingerprint", "hold_rendezvous", "interface_of", "resolve_backend", "socket_interfaces"]
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---------------------------------------------------------------------- the learners' network
+#
+# gloo and NCCL do not use the rendezvous address for their own connections: unless told an
+# interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) gloo resolves the machine's hostname and
+# falls back to loopback when that fails (a container, a namespace, a host whose name is not in
+# DNS), so learners on two hosts each advertise 127.0.0.1 and never meet. Each rank therefore
+# names the interface that holds its own address on the learners' network: rank 0 the
+# rendezvous host, the others the source address the kernel picks to reach it.
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface that holds ``ip`` (``"lo"`` for 127.0.0.1),
+    or None when no interface does (Linux: SIOCGIFADDR per interface; IPv6 from /proc)."""
+    addr = ipaddress.ip_address(ip)
+    if addr.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:  # hex address, index, prefix, scope, flags, name
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(int(fields[0], 16)) == addr:
+                        return fields[5]
+        except OSError:
+            pass
+        return None
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(addr):
+                return name
+    return None
+
+
+def _local_ip(host: str, port: int, rank: int) -> str:
+    """This rank's address on the learners' network: the rendezvous host on rank 0, else the
+    source address the kernel would use to reach it (a UDP connect sends nothing)."""
+    ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    if rank == 0:
+        return ip
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, port))
+        except OSError as exc:
+            raise GearflowError(f"learner rank {rank}: no route from this machine to rank 0 at {host}:{port} "
+                                f"(learner.dist_address): {exc}") from None  # fmt: skip
+        return s.getsockname()[0]
+
+
+def socket_interfaces(local_ip: str) -> dict[str, str]:
+    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface holding
+    ``local_ip`` unless the user set them; returns the two as they now are (for the log and the
+    errors). An address no interface holds leaves them unset (gloo's own resolution)."""
+    name = interface_of(local_ip)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name and not os.environ.get(var):
+            os.environ[var] = name
+    return {var: os.environ.get(var, "") for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
+_HELD: dict[str, socket.socket] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def hold_rendezvous(host: str) -> str:
+    """A ``HOST:PORT`` for rank 0's store whose port is held, not guessed: a socket is bound on
+    ``host`` port 0 and listening now, and rank 0's :meth:`DataParallel.init` in this process
+    serves its store on that very socket (no other process can take the port in between)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise GearflowError(f"cannot listen on {host} for the learners' rendezvous: {exc}") from None
+    port = sock.getsockname()[1]
+    address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    with _HELD_LOCK:
+        _HELD[address] = sock
+    return address
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -186,6 +280,7 @@ class DataParallel:
         self.comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._averagers: list[_GradientAverager] = []
         self._joined = False
+        self.interface = ""  # this rank's address and the interface gloo/NCCL use (set by init)
         self.allreduce_s = 0.0  # seconds in gradient all_reduce hooks (host time; NCCL: enqueue + flag sync)
         self.allreduce_calls = 0
         self.agree_s = 0.0  # seconds in agree()
@@ -216,13 +311,16 @@ class DataParallel:
         socket bound there, handed to torch's TCPStore), not on every interface as torch's own
         ``tcp://`` init would; the store has no credential, so the address should be one of
         the cluster's private network (docs/security.md)."""
-        import socket
-
         host, _, port = self.address.rpartition(":")
         host = host.strip("[]")
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if self.rank != 0:
             return dist.TCPStore(host, int(port), self.world_size, False, timeout)
+        with _HELD_LOCK:
+            held = _HELD.pop(self.address, None)
+        if held is not None:  # hold_rendezvous() bound it: the port was never free
+            fd = held.detach()
+            return dist.TCPStore(host, int(port), self.world_size, True, timeout, master_listen_fd=fd, use_libuv=False)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -245,6 +343,15 @@ class DataParallel:
         if self.backend == "nccl" and self.device.index is not None:  # "cuda": the current device (Ray: the only one)
             torch.cuda.set_device(self.device)
         t0 = time.monotonic()
+        host, _, port = self.address.rpartition(":")
+        try:
+            local_ip = _local_ip(host.strip("[]"), int(port), self.rank)
+        except OSError as exc:
+            raise GearflowError(f"learner rank {self.rank}: learner.dist_address={self.address}: cannot resolve "
+                                f"{host}: {exc}") from None  # fmt: skip
+        ifnames = socket_interfaces(local_ip)
+        var = "NCCL_SOCKET_IFNAME" if self.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+        self.interface = f"{local_ip} on {var}={ifnames[var] or '(unset: no interface holds it)'}"
         try:
             dist.init_process_group(self.backend, store=self._store(), rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s))  # fmt: skip
@@ -252,6 +359,10 @@ class DataParallel:
             waited, text = time.monotonic() - t0, str(exc)
             if "listen" in text or "EADDRINUSE" in text or "in use" in text:
                 what = "rank 0 could not listen there (is the port taken, the host this machine's?)"
+            elif "connectFullMesh" in text or "Connection refused" in text or "loopback" in text:
+                what = (f"the learners met at the store but could not connect to each other over {self.backend} "
+                        f"(this rank: {self.interface}; set {var} on every node to the interface of the "
+                        "learners' network)")  # fmt: skip
             elif self.rank == 0:
                 what = (f"the other {self.world_size - 1} learner(s) did not all arrive within {self.timeout_s:g} s "
                         "(are ranks 1.. started, with this same address?)")  # fmt: skip
@@ -264,8 +375,8 @@ class DataParallel:
                 f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             ) from exc
         self._joined = True
-        log.info("learner rank %d of %d joined at %s (%s) in %.2f s", self.rank, self.world_size, self.address,
-                 self.backend, time.monotonic() - t0)  # fmt: skip
+        log.info("learner rank %d of %d joined at %s (%s, %s) in %.2f s", self.rank, self.world_size, self.address,
+                 self.backend, self.interface, time.monotonic() - t0)  # fmt: skip
         return self
 
     def close(self) -> None:

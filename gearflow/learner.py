@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -41,6 +42,8 @@ log = logging.getLogger("gearflow.runner")
 
 __all__ = ["BetaSchedule", "Learner", "Prefetcher", "Progress", "SerialBatches"]
 
+ACTING_S = 30.0  # an actor that reported nothing for this long (held by a rate limiter, dead, restarting) is not acting
+
 
 @dataclass
 class Progress:
@@ -58,8 +61,14 @@ class Progress:
     tokens: int = 0  # steps learned from (items × their valid steps)
     data_age: float = 0.0
     actor_counters: dict[int, dict] = field(default_factory=dict)  # latest "counters" message per actor
+    seen: dict[int, float] = field(default_factory=dict)  # per actor: time.monotonic() of its latest report
+
+    def saw(self, actor: int, now: float | None = None) -> None:
+        """``actor`` reported (an episode, or counters: it is stepping its envs)."""
+        self.seen[actor] = time.monotonic() if now is None else now
 
     def add_episode(self, actor: int, ret: float) -> None:
+        self.saw(actor)
         self.returns.setdefault(actor, collections.deque(maxlen=100)).append(ret)
         self.all_returns.append(ret)
         self.episodes += 1
@@ -83,12 +92,21 @@ class Progress:
         self.returns = {int(a): collections.deque(r, maxlen=100) for a, r in state["returns"].items()}
         self.all_returns = collections.deque(state["all_returns"], maxlen=100)
 
-    def greediest_return(self) -> float:
-        """Mean of the last 100 episodes of the greediest actor (the highest index)."""
+    def greediest(self, now: float | None = None) -> int | None:
+        """The greediest actor that is acting: the highest index among those with episodes that
+        reported within ``ACTING_S`` (a starved, dead or restarting actor's last episodes are
+        old news, and it may be the one on a node that started late); None when none is."""
+        now = time.monotonic() if now is None else now
+        acting = [a for a in self.returns if now - self.seen.get(a, -math.inf) <= ACTING_S]
+        return max(acting, default=None)
+
+    def greediest_return(self, now: float | None = None) -> float:
+        """Mean of the last 100 episodes of the greediest acting actor (:meth:`greediest`; none
+        acting: of the highest index, the last one that acted)."""
         if not self.returns:
             return float("nan")
-        actor = max(self.returns)
-        return float(np.mean(self.returns[actor]))
+        actor = self.greediest(now)
+        return float(np.mean(self.returns[max(self.returns) if actor is None else actor]))
 
     def actor_weights_version(self) -> int:
         """The oldest weights version any actor that has acted reported (-1 before one has): an
@@ -311,7 +329,7 @@ class Learner:
             return f"reached run.max_updates={r.max_updates}"
         if r.max_seconds and time.monotonic() - p.start >= r.max_seconds:
             return f"reached run.max_seconds={r.max_seconds}"
-        greedy = p.returns.get(max(p.returns, default=-1))
+        greedy = p.returns.get(p.greediest())  # the greediest actor that is acting
         if r.stop_at_return and greedy is not None and len(greedy) == greedy.maxlen:
             if float(np.mean(greedy)) >= r.stop_at_return:
                 return f"reached run.stop_at_return={r.stop_at_return}"

@@ -104,6 +104,8 @@ def fold_report(
         progress.add_episode(int(msg["actor"]), float(msg["actor/episode_return"]))
     elif kind == "counters":
         progress.actor_counters[int(msg["actor"])] = msg
+        if hasattr(progress, "saw"):  # a Progress: the actor is stepping its envs
+            progress.saw(int(msg["actor"]))
     elif kind == "error":
         log.error("%s %s raised:\n    | %s", source, msg.get("actor"), log_text(msg.get("error")))
         if errors is not None:

@@ -520,3 +520,120 @@ def test_configuration_errors_are_clear():
     assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
     with pytest.raises(GearflowError, match="DataParallel.init"):
         DataParallel(0, 2, "127.0.0.1:1").agree(True, False)
+
+
+# ---------------------------------------------------------------------- learners on two hosts
+
+NETNS = ("gfrc-a", "gfrc-b")  # two emulated hosts: a network namespace each on a bridge, 10.231.4.0/24
+BRIDGE = "gfrc-br"
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    import subprocess
+
+    subprocess.run(["ip", *args], check=check, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces on a bridge with no route out (10.231.4.1 and .2). This machine's
+    hostname resolves to 127.0.0.1, as on many hosts and containers: what gloo falls back to."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("emulated hosts need root and iproute2")
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    try:
+        _ip("link", "set", BRIDGE, "up")
+        for i, ns in enumerate(NETNS):
+            _ip("netns", "add", ns)
+            _ip("link", "add", f"{ns}-h", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", f"{ns}-h", "master", BRIDGE, "up")
+            _ip("-n", ns, "addr", "add", f"10.231.4.{i + 1}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield [f"10.231.4.{i + 1}" for i in range(len(NETNS))]
+    finally:
+        for ns in NETNS:
+            _ip("link", "del", f"{ns}-h", check=False)
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", BRIDGE, check=False)
+
+
+_MEET = """
+import sys, torch
+from gearflow.distributed import DataParallel
+rank, address = int(sys.argv[1]), sys.argv[2]
+dp = DataParallel(rank, 2, address, "gloo", timeout_s=60).init()
+t = torch.tensor([float(rank + 1)])
+torch.distributed.all_reduce(t)
+print("SUM", t.item(), "|", dp.interface, flush=True)
+dp.close()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_two_learners_on_two_hosts_meet_on_their_cluster_interface(two_hosts):
+    """Rank 0 on host A, rank 1 on host B, no GLOO_SOCKET_IFNAME: each names the interface that
+    holds its own address (eth0 in its namespace), so gloo does not fall back to the loopback
+    address the hostname resolves to (there: `connectFullMesh failed ... remote=[127.0.0.1]`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env["PYTHONPATH"] = str(ROOT)
+    address = f"{two_hosts[0]}:29533"
+    procs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _MEET, str(rank), address],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for rank, ns in enumerate(NETNS)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    for rank, out in enumerate(outs):
+        line = [x for x in out.splitlines() if x.startswith("SUM")][0]
+        assert line.startswith("SUM 3.0"), out[-2000:]
+        assert f"{two_hosts[rank]} on GLOO_SOCKET_IFNAME=eth0" in line
+
+
+def test_the_interface_is_the_one_holding_the_address(monkeypatch):
+    """127.0.0.1 is on lo; a user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are kept."""
+    from gearflow.distributed import interface_of, socket_interfaces
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: on no interface here
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert socket_interfaces("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}
+
+
+@pytest.mark.timeout(120)
+def test_the_rendezvous_port_is_held_until_rank_0_serves_on_it():
+    """hold_rendezvous() keeps its port bound (no other process can take it, unlike a port found
+    free and closed); rank 0 then serves its store on that socket and rank 1 joins."""
+    import threading
+
+    from gearflow.distributed import hold_rendezvous
+
+    address = hold_rendezvous("127.0.0.1")
+    port = int(address.rpartition(":")[2])
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # EADDRINUSE: the port is held
+    store_up = threading.Event()
+
+    def rank1():
+        store_up.wait(60)
+        torch.distributed.TCPStore("127.0.0.1", port, 2, False, __import__("datetime").timedelta(seconds=30)).set("r1", "1")
+
+    t = threading.Thread(target=rank1, daemon=True)
+    t.start()
+    dp = DataParallel(0, 2, address, "gloo", timeout_s=30)
+    store_up.set()
+    store = dp._store()  # rank 0's store on the held socket: rank 1's client reaches it
+    assert store.get("r1") == b"1"
+    t.join(30)

@@ -134,8 +134,9 @@ def test_two_serve_nodes_and_a_learner_on_three_hosts(make_hosts, tmp_path):
 
 def test_a_node_killed_and_restarted_on_its_port_is_ridden_out(make_hosts, tmp_path):
     """Node 0's process is killed mid-run (SIGKILL: its segments stay in its host's /dev/shm) and
-    a fresh node is started on the same host and port: the learner reads it as restarted (a fresh
-    table), pushes it weights and samples it. Stopped then by SIGTERM, the learner ends with its
+    a fresh node is started on the same host and port: the learner trains on node 1 meanwhile
+    (node 0 marked down), re-admits node 0, reads it as restarted (a fresh table), pushes it
+    weights and samples it. Stopped then by SIGTERM, the learner ends with its
     summary (143) and leaves both nodes serving (for --resume); SIGTERM ends them (143) clean."""
     hosts = make_hosts(3, subnet="10.231.1.0/24")
     nodes = _nodes(hosts, tmp_path)
@@ -161,5 +162,7 @@ def test_a_node_killed_and_restarted_on_its_port_is_ridden_out(make_hosts, tmp_p
             p.kill()
     assert summary["stop_reason"] == "stopped by signal"
     assert summary["actor/env_steps"] > 2000 and summary["learner/updates"] > 0
+    # re-admitted after the learner trained on node 1 alone: back in the split, not lost
+    assert summary["replay/shards"] == 2.0 and "transport/nodes_lost" not in summary
     assert all(o["actor/env_steps"] > 0 and o["stop_signal"] == "SIGTERM" for o in outs)
     assert hosts[1].shm() == [] and set(hosts[0].shm()) <= killed  # only the killed node's segments are left

@@ -124,3 +124,32 @@ def test_policy_lag_counts_only_actors_that_have_acted():
     assert p.actor_weights_version() == 7
     p.actor_counters[1] = {"actor/env_steps": 16, "actor/weight_version": 5}
     assert p.actor_weights_version() == 5
+
+
+def test_the_stop_rule_reads_the_greediest_actor_that_is_acting():
+    """``run.stop_at_return`` reads the highest-index actor that reported lately (``ACTING_S``):
+    a greedier actor that went quiet (held by a starved node's rate limiter, dead, restarting)
+    is passed over, and read again once it reports; the metric reads the same actor."""
+    import time
+    from types import SimpleNamespace
+
+    from gearflow.learner import ACTING_S, Learner, Progress
+
+    p = Progress()
+    for _ in range(100):
+        p.add_episode(0, 480.0)  # acting now, and good
+        p.add_episode(1, 10.0)  # the greediest index
+    cfg = load_config(None, ["run.stop_at_return=475"])
+    learner = Learner(cfg.learner, SimpleNamespace(), None, None, p, run=cfg.run, env_steps=lambda: 0,
+                      actor_version=lambda: 0)  # fmt: skip
+    assert learner.done() == "" and p.greediest() == 1  # both acting: actor 1 is the one read
+    now = time.monotonic()
+    p.saw(1, now - 2 * ACTING_S)  # actor 1 stalled: nothing from it for twice the window
+    assert p.greediest(now) == 0 and p.greediest_return(now) == 480.0
+    assert learner.done() == "reached run.stop_at_return=475.0"
+    from gearflow.reports import fold_report
+
+    fold_report(p, {"type": "counters", "actor": 1, "actor/env_steps": 5})  # a report from it: acting again
+    assert p.greediest() == 1 and learner.done() == ""
+    p.seen.clear()  # nobody acting (a resumed run before the first reports): no stop, the metric the last one's
+    assert p.greediest() is None and learner.done() == "" and p.greediest_return() == 10.0

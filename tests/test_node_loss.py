@@ -156,7 +156,7 @@ def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
                 time.sleep(600)  # the dead host's shard: never answers
             return {"actor/env_steps": 123, "address": "10.0.0.1:7000"}
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a cluster found here
     try:
         Remote = ray.remote(num_cpus=0, max_restarts=0)(Node)
         alive, dead = Remote.remote(), Remote.remote()
@@ -176,3 +176,39 @@ def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
     s = run_summary([learner], nodes, {}, 2, 1)
     assert s["cluster/node_env_steps"] == [123, None]
     assert list(s["cluster/nodes_lost"]) == ["10.0.0.2:7000"]
+
+
+def test_a_down_node_is_re_admitted_when_it_answers_and_a_dead_one_stays_lost(tmp_path, monkeypatch):
+    """NodeHealth against a real shard node and an address nobody serves: both marked down, the
+    background probe re-admits the live one (its listener hears it) and keeps the dead one
+    down, named by lost()."""
+    import socket
+    import threading
+
+    from gearflow.config import load_config
+    from gearflow.launchers.serve import ShardNode
+    from gearflow.transport.learner.health import NodeHealth
+    from tests.test_serve import TOKEN
+
+    monkeypatch.setenv("GEARFLOW_TOKEN", TOKEN)
+    n = ShardNode(load_config(CONFIG, [*TINY, "actor.num_actors=1", f"run.dir={tmp_path / 'node'}"]))
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there
+    health = None
+    try:
+        n.shard.start()
+        health = NodeHealth([f"127.0.0.1:{n.shard.port}", dead], TOKEN, probe_every_s=0.2, probe_timeout_s=2.0)
+        back = threading.Event()
+        health.on_change(lambda i, up: back.set() if (i, up) == (0, True) else None)
+        assert health.mark_down(0, "no reply in 3.0 s") and health.mark_down(1, "connection refused")
+        assert not health.mark_down(0, "again")  # once per outage
+        assert health.live() == []
+        assert back.wait(60), "the live node was not re-admitted"
+        assert health.live() == [0] and health.is_down(1)
+        assert list(health.lost()) == [dead] and "connection refused" in health.lost()[dead]
+    finally:
+        if health is not None:
+            health.close()
+        n.close()

@@ -144,3 +144,91 @@ def test_cuda_learners_without_gpus_are_refused(tmp_path):
     cfg = _cfg(tmp_path, "learner.device=cuda", "cluster.learners=2")
     with pytest.raises(GearflowError, match=r"learner.device=cuda but the Ray cluster has 1 GPU\(s\) for 2 learner"):
         learner_gpus(cfg, 1.0)
+
+
+# ---------------------------------------------------------------------- a multi-node cluster
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A real three-node Ray cluster on this machine (a raylet per node): a 1-CPU head, a 1-CPU
+    worker and a 3-CPU worker — the head first in no particular NodeID order."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        big = cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        yield cluster, big.node_id
+    finally:
+        cluster.shutdown()
+
+
+def _gearflow(*args: str, timeout: float = 300, prefix: tuple = ()):
+    import subprocess
+    import sys
+
+    from tests.test_train import ROOT
+
+    cmd = [*prefix, sys.executable, "-m", "gearflow", "train", CONFIG, *TINY, "launcher=ray", "run.progress=log", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_too_small_for_the_run_is_one_line(three_nodes, tmp_path):
+    """Two shard nodes of 1 + 1 actor CPUs each: only the 3-CPU worker holds one. The driver says
+    so in one line before starting any role (it was a raw ActorUnschedulableError traceback)."""
+    cluster, _ = three_nodes
+    proc = _gearflow(f"cluster.address={cluster.address}", "cluster.shards=2", "actor.num_actors=1",
+                     f"run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the Ray cluster cannot hold the run: no node left for shard node 1 of 2" in proc.stderr, proc.stderr[-3000:]
+    assert "a shard node needs 2 CPU on one node" in proc.stderr
+
+
+def test_placement_puts_a_shard_where_its_group_fits(three_nodes):
+    """On the live cluster's own ``ray.nodes()``: a shard with 2 actors (3 CPUs) goes to the 3-CPU
+    worker, never the 1-CPU head; a learner then fits in what is left."""
+    from gearflow.launchers.ray import place_roles
+
+    cluster, big = three_nodes
+    ray.init(address=cluster.address)
+    try:
+        nodes = ray.nodes()
+    finally:
+        ray.shutdown()
+    assert place_roles(nodes, 1, {"CPU": 3.0}, 2, {"CPU": 1.0}) == [big]
+    from gearflow.errors import GearflowError
+
+    with pytest.raises(GearflowError, match="no node left for learner rank 2 of 3"):
+        place_roles(nodes, 1, {"CPU": 3.0}, 3, {"CPU": 1.0})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_learners_files_reach_the_drivers_run_dir(three_nodes, tmp_path):
+    """The driver runs in a mount namespace with its own tmpfs over its run's parent folder, as if
+    on another host: the learner (on a Ray worker) cannot see the driver's run.dir. Its metrics,
+    train.log and checkpoints still reach it (on the old code they stayed on the worker's disk).
+    The shard and its 2 actors (3 CPUs) are placed on the 3-CPU worker."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a private mount for the driver needs root and unshare")
+    cluster, _ = three_nodes
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    run = driver / "run"
+    script = ('mount -t tmpfs tmpfs "$0" && "$@"; rc=$?; echo "FILES:"; '
+              'cd "$0/run" && find . -type f | sort; exit $rc')  # fmt: skip
+    proc = _gearflow(f"cluster.address={cluster.address}", "cluster.shards=1", "actor.num_actors=2",
+                     "run.max_env_steps=3000", f"run.dir={run}", timeout=540,
+                     prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", script, str(driver)))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = proc.stdout.split("FILES:", 1)[1].split()
+    assert "./metrics.jsonl" in seen and "./train.log" in seen, seen
+    assert any(f.startswith("./checkpoints/ckpt-") for f in seen), seen
+    assert not list(run.glob("*")) or not (run / ".gearflow-driver").exists()  # outside the namespace: the worker's view

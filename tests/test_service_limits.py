@@ -9,8 +9,9 @@ attack against a service in its own process, so that its RSS is measured alone):
 * a client that never reads its sample replies stalls only itself;
 * two connections with large frames queued behind a stalled request keep the service
   within ``2 × (max_queued_bytes + max_frame_bytes)`` of receive buffers (RSS checked);
-* 64 idle sockets that never log in do not keep a legitimate client out, and the
-  refusals are logged one line per interval with a count.
+* 64 idle sockets that never log in do not keep a legitimate client out (a ``ping`` client,
+  and real ``gearflow actor --connect`` EnvPool actors joining a ``gearflow train`` run), and
+  the refusals are logged one line per interval with a count.
 
 Every wait is on progress (a counter, a log line, a stats field), with a guard far above a
 loaded box's latency; nothing sleeps for a fixed time.
@@ -166,7 +167,7 @@ _SERVER = textwrap.dedent("""
     from gearflow.transport.framing import FrameLimits
     from gearflow.transport.service import Service, ServiceLimits
     go = threading.Event()
-    limits = ServiceLimits(frame=FrameLimits(max_frame_bytes=FRAME), max_queued_bytes=QUEUED)
+    limits = ServiceLimits(frame=FrameLimits(max_frame_bytes=FRAME), max_queued_bytes=QUEUED) if FRAME else ServiceLimits()
     svc = Service(limits=limits)
     def stall(meta, bufs):
         go.wait(3600)
@@ -189,12 +190,22 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_two_connections_with_big_frames_behind_a_stall_stay_bounded():
-    """Two clients each queue a stalled request then 48 MiB frames: each connection holds at
-    most ``max_queued_bytes + max_frame_bytes`` of receive buffers (the bound), so the
-    service's RSS grows by at most twice that (plus 48 MiB of slack for allocator and loop)."""
-    frame, queued, mib = 64 << 20, 32 << 20, 1 << 20
-    code = _SERVER.replace("FRAME", str(frame)).replace("QUEUED", str(queued))
+@pytest.mark.parametrize("limits, payload_mib", [((64 << 20, 32 << 20), 48), (None, 128)], ids=["small-limits", "default-limits"])
+def test_two_connections_with_big_frames_behind_a_stall_stay_bounded(limits, payload_mib):
+    """Two clients each queue a stalled request then frames of ``payload_mib``: each connection
+    holds at most ``max_queued_bytes + max_frame_bytes`` of receive buffers (the bound), so the
+    service's RSS grows by at most twice that (plus 48 MiB of slack for allocator and loop).
+    ``default-limits`` is issue #32's scenario (128 MiB frames; the code before the limits went
+    from 435 to 1,950 MiB): at the defaults (256 MiB frames, 64 MiB queued) the bound is
+    2 × 320 + 48 = 688 MiB; each connection stops being read after its first 128 MiB frame,
+    so the growth measured is about 2 × 128 MiB (printed)."""
+    mib = 1 << 20
+    if limits is None:
+        frame, queued = FrameLimits().max_frame_bytes, ServiceLimits().max_queued_bytes
+        code = _SERVER.replace("FRAME", "None").replace("QUEUED", "None")
+    else:
+        frame, queued = limits
+        code = _SERVER.replace("FRAME", str(frame)).replace("QUEUED", str(queued))
     env = {**os.environ, "GEARFLOW_TOKEN": TOKEN}
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     clients, threads = [], []
@@ -203,7 +214,7 @@ def test_two_connections_with_big_frames_behind_a_stall_stay_bounded():
         ctl = Client(("127.0.0.1", port), token=TOKEN, timeout_s=GUARD_S, limits=FrameLimits(max_frame_bytes=frame))
         ctl.call("stats")
         base = _rss(proc.pid)
-        payload = np.ones(48 * mib, np.uint8)
+        payload = np.ones(payload_mib * mib, np.uint8)
         futs = []
 
         def flood(c: Client) -> None:
@@ -230,6 +241,8 @@ def test_two_connections_with_big_frames_behind_a_stall_stay_bounded():
         stats = ctl.call("stats")[0]
         assert stats["transport/buffer_bytes"] <= bound + 2 * (1 << 20), stats
         grown = _rss(proc.pid) - base
+        print(f"service RSS {base / mib:.0f} -> {(base + grown) / mib:.0f} MiB: grew {grown / mib:.0f} MiB with two "
+              f"connections of {payload_mib} MiB frames (bound {bound / mib:.0f} + 48 MiB)")  # fmt: skip
         assert grown <= bound + 48 * mib, f"service RSS grew {grown / mib:.0f} MiB (bound {bound / mib:.0f} + 48 MiB)"
         ctl.call("go")  # the stalls end: everything queued is served
         for t in threads:
@@ -292,6 +305,45 @@ def test_idle_unauthenticated_sockets_do_not_keep_a_client_out(caplog):
         for s in idle:
             s.close()
         svc.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_idle_unauthenticated_sockets_do_not_keep_a_real_actor_out(tmp_path):
+    """The same 64 idle sockets against ``gearflow train`` with ``actor.remote_actors=2``, held
+    open for the whole run (``auth_timeout_s=3600``: no timeout frees a slot, only the pre-auth
+    pool can): two real ``gearflow actor --connect`` EnvPool actors still join and write every
+    step of the run (no local actor: the learner's env steps are theirs)."""
+    from tests.test_remote_actors import _finish, _gearflow, _learner, _wait_for
+
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=3000",
+                                             "transport.limits.auth_timeout_s=3600")  # fmt: skip
+    host, port = address.rsplit(":", 1)
+    idle, actors = [], None
+    try:
+        for _ in range(64):
+            s = socket.create_connection((host, int(port)), timeout=60)
+            s.recv(1)  # its challenge came: the service has taken it in
+            idle.append(s)
+        actors_log = tmp_path / "actors.err"
+        actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
+        _wait_for(learner_log, r"remote actor 1 joined", learner, timeout=GUARD_S)
+        _wait_for(learner_log, r"remote actor 0 joined", learner, timeout=GUARD_S)
+        code, out = _finish(learner, timeout=600)
+        assert code == 0, learner_log.read_text()[-3000:]
+        import json
+
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["actor/env_steps"] >= 3000 and summary["learner/updates"] > 0, summary
+        assert actors.wait(timeout=GUARD_S) == 0, actors_log.read_text()[-3000:]
+        assert sum(1 for s in idle if s.fileno() >= 0) == 64  # the test held its sockets throughout
+    finally:
+        for s in idle:
+            s.close()
+        for proc in (learner, actors):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
 
 
 # ----------------------------------------------------------------------------- config

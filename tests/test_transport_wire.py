@@ -7,6 +7,9 @@
   the rows the socket has not taken yet, then the learner reads on. The shard marks the
   items (the reply's last buffer, written after the rest has left the process), the sampler
   redraws them, and every row it returns is intact (each frame's bytes are its step's).
+  With transport.integrity on the frame's MAC leaves the marked rows out: the connection
+  stays up (no integrity error) though the bytes sent are not the ones first MACed.
+* Both with transport.integrity on and off.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from gearflow.transport.learner import RemoteSampler
 TOKEN = "test-token-0123456789"  # conftest.SHARD_TOKEN: shard_of's shards
 
 
-@pytest.fixture(autouse=True)
-def _no_frame_integrity():
-    """Rows go out of the segment only with transport.integrity off (on, a MAC must cover the
-    bytes sent, so the shard gathers them first): these tests are about that path."""
-    auth.set_default_integrity(False)
-    yield
+@pytest.fixture(autouse=True, params=[True, False], ids=["integrity", "no-integrity"])
+def frame_integrity(request):
+    """Every test with transport.integrity on (the default: the frame MAC reads the rows out of
+    the segment as well and leaves rows marked torn out) and off."""
+    auth.set_default_integrity(request.param)
+    yield request.param
     auth.set_default_integrity(True)
 
 

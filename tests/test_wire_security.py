@@ -568,3 +568,84 @@ def test_a_place_stays_bound_to_the_actor_name_that_first_joined_it(make_table):
         with pytest.raises(ValueError, match="no remote actor place is free for actor credential .box-c.: the free ones are bound to names 0: box-a, 1: box-b"):
             join(c)
         assert join(TOKEN, 1) == 1  # the learner's secret is not bound to names
+
+
+# ----------------------------------------------------------------- the MAC itself, and rows marked torn
+def test_one_time_keys_and_tags_are_rfc_8439s():
+    """The frame's one-time key is RFC 8439 §2.6.2's ``poly1305_key_gen`` (ChaCha20 block 0 under
+    nonce ``0⁴ | seq``), and the MAC its §2.5.2 Poly1305: both known-answer vectors."""
+    mac = integrity.Sealer(bytes(range(0x80, 0xA0)))
+    mac.seq = int.from_bytes(bytes(range(8)), "little")  # the vector's nonce: 00 00 00 00 | 00 01 .. 07
+    mac.begin()
+    assert mac._otk.raw.hex() == "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646"
+    key = bytes.fromhex("85d6be7857556d337f4452fe42d506a80103808afb0db2fd4abff6af4149f51b")
+    assert mac._lib.EVP_MAC_init(mac._ctx, key, 32, None) == 1
+    mac.update(b"Cryptographic Forum Research Group")
+    assert mac.final().hex() == "a8061dc1305136c6c22b8baf0c0127a9"
+
+
+def _torn_frame(marks: np.ndarray) -> tuple[bytes, list]:
+    """A reply sealed as the shard seals one whose tail marked ``marks``: (the frame's bytes as
+    sent, its layout); rows of 300 bytes, 4 items, the marks last."""
+    from gearflow.transport.framing import REPLY, encode, frame_buffers
+
+    rows = np.arange(4 * 300, dtype=np.int64).astype(np.uint8).reshape(4, 300)
+    bufs = [np.arange(4, dtype=np.int64), rows, marks]
+    seal = integrity.Sealer(b"k" * integrity.KEY_BYTES)
+    parts = encode(REPLY, 7, "replay.sample", {"torn": True, "names": ["obs"]}, bufs)
+    seal.begin()
+    for p in parts[:-1]:
+        seal.update(p)
+    if marks.any():  # the reseal: again, without the marked rows
+        seal.restart()
+        for p in integrity.masked_frame([parts[0]], frame_buffers(bufs), marks):
+            seal.update(p)
+    seal.update(parts[-1])
+    parts.append(seal.trailer())
+    return b"".join(bytes(p) for p in parts), bufs
+
+
+def _open(frame: bytes):
+    """Feed ``frame`` to a real FrameReader with the matching opener: the delivered arrays, or the
+    IntegrityError it raised."""
+    from gearflow.transport.framing import REPLY, FrameLimits, FrameReader
+
+    got = []
+    reader = FrameReader(lambda *a: got.append(a[4]), FrameLimits(), {REPLY})
+    reader.opener = integrity.Opener(b"k" * integrity.KEY_BYTES)
+    try:
+        buf = reader.get_buffer(-1)
+        buf[:len(frame)] = frame
+        reader.buffer_updated(len(frame))
+    except integrity.IntegrityError as exc:
+        return exc
+    return got[0]
+
+
+def test_rows_marked_torn_are_outside_the_mac_and_nothing_else_is():
+    """A frame whose marks name item 1: changing a byte of item 1's row is accepted (the sampler
+    redraws the item: its bytes are never used), changing one of item 2's row, a key, or the
+    marks themselves (clearing item 1's, setting item 3's) is an IntegrityError; with no mark set
+    every row is covered."""
+    marks = np.array([0, 1, 0, 0], np.uint8)
+    frame, _ = _torn_frame(marks)
+    block = HEADER.size + HEADER.unpack(frame[:HEADER.size])[4]  # the buffer block: keys at 0, rows at 64, marks at 1280
+    row = lambda i: block + 64 + 300 * i + 5  # noqa: E731  (a byte inside item i's row)
+
+    def flip(at: int) -> bytes:
+        b = bytearray(frame)
+        b[at] ^= 0x20
+        return bytes(b)
+
+    ok = _open(frame)
+    assert not isinstance(ok, Exception) and ok[2].tolist() == [0, 1, 0, 0]
+    got = _open(flip(row(1)))
+    assert not isinstance(got, Exception)  # a marked row: not authenticated (the sampler redraws the item)
+    assert got[1][1, 5] == ok[1][1, 5] ^ 0x20 and np.array_equal(got[1][2], ok[1][2])
+    for what, at in [("an unmarked row", row(2)), ("a key", block + 3), ("item 1's mark", block + 1280 + 1),
+                     ("item 3's mark", block + 1280 + 3)]:  # fmt: skip
+        assert isinstance(_open(flip(at)), integrity.IntegrityError), what
+    clean, _ = _torn_frame(np.zeros(4, np.uint8))  # no mark: every byte is covered
+    b = bytearray(clean)
+    b[row(1)] ^= 0x20
+    assert isinstance(_open(bytes(b)), integrity.IntegrityError)

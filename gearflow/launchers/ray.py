@@ -26,8 +26,27 @@ is hard-coded. Each node's actors get their slice of the run's Ape-X ε ladder
 The run ends when the learners end it (rank 0's ``run.stop`` stops the shards); the driver
 then removes every role and, if it started Ray, shuts it down.
 
-A shard role killed on a live node is restarted by Ray on its port with a fresh table. A node
-whose host dies is marked down by the learners after one ``transport.node_timeout_s``
+A shard role is restarted by Ray like a group (``cluster.max_restarts``), pinned to its node:
+it binds the port it had, with a fresh table (the dead instance's segment is removed), its
+group moves its actors to the new segment and the learners reconnect. At the end the driver
+removes whatever segment of this run is left in each live node's ``/dev/shm``.
+
+**Placement by resources.** Each role asks Ray for its resources (``cluster.shard_cpus``,
+``actor.num_actors`` × ``cluster.actor_cpus``, ``cluster.learner_cpus``,
+``cluster.learner_gpus``, ``cluster.shard_resources``); :func:`place_roles` puts each shard and
+its group on a node that holds both (workers before the head, fewest shards first) and checks
+the learners fit in what is left. A cluster that cannot hold the run is one GearflowError line
+naming what each role needs and what each node has, before any role starts.
+
+**The run's files reach the driver.** The driver writes a marker into ``run.dir``; a learner
+that does not see it (another host, no shared filesystem) writes its metrics, ``train.log`` and
+checkpoints under the same path on its own host and, when it ends (or fails), the driver copies
+them into its ``run.dir`` (``gearflow plot``/``eval`` read them there). A shard node's replay
+checkpoints (``run.dir/replay``) stay on that node's disk. ``run.module_dirs`` and the driver's
+``PYTHONPATH`` must exist at the same paths on every node: a role that misses a module dir
+says so in one line, missing ``PYTHONPATH`` entries are logged with the node's address.
+
+A node whose host dies is marked down by the learners after one ``transport.node_timeout_s``
 (:mod:`gearflow.transport.learner.health`): they train on the survivors, and the driver ends
 with rank 0's summary (``cluster/nodes_lost``) and one line naming the lost node, exit status 0
 when the run otherwise completed.
@@ -36,27 +55,30 @@ when the run otherwise completed.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from gearflow.config import to_yaml
-from gearflow.distributed import fingerprint
+from gearflow.distributed import fingerprint, hold_rendezvous
 from gearflow.errors import GearflowError, MissingDependencyError
 from gearflow.reports import ReportSink
 from gearflow.topology.plan import learner_config, shard_node_config
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["require_ray", "train_on_ray"]
+__all__ = ["place_roles", "require_ray", "train_on_ray"]
 
 REPORT_S = 0.25  # how often an actor group forwards its actors' reports to its shard
+RUN_MARK = ".gearflow-driver"  # in the driver's run.dir: a role that sees it shares the driver's disk
 
 
 def require_ray():
@@ -73,9 +95,29 @@ def _cfg(cfg_yaml: str) -> DictConfig:
     from gearflow.transport.auth import configure
 
     cfg = OmegaConf.create(cfg_yaml)
+    _check_paths(cfg)
     use_module_dirs(cfg.run.get("module_dirs") or [])  # a user's agent module, found as by the driver
     configure(cfg.transport)  # the role's connections: transport.integrity, transport.tls
     return cfg
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _check_paths(cfg: DictConfig) -> None:
+    """``run.module_dirs`` and the driver's ``PYTHONPATH`` are assumed at the same paths on every
+    node: a missing module dir is one line naming the node, missing PYTHONPATH entries a warning."""
+    for d in cfg.run.get("module_dirs") or []:
+        if not os.path.isdir(str(d)):
+            raise GearflowError(f"launcher=ray: run.module_dirs entry {d} does not exist on node {_node_ip()}: "
+                                "every node needs the run's module_dirs (and the driver's PYTHONPATH) at the same "
+                                "path (a shared filesystem, or copy them there)")  # fmt: skip
+    missing = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isdir(p)]
+    if missing:
+        log.warning("launcher=ray: the driver's PYTHONPATH entries %s do not exist on node %s", missing, _node_ip())
 
 
 def _logging() -> None:
@@ -276,28 +318,48 @@ class LearnerRole:
 
     def __init__(self):
         _logging()
+        self.own_dir: Path | None = None  # this rank's run.dir when the driver cannot see it
+        self.prefix = ""
 
     def rendezvous(self) -> str:
-        """A ``HOST:PORT`` on this node for rank 0's torch.distributed store."""
-        import socket
+        """A ``HOST:PORT`` on this node's cluster address for rank 0's torch.distributed store, its
+        port held (bound and listening) until rank 0 serves its store on it in this process."""
+        return hold_rendezvous(_node_ip())
 
-        import ray
-
-        s = socket.socket()
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-        s.close()
-        return f"{ray.util.get_node_ip_address()}:{port}"
-
-    def run(self, cfg_yaml: str) -> dict[str, Any]:
+    def run(self, cfg_yaml: str, run_dir: str, mark: str) -> dict[str, Any]:
+        """Run this rank; ``run_dir``/``mark``: the driver's run.dir and the marker it wrote there."""
         from gearflow.runner import Runner
 
         cfg = _cfg(cfg_yaml)
+        rank = int(cfg.learner.rank)
+        try:
+            seen = (Path(run_dir) / RUN_MARK).read_text() == mark
+        except OSError:
+            seen = False
+        if not seen:  # another host without the driver's disk: the driver copies our files back at the end
+            self.own_dir, self.prefix = Path(cfg.run.dir), "" if rank == 0 else f"learner-{rank}/"
+            log.warning("learner rank %d on %s does not see the driver's run.dir: its files are written to %s on "
+                        "this node and copied to the driver's when the run ends", rank, _node_ip(), cfg.run.dir)  # fmt: skip
         runner = Runner(cfg)
         summary = runner.run()
-        summary["learner/rank"] = int(cfg.learner.rank)
+        summary["learner/rank"] = rank
+        summary["learner/node"] = _node_ip()
         summary["learner/parameters_fingerprint"] = fingerprint(runner.agent.learner_network())
         return summary
+
+    def files(self) -> dict[str, bytes]:
+        """This rank's run files (metrics, train.log, checkpoints), by path relative to the run's
+        directory, when the driver cannot see them; {} when it shares the disk. Rank 0 leaves out
+        the other ranks' ``learner-*`` folders and the shards' ``replay`` folder."""
+        if self.own_dir is None or not self.own_dir.is_dir():
+            return {}
+        out = {}
+        for p in sorted(self.own_dir.rglob("*")):
+            rel = p.relative_to(self.own_dir)
+            if not p.is_file() or (not self.prefix and rel.parts[0].startswith(("learner-", "replay"))):
+                continue
+            out[self.prefix + rel.as_posix()] = p.read_bytes()
+        return out
 
 
 # ---------------------------------------------------------------------- the driver
@@ -332,45 +394,59 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
 
     cl = cfg.cluster
     cfg = cfg.copy()
-    cfg.run.dir = str(make_run_dir(cfg))
+    run_dir = make_run_dir(cfg).resolve()  # absolute: a role's working directory is Ray's, not ours
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mark = secrets.token_hex(8)
+    (run_dir / RUN_MARK).write_text(mark)
     if not cfg.transport.token and not os.environ.get("GEARFLOW_TOKEN"):
         cfg.transport.token = secrets.token_hex(16)  # the roles' shared secret, for this run only
     S, K, M = int(cl.shards), int(cl.learners), int(cfg.actor.num_actors)
+    shard_cpus, group_cpus, learner_cpus = float(cl.shard_cpus), M * float(cl.actor_cpus), float(cl.learner_cpus)
     started = not ray.is_initialized()
     if started:
         kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": _runtime_env(), "log_to_driver": True}
         if cl.address:
             kwargs["address"] = str(cl.address)
         else:  # a Ray instance on this machine: enough logical CPUs for every role
-            kwargs["num_cpus"] = max(os.cpu_count() or 1, S * (M + 1) + K)
+            kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(S * (shard_cpus + group_cpus) + K * learner_cpus))
+            kwargs["resources"] = {k: float(v) * S for k, v in (cl.shard_resources or {}).items()}
         ray.init(**kwargs)
     shards: list = []
     groups: list = []
     learners: list = []
     registry = None
+    copied = 0
     try:
+        gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
+        extra = {k: float(v) for k, v in (cl.shard_resources or {}).items()}
+        nodes = place_roles(ray.nodes(), S, {"CPU": shard_cpus + group_cpus, **extra}, K,
+                            {"CPU": learner_cpus, "GPU": gpus}, what=_needs(cfg, gpus))  # fmt: skip
+        place = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
         registry = ray.remote(num_cpus=0)(Registry).remote()
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
-        place = [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False) for i in range(S)]  # one per node
         R = int(cl.max_restarts)
-        Shard = ray.remote(num_cpus=1, max_restarts=R, max_task_retries=-1, max_concurrency=8)(ShardRole)
+        Shard = ray.remote(num_cpus=shard_cpus, resources=extra or None, max_restarts=R, max_task_retries=-1,
+                           max_concurrency=8)(ShardRole)  # fmt: skip
         shards = [Shard.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, registry) for i in range(S)]
-        infos = ray.get([s.info.remote() for s in shards])
+        infos = _started(ray, [s.info.remote() for s in shards], "a shard node")
         log.info("ray: %d shard node(s) at %s", S, ", ".join(i["address"] for i in infos))
         waits = [s.wait.remote() for s in shards]
-        Group = ray.remote(num_cpus=M, max_restarts=R, max_task_retries=-1)(ActorGroupRole)
+        Group = ray.remote(num_cpus=group_cpus, max_restarts=R, max_task_retries=-1)(ActorGroupRole)
         groups = [Group.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, s, registry)
                   for i, s in enumerate(shards)]  # fmt: skip
-        ray.get([g.ping.remote() for g in groups])
-        gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
-        Learner = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(LearnerRole)
+        _started(ray, [g.ping.remote() for g in groups], "an actor group")
+        Learner = ray.remote(num_cpus=learner_cpus, num_gpus=gpus, max_restarts=0)(LearnerRole)
         learners = [Learner.remote() for _ in range(K)]
-        dist = ray.get(learners[0].rendezvous.remote())
+        dist = _started(ray, [learners[0].rendezvous.remote()], "learner rank 0")[0]
         addresses = [i["address"] for i in infos]
-        runs = [lr.run.remote(_learner_config(cfg, r, addresses, dist)) for r, lr in enumerate(learners)]
+        runs = [lr.run.remote(_learner_config(cfg, r, addresses, dist), str(run_dir), mark)
+                for r, lr in enumerate(learners)]  # fmt: skip
         if on_started is not None:
             on_started({"shards": shards, "groups": groups, "learners": learners})
-        summaries = _wait_learners(ray, runs)
+        try:
+            summaries = _wait_learners(ray, runs)
+        finally:
+            copied = _copy_back(ray, learners, run_dir)
         node_summaries = _wait_nodes(ray, waits, [i["address"] for i in infos])
         restarts = ray.get(registry.restarts.remote())
     finally:
@@ -390,9 +466,11 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
                 ray.kill(h, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - a role of a lost node is already gone
                 log.debug("ray.kill: %s", exc)
+        _clean_nodes(ray, run_dir)
         if started:
             ray.shutdown()
     summary = run_summary(summaries, node_summaries, restarts, S, K)
+    summary["cluster/run_files_copied"] = copied
     log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
              "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
@@ -413,11 +491,129 @@ def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dic
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
     summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
+    summary["cluster/learner_nodes"] = [s.get("learner/node") for s in summaries]
     summary["cluster/node_env_steps"] = [n.get("actor/env_steps") for n in node_summaries]
     lost = {n["address"]: n["lost"] for n in node_summaries if n.get("lost")}
     if lost:
         summary["cluster/nodes_lost"] = lost
     return summary
+
+
+def _needs(cfg: DictConfig, gpus: float) -> str:
+    cl = cfg.cluster
+    extra = "".join(f" + {k}={v:g}" for k, v in (cl.shard_resources or {}).items())
+    return (f"a shard node needs {float(cl.shard_cpus) + int(cfg.actor.num_actors) * float(cl.actor_cpus):g} CPU on "
+            f"one node (cluster.shard_cpus={float(cl.shard_cpus):g} + actor.num_actors={int(cfg.actor.num_actors)} × "
+            f"cluster.actor_cpus={float(cl.actor_cpus):g}{extra}), a learner {float(cl.learner_cpus):g} CPU "
+            f"(cluster.learner_cpus) and {gpus:g} GPU")  # fmt: skip
+
+
+def place_roles(nodes: list[dict], shards: int, shard_need: dict[str, float], learners: int,
+                learner_need: dict[str, float], *, what: str = "") -> list[str]:
+    """The node (Ray NodeID) of each shard node and its actor group, from ``ray.nodes()``: each
+    on a live node whose resources hold ``shard_need`` (the shard and its group together), the
+    one with the fewest shards so far, workers before the head, then the most free CPU; then
+    every learner must fit (``learner_need``) in what is left. Raises one GearflowError line
+    naming the role that does not fit and each node's resources.
+
+    >>> place_roles([{"NodeID": "a", "Alive": True, "Resources": {"CPU": 1.0, "node:__internal_head__": 1.0}},
+    ...              {"NodeID": "b", "Alive": True, "Resources": {"CPU": 4.0}}], 1, {"CPU": 3.0}, 1, {"CPU": 1.0})
+    ['b']
+    """
+    live = [n for n in nodes if n.get("Alive")]
+    free = {n["NodeID"]: dict(n.get("Resources") or {}) for n in live}
+    head = {n["NodeID"] for n in live if "node:__internal_head__" in (n.get("Resources") or {})}
+    addr = {n["NodeID"]: n.get("NodeManagerAddress", n["NodeID"][:8]) for n in live}
+    count = {n: 0 for n in free}
+
+    def fits(node: str, need: dict[str, float]) -> bool:
+        return all(free[node].get(k, 0.0) >= v - 1e-9 for k, v in need.items() if v > 0)
+
+    def take(node: str, need: dict[str, float]) -> None:
+        for k, v in need.items():
+            free[node][k] = free[node].get(k, 0.0) - v
+
+    def refuse(role: str) -> GearflowError:
+        have = "; ".join(f"{addr[n]}{' (head)' if n in head else ''}: {_resources(dict(m.get('Resources') or {}))}"
+                         for n, m in ((m["NodeID"], m) for m in live)) or "no live node"  # fmt: skip
+        return GearflowError(f"launcher=ray: the Ray cluster cannot hold the run: no node left for {role} ({what}); "
+                             f"the nodes: {have}. Add nodes or CPUs (ray start --num-cpus), or lower cluster.shards, "
+                             "actor.num_actors or cluster.*_cpus")  # fmt: skip
+
+    placed = []
+    for i in range(shards):
+        ok = [n for n in free if fits(n, shard_need)]
+        if not ok:
+            raise refuse(f"shard node {i} of {shards} with its actor group")
+        n = min(ok, key=lambda n: (count[n], n in head, -free[n].get("CPU", 0.0), n))
+        take(n, shard_need)
+        count[n] += 1
+        placed.append(n)
+    for r in range(learners):
+        ok = [n for n in free if fits(n, learner_need)]
+        if not ok:
+            raise refuse(f"learner rank {r} of {learners}")
+        take(max(ok, key=lambda n: (free[n].get("GPU", 0.0), free[n].get("CPU", 0.0))), learner_need)
+    return placed
+
+
+def _resources(res: dict[str, float]) -> str:
+    keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store_memory"))}
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(keep.items())) or "nothing"
+
+
+def _started(ray, refs: list, role: str) -> list:
+    """``ray.get(refs)``, a role that could not start (placed on a node that died, an import or
+    path error on that node) raised as one GearflowError line."""
+    try:
+        return ray.get(refs)
+    except Exception as exc:  # noqa: BLE001 - Ray's error types vary by cause and version
+        cause = getattr(exc, "cause", None) or exc
+        text = str(cause).strip().splitlines()
+        raise GearflowError(f"launcher=ray: {role} did not start: {type(cause).__name__}: "
+                            f"{text[-1] if text else ''}") from None  # fmt: skip
+
+
+def _copy_back(ray, learners: list, run_dir: Path) -> int:
+    """Copy into the driver's ``run_dir`` the files of each learner that did not see it; returns
+    how many files were written."""
+    n = 0
+    for rank, lr in enumerate(learners):
+        try:
+            files = ray.get(lr.files.remote(), timeout=300)
+        except Exception as exc:  # noqa: BLE001 - a dead learner's files stay on its node
+            log.warning("ray: learner rank %d's run files could not be copied to %s: %s", rank, run_dir, exc)
+            continue
+        for rel, data in files.items():
+            path = run_dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            n += 1
+        if files:
+            log.info("ray: copied %d file(s) (%.1f MiB) of learner rank %d into %s", len(files),
+                     sum(map(len, files.values())) / 2**20, rank, run_dir)  # fmt: skip
+    return n
+
+
+def _clean_nodes(ray, run_dir: Path) -> None:
+    """Remove this run's shared-memory segments left on each live node (a shard killed and not
+    restarted, a node whose shard did not close): one zero-CPU task pinned to each node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def gc(path: str) -> list:  # the tag from the node's own view of the path, as its shard made it
+        from gearflow.replay.storage import gc_segments, run_tag
+
+        return gc_segments(prefix="gearflow", include_live=True, run=run_tag(path))
+
+    try:
+        task = ray.remote(num_cpus=0, max_retries=0)(gc)
+        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            str(run_dir)) for n in ray.nodes() if n.get("Alive")]  # fmt: skip
+        for removed in ray.get(refs, timeout=30):
+            for name, size in removed:
+                log.info("ray: removed /dev/shm/%s (%.1f MiB) left by this run", name, size / 2**20)
+    except Exception as exc:  # noqa: BLE001 - best effort: `gearflow replay gc` on that node does the same
+        log.warning("ray: this run's segments could not be cleaned on every node: %s", exc)
 
 
 def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0) -> list[dict]:

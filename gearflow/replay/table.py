@@ -152,6 +152,7 @@ class Table(TableIngest):
         self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
         self._closed = False
         self._active = 0  # samples / waits in progress (close() lets them leave first)
+        self._paced: int | None = None  # an insert limit set from outside (pace()), else the limiter's
         storage.header[H_SAMPLES] = 0
         self._publish_insert_limit()
 
@@ -160,7 +161,33 @@ class Table(TableIngest):
         self.rate_limiter = limiter
         self._publish_insert_limit()
 
+    def pace(self, insert_limit: int | None) -> None:
+        """Let the writers insert up to ``insert_limit`` items in all, and let samples go while the
+        table holds an item: the rate limit is kept over several tables by whoever samples them
+        all (a learner's :class:`~gearflow.replay.pacing.GlobalPacing`, sent with its requests to
+        a shard). ``None``: back to this table's own :attr:`rate_limiter`."""
+        limit = None if insert_limit is None else int(insert_limit)
+        if self._closed or limit == self._paced:
+            return
+        self._paced = limit
+        self._publish_insert_limit()
+
+    @property
+    def paced(self) -> bool:
+        return self._paced is not None
+
+    def pace_counters(self) -> dict[str, int]:
+        """What a global pacer needs of this table: items published (``inserts``), sampled,
+        gone (published, then evicted or dropped: ``deletes``) and held (``size``)."""
+        inserts = int(self.storage.counters[:, PUBLISHED].sum())
+        return {"inserts": inserts, "samples": int(self.samples), "deletes": int(self._ingested.sum()) - int(self.size),
+                "size": int(self.size)}  # fmt: skip
+
     def _publish_insert_limit(self) -> None:
+        if self._paced is not None:
+            self.storage.header[H_INSERT_LIMIT] = self._paced
+            self.storage.header[H_SAMPLES] = self.samples
+            return
         lim = self.rate_limiter
         deletes = 0
         if self.size < lim.min_size_to_sample:
@@ -193,6 +220,8 @@ class Table(TableIngest):
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         lim = self.rate_limiter
+        if self._paced is not None:
+            return self.size >= 1  # the sampler keeps the rate over every table it samples
         if lim.samples_per_insert == 0 and self.size >= lim.min_size_to_sample:
             return True  # the usual case, without reading the insert counters
         return lim.can_sample(self.size, int(self.storage.counters[:, PUBLISHED].sum()), self.samples, batch_size)
@@ -218,7 +247,7 @@ class Table(TableIngest):
             if self._closed:  # close() in another thread: it waits for this call to leave
                 self._refuse_closed(f"closed while a sample of {batch_size} waited for the rate limiter")
             self.scan()
-            if lim.can_sample(self.size, total(), self.samples, batch_size):
+            if self.can_sample(batch_size):
                 return
             if time.monotonic() > deadline:
                 raise RateLimiterTimeout(

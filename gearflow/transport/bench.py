@@ -20,9 +20,10 @@ take turns), so load that comes and goes on a shared machine hits both alike.
   ``LEARNER_PREFETCH`` rounds ahead as a learner over shard nodes does, against a raw TCP
   socket moving the same bytes per request (request → that many bytes back): batches/s,
   GB/s and the ratio. Three shards in the same rounds: with ``transport.integrity`` on (the
-  default: every frame MACed, rows gathered before they are sent), off (rows straight out
-  of the segment), and off with the rows gathered (the path before replies went out of the
-  segment); ``integrity_cost`` is 1 − on/off, the median over rounds.
+  default: every frame MACed, rows straight out of the segment, MACed there), off (rows
+  straight out of the segment), and off with the rows gathered (the path before replies
+  went out of the segment); with ``openssl`` at hand a fourth over mutual TLS (integrity on);
+  ``integrity_cost`` is 1 − on/off, the median over rounds.
 * ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
   with the raw socket's round trip of the same bytes as floor.
 """
@@ -232,7 +233,7 @@ def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls:
 def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
     """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
     alternating slices; the ratio is the median of the per-round ratios. Three shards in the same
-    rounds: integrity on (the default; rows gathered), off (rows out of the segment), off and
+    rounds: integrity on (the default), off, both with rows out of the segment, and off and
     gathered (``wire_min_row_bytes=None``): ``ratio``, ``ratio_no_integrity``, ``ratio_gathered``."""
     import shutil
     import tempfile

@@ -10,8 +10,11 @@ One frame::
     buffers  the raw bytes of each array, C order, each starting at a multiple of
              ALIGN bytes from the start of the buffer block (zero padding between)
     trailer  after the handshake, with transport.integrity on: 24 bytes "<Q16s",
-             the direction's sequence number and the AES-GMAC tag of every byte above
-             (:mod:`gearflow.transport.integrity`; checked before the frame is delivered)
+             the direction's sequence number and the Poly1305 tag of every byte above
+             (:mod:`gearflow.transport.integrity`; checked before the frame is delivered);
+             a frame whose meta says ``"torn": true`` ends with a uint8 buffer of marks, and
+             its tag leaves out the marked rows (the rows a writer may have changed while
+             they were sent: their items are redrawn, never used)
 
 Every length in the header is checked against :class:`FrameLimits` before a byte of
 the frame's body is allocated; the envelope's dtypes (an allow-list, :data:`DTYPES`),
@@ -134,12 +137,16 @@ def as_array(x: Any) -> np.ndarray:
 class Chunks:
     """One buffer of a frame sent as several byte pieces (``memoryview`` s: rows of a
     shared-memory column, say), declared to the receiver as an array of ``dtype`` and
-    ``shape``: the pieces' bytes must add up to its size. The receiver sees one array."""
+    ``shape``: the pieces' bytes must add up to its size. The receiver sees one array.
+    ``addresses`` (optional, one int per piece): where each piece's bytes start, for the frame
+    MAC (:meth:`~gearflow.transport.integrity.Sealer.update_spans`) without a lookup per piece.
+    """
 
-    __slots__ = ("dtype", "shape", "parts", "nbytes", "ndim")
+    __slots__ = ("dtype", "shape", "parts", "nbytes", "ndim", "addresses")
 
-    def __init__(self, dtype: Any, shape: Sequence[int], parts: list):
+    def __init__(self, dtype: Any, shape: Sequence[int], parts: list, addresses: list | None = None):
         self.dtype, self.shape, self.parts = np.dtype(dtype), tuple(int(n) for n in shape), parts
+        self.addresses = addresses
         self.ndim = len(self.shape)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         got = sum(p.nbytes for p in parts)
@@ -150,10 +157,12 @@ class Chunks:
 
 
 def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequence[Any] = (),
-           limits: FrameLimits | None = None) -> list:
+           limits: FrameLimits | None = None, spans: list | None = None) -> list:
     """The parts of one frame for ``transport.writelines``: the header and envelope as one bytes
     object, then each buffer's bytes (a view of the array, or a :class:`Chunks` ' pieces: no
-    copy) and its padding.
+    copy) and its padding. ``spans`` (a list): filled with one entry per part for the frame MAC
+    (:meth:`~gearflow.transport.integrity.Sealer.update_spans`): ``(address, nbytes)`` where it
+    is known without a lookup, else the part itself.
 
     Raises :class:`FrameError` for a frame the receiver's ``limits`` would refuse."""
     arrays = [b if type(b) is Chunks else as_array(b) for b in buffers]
@@ -169,17 +178,39 @@ def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequ
         if deep:
             raise FrameError(f"a buffer of {deep[0]} dimensions exceeds max_dims={limits.max_dims}")
     parts: list = [HEADER.pack(MAGIC, VERSION, kind, request_id, len(envelope), len(arrays), total) + envelope]
+    if spans is not None:
+        spans.append(parts[0])
     pos = 0
     for a in arrays:
         pad = _align(pos) - pos
         if pad:
             parts.append(_ZEROS[:pad])
+            if spans is not None:
+                spans.append(parts[-1])
         if type(a) is Chunks:
             parts.extend(a.parts)
+            if spans is not None:
+                spans.extend(zip(a.addresses, (p.nbytes for p in a.parts)) if a.addresses is not None else a.parts)
         elif a.nbytes:
             parts.append(memoryview(a.reshape(-1)).cast("B"))
+            if spans is not None:
+                spans.append((a.__array_interface__["data"][0], a.nbytes))
         pos += pad + a.nbytes
     return parts
+
+
+def frame_buffers(buffers: Sequence[Any]) -> list[tuple]:
+    """``(padding, pieces, nbytes, rows)`` of each buffer as :func:`encode` lays it out (``rows``:
+    its leading dimension, None for a scalar): what
+    :func:`~gearflow.transport.integrity.masked_frame` takes on the sending side."""
+    out, pos = [], 0
+    for b in buffers:
+        a = b if type(b) is Chunks else as_array(b)
+        pad = _align(pos) - pos
+        pieces = a.parts if type(a) is Chunks else ([memoryview(a.reshape(-1)).cast("B")] if a.nbytes else [])
+        out.append((_ZEROS[:pad], pieces, a.nbytes, a.shape[0] if a.ndim else None))
+        pos += pad + a.nbytes
+    return out
 
 
 def _check_sizes(meta_len: int, nbufs: int, buf_bytes: int, limits: FrameLimits) -> None:
@@ -281,6 +312,7 @@ class FrameReader:
         self.frames = 0
         self.opener = None  # integrity.Opener once the handshake made the keys: every frame's trailer checked
         self._maced = 0  # bytes of the frame's buffer block the opener has taken (as they arrive: cache-hot)
+        self._head_bytes: list = []  # with an opener: the frame's header and envelope (a torn frame's re-MAC)
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
 
@@ -342,7 +374,8 @@ class FrameReader:
                 self._head = parse_header(self._view[self._lo:self._lo + HEADER.size], self.limits, self.kinds)
                 if self.opener is not None:
                     self.opener.begin()
-                    self.opener.update(self._view[self._lo:self._lo + HEADER.size])
+                    self._head_bytes = [bytes(self._view[self._lo:self._lo + HEADER.size])]
+                    self.opener.update(self._head_bytes[0])
                 self._lo += HEADER.size
                 continue
             _, _, meta_len, nbufs, buf_bytes = self._head
@@ -351,7 +384,8 @@ class FrameReader:
                     return
                 self._env = parse_envelope(self._view[self._lo:self._lo + meta_len], nbufs, buf_bytes, self.limits)
                 if self.opener is not None:
-                    self.opener.update(self._view[self._lo:self._lo + meta_len])
+                    self._head_bytes.append(bytes(self._view[self._lo:self._lo + meta_len]))
+                    self.opener.update(self._head_bytes[1])
                 self._lo += meta_len
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
@@ -372,12 +406,35 @@ class FrameReader:
                     self._maced = self._block.nbytes
                 if self._hi - self._lo < _TRAILER_BYTES:
                     return
+                self._unmark()
                 self.opener.check(self._view[self._lo:self._lo + _TRAILER_BYTES])
                 self._lo += _TRAILER_BYTES
                 self._maced = 0
             self._deliver()
             if self._lo == self._hi:
                 self._lo = self._hi = 0
+
+    def _unmark(self) -> None:
+        """A frame with torn marks, some set: its MAC again, without the marked rows (the rule of
+        :func:`~gearflow.transport.integrity.masked_frame`; the marks are checked with the rest)."""
+        from gearflow.transport.integrity import marks_of, masked_frame
+
+        _, meta, layout = self._env
+        n = marks_of(meta, layout)
+        if n is None:
+            return
+        block, pieces, pos = self._block, [], 0
+        for dt, shape, off in layout:
+            nbytes = math.prod(shape) * dt.itemsize
+            pieces.append((block[pos:off], [block[off:off + nbytes]], nbytes, shape[0] if shape else None))
+            pos = off + nbytes
+        marks = block[layout[-1][2]:pos]
+        if not marks.any():
+            return
+        self.opener.restart()
+        for p in masked_frame(self._head_bytes, pieces, marks):
+            self.opener.update(p)
+        self.opener.update(marks)
 
     def _deliver(self) -> None:
         kind, rid, _, _, _ = self._head
@@ -392,6 +449,7 @@ class FrameReader:
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _TRAILER_BYTES = 24  # integrity.TRAILER.size
+_SLICE_BYTES = 256 << 10  # a sealed frame is MACed and written in slices of about this many bytes (L2-sized)
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -425,9 +483,11 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def frame_error(self, exc: FrameError) -> None:
         raise NotImplementedError
 
-    def send(self, parts: list, on_sent: Callable[[], None] | None = None, more: bool = False) -> None:
+    def send(self, parts: list, on_sent: Callable[[], None] | None = None, more: bool = False,
+             spans: list | None = None) -> None:  # fmt: skip
         """Write ``parts`` (one frame, or with ``more=True`` the first pieces of one whose rest
-        the next ``send`` writes); ``on_sent()`` once they have drained."""
+        the next ``send`` writes); ``on_sent()`` once they have drained. ``spans``: the same bytes
+        for the MAC (:func:`encode`'s ``spans``), MACed just before they are written."""
         t = self.transport
         if self.closed or t is None or t.is_closing():
             if on_sent is not None:
@@ -436,8 +496,19 @@ class FramedProtocol(asyncio.BufferedProtocol):
         if self.sealer is not None:
             if not self._sealing:
                 self.sealer.begin()
-            for p in parts:
-                self.sealer.update(p)
+            if spans is not None and len(spans) == len(parts) and len(parts) > 1:
+                # a big frame in slices: each MACed, then written at once, while its bytes are in cache
+                lo, nbytes = 0, 0
+                for i, s in enumerate(spans):
+                    nbytes += s[1] if type(s) is tuple else len(s)
+                    if nbytes >= _SLICE_BYTES or i == len(spans) - 1:
+                        self.sealer.update_spans(spans[lo:i + 1])
+                        if i < len(spans) - 1:
+                            t.writelines(parts[lo:i + 1])
+                            lo, nbytes = i + 1, 0
+                parts = parts[lo:]
+            else:
+                self.sealer.update_spans(parts if spans is None else spans)
             self._sealing = more
             if not more:
                 parts = [*parts, self.sealer.trailer()]

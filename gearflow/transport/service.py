@@ -65,6 +65,7 @@ from gearflow.transport.framing import (
     FrameLimits,
     FrameReader,
     encode,
+    frame_buffers,
     new_event_loop,
 )
 
@@ -364,7 +365,7 @@ class _ServerProtocol(FramedProtocol):
                 return
             rid, op, meta, arrays, block = item
             h = svc._handlers.get(op)
-            on_sent = tail = None
+            on_sent = tail = spans = None
             try:
                 if h is None:
                     raise KeyError(f"no handler for message type {op!r} (registered: {sorted(svc._handlers)[:20]})")
@@ -395,7 +396,8 @@ class _ServerProtocol(FramedProtocol):
                     meta_out, bufs, on_sent = result
                 else:
                     meta_out, bufs = result
-                parts = encode(REPLY, rid, op, meta_out, bufs)
+                spans = [] if self.sealer is not None else None
+                parts = encode(REPLY, rid, op, meta_out, bufs, spans=spans)
                 svc.counts["requests"] += 1
             except asyncio.CancelledError:
                 raise
@@ -407,29 +409,51 @@ class _ServerProtocol(FramedProtocol):
                 name = type(exc).__name__
                 message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
                 log.debug("transport: %s from %s failed: %s: %s", op, self.conn.peer, name, message)
+                spans = None
                 parts = encode(ERROR, rid, op, {"type": name, "message": str(message)[:4000]})
                 svc.counts["errors"] += 1
             finally:
                 del arrays
                 self.pool.put(block)
             if tail is None:
-                self.send(parts, functools.partial(self._replied, on_sent))
+                self.send(parts, functools.partial(self._replied, on_sent), spans=spans)
                 continue
             # the last buffer is written once the rest has drained (left the process) and
             # ``tail`` has filled it; no other reply may start before it on this connection
             done = loop.create_future()
-            self.send(parts[:-1], functools.partial(self._tail, tail, parts[-1], on_sent, done), more=True)
+            self.send(parts[:-1], functools.partial(self._tail, tail, parts[-1], on_sent, done, (parts[0], bufs)),
+                      more=True, spans=spans if spans is None else spans[:-1])  # fmt: skip
             await done
 
-    def _tail(self, tail: Callable[[], None], last, on_sent, done: asyncio.Future) -> None:
+    def _tail(self, tail: Callable[[], None], last, on_sent, done: asyncio.Future, frame: tuple) -> None:
         try:
             tail()
+            if self.sealer is not None and frame[1][-1].any():
+                self._reseal(tail, *frame)
         except Exception:  # its reply cannot be completed truthfully: end the connection
             log.exception("transport: completing a reply to %s failed; closing the connection", self.conn.peer)
             self.transport.close()
         self.send([last], functools.partial(self._replied, on_sent))
         if not done.done():
             done.set_result(None)
+
+    def _reseal(self, tail: Callable[[], None], head: bytes, bufs: list) -> None:
+        """The reply's tail marked torn items (its last buffer, ``bufs[-1]``): its MAC again without
+        their rows (:func:`~gearflow.transport.integrity.masked_frame`), ``tail()`` again after each
+        pass, until a pass's marks are the marks after it (at most ``RESEAL_PASSES``; then every
+        item is marked: what is left never changes). The trailer is finalised once, after."""
+        marks = np.asarray(bufs[-1])
+        pieces = frame_buffers(bufs)
+        for _ in range(frames_mac.RESEAL_PASSES):
+            used = marks.copy()
+            self.sealer.restart()
+            self.sealer.update_spans(list(frames_mac.masked_frame([head], pieces, used)))
+            tail()
+            if np.array_equal(used, marks):
+                return
+        marks[:] = 1
+        self.sealer.restart()
+        self.sealer.update_spans(list(frames_mac.masked_frame([head], pieces, marks)))
 
     def _replied(self, on_sent: Callable[[], None] | None) -> None:
         """A reply has drained: its request no longer counts; reading resumes below the limit."""

@@ -39,6 +39,15 @@ Uniform shards draw uniformly over the union (``P = 1/N``, weights 1). Ranked se
 shards, so a sampler over several refuses them (one shard: its own draw, passed through).
 ``prefetch`` rounds are requested ahead, from every shard in parallel.
 
+**One rate limiter over several shards** (:class:`~gearflow.replay.pacing.GlobalPacing`): a
+shard's own samples-per-insert limit cannot hold when its share of the draws follows its
+priority total, so over several shards the sampler keeps the shards' (common) rate limiter
+over their union: a round is requested once the union's counters — reported with every reply
+— allow it (a round ahead that is not allowed yet is requested when it is due), and every
+request carries the shard's insert limit (``pace``), its share of the union's room. The split
+is untouched: the draws stay one table's. A shard marked down keeps its counters in the union's
+and gets no share of the room (the live ones share it) until it is back.
+
 **A dead node.** With ``health`` (a :class:`~gearflow.transport.learner.health.NodeHealth`, as
 :class:`~gearflow.transport.learner.shards.RemoteShards` passes), a shard whose call times out or
 whose connection is refused is marked down: the round fails (the prefetcher asks again), and
@@ -60,6 +69,8 @@ import numpy as np
 import torch
 
 from gearflow.kinds.registry import kind_from_dict
+from gearflow.replay.pacing import GlobalPacing
+from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter
 from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, key_shard, local_key, shard_key
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.selectors import check_priorities
@@ -93,6 +104,8 @@ class RemoteSampler:
         sampler.update_priorities(batch.keys, new_priorities)
     """
 
+    _pacing: GlobalPacing | None = None  # several shards: the rate limit kept over all of them (_setup)
+
     def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
                  timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto",
                  health=None):  # fmt: skip
@@ -120,6 +133,7 @@ class RemoteSampler:
         self._known = np.zeros(n, dtype=np.int64)  # tag of the reply the totals above come from
         self._tags = threading.Lock()
         self._stale = False  # a round failed: read the totals afresh before the next split
+        self._pacing = None
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self.torn = 0  # items the shards marked torn in their replies, redrawn here
@@ -141,6 +155,13 @@ class RemoteSampler:
                              f"global order over {n} shards, so their draws cannot be one table's; use "
                              f"{' or '.join(PROPORTIONAL_SELECTORS)}, or sample one shard")  # fmt: skip
         self.selector = SelectorInfo(first["selector"], first.get("importance_sampled", True))
+        if n > 1 and all("rate_limiter" in info for info in infos):
+            for i, info in enumerate(infos[1:], 1):
+                if info["rate_limiter"] != first["rate_limiter"]:
+                    raise ValueError(f"shard {i} ({self._clients[i].address_text}) limits its rate with "
+                                     f"{info['rate_limiter']}, shard 0 with {first['rate_limiter']}: several shards "
+                                     f"are paced as one table only with one rate limiter")  # fmt: skip
+            self._pacing = GlobalPacing(RateLimiter(**first["rate_limiter"]), [info["num_partitions"] for info in infos])
         if n > 1:
             self._refresh_totals()
         if self.health is not None:
@@ -181,13 +202,26 @@ class RemoteSampler:
         with self._tags:
             if tag > self._known[i]:
                 self._known[i], self._totals[i], self._counts[i] = tag, float(meta["total"]), int(meta["count"])
+                if self._pacing is not None and "inserts" in meta:
+                    self._pacing.note(i, inserts=int(meta["inserts"]), samples=int(meta["samples"]),
+                                      deletes=int(meta["deletes"]), size=int(meta["size"]))  # fmt: skip
+
+    def _paces(self) -> list[dict]:
+        """Each shard's ``pace`` (its writers' insert limit, from the global pacing) for its next request."""
+        if self._pacing is None:
+            return [{} for _ in self._clients]
+        live = self._live()
+        with self._tags:
+            limits = self._pacing.insert_limits(live if len(live) < len(self._clients) else None)
+        return [{"pace": int(x)} for x in limits.tolist()]
 
     def _refresh_totals(self) -> None:
         """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
+        paces = self._paces()
         futs = []
         try:
             for i in self._live():
-                futs.append((i, *self._submit(i, "replay.total")))
+                futs.append((i, *self._submit(i, "replay.total", paces[i])))
             for i, tag, f in futs:
                 self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
         except GONE as exc:
@@ -196,16 +230,47 @@ class RemoteSampler:
         self._stale = False
 
     # ----------------------------------------------------------------- draws
-    def _request(self, batch_size: int, timeout_s: float) -> tuple:
+    def _in_flight(self) -> int:
+        """Items of the rounds requested ahead (drawn, or about to be, not yet counted here)."""
+        return sum(b for b, r in self._ahead if r is not None)
+
+    def _pace_wait(self, batch_size: int, timeout_s: float, wait: bool) -> bool:
+        """Whether the global pacing lets ``batch_size`` more items be drawn; ``wait``: block until
+        it does (reading every shard's counters afresh, which also sends each its insert limit),
+        up to ``timeout_s``, then :class:`RateLimiterTimeout`."""
+        pacing = self._pacing
+        if pacing is None:
+            return True
+        with self._tags:
+            ok = pacing.can_sample(batch_size, self._in_flight())
+        if ok or not wait:
+            return ok
+        deadline, delay = time.monotonic() + timeout_s, MAX_BACKOFF_S
+        while True:
+            self._refresh_totals()
+            with self._tags:
+                if pacing.can_sample(batch_size, self._in_flight()):
+                    return True
+                why = pacing.why_blocked(batch_size, self._in_flight())
+            if time.monotonic() > deadline:
+                raise RateLimiterTimeout(f"sample of {batch_size} blocked for {timeout_s:.1f} s {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _request(self, batch_size: int, timeout_s: float, wait: bool = True) -> tuple | None:
         """One round: the split ``q`` (each shard's share of every draw) and each shard's request;
         ``b_i ~ Multinomial(B, q)`` with ``q = T / ΣT`` over the newest totals; a shard given no
-        draw still reports its total (``replay.total``)."""
+        draw still reports its total (``replay.total``). Several shards: once the global pacing
+        lets it go (``wait=False``: None when it does not now), each request carrying its shard's
+        insert limit (``pace``)."""
         n = len(self._clients)
         live = self._live()
         if not live:
             raise ServiceUnavailable(f"every shard node is down ({', '.join(c.address_text for c in self._clients)})")
         if self._stale and n > 1:
             self._refresh_totals()
+        if not self._pace_wait(batch_size, timeout_s, wait):
+            return None
         if n == 1:
             q, split = np.ones(1), [batch_size]
         else:
@@ -220,12 +285,14 @@ class RemoteSampler:
         meta = {"timeout_s": timeout_s}
         if self.selector.beta is not None:
             meta["beta"] = float(self.selector.beta)
+        paces = self._paces()
         parts = []
         for i in live:
             b = int(split[i])
             try:
-                parts.append((i, b, *(self._submit(i, "replay.sample", {**meta, "batch_size": b}, timeout_s=timeout_s + self.timeout_s)
-                                      if b else self._submit(i, "replay.total"))))  # fmt: skip
+                parts.append((i, b, *(self._submit(i, "replay.sample", {**meta, **paces[i], "batch_size": b},
+                                                   timeout_s=timeout_s + self.timeout_s)
+                                      if b else self._submit(i, "replay.total", paces[i]))))  # fmt: skip
             except GONE as exc:
                 self._gone(i, exc)
                 raise
@@ -240,7 +307,8 @@ class RemoteSampler:
         while self._ahead and self._ahead[0][0] != batch_size:
             self._ahead.popleft()  # drawn for another batch size: dropped
         try:
-            q, parts = self._ahead.popleft()[1] if self._ahead else self._request(batch_size, timeout_s)
+            ahead = self._ahead.popleft()[1] if self._ahead else None  # None: not requested yet (paced)
+            q, parts = ahead if ahead is not None else self._request(batch_size, timeout_s)
             replies, drawn = [], np.zeros(len(self._clients))
             for i, b, tag, fut in parts:
                 try:
@@ -257,8 +325,8 @@ class RemoteSampler:
             self.split_drift = float(np.abs(q - drawn / s).max()) if s > 0 and len(parts) > 1 else 0.0
             # the rounds ahead are requested after this round's replies: split by the totals they
             # carry (a change the shards saw reaches the split one round later, not two)
-            while len(self._ahead) < self.prefetch:
-                self._ahead.append((batch_size, self._request(batch_size, timeout_s)))
+            while len(self._ahead) < self.prefetch:  # None: the pacing holds it for now, requested when due
+                self._ahead.append((batch_size, self._request(batch_size, timeout_s, wait=False)))
         except BaseException:
             self._ahead.clear()  # later rounds may hold the same error; draw afresh next time
             self._stale = True
@@ -284,7 +352,7 @@ class RemoteSampler:
         if not bad.size:
             return i, b, meta, bufs
         masses = bufs[1] * max(float(meta["total"]), 0.0)  # each item's mass at its draw
-        m = {"timeout_s": timeout_s}
+        m = {"timeout_s": timeout_s, **self._paces()[i]}  # a request without a pace unpaces the shard
         if self.selector.beta is not None:
             m["beta"] = float(self.selector.beta)
         deadline = time.monotonic() + timeout_s

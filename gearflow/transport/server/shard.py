@@ -31,6 +31,12 @@ Message types (:class:`~gearflow.transport.service.Service` handlers):
   left the socket, since it reuses that buffer set.
 * ``replay.total`` — the total and count only (after a scan): a several-shard round's shard
   that was given no draw still reports them, so its share of the next split is current.
+* Pacing (a learner over several shards keeps one rate limiter over all of them,
+  :mod:`gearflow.replay.pacing`): ``replay.info`` names the rate limiter; every reply above
+  and ``replay.update_priorities`` / ``replay.stats`` carry the table's ``inserts``,
+  ``samples``, ``deletes`` and ``size``; a ``pace`` in ``replay.sample`` / ``replay.total`` is
+  the writers' insert limit (:meth:`Table.pace`: the table then samples whenever it holds an
+  item), and a ``replay.sample`` without one puts the table back on its own limiter.
 * ``replay.update_priorities`` (replies with the total and count it left), ``replay.stats``,
   ``replay.checkpoint`` (into the shard's ``checkpoint_dir``, by a plain name). ``replay.info``
   names the selector (and its ``alpha``): several shards sample as one table only with one.
@@ -50,12 +56,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gearflow.replay.rate_limiter import RateLimiterTimeout
+from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.table import BufferRing
 from gearflow.transport.server.sessions import WriterSessions
 from gearflow.transport.server.wire import WireRows
@@ -64,6 +71,14 @@ from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, Ser
 log = logging.getLogger(__name__)
 
 __all__ = ["ShardService", "priority_total"]
+
+
+def _pace_of(meta: dict) -> int | None:
+    """A request's ``pace`` (the insert limit a learner pacing several shards sets here), checked."""
+    pace = meta.get("pace")
+    if pace is not None and (type(pace) is not int or not 0 <= pace <= NO_LIMIT):
+        raise ValueError(f"pace must be an int in [0, 2^63), got {pace!r}")
+    return pace
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -101,10 +116,9 @@ class ShardService:
                  learners: bool = True, wire_min_row_bytes: int | None = 1024):  # fmt: skip
         self.table, self.params = table, params
         self.service = service or Service(host, port, token, limits=limits, loop=loop, name="shard")
-        # wide columns out of the segment — but not under frame integrity: a MAC over rows a writer may
-        # change while the kernel copies them would not match the bytes sent, so they are gathered first
-        direct = learners and not self.service.integrity
-        self.wire = WireRows(table, wire_min_row_bytes if direct else None)
+        # wide columns out of the segment, integrity on or off: a row a writer changes while it is sent
+        # is marked torn, and the frame's MAC leaves it out (gearflow.transport.integrity: torn rows)
+        self.wire = WireRows(table, wire_min_row_bytes if learners else None)
         self.sessions = WriterSessions(table, self.service, partitions)  # replay.open_writer / write / close_writer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.lock = threading.Condition()  # the table: sample, priorities, stats, checkpoints
@@ -161,7 +175,7 @@ class ShardService:
             "steps_per_partition": st.steps_per_partition, "items_per_partition": st.items_per_partition,
             "kind": t.kind.to_dict(), "selector": t.selector.name, "alpha": getattr(t.selector, "alpha", None),
             "importance_sampled": bool(t.selector.importance_sampled), "assignable": self.assignable,
-            "params": self.params is not None,
+            "params": self.params is not None, "rate_limiter": asdict(t.rate_limiter),
         }, []  # fmt: skip
 
     # ----------------------------------------------------------------- learners
@@ -178,16 +192,17 @@ class ShardService:
         ``release()`` once the batch's buffers may be reused (the table's ``num_buffers`` rule).
         ``deferred=False`` (on the service's loop): raise :class:`Defer` rather than wait."""
         timeout_s = self.table.sample_timeout_s if timeout_s is None else float(timeout_s)
-        batch, _, _, total, count, release = self._draw(batch_size, timeout_s, beta, deferred, None, self._local)
+        batch, _, _, (total, count, _), release = self._draw(batch_size, timeout_s, beta, deferred, None, self._local)
         return batch, total, count, release
 
     def _draw(self, batch_size: int, timeout_s: float, beta: float | None, deferred: bool, tensors,
-              lane: _Lane, aborted=lambda: False):  # fmt: skip
+              lane: _Lane, aborted=lambda: False, pace: int | None | bool = False):  # fmt: skip
         """:meth:`sample` into ``lane``'s buffers, gathering only ``tensors`` (None: every column),
         with the draw's slots and records: ``(sample, slots, records, total, count, release)``.
         The wait (for the rate limiter, or for the lane's buffer set to leave the socket) is
         spent without the table lock, and ends at ``timeout_s``, when the service stops or
-        when ``aborted()`` (the request's connection closed)."""
+        when ``aborted()`` (the request's connection closed). ``pace``: the insert limit a learner
+        pacing several shards sets (``None``: the table's own limiter again; ``False``: as it is)."""
         t = self.table
         deadline = time.monotonic() + timeout_s
         delay = 1e-4
@@ -195,6 +210,8 @@ class ShardService:
             self._locked(deferred)
             try:
                 j = lane.samples
+                if pace is not False:
+                    t.pace(pace)
                 t.scan()
                 busy = (j - t.num_buffers) in lane.unsent  # its buffer set is still being sent
                 last = time.monotonic() >= deadline
@@ -209,6 +226,7 @@ class ShardService:
                             raise
                         raise Defer from None
                     total, count = priority_total(t)
+                    counters = t.pace_counters()
                     lane.samples = j + 1
                     lane.unsent.add(j)
                     break
@@ -229,7 +247,7 @@ class ShardService:
                 lane.unsent.discard(j)
                 self.lock.notify_all()
 
-        return batch, slots, rec, total, count, release
+        return batch, slots, rec, (total, count, counters), release
 
     def _reply_bytes(self, batch_size: int) -> int:
         """Bytes of a ``replay.sample`` reply of ``batch_size`` items (keys, probabilities,
@@ -253,25 +271,32 @@ class ShardService:
             raise ValueError(f"a sample of {b} items is a reply of {self._reply_bytes(b)} bytes, over this service's "
                              f"transport.limits.max_reply_bytes={limits.max_reply_bytes}")  # fmt: skip
         timeout = limits.wait_s(meta.get("timeout_s"), self.table.sample_timeout_s)
+        pace = _pace_of(meta)
         beta = meta.get("beta")
         lane = conn.state.get("lane")
         if lane is None:  # this connection's own buffer sets (dropped with it)
             lane = conn.state["lane"] = _Lane(BufferRing(self.table.num_buffers))
-        batch, slots, rec, total, count, release = self._draw(
+        # a request without "pace" is from a learner that does not pace (one shard): the table's own limiter
+        batch, slots, rec, (total, count, counters), release = self._draw(
             b, timeout, beta if isinstance(beta, (int, float)) and not isinstance(beta, bool) else None,
-            deferred, self.wire.gathered, lane, lambda: conn.closed)  # fmt: skip
-        meta = {"total": total, "count": count, "beta": getattr(self.table.selector, "beta", None)}
+            deferred, self.wire.gathered, lane, lambda: conn.closed, pace)  # fmt: skip
+        meta = {"total": total, "count": count, "beta": getattr(self.table.selector, "beta", None), **counters}
         return self.wire.reply(batch, slots, rec, meta, release)
 
     def _total(self, meta: dict, bufs, deferred: bool = False):
-        """The table's priority total and live count now (after a scan), as a draw would see them."""
+        """The table's priority total, live count and counters now (after a scan), as a draw would
+        see them; a ``pace`` sets the writers' insert limit first."""
+        pace = _pace_of(meta)
         self._locked(deferred)
         try:
+            if pace is not None:
+                self.table.pace(pace)
             self.table.scan()
             total, count = priority_total(self.table)
+            counters = self.table.pace_counters()
         finally:
             self.lock.release()
-        return {"total": total, "count": count}, []
+        return {"total": total, "count": count, **counters}, []
 
     def _update_priorities(self, meta: dict, bufs, deferred: bool = False):
         if len(bufs) != 2:
@@ -280,22 +305,24 @@ class ShardService:
         try:
             applied = self.table.update_priorities(bufs[0], bufs[1])
             total, count = priority_total(self.table)
+            counters = self.table.pace_counters()
         finally:
             self.lock.release()
-        return {"applied": int(applied), "total": total, "count": count}, []
+        return {"applied": int(applied), "total": total, "count": count, **counters}, []
 
     def _stats(self, meta: dict, bufs, deferred: bool = False):
         self._locked(deferred)
         try:
             stats = self.table.stats()
             total, count = priority_total(self.table)
+            counters = self.table.pace_counters()
         finally:
             self.lock.release()
         stats.update(self.service.stats())
         stats["replay/remote_partitions"] = self.sessions.writing()
         if self.wire:
             stats["replay/torn_resampled"] = stats.get("replay/torn_resampled", 0) + self.wire.torn
-        return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count}, []
+        return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count, **counters}, []
 
     def _checkpoint(self, meta: dict, bufs):
         from gearflow.replay.checkpoint import save_checkpoint

@@ -12,6 +12,11 @@ the reply's last buffer, ``torn`` (uint8, one per item), is filled only once eve
 before it has left the process (the service's reply *tail*), by the table's seqlock rule
 (:meth:`~gearflow.replay.table.Table.overwritten`). The sampler redraws the items marked
 there, as a local table redraws torn items (:class:`~gearflow.transport.learner.RemoteSampler`).
+Under ``transport.integrity`` the frame's MAC reads the rows straight from the segment too, just
+before they are written, and leaves the marked rows out (the tail checks the marks again after
+each MAC pass: :mod:`gearflow.transport.integrity`, "Rows marked torn"), so a row a writer changed
+on the way fails no MAC and is never used. Each piece comes with its address, so the MAC takes
+the rows without a Python object per row.
 
     wire = WireRows(table, min_row_bytes=1024)
     batch, slots, rec = table.draw(256, None, wire.gathered)       # under the table lock
@@ -48,8 +53,10 @@ class WireRows:
         # the storage columns the table gathers (one dict, kept: the kinds cache plans by it)
         self.gathered = {n: t for n, t in st.tensors.items() if n not in self.columns} if self.columns else None
         self._flat = {n: memoryview(st.columns[n].reshape(-1).view(np.uint8)) for n in self.columns}
+        self._base = {n: st.columns[n].__array_interface__["data"][0] for n in self.columns}  # for the frame MAC
         self._row_bytes = {n: st.columns[n][0].nbytes for n in self.columns}
         self._zeros = memoryview(np.zeros(0, np.uint8))
+        self._zeros_at = 0  # its address
         self.torn = 0  # items marked torn in replies (the sampler redraws them)
 
     def __bool__(self) -> bool:
@@ -76,23 +83,25 @@ class WireRows:
                     bufs.append(out)
                     continue
                 col, idx, zero = w
-                pieces = self._pieces(self._flat[col], self._row_bytes[col], idx, zero)
-                bufs.append(Chunks(out.numpy().dtype, tuple(out.shape), pieces))
+                pieces, addresses = self._pieces(col, idx, zero)
+                bufs.append(Chunks(out.numpy().dtype, tuple(out.shape), pieces, addresses))
         except BaseException:
             release()
             raise
         torn = np.zeros(slots.size, np.uint8)
 
-        def tail() -> None:
+        def tail() -> None:  # called again after each of the MAC's passes over a reply with torn rows
             bad = self.table.overwritten(slots, rec)
             if bad.size:
+                self.torn += int((torn[bad] == 0).sum())
                 torn[bad] = 1
-                self.torn += int(bad.size)
 
         return {**meta, "names": names, "torn": True}, [*bufs, torn], release, tail
 
-    def _pieces(self, flat: memoryview, rb: int, idx: np.ndarray, zero: np.ndarray | None) -> list:
-        """Runs of consecutive rows ``idx`` (and of padding rows, ``zero``) as views."""
+    def _pieces(self, col: str, idx: np.ndarray, zero: np.ndarray | None) -> tuple[list, list]:
+        """Runs of consecutive rows ``idx`` of column ``col`` (and of padding rows, ``zero``) as
+        views, and the address of each."""
+        flat, rb = self._flat[col], self._row_bytes[col]
         n = idx.size
         cut = np.diff(idx) != 1
         if zero is not None:
@@ -101,11 +110,15 @@ class WireRows:
         starts = np.flatnonzero(np.concatenate(([True], cut)))
         sizes = (np.append(starts[1:], n) - starts) * rb
         first = idx[starts] * rb
+        addresses = first + self._base[col]
         if zero is None:
-            return [flat[a:a + m] for a, m in zip(first.tolist(), sizes.tolist())]
-        z = zero[starts].tolist()
-        need = int(sizes[zero[starts]].max()) if any(z) else 0
+            return [flat[a:a + m] for a, m in zip(first.tolist(), sizes.tolist())], addresses.tolist()
+        z = zero[starts]
+        need = int(sizes[z].max()) if z.any() else 0
         if need > self._zeros.nbytes:
             self._zeros = memoryview(np.zeros(need, np.uint8))
+            self._zeros_at = np.frombuffer(self._zeros, np.uint8).__array_interface__["data"][0]
         zeros = self._zeros
-        return [zeros[:m] if zk else flat[a:a + m] for a, m, zk in zip(first.tolist(), sizes.tolist(), z)]
+        addresses[z] = self._zeros_at
+        return ([zeros[:m] if zk else flat[a:a + m] for a, m, zk in zip(first.tolist(), sizes.tolist(), z.tolist())],
+                addresses.tolist())  # fmt: skip

@@ -1,0 +1,63 @@
+"""A host killed whole mid-run, on emulated hosts (launch/hosts.py; issue 34 point 2): its link
+goes down first (nothing it sends — FIN, RST — gets out, nothing sent to it is answered), then
+every process on it is killed. The learner on a third host marks the node down after one
+``transport.node_timeout_s``, trains on the survivor and ends rc 0 with its summary naming the
+lost node. Marked ``hosts``: needs root and ``ip netns`` (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+from tests.helpers_hosts import gearflow_on, hosts_tests, serve_on
+
+pytestmark = hosts_tests
+
+PORT = 7000
+
+
+def _kill_host(host) -> None:
+    """The host dies whole: its cable pulled (the bridge's end of its veth down), then every
+    process in its namespace SIGKILLed (their sockets' FINs go nowhere)."""
+    subprocess.run(["ip", "link", "set", host.peer, "down"], check=True)
+    for _ in range(200):
+        pids = [p for p in host.pids() if p != host.holder]
+        if not pids:
+            return
+        subprocess.run(["kill", "-9", *map(str, pids)], check=False, capture_output=True)
+        time.sleep(0.02)
+
+
+def test_a_host_killed_whole_is_marked_down_and_the_run_ends_on_the_survivor(make_hosts, tmp_path):
+    hosts = make_hosts(3, subnet="10.231.3.0/24")
+    nodes = [serve_on(hosts[i], tmp_path / f"n{i}", PORT, f"actor.ladder_offset={i}", "actor.ladder_total=2")
+             for i in range(2)]  # fmt: skip
+    try:
+        addresses = [n.address() for n in nodes]
+        learner = gearflow_on(hosts[2], "train", tmp_path / "learner.err", f"run.dir={tmp_path / 'learner'}",
+                              "run.progress=log", "run.max_updates=1500", "run.max_env_steps=100000000",
+                              "transport.node_timeout_s=3", f"transport.shards=[{','.join(addresses)}]")  # fmt: skip
+        learner.wait_for(r"progress: steps \d+ .* updates [1-9]\d* ")  # training on both nodes
+        _kill_host(hosts[1])
+        learner.wait_for(rf"shard node {re.escape(addresses[1])} is down")
+        before = None
+        while True:  # updates go on from node 0 alone
+            m = learner.wait_for(r"progress: steps \d+ .* updates (\d+) ")
+            before = int(m.group(1)) if before is None else before
+            if int(m.group(1)) > before + 100:
+                break
+        learner.wait_for(rf"lost shard node {re.escape(addresses[1])} ")
+        rc, out = learner.finish(120)
+        assert rc == 0, learner.tail()
+        summary = json.loads(out.strip().splitlines()[-1])
+        rc0, out0 = nodes[0].finish(60)
+        assert rc0 == 0, nodes[0].tail()
+    finally:
+        for p in nodes:
+            p.kill()
+    assert summary["stop_reason"] == "reached run.max_updates=1500"
+    assert list(summary["transport/nodes_lost"]) == [addresses[1]]
+    assert json.loads(out0.strip().splitlines()[-1])["stop_reason"].startswith(f"run.stop from {hosts[2].address}:")
+    assert "Traceback" not in learner.tail(100_000)
