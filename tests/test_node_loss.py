@@ -156,7 +156,7 @@ def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
                 time.sleep(600)  # the dead host's shard: never answers
             return {"actor/env_steps": 123, "address": "10.0.0.1:7000"}
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a cluster found here
     try:
         Remote = ray.remote(num_cpus=0, max_restarts=0)(Node)
         alive, dead = Remote.remote(), Remote.remote()

@@ -491,6 +491,7 @@ def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dic
     summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
     summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
     summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
+    summary["cluster/learner_nodes"] = [s.get("learner/node") for s in summaries]
     summary["cluster/node_env_steps"] = [n.get("actor/env_steps") for n in node_summaries]
     lost = {n["address"]: n["lost"] for n in node_summaries if n.get("lost")}
     if lost:
