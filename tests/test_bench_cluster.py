@@ -16,13 +16,14 @@ from gearflow.errors import GearflowError
 from tests.test_bench import ROOT
 
 # Hand figures with round numbers, so each stage's bound can be worked out on paper:
-#   t_l(b) = 0.002 + 6.25e-5·b  → 0.01 s at B = 128: one learner does 100 updates/s, 12,800 items/s;
+#   t_l(b) = 0.0019 + 6.25e-5·b, plus the priority write-back's round trip τ = 100 µs → 0.01 s per
+#   update at B = 128: one learner does 100 updates/s, 12,800 items/s;
 #   ρ = 1, so the learner bounds X at 12,800 env steps/s; an actor makes 1,000 steps/s.
 FIG = {
     "actor_env_steps_per_s": 1000.0,
     "insert_steps_per_s": 1e6,
     "shard_sample_s": [[8, 1e-4], [128, 2e-4]],
-    "learn_s": [[32, 0.004], [128, 0.01]],
+    "learn_s": [[32, 0.0039], [128, 0.0099]],
     "allreduce_s": [[8, 1e-4], [1_000_000, 1e-3]],
     "param_bytes": 1_000_000,
     "item_bytes": 100,
@@ -141,7 +142,7 @@ def test_allreduce_reproduces_its_own_figure_at_two_learners():
     # a narrow link: 2(K−1)/K·G over the link
     assert cluster.allreduce_s(FIG, 2, 1e8) == pytest.approx(1e-4 + 1e6 / 1e8)
     r = cluster.model(FIG, 32, 16, 2, 10.0)
-    assert r["learner_update_s"] == pytest.approx(0.002 + 6.25e-5 * 64 + cluster.allreduce_s(FIG, 2, 1.25e9))
+    assert r["learner_update_s"] == pytest.approx(0.0019 + 6.25e-5 * 64 + cluster.allreduce_s(FIG, 2, 1.25e9) + 1e-4)
 
 
 def test_decoupled_without_a_limiter():
@@ -160,7 +161,7 @@ def test_learner_speedup_moves_the_crossover():
     base = cluster.summarize(FIG, [1], [1], 10.0, "tcp", 1.0, 5000.0)
     fast = cluster.summarize(FIG, [1], [1], 10.0, "tcp", 1.0, 5000.0, learner_speedup=2.0)
     assert base["stops_scaling"][0]["linear_until_nodes"] == 12
-    # t_l = 0.005 s: 25,600 steps/s, so 25 one-actor nodes
+    # t_l = 0.00495 s + τ: 25,346 steps/s, so 25 one-actor nodes
     assert fast["stops_scaling"][0]["linear_until_nodes"] == 25
     assert fast["learner_speedup"] == 2.0
 
@@ -291,3 +292,49 @@ def test_cli_quick_measurement(tmp_path):
     for r in rows[1:-1]:
         assert_same(r, cluster.model(fig, r["nodes"], r["actors_per_node"], r["learners"], 10.0))
     assert rows[-1]["figures"] == fig
+
+
+def test_link_round_trip_is_paid_once_per_update_and_per_request_in_flight():
+    """R = 10 ms: the priority write-back waits R each update (0.01 s learn + τ + R → 50 updates/s);
+    the samples pay (τ + R) per request with 2 in flight."""
+    r = cluster.model(FIG, 20, 1, 1, 10.0, link_rtt_ms=10.0)
+    assert r["bottleneck"] == "learner" and r["round_trip_s"] == pytest.approx(1e-4 + 0.01)
+    assert r["updates_per_s"] == pytest.approx(1 / (0.0099 + 1e-4 + 0.01))
+    assert r["env_steps_per_s"] == pytest.approx(128 * r["updates_per_s"])  # ρ = 1
+    assert r["limits"]["network_learner"] == pytest.approx(128 / ((1e-4 + 0.01) / 2 + 128 * 100 / 1.25e9))
+    assert cluster.model(FIG, 20, 1, 1, 10.0)["updates_per_s"] == pytest.approx(100.0)  # R = 0: τ only
+
+
+def test_shared_cores_bound_the_cluster():
+    """C = 2 cores for 2 nodes × 4 actors + their shards + the learner: each env step costs
+    1/a + 1/I core-seconds, each update c_u (the learn step, and per node its sample plus a
+    sample and a priority request of τ each): X·(1/a + 1/I) + (ρX/B)·c_u = C."""
+    t_s = 1e-4 + (2e-4 - 1e-4) / 120 * (64 - 8)  # each node's share: 64 items
+    c_u = 0.0099 + 2 * (t_s + 2 * 1e-4)
+    assert cluster.cpu_s_per_update(FIG, 2, 1) == pytest.approx(c_u)
+    r = cluster.model(FIG, 2, 4, 1, 10.0, cores=2.0)
+    X = 2.0 / (1 / 1000 + 1 / 1e6 + c_u / 128)
+    assert r["bottleneck"] == "cpu" and r["env_steps_per_s"] == pytest.approx(X)
+    assert r["cpu_cores_used"] == pytest.approx(2.0)
+    assert "cpu" not in cluster.model(FIG, 2, 4, 1, 10.0)["limits"]  # no --cores: a core per process
+    # a measured RemoteSampler rate S: the learner's side of each draw costs 1/S, and caps its fetches
+    drawn = {**FIG, "transport_sample_batches_per_s": 50.0}
+    assert cluster.cpu_s_per_update(drawn, 2, 1) == pytest.approx(c_u + 1 / 50)
+    assert cluster.model(drawn, 2, 4, 1, 10.0)["limits"]["network_learner"] == pytest.approx(50 * 128)
+    free = cluster.model(FIG, 2, 4, 1, 10.0, cores=64.0)  # enough cores: the other bounds again
+    assert free["bottleneck"] == "actors" and free["env_steps_per_s"] == pytest.approx(8000.0)
+    # ρ = 0: the actors and shards get 10 of the 11 processes' share, the updates what is left
+    r = cluster.model(FIG, 2, 4, 1, 10.0, rho=0.0, cores=2.0)
+    assert r["bottleneck"] == "cpu" and r["env_steps_per_s"] == pytest.approx(2.0 * 10 / 11 / (1 / 1000 + 1 / 1e6))
+    assert r["update_bottleneck"] == "cpu"
+    assert r["updates_per_s"] == pytest.approx((2.0 - r["env_steps_per_s"] * (1 / 1000 + 1 / 1e6)) / c_u)
+
+
+def test_cli_takes_the_round_trip_and_cores(fig_file):
+    proc = cli("--simulate", "--from", str(fig_file), "--nodes", "2", "--actors-per-node", "4",
+               "--learners", "1", "--link-rtt-ms", "10", "--cores", "2", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if '"workload": "model"' in line]
+    assert row["link_rtt_ms"] == 10.0 and row["cores"] == 2.0 and "cpu" in row["limits"]
+    bad = cli("--simulate", "--from", str(fig_file), "--link-rtt-ms", "-1")
+    assert bad.returncode != 0 and "--link-rtt-ms -1.0" in bad.stderr

@@ -97,12 +97,12 @@ def _learner(host, tmp_path: Path, addresses: list[str], *args: str):
                        f"transport.shards=[{','.join(addresses)}]", *args)  # fmt: skip
 
 
-def _end(procs, timeout: float = 120.0) -> list[dict]:
-    """Each command's return code and its last stdout line (its JSON summary)."""
+def _end(procs, timeout: float = 120.0, rc: int = 0) -> list[dict]:
+    """Each command's last stdout line (its JSON summary), once it exited with ``rc``."""
     ends = []
     for p in procs:
-        rc, out = p.finish(timeout)
-        assert rc == 0, f"exited {rc}:\n{p.tail()}"
+        code, out = p.finish(timeout)
+        assert code == rc, f"exited {code}:\n{p.tail()}"
         ends.append(json.loads(out.strip().splitlines()[-1]))
     return ends
 
@@ -134,28 +134,35 @@ def test_two_serve_nodes_and_a_learner_on_three_hosts(make_hosts, tmp_path):
 
 def test_a_node_killed_and_restarted_on_its_port_is_ridden_out(make_hosts, tmp_path):
     """Node 0's process is killed mid-run (SIGKILL: its segments stay in its host's /dev/shm) and
-    a fresh node is started on the same host and port: the learner trains on node 1 meanwhile, re-admits node 0 and reads it as
-    restarted (a fresh table), and the run still ends at its step limit, rc 0, both nodes too."""
+    a fresh node is started on the same host and port: the learner trains on node 1 meanwhile
+    (node 0 marked down), re-admits node 0, reads it as restarted (a fresh table), pushes it
+    weights and samples it. Stopped then by SIGTERM, the learner ends with its
+    summary (143) and leaves both nodes serving (for --resume); SIGTERM ends them (143) clean."""
     hosts = make_hosts(3, subnet="10.231.1.0/24")
     nodes = _nodes(hosts, tmp_path)
     try:
         addresses = [n.address() for n in nodes]
-        # While node 0 is down (marked down: transport/learner/health.py) the learner trains on node 1;
-        # the restarted node is re-admitted by the background probe and read as a fresh table. The
-        # limit leaves node 1 alone ~4x the restart's ~15 s to go (it no longer waits for node 0).
-        learner = _learner(hosts[2], tmp_path, addresses, "run.max_env_steps=15000")
+        learner = _learner(hosts[2], tmp_path, addresses, "run.max_env_steps=100000000")  # stopped below
         learner.wait_for(r"progress: steps ([2-9]\d{3}|[1-9]\d{4,}) ")  # ≥ 2000 steps: both nodes feed it
+        killed = set(hosts[0].shm())
         nodes[0].kill()
         nodes[0] = serve_on(hosts[0], tmp_path / "n0-again", PORT, "actor.ladder_offset=0", "actor.ladder_total=2")
         assert nodes[0].address() == addresses[0]
         learner.wait_for(rf"shard node {addresses[0]} was restarted")
-        (summary,) = _end([learner], timeout=240)
-        outs = _end(nodes)
+        # the new node acts with weights the learner pushed it (its own start is version 1)
+        nodes[0].wait_for(r": [1-9]\d* env steps, .* weights version ([2-9]|\d{2,})$")
+        learner.popen.terminate()
+        (summary,) = _end([learner], timeout=240, rc=143)
+        assert all(n.popen.poll() is None for n in nodes)  # a signal: the nodes wait for a --resume
+        for n in nodes:
+            n.popen.terminate()
+        outs = _end(nodes, rc=143)
     finally:
         for p in nodes:
             p.kill()
-    assert summary["stop_reason"] == "reached run.max_env_steps=15000"
-    # re-admitted: back in the split (the stats of both) and told the run is over (a down node is not)
+    assert summary["stop_reason"] == "stopped by signal"
+    assert summary["actor/env_steps"] > 2000 and summary["learner/updates"] > 0
+    # re-admitted after the learner trained on node 1 alone: back in the split, not lost
     assert summary["replay/shards"] == 2.0 and "transport/nodes_lost" not in summary
-    assert outs[0]["stop_reason"].startswith(f"run.stop from {hosts[2].address}:")
-    assert [h.shm() for h in hosts[1:]] == [[], []]
+    assert all(o["actor/env_steps"] > 0 and o["stop_signal"] == "SIGTERM" for o in outs)
+    assert hosts[1].shm() == [] and set(hosts[0].shm()) <= killed  # only the killed node's segments are left

@@ -45,8 +45,18 @@ transport_loopback_bytes_per_s)`` — one shard process cannot serve faster than
   items): ``X/(N·I) + K·U·t_s(B/(K·N)) ≤ 1``;
 * **network_shard** (a node sends what is sampled from it): ``U·B·c/N ≤ L``;
 * **network_learner** (a learner fetches b items per update, ``p`` = ``learner.prefetch``
-  requests in flight, τ = ``transport_request_latency_us``): ``U ≤ 1 / (τ/p + b·c/L)``;
-* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K))``.
+  requests in flight, τ = ``transport_request_latency_us``, R = ``--link-rtt-ms``):
+  ``U ≤ 1 / ((τ + R)/p + b·c/L)``;
+* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K) + τ + R)``: after each learn step the learner writes
+  the batch's priorities back and waits for every shard's reply
+  (``RemoteSampler.update_priorities``), one request round trip per update, not overlapped;
+* **cpu** (only with ``--cores C``: every process shares C cores, e.g. an emulated cluster on one
+  machine): ``X·(1/a + 1/I) + U·c_u ≤ C``, with ``c_u = K·(t_l(b) + 1/S) + N·K·(t_s + 2τ)``
+  the core-seconds of one update (learn steps, the learner's side of its draw, 1/S with S =
+  ``transport_sample_batches_per_s``, the shards' samples, a sample and a priority request per
+  node and learner, τ of CPU each). Where the figures have S, ``network_learner`` is also
+  capped at S (what one ``RemoteSampler`` drew on loopback, ``prefetch`` ahead). With ρ = 0 the actors and shards get their processes'
+  share ``C·N(M+1)/(N(M+1)+K)`` and the updates what they leave.
 
 With ``ρ > 0`` (Reverb's samples-per-insert limiter) the rates are tied, ``U·B = ρ·X``: each
 stage's bound becomes a bound on X, X is the smallest, and that stage is the ``bottleneck``.
@@ -59,10 +69,14 @@ ratio ``U·B/X`` is then an output).
 gloo-on-loopback one (NCCL between GPUs is far faster; put your own in ``allreduce_s``).
 
 What it leaves out, on purpose: weights to actors (a parameter fetch per
-``actor.weight_sync_period`` steps), priority updates (16 B per sampled item), switch
-contention, stragglers, and that a node's M actors share its cores with the shard: a node is
-assumed to have a core per actor and one for its shard. The per-actor rate is this machine's
-per-core rate.
+``actor.weight_sync_period`` steps), the priority updates' bytes (16 B per sampled item; their
+round trip is in), switch contention, stragglers. Without ``--cores`` a node is assumed to have
+a core per actor and one for its shard; the per-actor rate is this machine's per-core rate.
+
+Checked against real sharded runs on emulated hosts (``launch/hosts_scale.py``: two
+``gearflow serve`` nodes and a learner in network namespaces, links shaped with ``tc tbf`` and
+a delaying relay, the measured round trip given as ``--link-rtt-ms``, ``--cores`` = this
+machine's): the table is in the README (cluster section).
 
 **Ape-X** ran 360 actors feeding one learner: about 50 k Atari frames/s, i.e. 12.5 k env steps/s
 at frame skip 4 (Horgan et al. 2018; ``--apex-env-steps-per-s``). The summary says how many
@@ -88,7 +102,7 @@ import numpy as np
 from gearflow.errors import GearflowError
 
 Emit = Callable[[dict], None]
-STAGES = ("actors", "shard", "network_shard", "network_learner", "learner")
+STAGES = ("actors", "shard", "network_shard", "network_learner", "learner")  # and "cpu" with --cores
 LINK_GBPS = {"tcp": 10.0, "rdma": 100.0}
 APEX_ACTORS = 360
 APEX_ENV_STEPS_PER_S = 12_500.0  # 360 actors, ~50k Atari frames/s at frame skip 4 (Horgan et al. 2018)
@@ -116,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cluster: tcp (capped by the measured loopback byte rate too) or rdma")  # fmt: skip
     g.add_argument("--link-gbps", type=float, default=0.0, help="cluster: each machine's link in Gbit/s "
                    "(default 10 for tcp, 100 for rdma)")  # fmt: skip
+    g.add_argument("--link-rtt-ms", type=float, default=0.0, help="cluster: the links' round trip in ms, "
+                   "paid once per update (the priority write-back waits for every shard) and per sample request "
+                   "(learner.prefetch in flight); 0: the loopback figure only")  # fmt: skip
+    g.add_argument("--cores", type=float, default=0.0, help="cluster: cores every process of the cluster shares "
+                   "(an emulated cluster on one machine: os.cpu_count()); 0: a core per process")  # fmt: skip
     g.add_argument("--samples-per-insert", type=float, default=-1.0,
                    help="cluster: ρ (default: the config's replay.samples_per_insert; 0 = no limiter)")  # fmt: skip
     g.add_argument("--learner-speedup", type=float, default=1.0,
@@ -156,13 +175,28 @@ def allreduce_s(fig: dict, K: int, L: float) -> float:
     return 2 * (K - 1) * alpha + 2 * (K - 1) / K * float(fig["param_bytes"]) / min(L, beta)
 
 
+def cpu_s_per_update(fig: dict, N: int, K: int) -> float:
+    """c_u: core-seconds one global update costs the cluster: K learn steps, and per learner and
+    node one sample of ``B/(K·N)`` items and two requests (its sample and its priority update, τ
+    each: a loopback request's latency is the CPU of its two ends)."""
+    B = int(fig["batch_size"])
+    l0, l1 = _fit(fig["learn_s"])
+    s0, s1 = _fit(fig["shard_sample_s"])
+    tau = float(fig["transport_request_latency_us"]) * 1e-6
+    draw = 1.0 / float(fig["transport_sample_batches_per_s"]) if fig.get("transport_sample_batches_per_s") else 0.0
+    return K * (l0 + l1 * B / K + draw) + N * K * (s0 + s1 * B / (K * N) + 2 * tau)
+
+
 def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: float | None = None,
-          learner_speedup: float = 1.0) -> dict:  # fmt: skip
+          learner_speedup: float = 1.0, link_rtt_ms: float = 0.0, cores: float = 0.0) -> dict:  # fmt: skip
     """The modelled throughput of N nodes × M actors × K learners (formulas in the module docstring).
 
     ``limits`` holds each stage's bound in env steps/s (ρ > 0); with ρ = 0, ``limits`` bounds X
     (actors, shard) and ``update_limits`` bounds U in updates/s. ``learner_speedup`` divides the
-    measured learn step (a what-if: a learner that many times faster, e.g. on a GPU)."""
+    measured learn step (a what-if: a learner that many times faster, e.g. on a GPU).
+    ``link_rtt_ms``: the links' round trip, paid once per update by the priority write-back and
+    per request by the samples (``p`` in flight). ``cores`` > 0: every process of the cluster
+    shares that many cores (an emulated cluster on one machine), the ``cpu`` stage."""
     if min(N, M, K) < 1:
         raise GearflowError(f"nodes, actors per node and learners must be ≥ 1, got N={N}, M={M}, K={K}")
     B = int(fig["batch_size"])
@@ -174,14 +208,20 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
     l0, l1 = _fit(fig["learn_s"])
     L = link_bytes_per_s(fig, link_gbps, kind)
     tau, p = float(fig["transport_request_latency_us"]) * 1e-6, max(1, int(fig["prefetch"]))
+    rtt = max(0.0, float(link_rtt_ms)) * 1e-3
     b = B / K
     t_s = s0 + s1 * B / (K * N)  # a shard's share of one learner's request
-    t_update = (l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L)
-    u_net_learner = 1.0 / (tau / p + b * c / L)
+    t_round_trip = tau + rtt  # the priority write-back: the learner waits for every shard's reply
+    t_update = (l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L) + t_round_trip
+    u_net_learner = 1.0 / ((tau + rtt) / p + b * c / L)
+    if fig.get("transport_sample_batches_per_s"):  # measured: what one RemoteSampler draws on loopback
+        u_net_learner = min(u_net_learner, float(fig["transport_sample_batches_per_s"]))
     u_learner = 1.0 / t_update
+    env_cpu = 1.0 / a + 1.0 / I_  # core-seconds of one env step: acting, then the shard's ingest
+    c_u = cpu_s_per_update(fig, N, K) - K * (l0 + l1 * b) * (1 - 1 / learner_speedup)
     out: dict[str, Any] = {"bench": "cluster", "workload": "model", "model": True, "nodes": N, "actors_per_node": M,
-                           "learners": K, "transport": kind, "link_gbps": link_gbps, "samples_per_insert": rho,
-                           "learner_speedup": learner_speedup}  # fmt: skip
+                           "learners": K, "transport": kind, "link_gbps": link_gbps, "link_rtt_ms": float(link_rtt_ms),
+                           "cores": float(cores), "samples_per_insert": rho, "learner_speedup": learner_speedup}  # fmt: skip
     if rho > 0:
         limits = {
             "actors": N * M * a,
@@ -190,6 +230,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
             "network_learner": B * u_net_learner / rho,
             "learner": B * u_learner / rho,
         }
+        if cores > 0:  # X·(1/a + 1/I) + U·c_u ≤ C with U = ρX/B
+            limits["cpu"] = cores / (env_cpu + rho * c_u / B)
         bottleneck = min(limits, key=limits.get)
         X = limits[bottleneck]
         U = rho * X / B
@@ -197,6 +239,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
                    limits=limits)  # fmt: skip
     else:
         limits = {"actors": N * M * a, "shard": N * I_}
+        if cores > 0:  # the actors and shards get their processes' share of the cores
+            limits["cpu"] = cores * N * (M + 1) / (N * (M + 1) + K) / env_cpu
         bottleneck = min(limits, key=limits.get)
         X = limits[bottleneck]
         left = max(0.0, 1.0 - X / (N * I_))  # the shard's time its ingest leaves
@@ -206,6 +250,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
             "network_learner": u_net_learner,
             "learner": u_learner,
         }
+        if cores > 0:  # what the env steps leave of the cores
+            update_limits["cpu"] = max(0.0, cores - X * env_cpu) / c_u
         update_bottleneck = min(update_limits, key=update_limits.get)
         U = update_limits[update_bottleneck]
         out.update(env_steps_per_s=X, updates_per_s=U, bottleneck=bottleneck, update_bottleneck=update_bottleneck,
@@ -217,6 +263,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
         shard_busy=X / (N * I_) + K * U * t_s,
         learner_update_s=t_update,
         allreduce_s=allreduce_s(fig, K, L),
+        round_trip_s=t_round_trip,
+        cpu_cores_used=X * env_cpu + U * c_u,
     )
     return out
 
@@ -232,7 +280,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def summarize(fig: dict, Ms: list[int], Ks: list[int], link_gbps: float, kind: str, rho: float,
-              apex_rate: float, learner_speedup: float = 1.0) -> dict:  # fmt: skip
+              apex_rate: float, learner_speedup: float = 1.0, link_rtt_ms: float = 0.0, cores: float = 0.0) -> dict:  # fmt: skip
     """Where scaling stops for each (M, K): the last N (≤ 4096) at which the actors are still the
     bottleneck (below it env steps/s grow with N), the stage that takes over, and the ceiling;
     and the nodes that bring Ape-X's data rate (``apex_rate`` env steps/s) to one learner."""
@@ -242,7 +290,8 @@ def summarize(fig: dict, Ms: list[int], Ks: list[int], link_gbps: float, kind: s
         for K in Ks:
             if B % K:
                 continue
-            rows = [model(fig, N, M, K, link_gbps, kind, rho, learner_speedup) for N in range(1, SEARCH_NODES + 1)]
+            rows = [model(fig, N, M, K, link_gbps, kind, rho, learner_speedup, link_rtt_ms, cores)
+                    for N in range(1, SEARCH_NODES + 1)]  # fmt: skip
             actor_bound = [r["nodes"] for r in rows if r["bottleneck"] == "actors"]
             last = max(actor_bound) if actor_bound else 0
             after = rows[last] if last < SEARCH_NODES else None  # N = last + 1
@@ -269,7 +318,7 @@ def summarize(fig: dict, Ms: list[int], Ks: list[int], link_gbps: float, kind: s
                         "env_steps_per_s", "updates_per_s", "bottleneck", "update_bottleneck")},
                 })  # fmt: skip
     return {"bench": "cluster", "workload": "summary", "model": True, "transport": kind, "link_gbps": link_gbps,
-            "samples_per_insert": rho, "learner_speedup": learner_speedup, "stops_scaling": stops,
+            "link_rtt_ms": link_rtt_ms, "cores": cores, "samples_per_insert": rho, "learner_speedup": learner_speedup, "stops_scaling": stops,
             "apex": {"actors": APEX_ACTORS, "env_steps_per_s": apex_rate,
                      "actor_processes_at_this_rate": apex_rate / float(fig["actor_env_steps_per_s"]),
                      "one_learner": apex},
@@ -595,10 +644,13 @@ def run(args, wanted: list[str], emit: Emit) -> int:
     speedup = float(args.learner_speedup)
     if speedup <= 0:
         raise GearflowError(f"--learner-speedup {speedup}: must be > 0")
-    lines = [model(fig, N, M, K, link, kind, rho, speedup) for M in Ms for K in Ks for N in Ns]
+    rtt, cores = float(args.link_rtt_ms), float(args.cores)
+    if rtt < 0 or cores < 0:
+        raise GearflowError(f"--link-rtt-ms {rtt} / --cores {cores}: must be ≥ 0")
+    lines = [model(fig, N, M, K, link, kind, rho, speedup, rtt, cores) for M in Ms for K in Ks for N in Ns]
     for line in lines:
         out(line)
-    out(summarize(fig, Ms, Ks, link, kind, rho, float(args.apex_env_steps_per_s), speedup))
+    out(summarize(fig, Ms, Ks, link, kind, rho, float(args.apex_env_steps_per_s), speedup, rtt, cores))
     if not args.json:
         _table(lines, sys.stderr)
     return 0
