@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gearflow.replay.storage import SHM_DIR
 from gearflow.transport.client import Client
 from tests.test_serve import TOKEN, _address, _env, _serve
 from tests.test_train import CONFIG, ROOT, TINY
@@ -71,6 +72,9 @@ def test_a_restarted_node_catches_up_and_no_actor_dies(tmp_path):
         # node 1 dies whole (SIGKILL: no goodbye) and comes back on its port with a fresh table
         n1.send_signal(signal.SIGKILL)
         n1.wait(timeout=30)
+        # a killed node leaves its table's and its weights' segments (gearflow replay gc's job)
+        for seg in [*SHM_DIR.glob(f"gearflow_{n1.pid}_*"), *SHM_DIR.glob(f"gearflow_params_{n1.pid}_*")]:
+            seg.unlink(missing_ok=True)
         clients[1].close()
         (tmp_path / "n1.address").unlink()
         n1, a1 = _serve(tmp_path, "n1b", "actor.ladder_offset=1", *common, f"transport.port={addresses[1].rsplit(':', 1)[1]}")
