@@ -43,7 +43,7 @@ def _env() -> dict:
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
 
 
-def _gearflow(host, command: str, config: str, log: Path, *args: str) -> subprocess.Popen:
+def _run_gearflow(host, command: str, config: str, log: Path, *args: str) -> subprocess.Popen:
     return host.popen([sys.executable, "-m", "gearflow", command, config, *args], stdout=subprocess.PIPE,
                       stderr=open(log, "w"), text=True, cwd=ROOT, env=_env())  # fmt: skip
 
@@ -74,7 +74,7 @@ def run_setting(config: str, rate_mbit: float, delay_ms: float, seconds: float, 
     out_dir.mkdir(parents=True)
     with Hosts(3, subnet=subnet, name=name, rate_mbit=rate_mbit or None) as hosts:
         link = rtt(hosts, 2, 0, delay_ms=delay_ms, rounds=200)
-        nodes = [_gearflow(hosts[i], "serve", config, out_dir / f"n{i}.err", "actor.num_actors=1",
+        nodes = [_run_gearflow(hosts[i], "serve", config, out_dir / f"n{i}.err", "actor.num_actors=1",
                            f"actor.ladder_offset={i}", "actor.ladder_total=2", f"run.dir={out_dir / f'n{i}'}",
                            f"transport.host={hosts[i].address}", f"transport.port={PORT}")
                  for i in range(2)]  # fmt: skip
