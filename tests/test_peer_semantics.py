@@ -475,40 +475,37 @@ def test_frame_shape_with_negative_dimensions_is_a_frame_error():
 
 # ---------------------------------------------------------------------------- RemoteSampler._mend
 def test_remote_mend_renormalises_the_whole_batch_after_a_partial_torn_redraw():
-    """Mutant: RemoteSampler._mend without its final re-normalisation. After one row of a
-    shard's reply is redrawn, every row's probability is its mass at its draw over the shard's
-    total now, and the IS weights are (N P)^-beta / max over the batch, as a local table's."""
+    """Mutant: RemoteSampler's mend (BatchAssembly.mend) without its final re-normalisation.
+    After one row of a shard's reply is redrawn, every row's probability is its mass at its draw
+    over the shard's total now, and the IS weights are (N P)^-beta / max over the batch, as a
+    local table's."""
     from gearflow.replay.protocols import SelectorInfo
-    from gearflow.transport.learner import RemoteSampler
+    from gearflow.transport.learner.assembly import BatchAssembly
 
-    s = RemoteSampler.__new__(RemoteSampler)
-    s.selector = SelectorInfo("prioritized", True)
-    s.selector.beta = 0.5
-    s.torn, s.timeout_s = 0, 5.0
+    selector = SelectorInfo("prioritized", True)
+    selector.beta = 0.5
+    assembly = BatchAssembly(selector, num_buffers=1)
     fresh_meta = {"total": 20.0, "count": 5}  # the shard changed since the first draw
     fresh = [np.array([99], np.int64), np.array([0.25]), np.array([1.0], np.float32), np.array([[7.0]], np.float32)]
+    redrawn = []
 
-    class Client:
-        address_text = "shard-0"
+    def redraw(n):
+        redrawn.append(n)
+        return fresh_meta, [a.copy() for a in fresh]
 
-        def result(self, fut, op, timeout):
-            return fresh_meta, [a.copy() for a in fresh]
-
-    s._clients = [Client()]
-    s._submit = lambda i, op, meta=None, bufs=(), timeout_s=None: (1, None)
-    s._note = lambda i, tag, meta: None
     keys = np.array([10, 11, 12, 13], np.int64)
     probs = np.array([0.1, 0.2, 0.3, 0.4])  # masses 1, 2, 3, 4 of a total of 10
     weights = np.ones(4, np.float32)
     data = np.arange(4, dtype=np.float32)[:, None]
     torn = np.array([0, 0, 1, 0], np.uint8)
-    *_, bufs = s._mend((0, 4, {"total": 10.0, "count": 4, "torn": True}, [keys, probs, weights, data, torn]), 5.0)
+    reply = (0, 4, {"total": 10.0, "count": 4, "torn": True}, [keys, probs, weights, data, torn])
+    *_, bufs = assembly.mend(reply, "shard-0", redraw, 5.0, lambda: sum(redrawn))
     assert bufs[0].tolist() == [10, 11, 99, 13] and bufs[3][:, 0].tolist() == [0.0, 1.0, 7.0, 3.0]
     want_p = np.array([1.0, 2.0, 5.0, 4.0]) / 20.0
     np.testing.assert_allclose(bufs[1], want_p)
     w = (5 * want_p) ** -0.5
     np.testing.assert_allclose(bufs[2], w / w.max(), rtol=1e-6)
-    assert s.torn == 1
+    assert redrawn == [1]
 
 
 # ---------------------------------------------------------------------------- data-parallel setup
