@@ -136,14 +136,18 @@ def _local_ip(host: str, port: int, rank: int) -> str:
         return s.getsockname()[0]
 
 
+_SET_HERE: dict[str, str] = {}  # what socket_interfaces set in this process (not the user's)
+
+
 def socket_interfaces(local_ip: str) -> dict[str, str]:
     """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface holding
     ``local_ip`` unless the user set them; returns the two as they now are (for the log and the
     errors). An address no interface holds leaves them unset (gloo's own resolution)."""
     name = interface_of(local_ip)
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if name and not os.environ.get(var):
-            os.environ[var] = name
+        now = os.environ.get(var)
+        if name and (not now or now == _SET_HERE.get(var)):  # unset, or set by an earlier call here
+            os.environ[var] = _SET_HERE[var] = name
     return {var: os.environ.get(var, "") for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 

@@ -39,7 +39,9 @@ hosts_tests = [pytest.mark.hosts, pytest.mark.skipif(REASON is not None, reason=
 
 def env() -> dict:
     """The environment of every command on the hosts: the run's secret, this checkout first."""
-    return {**os.environ, "GEARFLOW_TOKEN": TOKEN, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # an interface name of this host means nothing on another: each host's learner finds its own
+    here = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    return {**here, "GEARFLOW_TOKEN": TOKEN, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 class Proc:

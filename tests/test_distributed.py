@@ -603,13 +603,17 @@ def test_two_learners_on_two_hosts_meet_on_their_cluster_interface(two_hosts):
 
 def test_the_interface_is_the_one_holding_the_address(monkeypatch):
     """127.0.0.1 is on lo; a user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are kept."""
+    import gearflow.distributed as distributed_mod
     from gearflow.distributed import interface_of, socket_interfaces
 
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("203.0.113.77") is None  # TEST-NET-3: on no interface here
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # recorded, so what socket_interfaces sets is undone
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     assert socket_interfaces("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}
+    # a later call at another address: what an earlier call set is replaced, the user's kept
+    monkeypatch.setattr(distributed_mod, "interface_of", lambda ip: "eth7")
+    assert socket_interfaces("10.231.9.1") == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "ib0"}
 
 
 @pytest.mark.timeout(120)
