@@ -294,63 +294,11 @@ def _kill_netns(ns: str) -> None:
 # -- the delaying relay (runs on a host, as ``hosts.py _relay BIND TARGET DELAY_MS``) ----------
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Forward ``reader`` → ``writer``, each chunk released ``delay_s`` after it arrived."""
-    queue: asyncio.Queue = asyncio.Queue()
-    clock = time.monotonic  # not loop.time(): uvloop's is cached per iteration and its timers round to ms
-
-    async def release() -> None:
-        while True:
-            due, data = await queue.get()
-            while (wait := due - clock()) > 0:  # a timer may fire up to 1 ms early: sleep again
-                await asyncio.sleep(wait)
-            if data is None:
-                break
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    sender = asyncio.create_task(release())
-    try:
-        while data := await reader.read(1 << 16):
-            queue.put_nowait((clock() + delay_s, data))
-    except (ConnectionError, OSError):
-        pass
-    queue.put_nowait((clock() + delay_s, None))
-    try:
-        await sender
-    except (ConnectionError, OSError):
-        pass
-
-
-async def _serve_relay(bind: str, target: str, delay_ms: float) -> None:
-    host, port = target.rsplit(":", 1)
-    one_way = delay_ms / 2000.0
-
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            tr, tw = await asyncio.open_connection(host, int(port))
-        except OSError:
-            w.close()
-            return
-        for s in (w.get_extra_info("socket"), tw.get_extra_info("socket")):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(_pipe(r, tw, one_way), _pipe(tr, w, one_way))
-
-    server = await asyncio.start_server(handle, bind, 0)
-    print(f"{bind}:{server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def _relay_main(bind: str, target: str, delay_ms: float) -> None:
-    try:
-        import uvloop
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gearflow
+    from gearflow.transport.relay import main  # the relay itself (also the transport bench's)
 
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve_relay(bind, target, delay_ms))
+    main(bind, target, delay_ms)
 
 
 # -- round trip probe (``hosts.py _echo`` / ``_ping``) -----------------------------------------
