@@ -16,14 +16,14 @@ from gearflow.errors import GearflowError
 from tests.test_bench import ROOT
 
 # Hand figures with round numbers, so each stage's bound can be worked out on paper:
-#   t_l(b) = 0.0019 + 6.25e-5·b, plus the priority write-back's round trip τ = 100 µs → 0.01 s per
-#   update at B = 128: one learner does 100 updates/s, 12,800 items/s;
+#   t_l(b) = 0.002 + 6.25e-5·b → 0.01 s per update at B = 128 (the priority write-back's round trip
+#   τ = 100 µs overlaps it): one learner does 100 updates/s, 12,800 items/s;
 #   ρ = 1, so the learner bounds X at 12,800 env steps/s; an actor makes 1,000 steps/s.
 FIG = {
     "actor_env_steps_per_s": 1000.0,
     "insert_steps_per_s": 1e6,
     "shard_sample_s": [[8, 1e-4], [128, 2e-4]],
-    "learn_s": [[32, 0.0039], [128, 0.0099]],
+    "learn_s": [[32, 0.004], [128, 0.01]],
     "allreduce_s": [[8, 1e-4], [1_000_000, 1e-3]],
     "param_bytes": 1_000_000,
     "item_bytes": 100,
@@ -142,7 +142,7 @@ def test_allreduce_reproduces_its_own_figure_at_two_learners():
     # a narrow link: 2(K−1)/K·G over the link
     assert cluster.allreduce_s(FIG, 2, 1e8) == pytest.approx(1e-4 + 1e6 / 1e8)
     r = cluster.model(FIG, 32, 16, 2, 10.0)
-    assert r["learner_update_s"] == pytest.approx(0.0019 + 6.25e-5 * 64 + cluster.allreduce_s(FIG, 2, 1.25e9) + 1e-4)
+    assert r["learner_update_s"] == pytest.approx(0.002 + 6.25e-5 * 64 + cluster.allreduce_s(FIG, 2, 1.25e9))
 
 
 def test_decoupled_without_a_limiter():
@@ -294,15 +294,18 @@ def test_cli_quick_measurement(tmp_path):
     assert rows[-1]["figures"] == fig
 
 
-def test_link_round_trip_is_paid_once_per_update_and_per_request_in_flight():
-    """R = 10 ms: the priority write-back waits R each update (0.01 s learn + τ + R → 50 updates/s);
-    the samples pay (τ + R) per request with 2 in flight."""
+def test_link_round_trip_overlaps_the_learn_step_and_is_paid_per_request_in_flight():
+    """The priority write-back does not wait (its reply is read before the next round's split):
+    its round trip τ + R overlaps the next learn step, so the learner's update takes the longer of
+    the two — R = 10 ms: τ + R = 10.1 ms > 10 ms learn → 99 updates/s; R = 5 ms: the learn step
+    → 100 updates/s, as with no link at all. The samples pay (τ + R) per request with 2 in flight."""
     r = cluster.model(FIG, 20, 1, 1, 10.0, link_rtt_ms=10.0)
     assert r["bottleneck"] == "learner" and r["round_trip_s"] == pytest.approx(1e-4 + 0.01)
-    assert r["updates_per_s"] == pytest.approx(1 / (0.0099 + 1e-4 + 0.01))
+    assert r["updates_per_s"] == pytest.approx(1 / (1e-4 + 0.01))
     assert r["env_steps_per_s"] == pytest.approx(128 * r["updates_per_s"])  # ρ = 1
     assert r["limits"]["network_learner"] == pytest.approx(128 / ((1e-4 + 0.01) / 2 + 128 * 100 / 1.25e9))
-    assert cluster.model(FIG, 20, 1, 1, 10.0)["updates_per_s"] == pytest.approx(100.0)  # R = 0: τ only
+    assert cluster.model(FIG, 20, 1, 1, 10.0, link_rtt_ms=5.0)["updates_per_s"] == pytest.approx(100.0)
+    assert cluster.model(FIG, 20, 1, 1, 10.0)["updates_per_s"] == pytest.approx(100.0)  # R = 0
 
 
 def test_shared_cores_bound_the_cluster():
@@ -310,7 +313,7 @@ def test_shared_cores_bound_the_cluster():
     1/a + 1/I core-seconds, each update c_u (the learn step, and per node its sample plus a
     sample and a priority request of τ each): X·(1/a + 1/I) + (ρX/B)·c_u = C."""
     t_s = 1e-4 + (2e-4 - 1e-4) / 120 * (64 - 8)  # each node's share: 64 items
-    c_u = 0.0099 + 2 * (t_s + 2 * 1e-4)
+    c_u = 0.01 + 2 * (t_s + 2 * 1e-4)
     assert cluster.cpu_s_per_update(FIG, 2, 1) == pytest.approx(c_u)
     r = cluster.model(FIG, 2, 4, 1, 10.0, cores=2.0)
     X = 2.0 / (1 / 1000 + 1 / 1e6 + c_u / 128)

@@ -15,9 +15,10 @@ pytestmark = pytest.mark.slow
 def test_bench_transport_smoke():
     rows = bench("transport", "--scale", "0.1")
     by = {(r["workload"], r["metric"]): r for r in rows}
-    assert {w for w, _ in by} == {"insert", "actor", "sample", "latency"}
+    assert {w for w, _ in by} == {"insert", "actor", "sample", "latency", "writeback"}
     for key in [("insert", "steps_per_s[ShippingWriter,C adder]"), ("actor", "env_steps_per_s[ShippingWriter]"),
-                ("sample", "GB_per_s[batch=256]"), ("latency", "p50_us[batch=32]"), ("latency", "p99_us[batch=256]")]:
+                ("sample", "GB_per_s[batch=256]"), ("latency", "p50_us[batch=32]"), ("latency", "p99_us[batch=256]"),
+                ("writeback", "updates_per_s[rtt=10ms,learn=10ms]")]:  # fmt: skip
         row = by[key]
         assert row["value"] > 0 and row["floor"] > 0, row  # measured, and against a floor of the same run
 

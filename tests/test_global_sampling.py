@@ -101,6 +101,7 @@ def world(tables):
         one.scan()
         return shards, one, np.concatenate(prios)
 
+    make.services = services  # the shards' ShardServices, in order
     yield make
     for s in services:
         s.stop()
@@ -202,7 +203,7 @@ def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
     shard_of = keys >> SHARD_SHIFT
     assert {0, 1} <= set(shard_of.tolist())  # shard 2 holds ~2% of the mass
     new = np.arange(1, 65, dtype=np.float64) / 8
-    assert sampler.update_priorities(batch.keys, torch.from_numpy(new)) == 64
+    assert sampler.update_priorities(batch.keys, torch.from_numpy(new), wait=True) == 64  # applied
     for i, (t, _) in enumerate(shards):  # read back by key on the owning shard (key j: slot j)
         mine = shard_of == i
         local = keys[mine] & LOCAL
@@ -210,7 +211,7 @@ def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
         np.testing.assert_array_equal(t.selector.tree.leaves[list(last)], list(last.values()))
     # every item of shard 2 to priority 0: once the prefetched round is out, shard 2 supplies nothing
     k2 = np.arange(SIZES[2], dtype=np.int64) | (2 << SHARD_SHIFT)
-    sampler.update_priorities(k2, np.zeros(SIZES[2]))
+    sampler.update_priorities(k2, np.zeros(SIZES[2]), wait=True)
     assert shards[2][0].selector.tree.total == 0.0
     sampler.sample(64)  # drawn before the update (prefetch=1), as a local table one batch ahead
     for _ in range(10):
@@ -229,6 +230,29 @@ def test_updates_reach_the_owning_shard_and_steer_the_next_split(world):
     sampler.update_priorities(k2, np.full(SIZES[2], 100.0))
     sampler.sample(64)
     assert ((sampler.sample(64).keys.numpy() >> SHARD_SHIFT) == 2).mean() > 0.8
+    sampler.close()
+
+
+def test_an_update_returns_before_its_reply_and_the_next_round_is_split_after_it(world):
+    """Ape-X's learner does not wait for its priority writes: ``update_priorities`` returns while
+    shard 1 cannot apply it nor answer (its table lock held here; the old sampler waited for every
+    reply: RequestTimeout). The next round is split only once the reply is in: by the totals the
+    update left, the one table's probabilities to 1e-12."""
+    shards, one, _ = world("prioritized", alpha=ALPHA, beta=BETA)
+    sampler = sampler_of(shards, prefetch=0, seed=6)
+    sampler.selector.beta = one.selector.beta = BETA
+    batch = sampler.sample(48)
+    assert ((batch.keys.numpy() >> SHARD_SHIFT) == 1).any()  # shard 1 holds ~90% of the mass
+    new = np.linspace(0.1, 5.0, 48)
+    with world.services[1].lock:  # every handler of shard 1's table takes this lock
+        assert sampler.update_priorities(batch.keys.clone(), torch.from_numpy(new)) == 48  # sent
+    one.update_priorities(torch.from_numpy(item_ids(batch)), torch.from_numpy(new))  # key j is item j
+    for _ in range(3):
+        b = sampler.sample(48)
+        want_p, _ = one_table_view(one, item_ids(b))
+        np.testing.assert_allclose(b.probabilities.numpy(), want_p, rtol=1e-12, atol=0)
+        assert sampler.split_drift < 1e-12
+    assert sampler.update_priorities(b.keys, torch.ones(48), wait=True) == 48  # applied, read now
     sampler.close()
 
 

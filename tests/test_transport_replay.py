@@ -99,7 +99,8 @@ def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shar
         rows = p * S + start % S
         np.testing.assert_array_equal(got.data["obs"][:, 0].numpy(), st.columns["obs"][rows, 0])
         new = np.random.default_rng(step).random(32) + 0.1
-        assert sampler.update_priorities(got.keys, torch.from_numpy(new)) == local.update_priorities(want.keys, new)
+        applied = sampler.update_priorities(got.keys, torch.from_numpy(new), wait=True)
+        assert applied == local.update_priorities(want.keys, new)
     stats = sampler.stats()
     assert stats["replay/size"] == local.stats()["replay/size"]
     assert stats["replay/remote_partitions"] == E
@@ -217,7 +218,7 @@ def test_two_shards_sample_like_one_table(make_table, shard_of):
     assert chi2(counts, biased) > bound
     # priority updates are routed by the key's shard bits
     b = sampler.sample(B)
-    applied = sampler.update_priorities(b.keys, torch.full((B,), 5.0))
+    applied = sampler.update_priorities(b.keys, torch.full((B,), 5.0), wait=True)
     assert applied == B
     from gearflow.transport.server.shard import priority_total
 

@@ -47,9 +47,10 @@ transport_loopback_bytes_per_s)`` — one shard process cannot serve faster than
 * **network_learner** (a learner fetches b items per update, ``p`` = ``learner.prefetch``
   requests in flight, τ = ``transport_request_latency_us``, R = ``--link-rtt-ms``):
   ``U ≤ 1 / ((τ + R)/p + b·c/L)``;
-* **learner**: ``U ≤ 1 / (t_l(b) + t_ar(K) + τ + R)``: after each learn step the learner writes
-  the batch's priorities back and waits for every shard's reply
-  (``RemoteSampler.update_priorities``), one request round trip per update, not overlapped;
+* **learner**: ``U ≤ 1 / max(t_l(b) + t_ar(K), τ + R)``: after each learn step the learner
+  writes the batch's priorities back without waiting (``RemoteSampler.update_priorities``);
+  the next round is split once the reply is in, in the prefetching thread, so the round trip
+  overlaps the next learn step and bounds the rate only where it is the longer of the two;
 * **cpu** (only with ``--cores C``: every process shares C cores, e.g. an emulated cluster on one
   machine): ``X·(1/a + 1/I) + U·c_u ≤ C``, with ``c_u = K·(t_l(b) + 1/S) + N·K·(t_s + 2τ)``
   the core-seconds of one update (learn steps, the learner's side of its draw, 1/S with S =
@@ -70,7 +71,7 @@ gloo-on-loopback one (NCCL between GPUs is far faster; put your own in ``allredu
 
 What it leaves out, on purpose: weights to actors (a parameter fetch per
 ``actor.weight_sync_period`` steps), the priority updates' bytes (16 B per sampled item; their
-round trip is in), switch contention, stragglers. Without ``--cores`` a node is assumed to have
+round trip is in, overlapped), switch contention, stragglers. Without ``--cores`` a node is assumed to have
 a core per actor and one for its shard; the per-actor rate is this machine's per-core rate.
 
 Checked against real sharded runs on emulated hosts (``launch/hosts_scale.py``: two
@@ -194,8 +195,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
     ``limits`` holds each stage's bound in env steps/s (ρ > 0); with ρ = 0, ``limits`` bounds X
     (actors, shard) and ``update_limits`` bounds U in updates/s. ``learner_speedup`` divides the
     measured learn step (a what-if: a learner that many times faster, e.g. on a GPU).
-    ``link_rtt_ms``: the links' round trip, paid once per update by the priority write-back and
-    per request by the samples (``p`` in flight). ``cores`` > 0: every process of the cluster
+    ``link_rtt_ms``: the links' round trip, one per update by the priority write-back (overlapping
+    the next learn step) and per request by the samples (``p`` in flight). ``cores`` > 0: every process of the cluster
     shares that many cores (an emulated cluster on one machine), the ``cpu`` stage."""
     if min(N, M, K) < 1:
         raise GearflowError(f"nodes, actors per node and learners must be ≥ 1, got N={N}, M={M}, K={K}")
@@ -211,8 +212,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
     rtt = max(0.0, float(link_rtt_ms)) * 1e-3
     b = B / K
     t_s = s0 + s1 * B / (K * N)  # a shard's share of one learner's request
-    t_round_trip = tau + rtt  # the priority write-back: the learner waits for every shard's reply
-    t_update = (l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L) + t_round_trip
+    t_round_trip = tau + rtt  # the priority write-back: its reply is read before the next round's split
+    t_update = max((l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L), t_round_trip)  # overlapped
     u_net_learner = 1.0 / ((tau + rtt) / p + b * c / L)
     if fig.get("transport_sample_batches_per_s"):  # measured: what one RemoteSampler draws on loopback
         u_net_learner = min(u_net_learner, float(fig["transport_sample_batches_per_s"]))

@@ -16,6 +16,9 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
   (``transport.tls``, integrity on) where the ``openssl`` command can make the certificates.
 * ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
   socket's round trip of the same bytes.
+* ``writeback`` — a learner's loop (a Prefetcher thread, a 10 ms learn step, the priorities
+  written back) over two prioritized shards behind relays adding 10 ms of round trip: updates/s
+  with the write-back not waiting for its replies (the default) against waiting for each.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable
 from gearflow.bench import record
 from gearflow.errors import GearflowError
 
-WORKLOADS = ("insert", "actor", "sample", "latency")
+WORKLOADS = ("insert", "actor", "sample", "latency", "writeback")
 
 
 def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
@@ -64,4 +67,8 @@ def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
             # floors are round-trip times: ratio = gearflow's time over the raw socket's
             rec("latency", f"p50_us[batch={r['batch']}]", r["p50_us"], "us", r["raw_socket_p50_us"])
             rec("latency", f"p99_us[batch={r['batch']}]", r["p99_us"], "us", r["raw_socket_p99_us"])
+    if "writeback" in todo:
+        r = tb.writeback(seconds)
+        rec("writeback", f"updates_per_s[rtt={r['rtt_ms']:g}ms,learn={r['learn_ms']:g}ms]", r["updates_per_s"],
+            "updates/s", r["waiting_updates_per_s"])  # fmt: skip
     return 0

@@ -26,6 +26,10 @@ take turns), so load that comes and goes on a shared machine hits both alike.
   ``integrity_cost`` is 1 − on/off, the median over rounds.
 * ``latency``: request latency of a sample (small rows) at batch 32 and 256: p50/p99 in µs,
   with the raw socket's round trip of the same bytes as floor.
+* ``writeback``: a learner's loop over two prioritized shards, each behind a relay adding a
+  round trip (:class:`~gearflow.transport.relay.Relay`): updates/s with the priority write-back
+  not waiting for its replies (the sampler's default) against the same loop waiting for every
+  reply (``wait=True``, what the sampler did before), in alternating rounds.
 """
 
 from __future__ import annotations
@@ -324,6 +328,67 @@ def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
         shard.close()
 
 
+def _learner_loop(sampler: RemoteSampler, batch: int, learn_s: float, seconds: float, wait: bool) -> float:
+    """Updates/s of a learner's loop: batches from a Prefetcher thread (under the learner's
+    lock, as the learner samples), a learn step of ``learn_s`` (a sleep), the priorities
+    written back under the lock."""
+    from gearflow.learner import Prefetcher
+
+    lock, stop = threading.Lock(), threading.Event()
+    rng = np.random.default_rng(0)
+    pre = Prefetcher(sampler, lock, batch, 2, stop)
+    try:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or n < 5:
+            b = pre.get(timeout=60)
+            time.sleep(learn_s)
+            with lock:
+                sampler.update_priorities(b.keys, rng.random(batch) + 0.1, wait=wait)
+            n += 1
+        return n / (time.perf_counter() - t0)
+    finally:
+        pre.close()
+
+
+def writeback(seconds: float = 2.0, rtt_ms: float = 10.0, learn_ms: float = 10.0, batch: int = 64,
+              rounds: int = 4) -> dict:  # fmt: skip
+    """A learner over two prioritized shard processes, each behind a relay adding ``rtt_ms`` to
+    the round trip, learning ``learn_ms`` per batch (a sleep: the link is measured, not this
+    machine's cores): updates/s with the write-back not waiting (the default) and waiting for
+    every reply (``wait=True``: the floor), alternating rounds; the write-back's round trip
+    overlapping the learn step predicts (learn + rtt) / max(learn, rtt) as the ratio."""
+    from gearflow.transport.relay import Relay
+
+    spec = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+    shards, relays, sampler = [], [], None
+    try:
+        for _ in range(2):
+            shards.append(ShardProcess(spec, 2, 2048, selector="prioritized"))
+            w = RemoteWriter(("127.0.0.1", shards[-1].port), num_streams=2, token=TOKEN)
+            k = 2000
+            for s in range(2):
+                w.extend({"obs": np.zeros((k, 4), np.float32), "action": np.arange(k), "ret": np.zeros(k, np.float32),
+                          "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=s)  # fmt: skip
+                w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
+            w.close()
+            relays.append(Relay(f"127.0.0.1:{shards[-1].port}", rtt_ms))
+        sampler = RemoteSampler([r.address for r in relays], token=TOKEN, prefetch=LEARNER_PREFETCH, seed=0)
+        rates: dict[bool, list] = {False: [], True: []}
+        for r in range(rounds):
+            for wait in (False, True) if r % 2 == 0 else (True, False):
+                rates[wait].append(_learner_loop(sampler, batch, learn_ms / 1e3, seconds / rounds, wait))
+    finally:
+        if sampler is not None:
+            sampler.close()
+        for x in relays + shards:
+            x.close()
+    new, old = np.array(rates[False]), np.array(rates[True])
+    return {"bench": "transport/writeback", "batch": batch, "rtt_ms": rtt_ms, "learn_ms": learn_ms, "rounds": rounds,
+            "updates_per_s": float(np.median(new)), "waiting_updates_per_s": float(np.median(old)),
+            "ratio": float(np.median(new / old)),
+            "overlap_predicts": (learn_ms + rtt_ms) / max(learn_ms, rtt_ms, 1e-9)}  # fmt: skip
+
+
 def actor(steps: int = 20_000, num_envs: int = 16, batch: int = 8) -> dict:
     """The Ape-X actor itself (EnvPool CartPole, the apex_dqn agent, one torch thread): env
     steps/s writing a local shared-memory table, through a RemoteWriter, and through a
@@ -382,6 +447,7 @@ def run_all(seconds: float = 2.0) -> Iterator[dict]:
     yield actor()
     yield sample(seconds)
     yield from latency(seconds / 2)
+    yield writeback(seconds)
 
 
 if __name__ == "__main__":

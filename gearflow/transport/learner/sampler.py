@@ -21,10 +21,13 @@ each key to its shard with no map. A batch of ``B`` over several shards is one *
 and every row is drawn with one table's probability, probabilities equal to 1e-12 and
 weights to the last float32 bit (tests/test_global_sampling.py). That holds whenever nothing
 but this sampler changed the shards since the replies its totals come from — these include
-its own priority updates, because ``update_priorities`` waits for the shards' replies and a
-shard handles one connection's requests in order: a round requested after an update is
-drawn after it and split by the totals it left (replies are tagged, so a prefetched round
-answered later never overwrites an update's newer totals). A round requested ahead
+its own priority updates: a shard handles one connection's requests in order, and a round is
+split only once the replies of every update sent before it are in, so a round requested after
+an update is drawn after it and split by the totals it left (replies are tagged, so a
+prefetched round answered later never overwrites an update's newer totals).
+``update_priorities`` itself does not wait for those replies (Ape-X's learner does not: the
+round trip overlaps the next learn step; :mod:`~gearflow.transport.learner.updates`); the wait,
+if any is left, falls on the next round's request, in the prefetching thread. A round requested ahead
 (``prefetch``) is drawn before the updates of the batches returned meanwhile, as a local
 table sampled that many batches ahead (``prefetch=0``: every draw sees every update). What
 the sampler cannot know — writers' inserts and evictions, another learner's updates, since
@@ -76,6 +79,7 @@ from gearflow.replay.spec import TableSpec
 from gearflow.replay.table import Sample
 from gearflow.transport.learner.assembly import (BatchAssembly, check_shards_agree, priority_arrays, split_round,
                                                  summed_stats)  # fmt: skip
+from gearflow.transport.learner.updates import PendingUpdates
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable, as_client
 from gearflow.transport.errors import RateLimiterTimeout  # noqa: F401  (the shard's errors are raised here as themselves)
 
@@ -137,6 +141,7 @@ class RemoteSampler:
         self.split_drift = 0.0  # last round: max |split share - the shard's share at its draw|
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self.torn = 0  # items the shards marked torn in their replies, redrawn here
+        self._updates = PendingUpdates()  # priority updates sent, their replies not read yet
         infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
         self.spec = TableSpec.parse(infos[0]["spec"])
         self.kind = kind_from_dict(infos[0]["kind"])
@@ -163,6 +168,12 @@ class RemoteSampler:
         """Shard ``i`` did not answer: marked down (with a health), else the error stands."""
         if self.health is not None:
             self.health.mark_down(i, exc)
+
+    def _down_or_raise(self, i: int, exc: BaseException) -> None:
+        """A priority update shard ``i`` did not take: marked down (with a health), else ``exc`` raised."""
+        if self.health is None:
+            raise exc
+        self.health.mark_down(i, exc)
 
     def node_changed(self, i: int, up: bool) -> None:
         """NodeHealth's call: a shard marked down has its connection dropped (its unanswered calls
@@ -242,6 +253,8 @@ class RemoteSampler:
         live = self._live()
         if not live:
             raise ServiceUnavailable(f"every shard node is down ({', '.join(c.address_text for c in self._clients)})")
+        # every update sent before this round: its reply (and the totals it left) before the split
+        self._updates.collect(block=n > 1, read=self._read_update)
         if self._stale and n > 1:
             self._refresh_totals()
         if not self._pace_wait(batch_size, timeout_s, wait):
@@ -327,16 +340,18 @@ class RemoteSampler:
         return self._assembly.mend(reply, self._clients[i].address_text, redraw, timeout_s, lambda: self.torn)
 
     # ----------------------------------------------------------------- priorities, stats
-    def update_priorities(self, keys, priorities) -> int:
-        """New priorities by key, each key sent to the shard in its bits 56..62; returns how
-        many were applied (keys of evicted items are ignored, as locally). Waits for every
-        shard's reply: a round requested after this returns is drawn after the update, and
-        split by the totals it left."""
+    def update_priorities(self, keys, priorities, wait: bool = False) -> int:
+        """New priorities by key, each key sent to the shard in its bits 56..62 (keys of evicted
+        items are ignored there, as locally). Returns once the requests are sent, with how many
+        keys went to live shards; the replies are read later, before the next round is split.
+        ``wait``: read every reply now and return
+        how many keys were applied. Either way a round requested after this returns is drawn
+        after the update and split by the totals it left."""
         keys, prios = priority_arrays(keys, priorities)
         shard = key_shard(keys)
         if (shard < 0).any() or (shard >= len(self._clients)).any():
             raise ValueError(f"keys name shards outside [0, {len(self._clients)})")
-        futs = []
+        sent = 0
         live = self._live()
         for i in np.unique(shard).tolist():
             if i not in live:
@@ -344,23 +359,24 @@ class RemoteSampler:
             sel = shard == i
             local = local_key(keys[sel])
             try:
-                futs.append((i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]])))
+                self._updates.add(i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]]))
             except GONE as exc:
-                if self.health is None:
-                    raise
-                self._gone(i, exc)
-        applied = 0
-        for i, tag, f in futs:
-            try:
-                meta, _ = self._clients[i].result(f, "replay.update_priorities", self.timeout_s)
-            except GONE as exc:
-                if self.health is None:
-                    raise
-                self._gone(i, exc)
+                self._down_or_raise(i, exc)
                 continue
-            self._note(i, tag, meta)
-            applied += int(meta["applied"])
-        return applied
+            sent += local.size
+        applied = self._updates.collect(block=wait, read=self._read_update)
+        return applied if wait else sent
+
+    def _read_update(self, i: int, tag: int, fut) -> int:
+        """One priority update's reply: its totals noted; a shard that does not answer is marked
+        down (with a health: 0 applied), else its error is raised."""
+        try:
+            meta, _ = self._clients[i].result(fut, "replay.update_priorities", self.timeout_s)
+        except GONE as exc:
+            self._down_or_raise(i, exc)
+            return 0
+        self._note(i, tag, meta)
+        return int(meta["applied"])
 
     def stats(self) -> dict[str, float]:
         """Every shard's stats summed (counts) or averaged (fill), ``replay/shards``, and
@@ -386,7 +402,8 @@ class RemoteSampler:
 
     def checkpoint(self, name: str) -> list[str]:
         """Each shard writes its table to ``<its checkpoint_dir>/<name>`` (``replay.checkpoint``);
-        returns the paths, shard by shard."""
+        returns the paths, shard by shard (after every priority update sent before it)."""
+        self._updates.collect(block=True, read=self._read_update)
         live = [self._clients[i] for i in self._live()]  # a down shard's table is out of reach
         futs = [c.submit("replay.checkpoint", {"name": name}, timeout_s=self.timeout_s) for c in live]
         return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(live, futs)]
@@ -394,6 +411,7 @@ class RemoteSampler:
     def close(self) -> None:
         if hasattr(self, "_ahead"):
             self._ahead.clear()
+            self._updates.clear()
         for c, own in zip(self._clients, self._own):
             if own:
                 c.close()
