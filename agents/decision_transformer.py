@@ -7,7 +7,9 @@ conditioned on a *target* return, whole episodes go into replay, and the
 learner relabels every stored episode with the returns it actually got
 (hindsight), so the model learns which actions lead to which returns. Reads top
 to bottom: the config, returns-to-go and windows (shared by tests and the
-offline loader), the network, the action heads, then the agent.
+offline loader), then the agent. The network and its tanh-Gaussian policy head
+are :mod:`agents.dt_model`, the cached actor's compiled step :mod:`agents.dt_accel`;
+both are importable from here too.
 
 Replay layout (one row per step; an episode of L actions is L rows, the final
 observation is not stored: a DT never bootstraps)::
@@ -44,9 +46,10 @@ tokens a_{t−1}, R̂_t, s_t only. A full context hops (drops its oldest
 episode's start and after new weights; the actions then equal a full recompute
 over the same K − H + 1 .. K steps (timesteps are embedded by episode step, so
 a step's tokens do not depend on where the context starts).
-A step's three tokens run through :class:`StepTokens`, compiled with TorchScript
-(written into the env's next three slots in place, no per-module Python); rows
-that re-encode take :meth:`DecisionTransformer.extend`.
+A step's three tokens run through :class:`~agents.dt_accel.StepTokens`, compiled
+with TorchScript (written into the env's next three slots in place, no
+per-module Python); rows that re-encode take
+:meth:`~agents.dt_model.DecisionTransformer.extend`.
 """
 
 from __future__ import annotations
@@ -59,11 +62,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agents.kv_cache import KVCache, compile_checked, hop_length
+from agents.dt_accel import StepTokens, compile_step_tokens
+from agents.dt_model import Block, DecisionTransformer, tanh_normal, tanh_normal_mode
+from agents.kv_cache import KVCache, hop_length
 from gearflow.agent import ActOutput, AgentSettings, EnvSpec
 from gearflow.errors import ConfigError
 from gearflow.kinds.episode import Episode
-from gearflow.precision import bf16_forward, fp32
+from gearflow.precision import bf16_forward
+
+# Block, DecisionTransformer, tanh_normal(_mode): agents/dt_model.py; StepTokens, compile_step_tokens:
+# agents/dt_accel.py (importable from here, as before they moved)
+__all__ = ["Agent", "Block", "Config", "DecisionTransformer", "StepTokens", "compile_step_tokens", "item_priority",
+           "returns_to_go", "sample_windows", "tanh_normal", "tanh_normal_mode"]  # fmt: skip
 
 
 @dataclass
@@ -160,192 +170,6 @@ def sample_windows(data: dict, K: int, generator: torch.Generator | None = None,
         v = out[k]
         out[k] = v.masked_fill(~mask.view(B, K, *([1] * (v.dim() - 2))), 0)
     return out
-
-
-# ----------------------------------------------------------------------------- network
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm causal self-attention + MLP, with dropout."""
-
-    def __init__(self, d: int, heads: int, mlp_ratio: int, dropout: float):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d),
-                                 nn.Dropout(dropout))  # fmt: skip
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x, kv_old=None, allowed=None):
-        """``x`` (B, N, D), causal. With ``kv_old`` (B, 2, nh, S, hs) cached keys and values, the N
-        tokens attend to them and each other as ``allowed`` (B, 1, N, S + N) bool says, and this
-        block's keys and values of the N tokens (B, 2, nh, N, hs) are returned as well."""
-        B, N, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=2)  # 3 × (B, N, D)
-        q, k, v = (z.view(B, N, self.heads, D // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, N, hs)
-        p = self.dropout if self.training else 0.0
-        if kv_old is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, nh, N, hs)
-        else:
-            kv = torch.stack([k, v], dim=1)  # (B, 2, nh, N, hs)
-            k, v = torch.cat([kv_old, kv], dim=3).unbind(1)  # (B, nh, S+N, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p)  # (B, nh, N, hs)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, N, D)))
-        x = x + self.mlp(self.ln2(x))  # (B, N, D)
-        return x if kv_old is None else (x, kv)
-
-
-class DecisionTransformer(nn.Module):
-    """(R̂, s, a, timestep) of K steps → action-head features (B, K, D) read at the s_t tokens.
-
-    Tokens are interleaved R̂_1, s_1, a_1, ..., R̂_K, s_K, a_K (3K); each step's three
-    tokens share its timestep embedding. The output at s_t sees R̂_≤t, s_≤t, a_<t only.
-    """
-
-    def __init__(self, obs_dim: int, act_dim: int, discrete: bool, max_timestep: int, cfg: Config):
-        super().__init__()
-        d = cfg.d_model
-        self.discrete = discrete
-        self.max_timestep = max_timestep
-        self.embed_rtg = nn.Linear(1, d)
-        self.embed_obs = nn.Linear(obs_dim, d)
-        self.embed_action = nn.Embedding(act_dim, d) if discrete else nn.Linear(act_dim, d)
-        self.embed_time = nn.Embedding(max_timestep, d)
-        self.ln_in = nn.LayerNorm(d)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.num_layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, act_dim if discrete else 2 * act_dim)  # logits, or (mean, log_std)
-
-    def forward(self, rtg, obs, action, timestep):
-        """``rtg`` (B, K) already scaled; ``obs`` (B, K, obs_dim); ``action`` (B, K) int or
-        (B, K, act_dim) in [-1, 1]; ``timestep`` (B, K). Returns the head's output (B, K, H)."""
-        B, K = rtg.shape
-        time = self.embed_time(timestep.long().clamp(0, self.max_timestep - 1))  # (B, K, D)
-        a = self.embed_action(action.long()) if self.discrete else self.embed_action(action.float())
-        tokens = torch.stack([self.embed_rtg(rtg.float()[..., None]) + time,
-                              self.embed_obs(obs.float().flatten(2)) + time, a + time], dim=2)  # (B, K, 3, D)
-        x = self.drop(self.ln_in(tokens.reshape(B, 3 * K, -1)))  # (B, 3K, D)
-        for block in self.blocks:
-            x = block(x)
-        with fp32(x):  # the final norm and head in fp32 under bf16 autocast (gearflow/precision.py)
-            x = self.ln(x.float()).view(B, K, 3, -1)[:, :, 1]  # (B, K, D): outputs at the s_t tokens
-            return self.head(x)  # (B, K, H) float32
-
-    def extend(self, rtg, obs, action, timestep, first_token, kv_old, allowed, n_new):
-        """The cached step (:class:`agents.kv_cache.KVCache`). ``rtg``/``obs``/``action``/
-        ``timestep`` (k, Ts, ...): context steps from step ``first_token // 3`` on (inputs as in
-        :meth:`forward`); the new tokens of row r are its tokens ``first_token[r]`` ..
-        ``first_token[r] + n_new[r] − 1`` of the context's sequence R̂_0, s_0, a_0, R̂_1, ...,
-        (its cached tokens come before them), the last one an s_t. ``kv_old`` (k, L, 2, nh, S,
-        hs), ``allowed`` (k, Tn, S + Tn) from ``KVCache.attention_bias``. Returns the head's
-        output at each row's last new token (k, H) and the new keys/values (k, L, 2, nh, Tn, hs)."""
-        B, Ts = rtg.shape
-        time = self.embed_time(timestep.long().clamp(0, self.max_timestep - 1))  # (k, Ts, D)
-        a = self.embed_action(action.long()) if self.discrete else self.embed_action(action.float())
-        tokens = torch.stack([self.embed_rtg(rtg.float()[..., None]) + time,
-                              self.embed_obs(obs.float().flatten(2)) + time, a + time], dim=2)  # (k, Ts, 3, D)
-        x = self.ln_in(tokens.reshape(B, 3 * Ts, -1))  # (k, 3Ts, D)
-        Tn = allowed.shape[1]
-        local = np.minimum((first_token % 3)[:, None] + np.arange(Tn)[None, :], 3 * Ts - 1)  # (k, Tn)
-        x = x[torch.arange(B)[:, None], torch.from_numpy(local)].to(x.device)  # (k, Tn, D) the new tokens
-        mask = torch.from_numpy(np.ascontiguousarray(allowed[:, None])).to(x.device)  # (k, 1, Tn, S+Tn)
-        kv_new = []
-        for layer, block in enumerate(self.blocks):
-            x, kv = block(x, kv_old[:, layer], mask)
-            kv_new.append(kv)
-        x = x[torch.arange(B, device=x.device), torch.as_tensor(n_new - 1, device=x.device)]  # (k, D)
-        return self.head(self.ln(x)), torch.stack(kv_new, dim=1)
-
-
-class StepTokens(nn.Module):
-    """The cached actor's step when each row brings one env step after cached ones: its three new
-    tokens a_{t−1}, R̂_t, s_t go into the env's slots ``length .. length + 2`` (in place) and attend
-    to the slots before them and to each other, causally; returns the head's output at s_t (k, H),
-    that of :meth:`DecisionTransformer.extend` for these rows. Inputs: ``obs`` (k, obs_dim) s_t,
-    ``kv`` the whole cache (E, L, 2, nh, S, hs), ``ids`` (k,) the envs, ``length`` (k,) their cached
-    tokens, ``used = max(length) + 3`` (slots read), ``rtg`` (k,) R̂_t scaled, ``prev_action`` (k,)
-    int or (k, A) in [-1, 1], ``t_prev`` / ``t`` (k,) the timesteps of steps t − 1 and t.
-
-    Built to be compiled (``torch.jit.script``), for a network in eval mode (dropout is not applied);
-    it holds the network's own submodules, so weight syncs reach it."""
-
-    def __init__(self, network: DecisionTransformer):
-        super().__init__()
-        n = network
-        self.embed_rtg, self.embed_obs, self.embed_action, self.embed_time = (n.embed_rtg, n.embed_obs,
-                                                                              n.embed_action, n.embed_time)  # fmt: skip
-        self.ln_in, self.blocks, self.ln, self.head = n.ln_in, n.blocks, n.ln, n.head
-        self.discrete, self.max_timestep, self.heads = bool(n.discrete), int(n.max_timestep), int(n.blocks[0].heads)
-
-    def forward(self, obs: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, length: torch.Tensor, used: int,
-                rtg: torch.Tensor, prev_action: torch.Tensor, t_prev: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        time = self.embed_time(t.long().clamp(0, self.max_timestep - 1))  # (k, D)
-        time_prev = self.embed_time(t_prev.long().clamp(0, self.max_timestep - 1))
-        if self.discrete:
-            a = self.embed_action(prev_action.long())
-        else:
-            a = self.embed_action(prev_action.float())
-        tokens = torch.stack([a + time_prev, self.embed_rtg(rtg.float().unsqueeze(1)) + time,
-                              self.embed_obs(obs.float().flatten(1)) + time], dim=1)  # (k, 3, D)  # fmt: skip
-        x = self.ln_in(tokens)
-        k, _, D = x.shape
-        nh = self.heads
-        slots = length.unsqueeze(1) + torch.arange(3, device=x.device).unsqueeze(0)  # (k, 3) the new tokens'
-        allowed = torch.arange(used, device=x.device).view(1, 1, used) <= slots.unsqueeze(2)  # (k, 3, used)
-        mask = allowed.unsqueeze(1)  # (k, 1, 3, used): cached slots, then causal among the new three
-        rows = ids.unsqueeze(1)  # (k, 1)
-        for layer, block in enumerate(self.blocks):
-            qkv = block.qkv(block.ln1(x)).view(k, 3, 3, nh, D // nh)  # (k, token, q/k/v, nh, hs)
-            kv_l = kv.select(1, layer)  # (E, 2, nh, S, hs)
-            kv_l[rows, :, :, slots] = qkv.narrow(2, 1, 2)  # (k, 3, 2, nh, hs) into slots length .. length + 2
-            g = kv_l.narrow(3, 0, used).index_select(0, ids)  # (k, 2, nh, used, hs)
-            y = F.scaled_dot_product_attention(qkv.select(2, 0).transpose(1, 2), g.select(1, 0), g.select(1, 1),
-                                               attn_mask=mask)  # (k, nh, 3, hs)  # fmt: skip
-            x = x + block.proj(y.transpose(1, 2).reshape(k, 3, D))
-            x = x + block.mlp(block.ln2(x))
-        return self.head(self.ln(x.select(1, 2)))  # (k, H) at s_t
-
-
-def compile_step_tokens(network: DecisionTransformer, slots: int, obs_dim: int, act_shape: tuple[int, ...]):
-    """:class:`StepTokens` compiled with TorchScript where that gives the eager module's outputs and
-    cache writes on random inputs (1 and 3 rows), else the module itself (:func:`compile_checked`).
-    Returns ``(step, compiled)``."""
-    dev = network.head.weight.device
-    first = network.blocks[0]
-    L, nh = len(network.blocks), first.heads
-    rng = np.random.default_rng(0)
-    kv = torch.as_tensor(rng.standard_normal((4, L, 2, nh, slots, first.proj.in_features // nh), np.float32)).to(dev)
-    trials = []
-    for ids, length in (([2], [2]), ([3, 0, 1], [slots - 3, 2, 5 if slots > 8 else 2])):
-        k = len(ids)
-        if network.discrete:
-            prev = torch.as_tensor(rng.integers(0, network.embed_action.num_embeddings, k), device=dev)
-        else:
-            prev = torch.as_tensor(rng.uniform(-1, 1, (k, *act_shape)).astype(np.float32), device=dev)
-        t = torch.as_tensor(rng.integers(1, 50, k), device=dev)
-        trials.append((torch.as_tensor(rng.standard_normal((k, obs_dim)).astype(np.float32), device=dev), kv,
-                       torch.tensor(ids, device=dev), torch.tensor(length, device=dev), max(length) + 3,
-                       torch.as_tensor(rng.standard_normal(k).astype(np.float32), device=dev), prev, t - 1, t))  # fmt: skip
-    return compile_checked(StepTokens(network), network, trials)
-
-
-# ----------------------------------------------------------------------------- action heads
-
-
-def tanh_normal(out: torch.Tensor) -> torch.distributions.Distribution:
-    """Squashed diagonal Gaussian over [-1, 1]^A from head outputs (..., 2A) (ODT's policy)."""
-    mean, log_std = out.chunk(2, dim=-1)
-    std = log_std.clamp(-5.0, 2.0).exp()
-    base = torch.distributions.Normal(mean, std)
-    dist = torch.distributions.TransformedDistribution(base, [torch.distributions.TanhTransform(cache_size=1)])
-    return torch.distributions.Independent(dist, 1)
-
-
-def tanh_normal_mode(out: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(out.chunk(2, dim=-1)[0])
 
 
 # ----------------------------------------------------------------------------- agent

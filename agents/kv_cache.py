@@ -30,7 +30,7 @@ and when the weights change, so its cost is spread over ``hop`` steps.
 The agents run their common cases (one env step after cached tokens; a whole
 context into an empty cache) through small modules compiled with TorchScript
 that write ``kv`` in place (``agents.r2d2_accel.OneTokenStep`` /
-``ContextEncode``, ``agents.decision_transformer.StepTokens``);
+``ContextEncode``, ``agents.dt_accel.StepTokens``);
 :func:`compile_checked` compiles one and keeps it only if it reads the network's
 own parameters and matches the eager module, else the actor acts eagerly. On the CPU,
 R2D2's one-token step runs in C (``agents._r2d2_decode``, ``agents.r2d2_accel.NativeOneTokenStep``:

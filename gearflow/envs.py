@@ -15,7 +15,10 @@ Semantics (EnvPool's, verified against envpool 1.2): the ``recv`` that reports
 (and its last reward); the next ``send`` for that env resets it (the action is
 ignored), and the following ``recv`` returns the new episode's first
 observation with reward 0 and both flags False. The very first ``recv`` after
-``async_reset`` returns first observations with reward 0 too.
+``async_reset`` returns first observations with reward 0 too. (EnvPool's DeepMind Control
+tasks leave the reward of a first observation unwritten: whatever the buffer held, up to
+4e36 measured on ``CartpoleSwingup-v1``; :class:`EnvPoolVecEnv` sets it to 0 wherever
+``elapsed_step`` is 0, so the rule holds for every backend.)
 
 ``env.obs_transform`` (``module:function``) is applied to every observation
 batch that ``recv`` returns; :attr:`VecEnv.obs_shape` / :attr:`VecEnv.obs_dtype`
@@ -94,6 +97,17 @@ def import_path(path: str, key: str) -> Callable:
     return obj
 
 
+def _zeros(space):
+    """A zero observation of ``space`` (arrays, dicts and tuples of them): the shape and dtype of
+    a sample without drawing one (an unbounded float64 Box's sample overflows a float32 cast)."""
+    subspaces = getattr(space, "spaces", None)
+    if isinstance(subspaces, dict):
+        return {k: _zeros(v) for k, v in subspaces.items()}
+    if isinstance(subspaces, (tuple, list)):
+        return tuple(_zeros(v) for v in subspaces)
+    return np.zeros(space.shape, dtype=space.dtype)
+
+
 def _batch_of_one(x):
     """One sample of a space as a batch of one: arrays (1, ...), dicts and tuples of them kept."""
     if isinstance(x, dict):
@@ -127,7 +141,7 @@ class _Adapter:
                 "(dict/tuple observations need an env.obs_transform that returns an array, "
                 "e.g. gearflow.transforms:flatten_float32)"
             )
-        probe = _batch_of_one(obs_space.sample())  # (1, *raw_shape), or a dict/tuple of such
+        probe = _batch_of_one(_zeros(obs_space))  # (1, *raw_shape), or a dict/tuple of such
         if transform is not None:
             probe = np.asarray(transform(probe))
             if probe.ndim < 1 or probe.shape[0] != 1:
@@ -170,6 +184,15 @@ class _Adapter:
         raise NotImplementedError
 
 
+def _first_zero(reward: np.ndarray, elapsed: np.ndarray) -> np.ndarray:
+    """``reward`` with 0 where ``elapsed`` is 0 (a first observation: no step led to it), in place
+    (EnvPool's arrays are fresh each recv)."""
+    first = elapsed == 0
+    if first.any():
+        reward[first] = 0
+    return reward
+
+
 class EnvPoolVecEnv(_Adapter):
     """EnvPool's own async env; only the env ids move out of ``info``.
 
@@ -198,9 +221,10 @@ class EnvPoolVecEnv(_Adapter):
         self._fast = self._fast_layout(env, cfg) if fast else None
 
     @staticmethod
-    def _fast_layout(env, cfg) -> Optional[tuple[int, int, int, int, int, np.dtype]]:
-        """Indices of obs, reward, done, trunc and env_id in ``env._recv()``'s list and the
-        action dtype, when EnvPool's Python recv/send would only copy; else None."""
+    def _fast_layout(env, cfg) -> Optional[tuple[int, int, int, int, int, np.dtype, int]]:
+        """Indices of obs, reward, done, trunc and env_id in ``env._recv()``'s list, the
+        action dtype and the index of elapsed_step, when EnvPool's Python recv/send would only
+        copy; else None."""
         try:
             state, action = list(env._state_keys), list(env._action_keys)
             spec = env._spec._action_spec
@@ -212,13 +236,13 @@ class EnvPoolVecEnv(_Adapter):
             or type(env.observation_space).__name__ == "Dict"
             or action != ["env_id", "players.env_id", "action"]
             or int(cfg.get("max_num_players", 1)) != 1
-            or any(k not in state for k in ("reward", "done", "trunc", "info:env_id"))
+            or any(k not in state for k in ("reward", "done", "trunc", "info:env_id", "elapsed_step"))
             or len(spec) != 3
             or list(spec[2][1]) != [-1]
         ):
             return None
         return (state.index("obs"), state.index("reward"), state.index("done"), state.index("trunc"),
-                state.index("info:env_id"), np.dtype(spec[2][0]))  # fmt: skip
+                state.index("info:env_id"), np.dtype(spec[2][0]), state.index("elapsed_step"))  # fmt: skip
 
     @property
     def fast(self) -> bool:
@@ -232,10 +256,10 @@ class EnvPoolVecEnv(_Adapter):
         f = self._fast
         if f is None:
             obs, reward, terminated, truncated, info = self._env.recv()
-            return self._obs(obs), reward, terminated, truncated, info["env_id"]
+            return self._obs(obs), _first_zero(reward, info["elapsed_step"]), terminated, truncated, info["env_id"]
         s = self._env._recv()  # fresh arrays each call, in EnvPool's state-key order
         trunc = s[f[3]]
-        return self._obs(s[f[0]]), s[f[1]], s[f[2]] & ~trunc, trunc, s[f[4]]
+        return self._obs(s[f[0]]), _first_zero(s[f[1]], s[f[6]]), s[f[2]] & ~trunc, trunc, s[f[4]]
 
     def send(self, actions: np.ndarray, env_ids: np.ndarray) -> None:
         f = self._fast

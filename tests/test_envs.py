@@ -273,3 +273,28 @@ def test_envpool_fast_path_layouts():
             env.send(np.zeros(1, np.int64), ids)
         env.send(np.zeros(2, np.int64), ids)
         assert env.recv()[0].shape == (2, 4, 84, 84)
+
+
+def test_deepmind_control_first_observations_have_reward_zero():
+    """EnvPool's DeepMind Control tasks leave a first observation's reward unwritten (the last
+    step's, or garbage up to 4e36 on CartpoleSwingup-v1's very first recv): an actor added it to
+    the episode's return (WalkerWalk: a 100-episode mean of 1.5e27). make_vec_env's envs give 0
+    there, as for every other backend; the rewards of real steps are untouched."""
+    cfg = env_cfg(id="WalkerWalk-v1", num_envs=4, batch_size=4, seed=3,
+                  obs_transform="gearflow.transforms:flatten_float32")  # fmt: skip
+    env = make_vec_env(cfg, seed=3)
+    try:
+        rng = np.random.default_rng(0)
+        stepped = []
+        for _ in range(2):  # the second async_reset: the buffer then holds the last step's rewards
+            env.async_reset()
+            obs, rew, term, trunc, ids = env.recv()
+            assert sorted(ids.tolist()) == [0, 1, 2, 3] and obs.shape == (4, 24)
+            assert rew.tolist() == [0.0] * 4, f"first observations' rewards {rew.tolist()}"
+            for _ in range(30):
+                env.send(rng.uniform(-1, 1, (len(ids), 6)).astype(np.float32), ids)
+                obs, rew, term, trunc, ids = env.recv()
+                stepped.append(rew.copy())
+        assert np.abs(np.concatenate(stepped)).max() > 0.01  # real steps: the rewards that went stale
+    finally:
+        env.close()

@@ -104,7 +104,7 @@ def table_gather(table: Table, keys: np.ndarray) -> dict[str, torch.Tensor]:
     """What the shared-memory Table's own gather returns for these keys (its _gather)."""
     slots = table._key_index.slots(keys)
     assert (slots >= 0).all(), "a returned key is not held by the table"
-    rec = table._records(slots)
+    rec = table.records(slots)
     layout = table.kind.layout(table.storage.spec, keys.size)
     out = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()}
     table._gather(slots, rec, out)

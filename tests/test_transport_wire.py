@@ -78,7 +78,7 @@ def _reference(table, keys: np.ndarray) -> dict[str, torch.Tensor]:
     st = table.storage
     P, R = st.num_partitions, st.items_per_partition
     slots = (keys % P) * R + (keys // P) % R
-    rec = table._records(slots)
+    rec = table.records(slots)
     np.testing.assert_array_equal(rec[1] * P + slots // R, keys)  # the items are still there
     rows, lengths = table.rows_of(slots, rec)
     out = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in table.kind.layout(st.spec, keys.size).items()}

@@ -32,7 +32,8 @@ __all__ = ["EVICT_PROBE", "TableIngest"]
 class TableIngest:
     """Scan, ingest, evict, state and stats of a table (set up by :meth:`_init_ingest`; the
     table provides ``storage``, ``kind``, ``selector``, ``_device``, ``_P``, ``_R``, ``_S``, ``_S_trust``,
-    ``_max_item_steps``, ``rate_limiter`` and ``_publish_insert_limit``)."""
+    ``_max_item_steps``, ``rate_limiter`` and ``insert_limit``, its
+    :class:`~gearflow.replay.inserts.InsertLimit`)."""
 
     def _init_ingest(self, P: int, R: int) -> None:
         # per slot (P*R): the record as ingested, so later ring overwrites cannot change it
@@ -73,7 +74,7 @@ class TableIngest:
         evictions = self.evictions
         ingested = self._scan_reference() if _hotpath is None else self._scan_native()
         if self.evictions != evictions and self.size < self.rate_limiter.min_size_to_sample:
-            self._publish_insert_limit()  # stage 1: eviction took the table below its minimum size
+            self.insert_limit.publish()  # stage 1: eviction took the table below its minimum size
         return ingested
 
     def _scan_native(self) -> int:
@@ -211,6 +212,11 @@ class TableIngest:
         """Live items."""
         return len(self.selector)
 
+    @property
+    def deletes(self) -> int:
+        """Items published, ingested and gone since: evicted, or dropped at ingest (Reverb's deletes)."""
+        return int(self._ingested.sum()) - self.size
+
     # ------------------------------------------------------------------ state (checkpoints)
     ARRAY_STATE = ("slot_seq", "slot_start", "slot_length", "slot_live", "ingested", "live_lo", "seen_reserve")
     COUNTER_STATE = ("samples", "inserts", "evictions", "torn", "order")
@@ -231,7 +237,7 @@ class TableIngest:
         self.samples, self.inserts = int(state["samples"]), int(state["inserts"])
         self.evictions, self.torn, self._order = int(state["evictions"]), int(state["torn"]), int(state["order"])
         self._seen_total = -1  # the next scan looks at every partition
-        self._publish_insert_limit()
+        self.insert_limit.publish()
         if self._device is not None:
             self._device.load(self._slot_live, self._slot_start, self._slot_seq, self._slot_length)
 

@@ -1,26 +1,31 @@
-"""The writers' side of the rate limiter: an insert waits until the table's published insert
-limit takes it.
+"""The insert limit in a segment's header: the table publishes it, a writer's insert waits until
+it takes the insert.
 
 The table publishes in its segment's header how many items writers may have published in all
-(``H_INSERT_LIMIT``, :meth:`Table.note_sampled` / ``set_rate_limiter``; ``NO_LIMIT`` without a
-ratio); a writer about to publish ``m`` items compares it with the partitions' PUBLISHED total
-and, while it is reached, sleeps with a capped backoff, re-reading the header: until the limit
-moves, the table is closed (:class:`TableClosed`), the writer's ``abort()`` says stop
-(:class:`InsertAborted`) or ``timeout_s`` passes (:class:`RateLimiterTimeout`). With ``hold``,
-a wait past ``timeout_s`` calls ``hold(seconds_held)`` instead; while it returns True the insert
-waits on (Reverb's blocking insert: an actor whose learner is away pauses, it is not killed).
+(``H_INSERT_LIMIT``, written by the :class:`InsertLimit` a :class:`~gearflow.replay.table.Table`
+holds: its rate limiter's limit, or the one a learner pacing several tables sets with
+``Table.pace``; ``NO_LIMIT`` without a ratio); a writer about to publish ``m`` items compares it
+with the partitions' PUBLISHED total and, while it is reached, sleeps with a capped backoff,
+re-reading the header: until the limit moves, the table is closed (:class:`TableClosed`), the
+writer's ``abort()`` says stop (:class:`InsertAborted`) or ``timeout_s`` passes
+(:class:`RateLimiterTimeout`). With ``hold``, a wait past ``timeout_s`` calls
+``hold(seconds_held)`` instead; while it returns True the insert waits on (Reverb's blocking
+insert: an actor whose learner is away pauses, it is not killed).
 
     wait_for_insert(storage, m, timeout_s=60.0, abort=stop_event.is_set)   # then publish m items
+    table.insert_limit.publish()    # the table's side: after a sample, a scan, a new limiter
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.storage import (
+    CLOSED_LIMIT,
     H_CLOSED,
     H_INSERT_LIMIT,
     H_SAMPLES,
@@ -29,7 +34,10 @@ from gearflow.replay.storage import (
     TableClosed,
 )
 
-__all__ = ["InsertAborted", "wait_for_insert"]
+if TYPE_CHECKING:
+    from gearflow.replay.table import Table
+
+__all__ = ["InsertAborted", "InsertLimit", "wait_for_insert"]
 
 
 class InsertAborted(GearflowError):
@@ -64,3 +72,59 @@ def wait_for_insert(storage: SharedStorage, m: int, timeout_s: float, abort: Cal
             )
         time.sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
+
+
+class InsertLimit:
+    """The table's side: what ``table`` publishes in its segment's header for its writers
+    (``H_INSERT_LIMIT``, and ``H_SAMPLES`` for their timeout message) — its rate limiter's insert
+    limit, or one set from outside (:meth:`pace`: a learner's
+    :class:`~gearflow.replay.pacing.GlobalPacing` keeps the rate over several tables and sends
+    each its limit) — and the counters such a pacer reads (:meth:`counters`). It reads the
+    table's ``storage``, ``rate_limiter``, ``samples``, ``size`` and ``deletes``.
+
+        limit = InsertLimit(table)      # Table.__init__: table.insert_limit
+        limit.publish()                 # after a sample, a scan below the minimum size, a restore
+        limit.pace(5500)                # writers may publish 5,500 items in all; pace(None): the limiter's
+    """
+
+    def __init__(self, table: Table):
+        self.table = table
+        self.paced: int | None = None  # an insert limit set from outside (pace()), else the limiter's
+
+    def publish(self) -> None:
+        """Write the writers' insert limit and the table's samples into the header."""
+        t = self.table
+        header = t.storage.header
+        if self.paced is not None:
+            header[H_INSERT_LIMIT] = self.paced
+        else:
+            lim = t.rate_limiter
+            # Reverb's stage 1: inserts go on while the table is below its minimum size. Items
+            # published but not held (evicted, or dropped at ingest) are the deletes, so a
+            # writer may publish until held + not yet scanned + new = min_size_to_sample.
+            deletes = t.deletes if t.size < lim.min_size_to_sample else 0
+            header[H_INSERT_LIMIT] = lim.insert_limit(t.samples, deletes)
+        header[H_SAMPLES] = t.samples
+
+    def pace(self, insert_limit: int | None) -> None:
+        """Let the writers insert up to ``insert_limit`` items in all (``None``: back to the
+        table's rate limiter), published at once when it changed."""
+        limit = None if insert_limit is None else int(insert_limit)
+        if limit != self.paced:
+            self.paced = limit
+            self.publish()
+
+    def counters(self) -> dict[str, int]:
+        """What a global pacer needs of the table: items published (``inserts``), sampled, gone
+        (published, then evicted or dropped: ``deletes``) and held (``size``)."""
+        t = self.table
+        inserts = int(t.storage.counters[:, PUBLISHED].sum())
+        return {"inserts": inserts, "samples": int(t.samples), "deletes": t.deletes, "size": int(t.size)}
+
+    def close(self) -> None:
+        """The table closed: every writer's limit check fails from now on, and writers see it closed
+        (only the segment's owner writes them)."""
+        storage = self.table.storage
+        if storage.owner:
+            storage.header[H_CLOSED] = 1
+            storage.header[H_INSERT_LIMIT] = CLOSED_LIMIT

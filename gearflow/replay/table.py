@@ -54,15 +54,12 @@ from gearflow.replay.batches import (  # re-exported
 )
 from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
+from gearflow.replay.inserts import InsertLimit
 from gearflow.replay.items import ItemKind
 from gearflow.replay.layout import item_key, slot_partition, torn_items
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector
 from gearflow.replay.storage import (
-    CLOSED_LIMIT,
-    H_CLOSED,
-    H_INSERT_LIMIT,
-    H_SAMPLES,
     PUBLISHED,
     RESERVE,
     SHM_DIR,
@@ -94,6 +91,16 @@ def _device_replay(device: Any, storage: SharedStorage, kind: ItemKind, selector
     if getattr(device, "storage", None) is not storage or getattr(device, "selector", None) is not selector:
         raise ValueError("device must be 'cpu', 'cuda', 'cuda:N' or a DeviceReplay over this table's storage and selector")
     return device
+
+
+def _take_records(slot_rec: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """``slot_rec[slots].T`` (3, B): rows start, seq, length; gathered in C with prefetching
+    where built (in big tables every record is a cache miss)."""
+    if _hotpath is None:
+        return slot_rec[slots].T
+    rec = np.empty((3, slots.size), dtype=np.int64)
+    _hotpath.take_rows(slot_rec, 3, slots, rec)
+    return rec
 
 
 _INT64, _FLOATS = (np.dtype(np.int64),), (np.dtype(np.float64), np.dtype(np.float32))
@@ -152,51 +159,28 @@ class Table(TableIngest):
         self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
         self._closed = False
         self._active = 0  # samples / waits in progress (close() lets them leave first)
-        self._paced: int | None = None  # an insert limit set from outside (pace()), else the limiter's
-        storage.header[H_SAMPLES] = 0
-        self._publish_insert_limit()
+        self.insert_limit = InsertLimit(self)  # the writers' limit in the header (pace(): set from outside)
+        self.insert_limit.publish()
 
     def set_rate_limiter(self, limiter: RateLimiter) -> None:
         """Replace the rate limiter (a resumed run's config) and publish its insert limit."""
         self.rate_limiter = limiter
-        self._publish_insert_limit()
+        self.insert_limit.publish()
 
     def pace(self, insert_limit: int | None) -> None:
-        """Let the writers insert up to ``insert_limit`` items in all, and let samples go while the
-        table holds an item: the rate limit is kept over several tables by whoever samples them
-        all (a learner's :class:`~gearflow.replay.pacing.GlobalPacing`, sent with its requests to
-        a shard). ``None``: back to this table's own :attr:`rate_limiter`."""
-        limit = None if insert_limit is None else int(insert_limit)
-        if self._closed or limit == self._paced:
-            return
-        self._paced = limit
-        self._publish_insert_limit()
+        """Writers may insert up to ``insert_limit`` items in all and samples go while the table holds an
+        item: a learner's :class:`~gearflow.replay.pacing.GlobalPacing` keeps the rate over several
+        tables (:class:`InsertLimit`). ``None``: back to this table's own :attr:`rate_limiter`."""
+        if not self._closed:
+            self.insert_limit.pace(insert_limit)
 
     @property
     def paced(self) -> bool:
-        return self._paced is not None
+        return self.insert_limit.paced is not None
 
     def pace_counters(self) -> dict[str, int]:
-        """What a global pacer needs of this table: items published (``inserts``), sampled,
-        gone (published, then evicted or dropped: ``deletes``) and held (``size``)."""
-        inserts = int(self.storage.counters[:, PUBLISHED].sum())
-        return {"inserts": inserts, "samples": int(self.samples), "deletes": int(self._ingested.sum()) - int(self.size),
-                "size": int(self.size)}  # fmt: skip
-
-    def _publish_insert_limit(self) -> None:
-        if self._paced is not None:
-            self.storage.header[H_INSERT_LIMIT] = self._paced
-            self.storage.header[H_SAMPLES] = self.samples
-            return
-        lim = self.rate_limiter
-        deletes = 0
-        if self.size < lim.min_size_to_sample:
-            # Reverb's stage 1: inserts go on while the table is below its minimum size. Items
-            # published but not held (evicted, or dropped at ingest) are the deletes, so a
-            # writer may publish until held + not yet scanned + new = min_size_to_sample.
-            deletes = int(self._ingested.sum()) - self.size
-        self.storage.header[H_INSERT_LIMIT] = lim.insert_limit(self.samples, deletes)
-        self.storage.header[H_SAMPLES] = self.samples
+        """What a global pacer needs of this table (:meth:`InsertLimit.counters`)."""
+        return self.insert_limit.counters()
 
     @property
     def num_buffers(self) -> int:
@@ -220,7 +204,7 @@ class Table(TableIngest):
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         lim = self.rate_limiter
-        if self._paced is not None:
+        if self.insert_limit.paced is not None:
             return self.size >= 1  # the sampler keeps the rate over every table it samples
         if lim.samples_per_insert == 0 and self.size >= lim.min_size_to_sample:
             return True  # the usual case, without reading the insert counters
@@ -290,7 +274,7 @@ class Table(TableIngest):
         sel = self.selector.sample(batch_size)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self.batches.next(batch_size, ring)  # the table's own sets, or the caller's ring
-        rec = self._records(slots)  # (3, B): start, seq, length
+        rec = _take_records(self._slot_rec, slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)
         deadline, masses = None, None
@@ -309,7 +293,7 @@ class Table(TableIngest):
             # only the redrawn rows get records: the scan above may have ingested new items
             # into slots that other rows still hold, and those rows keep the records (and so
             # the keys) of the items they gathered
-            rec[:, bad] = self._records(fresh.slots)
+            rec[:, bad] = _take_records(self._slot_rec, fresh.slots)
             self._gather(slots, rec, out, only=bad, tensors=tensors)
             bad = bad[self._torn(slots[bad], rec[:, bad])]
         self.note_sampled(batch_size)
@@ -362,7 +346,7 @@ class Table(TableIngest):
     # (the RDMA shard's select, which draws here and lets the learner read the rows itself)
     def records(self, slots: np.ndarray) -> np.ndarray:
         """The records of the items at ``slots``: int64 (3, B), rows start, seq, length."""
-        return self._records(slots)
+        return _take_records(self._slot_rec, slots)
 
     def keys_of(self, slots: np.ndarray, rec: np.ndarray) -> np.ndarray:
         """The keys of the items at ``slots`` with records ``rec``: int64 (B,)."""
@@ -380,16 +364,7 @@ class Table(TableIngest):
         """Count ``n`` samples drawn (by :meth:`draw`, or by a sampler that drew from
         :attr:`selector` itself) and republish the writers' insert limit."""
         self.samples += n
-        self._publish_insert_limit()
-
-    def _records(self, slots: np.ndarray) -> np.ndarray:
-        """``_slot_rec[slots].T`` (3, B): rows start, seq, length; gathered in C with
-        prefetching where built (in big tables every record is a cache miss)."""
-        if _hotpath is None:
-            return self._slot_rec[slots].T
-        rec = np.empty((3, slots.size), dtype=np.int64)
-        _hotpath.take_rows(self._slot_rec, 3, slots, rec)
-        return rec
+        self.insert_limit.publish()
 
     def _gather(self, slots: np.ndarray, rec: np.ndarray, out: dict[str, torch.Tensor], only: np.ndarray | None = None,
                 tensors: dict | None = None) -> None:  # fmt: skip
@@ -442,9 +417,7 @@ class Table(TableIngest):
         if self._closed:
             return
         self._closed = True
-        if self.storage.owner:
-            self.storage.header[H_CLOSED] = 1
-            self.storage.header[H_INSERT_LIMIT] = CLOSED_LIMIT  # every writer's limit check now fails
+        self.insert_limit.close()  # every writer's limit check now fails
         deadline = time.monotonic() + wait_s
         while self._active > 0 and time.monotonic() < deadline:
             time.sleep(MAX_BACKOFF_S)  # a blocked sample re-checks at least this often
