@@ -37,9 +37,10 @@ def test_a_host_killed_whole_is_marked_down_and_the_run_ends_on_the_survivor(mak
     try:
         addresses = [n.address() for n in nodes]
         learner = gearflow_on(hosts[2], "train", tmp_path / "learner.err", f"run.dir={tmp_path / 'learner'}",
-                              "run.progress=log", "run.max_updates=1500", "run.max_env_steps=100000000",
+                              "run.progress=log", "run.max_updates=600", "run.max_env_steps=100000000",
                               "transport.node_timeout_s=3", f"transport.shards=[{','.join(addresses)}]")  # fmt: skip
-        learner.wait_for(r"progress: steps \d+ .* updates [1-9]\d* ")  # training on both nodes
+        # training on both nodes (the first such row: ~5 updates); run.max_updates=600 leaves ~500 after the +100 below
+        learner.wait_for(r"progress: steps \d+ .* updates [1-9]\d* ")
         _kill_host(hosts[1])
         learner.wait_for(rf"shard node {re.escape(addresses[1])} is down")
         before = None
@@ -57,7 +58,7 @@ def test_a_host_killed_whole_is_marked_down_and_the_run_ends_on_the_survivor(mak
     finally:
         for p in nodes:
             p.kill()
-    assert summary["stop_reason"] == "reached run.max_updates=1500"
+    assert summary["stop_reason"] == "reached run.max_updates=600"
     assert list(summary["transport/nodes_lost"]) == [addresses[1]]
     assert json.loads(out0.strip().splitlines()[-1])["stop_reason"].startswith(f"run.stop from {hosts[2].address}:")
     assert "Traceback" not in learner.tail(100_000)

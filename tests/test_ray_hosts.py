@@ -7,6 +7,7 @@ own interfaces and end bit-identical."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -22,10 +23,15 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
-def _ray_start(host, *args: str) -> None:
-    proc = host.run([*RAY, "start", f"--node-ip-address={host.address}", "--disable-usage-stats", *args],
-                    capture_output=True, text=True, env={**env(), **RAY_ENV}, timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+def _ray_start(hosts, *args: str) -> None:
+    """``ray start ARGS`` on every host of ``hosts`` at once (the workers join the head together);
+    each must exit 0."""
+    procs = [h.popen([*RAY, "start", f"--node-ip-address={h.address}", "--disable-usage-stats", *args],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **RAY_ENV})
+             for h in hosts]  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:] + out[-2000:]
 
 
 @pytest.mark.slow
@@ -34,12 +40,11 @@ def test_ray_across_a_head_and_two_workers_with_two_learners_on_two_hosts(make_h
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the driver too (env() reads os.environ)
     hosts = make_hosts(3, subnet="10.231.4.0/24")
     head = f"{hosts[0].address}:6379"
-    _ray_start(hosts[0], "--head", "--port=6379", "--num-cpus=1", "--include-dashboard=false")
-    for h in hosts[1:]:
-        _ray_start(h, f"--address={head}", "--num-cpus=3")
+    _ray_start(hosts[:1], "--head", "--port=6379", "--num-cpus=1", "--include-dashboard=false")
+    _ray_start(hosts[1:], f"--address={head}", "--num-cpus=3")
     driver = gearflow_on(hosts[0], "train", tmp_path / "driver.err", "launcher=ray", f"cluster.address={head}",
                          "cluster.shards=2", "cluster.learners=2", "actor.num_actors=1", "run.progress=log",
-                         "run.max_env_steps=4000", f"run.dir={tmp_path / 'run'}")  # fmt: skip
+                         "run.max_env_steps=3000", f"run.dir={tmp_path / 'run'}")  # fmt: skip
     rc, out = driver.finish(timeout=600)
     assert rc == 0, driver.tail()
     summary = json.loads(out.strip().splitlines()[-1])
@@ -47,8 +52,10 @@ def test_ray_across_a_head_and_two_workers_with_two_learners_on_two_hosts(make_h
     learners = summary["cluster/learner_nodes"]
     assert len(set(learners)) == 2, learners  # two hosts
     assert all(steps > 0 for steps in summary["cluster/node_env_steps"])
-    assert summary["learner/updates"] > 10 and summary["actor/env_steps"] >= 4000
-    for h in hosts:
-        h.run([*RAY, "stop", "--force"], env={**env(), **RAY_ENV}, timeout=120)
+    assert summary["learner/updates"] > 10 and summary["actor/env_steps"] >= 3000
+    stops = [h.popen([*RAY, "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     env={**env(), **RAY_ENV}) for h in hosts]  # fmt: skip
+    for proc in stops:  # the three hosts' raylets stop together
+        proc.wait(timeout=120)
     left = [n for h in hosts for n in h.shm() if n.startswith("gearflow")]
     assert not left, left  # the run's segments are gone from every host

@@ -70,14 +70,14 @@ def test_a_run_fed_only_by_remote_actors(tmp_path):
     machine holds only an actor credential (``gearflow secret actor``), not the learner's secret."""
     from gearflow.transport.auth import actor_credential
 
-    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=4000")
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=2000")
     actors_log = tmp_path / "actors.err"
     actors = _gearflow("actor", "--connect", address, CONFIG, *TINY, "--actors", "2", log=actors_log,
                        token=actor_credential(TOKEN, "box-1"))  # fmt: skip
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["actor/env_steps"] >= 4000 and summary["learner/updates"] > 0
+    assert summary["actor/env_steps"] >= 2000 and summary["learner/updates"] > 0
     assert summary["actor/episodes"] > 0  # episodes reached the learner over run.report
     text = learner_log.read_text()
     assert "remote actor 0 joined" in text and "remote actor 1 joined" in text
@@ -89,7 +89,7 @@ def test_a_run_fed_only_by_remote_actors(tmp_path):
 def test_a_killed_remote_actor_does_not_stop_the_learner(tmp_path):
     """One local and one remote actor; the remote one is SIGKILLed mid-run: the learner logs it
     and finishes the run on the local actor's data (exit 0)."""
-    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=6000")
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=3500")
     actors_log = tmp_path / "actors.err"
     actors = _gearflow("actor", "--connect", address, "--actors", "1", log=actors_log)
     _wait_for(learner_log, r"remote actor 1 joined", learner)
@@ -102,7 +102,7 @@ def test_a_killed_remote_actor_does_not_stop_the_learner(tmp_path):
         os.kill(pid, signal.SIGKILL)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
-    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 6000
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 3500
     assert re.search(r"remote actor 1 \(.*\) left; its place waits for it", learner_log.read_text())
 
 
@@ -118,20 +118,26 @@ def test_wrong_secret_and_mismatched_config_are_one_line_errors(tmp_path):
     learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=1", "run.max_env_steps=0",
                                              "run.max_seconds=900")  # fmt: skip
     try:
-        bad = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, "--wait", "2"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=240,
-                             env={**os.environ, "GEARFLOW_TOKEN": "not-the-secret"})  # fmt: skip
+        # the three refused actors at once (none of them gets a place: each is refused at its handshake
+        # or before it joins), each checked for its own one line
+        def refused_actor(*args: str, **env: str) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "gearflow", "actor", "--connect", address, *args, "--wait", "2"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    env={**os.environ, **env})  # fmt: skip
+
+        def ended(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+            out, err = proc.communicate(timeout=240)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+        procs = [refused_actor(GEARFLOW_TOKEN="not-the-secret"),
+                 refused_actor(CONFIG, *TINY, "env.id=Acrobot-v1", GEARFLOW_TOKEN=TOKEN),
+                 refused_actor(GEARFLOW_TOKEN=TOKEN, GEARFLOW_INTEGRITY="0")]  # fmt: skip
+        bad, other, plain = (ended(proc) for proc in procs)
         assert bad.returncode == 2, bad.stderr
         assert "Traceback" not in bad.stderr and re.search(r"remote actor: .*(secret|authenticat)", bad.stderr, re.I)
-        other = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, CONFIG, *TINY,
-                                "env.id=Acrobot-v1", "--wait", "2"], capture_output=True, text=True, cwd=ROOT,
-                               timeout=240, env={**os.environ, "GEARFLOW_TOKEN": TOKEN})  # fmt: skip
         assert other.returncode == 2, other.stderr
         assert "env.id is 'Acrobot-v1' here, 'CartPole-v1' in the learner's config" in other.stderr
         assert "Traceback" not in other.stderr
-        plain = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", address, "--wait", "2"],
-                               capture_output=True, text=True, cwd=ROOT, timeout=240,
-                               env={**os.environ, "GEARFLOW_TOKEN": TOKEN, "GEARFLOW_INTEGRITY": "0"})  # fmt: skip
         assert plain.returncode == 2, plain.stderr  # frame integrity off here, on at the learner: one line
         assert "Traceback" not in plain.stderr
         assert "transport.integrity differs: the service at" in plain.stderr and "has true, this client false" in plain.stderr
@@ -143,15 +149,14 @@ def test_wrong_secret_and_mismatched_config_are_one_line_errors(tmp_path):
 
 def test_cli_errors_before_connecting(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GEARFLOW_TOKEN"}
-    r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "127.0.0.1:1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
-    assert r.returncode == 2 and "needs a shared secret" in r.stderr and "GEARFLOW_TOKEN" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "gearflow", "actor", "--connect", "nohost", "--token", TOKEN],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
-    assert r.returncode == 2 and "--connect nohost" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "gearflow", "train", CONFIG, "actor.remote_actors=1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240, env=env)  # fmt: skip
-    assert r.returncode == 2 and "actor.remote_actors=1" in r.stderr and "shared secret" in r.stderr
+    commands = [["actor", "--connect", "127.0.0.1:1"], ["actor", "--connect", "nohost", "--token", TOKEN],
+                ["train", CONFIG, "actor.remote_actors=1"]]  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-m", "gearflow", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env) for c in commands]  # three independent commands at once
+    (e1, r1), (e2, r2), (e3, r3) = ((p.communicate(timeout=240)[1], p.returncode) for p in procs)
+    assert r1 == 2 and "needs a shared secret" in e1 and "GEARFLOW_TOKEN" in e1
+    assert r2 == 2 and "--connect nohost" in e2
+    assert r3 == 2 and "actor.remote_actors=1" in e3 and "shared secret" in e3
 
 
 # ---------------------------------------------------------------------- same data as shared memory
@@ -235,7 +240,7 @@ def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     """SIGKILL the learner's shard process mid-run (every actor is remote, so it is the learner's
     only spawned child): the learner restarts it on the same port, the remote actors reconnect,
     rejoin their places and the run reaches its step limit; both sides exit 0."""
-    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=8000")
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=5000")
     actors_log = tmp_path / "actors.err"
     actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
     _wait_for(learner_log, r"progress: steps [1-9]", learner)
@@ -244,7 +249,7 @@ def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     _wait_for(learner_log, r"shard process died \(exit code -9\); restarting it on port", learner)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
-    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 5000
     assert learner_log.read_text().count("remote actor 0 joined") >= 2  # rejoined after the restart
     assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
 
@@ -255,7 +260,7 @@ def test_remote_actors_held_past_the_rate_limiters_timeout_rejoin(tmp_path):
     holds the remote actors' inserts until they time out. The actors rejoin and wait again
     rather than exit (nothing would restart them); once the learner goes on, the run reaches
     its step limit on their data alone and both sides exit 0."""
-    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=8000",
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=5000",
                                              "replay.timeout_s=2")  # fmt: skip
     actors_log = tmp_path / "actors.err"
     actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
@@ -267,7 +272,7 @@ def test_remote_actors_held_past_the_rate_limiters_timeout_rejoin(tmp_path):
         os.kill(learner.pid, signal.SIGCONT)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
-    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 8000
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 5000
     assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
     assert "died" not in actors_log.read_text()  # rejoined, not restarted
 

@@ -385,12 +385,12 @@ def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
 @pytest.mark.timeout(900)  # several `gearflow` runs in a row; their waits are on files and exits
 def test_resume_with_a_corrupt_latest_checkpoint_uses_the_previous_one(tmp_path):
     run = tmp_path / "run"
-    r = _cli("train", CONFIG, *TINY, f"run.dir={run}", "run.max_env_steps=3000", "run.checkpoint_every=30")
+    r = _cli("train", CONFIG, *TINY, f"run.dir={run}", "run.max_env_steps=1500", "run.checkpoint_every=30")
     assert r.returncode == 0, r.stderr[-3000:]
     newest, previous = RunCheckpoints(run / "checkpoints").paths()[:2]
     col = next((newest / "replay" / "columns").iterdir())
     col.write_bytes(col.read_bytes()[:-100])
-    resumed = _cli("train", "--resume", str(run), "run.max_env_steps=4000")
+    resumed = _cli("train", "--resume", str(run), "run.max_env_steps=2000")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "is truncated" in resumed.stderr and "trying the previous one" in resumed.stderr
     assert f"resuming from {previous}" in resumed.stderr
