@@ -298,19 +298,26 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
             "integrity_cost": float(np.median(1 - remote / plain)), **tls_out}  # fmt: skip
 
 
+_SMALL = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
+
+
+def _small_shard(k: int) -> ShardProcess:
+    """A prioritized shard process holding 2 streams of ``k`` small steps (2-step items, priority 1)."""
+    shard = ShardProcess(_SMALL, 2, k + 96, selector="prioritized")
+    w = RemoteWriter(("127.0.0.1", shard.port), num_streams=2, token=TOKEN)
+    for s in range(2):
+        w.extend({"obs": np.zeros((k, 4), np.float32), "action": np.arange(k), "ret": np.zeros(k, np.float32),
+                  "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=s)  # fmt: skip
+        w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
+    w.close()
+    return shard
+
+
 def latency(seconds: float = 1.0, batches=(32, 256)) -> Iterator[dict]:
-    spec = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
-    shard = ShardProcess(spec, 2, 4096, selector="prioritized")
+    shard = _small_shard(4000)
     port = shard.port
     raw = _RawServer()
     try:
-        w = RemoteWriter(("127.0.0.1", port), num_streams=2, token=TOKEN)
-        k = 4000
-        for s in range(2):
-            w.extend({"obs": np.zeros((k, 4), np.float32), "action": np.arange(k), "ret": np.zeros(k, np.float32),
-                      "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=s)  # fmt: skip
-            w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
-        w.close()
         sampler = RemoteSampler(("127.0.0.1", port), token=TOKEN, prefetch=0)
         c, call = raw.client()
         for b in batches:
@@ -359,18 +366,10 @@ def writeback(seconds: float = 2.0, rtt_ms: float = 10.0, learn_ms: float = 10.0
     overlapping the learn step predicts (learn + rtt) / max(learn, rtt) as the ratio."""
     from gearflow.transport.relay import Relay
 
-    spec = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}
     shards, relays, sampler = [], [], None
     try:
         for _ in range(2):
-            shards.append(ShardProcess(spec, 2, 2048, selector="prioritized"))
-            w = RemoteWriter(("127.0.0.1", shards[-1].port), num_streams=2, token=TOKEN)
-            k = 2000
-            for s in range(2):
-                w.extend({"obs": np.zeros((k, 4), np.float32), "action": np.arange(k), "ret": np.zeros(k, np.float32),
-                          "disc": np.zeros(k, np.float32), "version": np.zeros(k, np.int64)}, stream=s)  # fmt: skip
-                w.create_items(np.ones(k - 1), 2, streams=s, ends=np.arange(2, k + 1))
-            w.close()
+            shards.append(_small_shard(2000))
             relays.append(Relay(f"127.0.0.1:{shards[-1].port}", rtt_ms))
         sampler = RemoteSampler([r.address for r in relays], token=TOKEN, prefetch=LEARNER_PREFETCH, seed=0)
         rates: dict[bool, list] = {False: [], True: []}
