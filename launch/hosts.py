@@ -32,7 +32,6 @@ the bridge; the private mounts go with the last process of each mount namespace.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import ipaddress
 import json
