@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gearflow.actors import epsilon_ladder
+from gearflow.actors.base import env_seed
 from gearflow.actors.process import make_actor, run_actor_process
 from gearflow.agent import make_agent
 from gearflow.config import load_config, to_yaml
@@ -486,7 +487,7 @@ def test_actor_writes_through_an_injected_writer():
     writer = RecordingWriter(agent.replay_columns(), 4)
     assert isinstance(writer, WriterLike)
     episodes = []
-    with Actor(env, agent, writer, None, 0.5, cfg=cfg, actor_index=1, network=net,
+    with Actor(env, agent, writer, None, 0.5, cfg=cfg.actor, env_cfg=cfg.env, actor_index=1, seed=env_seed(cfg, 1), network=net,
                on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
         assert actor.run(max_steps=240) == 240
     methods = {m for m, _ in writer.calls}
@@ -523,7 +524,7 @@ def test_actor_without_a_writer_only_acts():
     agent, net = counting_agent(cfg)
     env = make_vec_env(cfg.env, seed=0)
     episodes = []
-    with Actor(env, agent, None, None, 0.0, cfg=cfg, network=net,
+    with Actor(env, agent, None, None, 0.0, cfg=cfg.actor, env_cfg=cfg.env, seed=env_seed(cfg, 0), network=net,
                on_episode=lambda *a: episodes.append(a)) as actor:  # fmt: skip
         actor.run(max_steps=200)
     assert actor.items == 0 and actor.adder is None and (actor.epsilon == 0).all()
@@ -533,6 +534,21 @@ def test_actor_without_a_writer_only_acts():
         k = counts[env_index] = counts.get(env_index, -1) + 1
         assert length == expected_episode(env_index, k)[0]
         assert eps == 0.0 and ret == length * (length + 1) / 2
+
+
+def test_an_actor_reads_its_own_group_and_refuses_the_whole_config():
+    """An actor gets the run's ``actor`` group (n-step and γ from it reach its adder); handed the
+    whole run config it raises a TypeError naming what to pass, before it touches the env."""
+    from gearflow.kinds.transition import Actor
+
+    cfg = config(n_step=N_STEP)
+    agent, net = counting_agent(cfg)
+    env = make_vec_env(cfg.env, seed=0)
+    with pytest.raises(TypeError, match=r"cfg=cfg\.actor.*not the whole run config"):
+        Actor(env, agent, None, None, 0.0, cfg=cfg, network=net)
+    writer = RecordingWriter(agent.replay_columns(), 4)
+    with Actor(env, agent, writer, None, 0.0, cfg=cfg.actor, env_cfg=cfg.env, network=net) as actor:
+        assert (actor.adder.n, actor.adder.gamma) == (N_STEP, float(cfg.actor.gamma))
 
 
 def test_stop_while_the_last_flush_waits_on_the_rate_limiter(make_table):

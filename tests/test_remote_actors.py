@@ -199,7 +199,7 @@ def _act_into(cfg, writer, steps: int) -> None:
     env = make_vec_env(cfg.env, seed=0)
     torch.manual_seed(3)  # the same network (its Q-values give the items' priorities)
     agent = make_agent(cfg, env.env_spec, "cpu")
-    with Actor(env, agent, writer, None, np.ones(4), cfg=cfg, actor_index=0, seed=11) as actor:
+    with Actor(env, agent, writer, None, np.ones(4), cfg=cfg.actor, env_cfg=cfg.env, actor_index=0, seed=11) as actor:
         actor.run(max_steps=steps)
 
 

@@ -45,8 +45,8 @@ def setup(make_table, limiter=None):
 
 def run(cfg, env, agent, writer, params, store, net, steps):
     torch.manual_seed(0)
-    actor = actor_class_for(agent)(env, agent, writer, params, actor_epsilon(cfg, 0, E), cfg=cfg, actor_index=0,
-                                   seed=0)  # fmt: skip
+    actor = actor_class_for(agent)(env, agent, writer, params, actor_epsilon(cfg, 0, E), cfg=cfg.actor,
+                                   env_cfg=cfg.env, actor_index=0, seed=0)  # fmt: skip
     seen = []
     for k in range(3):  # the learner publishes between the chunks; the actor syncs every 200 steps
         with torch.no_grad():
@@ -117,7 +117,8 @@ def test_stop_while_the_shard_rate_limiter_holds_the_last_flush(make_table, remo
     writer = remote_writer(("127.0.0.1", port), num_streams=E, token=TOKEN, insert_timeout_s=60)
     stop = threading.Event()
     try:
-        actor = actor_class_for(agent)(env, agent, writer, None, actor_epsilon(cfg, 0, E), cfg=cfg, seed=0)
+        actor = actor_class_for(agent)(env, agent, writer, None, actor_epsilon(cfg, 0, E), cfg=cfg.actor,
+                                                       env_cfg=cfg.env, seed=0)
         timer = threading.Timer(1.5, stop.set)
         timer.start()
         actor.run(stop_event=stop)  # returns once stopped: never raises, never hangs

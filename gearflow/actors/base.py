@@ -5,7 +5,8 @@ An actor is built from an env, an agent, a writer (anything with the
 :class:`~gearflow.replay.protocols.WriterLike` interface, or ``None``: act
 only, as evaluation does), a parameter source and its ε (one per env)::
 
-    actor = Actor(env, agent, writer, store, epsilon_ladder(8, 0.4, 7.0), cfg=cfg)
+    actor = Actor(env, agent, writer, store, epsilon_ladder(8, 0.4, 7.0), cfg=cfg.actor,
+                  env_cfg=cfg.env, seed=env_seed(cfg, 0))
     actor.run(stop_event, max_steps=10_000)
     actor.close()
 
@@ -86,11 +87,13 @@ class ActorBase:
     ``env``: an EnvPool-shaped vector env (:mod:`gearflow.envs`); ``agent``: the agent;
     ``writer``: where the adder writes, or ``None`` (no replay: evaluation);
     ``param_source``: a :class:`~gearflow.params.ParameterSource` or ``None`` (fixed
-    weights); ``epsilon``: ε per env (E,) or one for all. Keywords: ``cfg`` (the run
-    config: n-step, γ, weight sync period, seeds), ``actor_index`` (global env index
-    ``actor_index * E + e`` for ``on_episode``), ``network`` (default
-    ``agent.make_network()``), ``on_episode(env_index, return, length, epsilon)``,
-    ``seed`` of the exploration generator.
+    weights); ``epsilon``: ε per env (E,) or one for all. Keywords: ``cfg`` (the run's
+    ``actor`` group, the only one an actor reads: n-step, γ, weight sync period),
+    ``env_cfg`` (the ``env`` group, or ``None``: only named in error messages),
+    ``actor_index`` (global env index ``actor_index * E + e`` for ``on_episode``),
+    ``network`` (default ``agent.make_network()``), ``on_episode(env_index, return, length,
+    epsilon)``, ``seed`` of the exploration generator (a run's builder passes
+    :func:`env_seed`; default 0), drawn per actor with ``actor_index``.
 
     The actor closes ``env`` in :meth:`close`; if construction fails, the caller does.
     """
@@ -106,15 +109,19 @@ class ActorBase:
         epsilon,
         *,
         cfg,
+        env_cfg=None,
         actor_index: int = 0,
         network: Optional[torch.nn.Module] = None,
         on_episode: Optional[Callable[[int, float, int, float], None]] = None,
         seed: Optional[int] = None,
     ):
+        if "actor" in cfg:  # a whole run config: the builder slices it (make_actor), the actor gets its group
+            raise TypeError("an actor takes the run's actor group (cfg=cfg.actor, env_cfg=cfg.env, "
+                            "seed=env_seed(cfg, i)), not the whole run config; make_actor(cfg, ...) does that")  # fmt: skip
         self.cfg, self.actor_index, self.agent, self.env = cfg, int(actor_index), agent, env
-        self.agent, self.env = guard(agent, env, cfg)  # boundary checks of act() and recv() (actors/checks.py)
+        self.agent, self.env = guard(agent, env, env_cfg)  # boundary checks of act() and recv() (actors/checks.py)
         self.param_source, self.on_episode, self.writer = param_source, on_episode, writer
-        self.sync_period = int(cfg.actor.weight_sync_period)
+        self.sync_period = int(cfg.weight_sync_period)
         self.kind = agent.item_kind()
         adder_cls = kind_def(self.kind.name).adder  # the registry's adder of the agent's kind
         adder_cls.check_kind(self.kind, type(agent).__module__)
@@ -127,7 +134,7 @@ class ActorBase:
         self.global_env_index = self.actor_index * E + np.arange(E)
         self.network = network if network is not None else agent.make_network()
         self.network.eval()
-        seed = env_seed(cfg, self.actor_index) if seed is None else seed
+        seed = 0 if seed is None else seed
         self.rng = np.random.default_rng([int(seed), self.actor_index])
 
         self.version = 0  # weights version the policy holds
@@ -146,8 +153,8 @@ class ActorBase:
         spec, E = writer.spec, self.num_envs
         if set(spec.names) != set(adder_cls.COLUMNS):
             raise ValueError(f"{self.NAME} writes columns {adder_cls.COLUMNS}; the table has {spec.names}")
-        if writer.steps_per_stream < adder_cls.min_steps(self.cfg.actor, self.kind):
-            raise ValueError(adder_cls.size_error(self.cfg.actor, self.kind, writer.steps_per_stream))
+        if writer.steps_per_stream < adder_cls.min_steps(self.cfg, self.kind):
+            raise ValueError(adder_cls.size_error(self.cfg, self.kind, writer.steps_per_stream))
         if writer.num_streams != E:
             raise ValueError(f"{writer.num_streams} partitions for {E} envs (one per env)")
         obs_col, env = spec["obs"], self.env

@@ -3,7 +3,7 @@ refused as the agent's or the env's fault, with the agent module or the env fact
 
 :func:`guard` wraps both where an actor is built (``ActorBase.__init__``, one line)::
 
-    self.agent, self.env = guard(agent, env, cfg)
+    self.agent, self.env = guard(agent, env, env_cfg)
     out = self.agent.act(policy, obs, eps, rng)   # checked: actions (k,) int64 in [0, A), values (k, A)
     obs, reward, term, trunc, ids = self.env.recv()   # checked: obs (b, *obs_shape) of obs_dtype, ...
 
@@ -267,10 +267,11 @@ class CheckedEnv:
         self.close()
 
 
-def guard(agent, env, cfg) -> tuple[Any, Any]:
-    """``(agent, env)`` behind their boundary checks (each wrapped once)."""
+def guard(agent, env, env_cfg) -> tuple[Any, Any]:
+    """``(agent, env)`` behind their boundary checks (each wrapped once); ``env_cfg``: the run's
+    ``env`` group (or ``None``), which their errors name."""
     if not isinstance(env, CheckedEnv) and hasattr(env, "env_spec"):
-        env = CheckedEnv(env, getattr(cfg, "env", None))
+        env = CheckedEnv(env, env_cfg)
     if not isinstance(agent, CheckedAgent) and hasattr(env, "env_spec"):
         agent = CheckedAgent(agent, env.env_spec)
     return agent, env

@@ -33,14 +33,16 @@ def make_actor(cfg, actor_index: int, agent, env, storage: Optional[SharedStorag
                *, epsilon=None, **kwargs) -> ActorBase:
     """The agent's actor (by item kind) over ``env``, writing ``partitions`` of ``storage``
     through a :class:`~gearflow.replay.Writer` (``storage=None``: no writer). ``epsilon``
-    defaults to the actor's slice of the run's ε ladder; ``kwargs`` go to the actor."""
+    defaults to the actor's slice of the run's ε ladder, ``seed`` to :func:`env_seed`; ``kwargs`` go
+    to the actor. The one place a whole run config becomes an actor's groups."""
     writer = None
     if storage is not None:
         writer = Writer(storage, partitions, insert_timeout_s=float(cfg.replay.timeout_s))
     if epsilon is None:
         epsilon = actor_epsilon(cfg, actor_index, env.num_envs)
-    return actor_class_for(agent)(env, agent, writer, param_source, epsilon, cfg=cfg, actor_index=actor_index,
-                                  **kwargs)  # fmt: skip
+    kwargs.setdefault("seed", env_seed(cfg, actor_index))
+    return actor_class_for(agent)(env, agent, writer, param_source, epsilon, cfg=cfg.actor, env_cfg=cfg.env,
+                                  actor_index=actor_index, **kwargs)  # fmt: skip
 
 
 class _OrphanGuard:

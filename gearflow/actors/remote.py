@@ -7,7 +7,7 @@ classes as a local actor process, with the transport's seams in place of shared 
 
     writer = ShippingWriter(address, len(partitions), partitions=partitions)  # a Writer: the C adder runs
     params = RemoteParams(control)                                          # ParameterSource
-    actor = actor_class_for(agent)(env, agent, writer, params, epsilon, cfg=cfg, ...)
+    actor = actor_class_for(agent)(env, agent, writer, params, epsilon, cfg=cfg.actor, ...)
 
 Episodes and counters go back with ``run.report`` (about once a second), whose reply says
 when the run is over. When the learner is unreachable the actor keeps trying for
@@ -150,7 +150,8 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
                           "actor/episode_length": int(length), "actor/epsilon": float(epsilon)})  # fmt: skip
 
         actor = actor_class_for(agent)(env, agent, writer, RemoteParams(control), actor_epsilon(cfg, k, env.num_envs),
-                                       cfg=cfg, actor_index=k, on_episode=on_episode)  # fmt: skip
+                                       cfg=cfg.actor, env_cfg=cfg.env, actor_index=k, seed=env_seed(cfg, k),
+                                       on_episode=on_episode)  # fmt: skip
         last = {"t": time.monotonic(), "steps": 0}
 
         def on_tick(a) -> None:

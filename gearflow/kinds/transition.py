@@ -529,7 +529,7 @@ class Actor(ActorBase):
     NAME = "the actor"
 
     def _make_adder(self, writer) -> TransitionAdder:
-        return TransitionAdder(writer, int(self.cfg.actor.n_step), float(self.cfg.actor.gamma))
+        return TransitionAdder(writer, int(self.cfg.n_step), float(self.cfg.gamma))
 
     def _setup_state(self) -> None:
         self.policy = traced_policy(self.network, self.env.obs_shape, self.env.obs_dtype, self.env.batch_size)

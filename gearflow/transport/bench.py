@@ -420,7 +420,8 @@ def actor(steps: int = 20_000, num_envs: int = 16, batch: int = 8) -> dict:
                 w = (RemoteWriter if where == "remote" else ShippingWriter)(("127.0.0.1", shard.port), num_streams=num_envs,
                                                                             token=TOKEN)  # fmt: skip
             try:
-                a = actor_class_for(agent)(env, agent, w, None, actor_epsilon(cfg, 0, num_envs), cfg=cfg, seed=0)
+                a = actor_class_for(agent)(env, agent, w, None, actor_epsilon(cfg, 0, num_envs), cfg=cfg.actor,
+                                           env_cfg=cfg.env, seed=0)
                 a.run(max_steps=steps // 10)  # warm-up
                 t0 = time.perf_counter()
                 n = a.run(max_steps=steps)
