@@ -70,12 +70,13 @@ from omegaconf import DictConfig, OmegaConf
 from gearflow.config import to_yaml
 from gearflow.distributed import fingerprint, hold_rendezvous
 from gearflow.errors import GearflowError, MissingDependencyError
+from gearflow.launchers.ray_plan import learner_gpus, needs_line, place_roles, run_summary
 from gearflow.reports import ReportSink
 from gearflow.topology.plan import learner_config, shard_node_config
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["place_roles", "require_ray", "train_on_ray"]
+__all__ = ["learner_gpus", "place_roles", "require_ray", "run_summary", "train_on_ray"]  # the first: ray_plan.py
 
 REPORT_S = 0.25  # how often an actor group forwards its actors' reports to its shard
 RUN_MARK = ".gearflow-driver"  # in the driver's run.dir: a role that sees it shares the driver's disk
@@ -91,7 +92,6 @@ def require_ray():
 
 def _cfg(cfg_yaml: str) -> DictConfig:
     from gearflow.config import use_module_dirs
-
     from gearflow.transport.auth import configure
 
     cfg = OmegaConf.create(cfg_yaml)
@@ -421,7 +421,7 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
         extra = {k: float(v) for k, v in (cl.shard_resources or {}).items()}
         nodes = place_roles(ray.nodes(), S, {"CPU": shard_cpus + group_cpus, **extra}, K,
-                            {"CPU": learner_cpus, "GPU": gpus}, what=_needs(cfg, gpus))  # fmt: skip
+                            {"CPU": learner_cpus, "GPU": gpus}, what=needs_line(cfg, gpus))  # fmt: skip
         place = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
         registry = ray.remote(num_cpus=0)(Registry).remote()
         R = int(cl.max_restarts)
@@ -476,90 +476,6 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
              summary["actor/return_last100"], summary["cluster/parameters_identical"])  # fmt: skip
     return summary
-
-
-def run_summary(summaries: list[dict], node_summaries: list[dict], restarts: dict[str, int], shards: int,
-                learners: int) -> dict[str, Any]:
-    """The run's summary from its learners' (rank 0 first), its nodes' and the registry's restarts.
-
-    Each learner counts the env steps the nodes reported to it and the learners share their highest
-    at every iteration (``DataParallel.agree``); a rank's count can still rise by a poll after the
-    last agree, so the summary gives the highest of the learners' final counts."""
-    summary = dict(summaries[0])
-    summary["actor/env_steps"] = max(s["actor/env_steps"] for s in summaries)
-    summary["cluster/shards"], summary["cluster/learners"] = shards, learners
-    summary["cluster/group_restarts"] = sum(v for k, v in restarts.items() if k.startswith("group-"))
-    summary["cluster/shard_restarts"] = sum(v for k, v in restarts.items() if k.startswith("shard-"))
-    summary["cluster/parameters_identical"] = len({s["learner/parameters_fingerprint"] for s in summaries}) == 1
-    summary["cluster/learner_nodes"] = [s.get("learner/node") for s in summaries]
-    summary["cluster/node_env_steps"] = [n.get("actor/env_steps") for n in node_summaries]
-    lost = {n["address"]: n["lost"] for n in node_summaries if n.get("lost")}
-    if lost:
-        summary["cluster/nodes_lost"] = lost
-    return summary
-
-
-def _needs(cfg: DictConfig, gpus: float) -> str:
-    cl = cfg.cluster
-    extra = "".join(f" + {k}={v:g}" for k, v in (cl.shard_resources or {}).items())
-    return (f"a shard node needs {float(cl.shard_cpus) + int(cfg.actor.num_actors) * float(cl.actor_cpus):g} CPU on "
-            f"one node (cluster.shard_cpus={float(cl.shard_cpus):g} + actor.num_actors={int(cfg.actor.num_actors)} × "
-            f"cluster.actor_cpus={float(cl.actor_cpus):g}{extra}), a learner {float(cl.learner_cpus):g} CPU "
-            f"(cluster.learner_cpus) and {gpus:g} GPU")  # fmt: skip
-
-
-def place_roles(nodes: list[dict], shards: int, shard_need: dict[str, float], learners: int,
-                learner_need: dict[str, float], *, what: str = "") -> list[str]:
-    """The node (Ray NodeID) of each shard node and its actor group, from ``ray.nodes()``: each
-    on a live node whose resources hold ``shard_need`` (the shard and its group together), the
-    one with the fewest shards so far, workers before the head, then the most free CPU; then
-    every learner must fit (``learner_need``) in what is left. Raises one GearflowError line
-    naming the role that does not fit and each node's resources.
-
-    >>> place_roles([{"NodeID": "a", "Alive": True, "Resources": {"CPU": 1.0, "node:__internal_head__": 1.0}},
-    ...              {"NodeID": "b", "Alive": True, "Resources": {"CPU": 4.0}}], 1, {"CPU": 3.0}, 1, {"CPU": 1.0})
-    ['b']
-    """
-    live = [n for n in nodes if n.get("Alive")]
-    free = {n["NodeID"]: dict(n.get("Resources") or {}) for n in live}
-    head = {n["NodeID"] for n in live if "node:__internal_head__" in (n.get("Resources") or {})}
-    addr = {n["NodeID"]: n.get("NodeManagerAddress", n["NodeID"][:8]) for n in live}
-    count = {n: 0 for n in free}
-
-    def fits(node: str, need: dict[str, float]) -> bool:
-        return all(free[node].get(k, 0.0) >= v - 1e-9 for k, v in need.items() if v > 0)
-
-    def take(node: str, need: dict[str, float]) -> None:
-        for k, v in need.items():
-            free[node][k] = free[node].get(k, 0.0) - v
-
-    def refuse(role: str) -> GearflowError:
-        have = "; ".join(f"{addr[n]}{' (head)' if n in head else ''}: {_resources(dict(m.get('Resources') or {}))}"
-                         for n, m in ((m["NodeID"], m) for m in live)) or "no live node"  # fmt: skip
-        return GearflowError(f"launcher=ray: the Ray cluster cannot hold the run: no node left for {role} ({what}); "
-                             f"the nodes: {have}. Add nodes or CPUs (ray start --num-cpus), or lower cluster.shards, "
-                             "actor.num_actors or cluster.*_cpus")  # fmt: skip
-
-    placed = []
-    for i in range(shards):
-        ok = [n for n in free if fits(n, shard_need)]
-        if not ok:
-            raise refuse(f"shard node {i} of {shards} with its actor group")
-        n = min(ok, key=lambda n: (count[n], n in head, -free[n].get("CPU", 0.0), n))
-        take(n, shard_need)
-        count[n] += 1
-        placed.append(n)
-    for r in range(learners):
-        ok = [n for n in free if fits(n, learner_need)]
-        if not ok:
-            raise refuse(f"learner rank {r} of {learners}")
-        take(max(ok, key=lambda n: (free[n].get("GPU", 0.0), free[n].get("CPU", 0.0))), learner_need)
-    return placed
-
-
-def _resources(res: dict[str, float]) -> str:
-    keep = {k: v for k, v in res.items() if not k.startswith(("node:", "memory", "object_store_memory"))}
-    return ", ".join(f"{v:g} {k}" for k, v in sorted(keep.items())) or "nothing"
 
 
 def _started(ray, refs: list, role: str) -> list:
@@ -635,24 +551,6 @@ def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0)
         log.warning("ray: lost shard node %d at %s (%s); the learners went on without it", i, address, why)
         out.append({"address": address, "lost": why, "actor/env_steps": None})
     return out
-
-
-def learner_gpus(cfg: DictConfig, cluster_gpus: float) -> float:
-    """GPUs each learner asks Ray for: ``cluster.learner_gpus`` when set; else one each when the
-    cluster has a GPU per learner and ``learner.device`` allows CUDA (``auto`` or ``cuda``), so
-    learners land on GPU nodes where there are any."""
-    asked = float(cfg.cluster.learner_gpus)
-    if asked > 0 or str(cfg.learner.device) == "cpu":
-        return asked
-    K = int(cfg.cluster.learners)
-    if cluster_gpus >= K:
-        log.info("ray: %g GPU(s) in the cluster: each of the %d learner(s) gets one (cluster.learner_gpus=0 and "
-                 "learner.device=%s)", cluster_gpus, K, cfg.learner.device)  # fmt: skip
-        return 1.0
-    if str(cfg.learner.device).startswith("cuda"):
-        raise GearflowError(f"learner.device={cfg.learner.device} but the Ray cluster has {cluster_gpus:g} GPU(s) for "
-                            f"{K} learner(s): add GPU nodes, or use learner.device=cpu")  # fmt: skip
-    return 0.0
 
 
 def _wait_learners(ray, runs: list) -> list[dict]:

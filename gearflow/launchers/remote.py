@@ -345,7 +345,7 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         every = sorted(p for parts in partitions.values() for p in parts)
         from omegaconf import OmegaConf
 
-        from gearflow.transport.service import service_limits
+        from gearflow.transport.limits import service_limits
 
         limits = service_limits(OmegaConf.create(cfg_yaml).transport.get("limits"))
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,

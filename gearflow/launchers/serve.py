@@ -150,7 +150,7 @@ class ShardNode:
         from gearflow.run.private import redacted
         from gearflow.run.tables import env_steps_in
         from gearflow.transport.server.node import NodeService
-        from gearflow.transport.service import service_limits
+        from gearflow.transport.limits import service_limits
 
         t, table = self.cfg.transport, self.table
         members = Members(to_yaml(redacted(self.cfg)), remote, self.relay, self.stop_event,

@@ -41,11 +41,10 @@ import functools
 import inspect
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,6 +67,7 @@ from gearflow.transport.framing import (
     frame_buffers,
     new_event_loop,
 )
+from gearflow.transport.limits import ReceivePool, ServiceLimits, service_limits
 
 log = logging.getLogger(__name__)
 
@@ -77,64 +77,6 @@ ANY_ROLE = (auth.ACTOR, auth.LEARNER)  # register(..., roles=ANY_ROLE): what an 
 
 # what a peer may send before it has authenticated: one small AUTH frame
 _AUTH_LIMITS = FrameLimits(max_frame_bytes=HEADER.size + 1024, max_meta_bytes=1024, max_buffers=1, max_dims=1)
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    """How much one client may make the service hold (the ``transport.limits`` config group).
-
-    Per connection the service holds at most ``max_queued_bytes + frame.max_frame_bytes`` of
-    receive buffers (requests read and not yet handled, and the free ones it keeps for reuse)
-    plus its staging buffer (:attr:`~gearflow.transport.framing.FrameReader.staging_bytes`); a
-    connection at its in-flight or queued-bytes limit is not read any further until a request
-    is answered. Handlers that wait bound their wait by ``max_wait_s`` and end it when the
-    connection closes; a ``replay.sample`` asks for at most ``max_batch`` items and a reply of
-    at most ``max_reply_bytes``. Sockets that have not authenticated yet sit in their own pool
-    of ``max_preauth`` (the oldest is dropped for a newcomer when it is full) and are closed
-    after ``auth_timeout_s``: they never take one of the ``max_connections`` slots."""
-
-    frame: FrameLimits = field(default_factory=FrameLimits)
-    max_connections: int = 64  # authenticated connections
-    max_in_flight: int = 8  # requests of one connection not yet answered (and drained)
-    auth_timeout_s: float = 5.0  # a connection that has not authenticated by then is closed
-    max_preauth: int = 16  # sockets not yet authenticated (their own pool)
-    max_queued_bytes: int = 64 << 20  # receive buffers one connection may hold beyond its last frame
-    max_wait_s: float = 60.0  # the longest a request may wait server-side (sample / insert timeouts)
-    max_batch: int = 1 << 16  # items one replay.sample may ask for
-    max_reply_bytes: int = 256 << 20  # bytes one reply may hold
-    refusal_log_interval_s: float = 10.0  # refusals log one line per interval (with a count)
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_in_flight", "max_preauth", "max_queued_bytes", "max_batch", "max_reply_bytes"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 1:
-                raise ValueError(f"transport.limits.{name} must be an int ≥ 1, got {v!r}")
-        for name in ("auth_timeout_s", "max_wait_s", "refusal_log_interval_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
-                raise ValueError(f"transport.limits.{name} must be a finite number > 0, got {v!r}")
-
-    def wait_s(self, asked, default: float) -> float:
-        """A request's wait: ``asked`` (None: ``default``) capped at :attr:`max_wait_s`; a value that
-        is not a finite number ≥ 0 (``1e999`` parses as infinity, ``nan``) is a ``ValueError``."""
-        if asked is None:
-            asked = default
-        try:
-            ok = not isinstance(asked, bool) and isinstance(asked, (int, float)) and math.isfinite(asked) and asked >= 0
-        except OverflowError:  # an int too large for a float
-            ok = False
-        if not ok:
-            raise ValueError(f"timeout_s must be a finite number ≥ 0, got {str(asked)[:40]}")
-        return min(float(asked), self.max_wait_s)
-
-
-def service_limits(group: Any = None) -> ServiceLimits:
-    """:class:`ServiceLimits` of a config's ``transport.limits`` group (None: the defaults)."""
-    if group is None:
-        return ServiceLimits()
-    g = dict(group)
-    frame = FrameLimits(max_frame_bytes=int(g.pop("max_frame_bytes", FrameLimits.max_frame_bytes)))
-    return ServiceLimits(frame=frame, **{k: (int(v) if isinstance(v, int) else float(v)) for k, v in g.items()})
 
 
 class Defer(Exception):
@@ -152,61 +94,6 @@ class Handler:
     with_connection: bool = False
     is_async: bool = False
     roles: frozenset = frozenset({auth.LEARNER})  # the roles whose connections may call it
-
-
-class _Pool:
-    """Receive buffers of one connection, reused: at most ``keep`` free ones are kept. ``nbytes``
-    counts every buffer this pool has allocated and not dropped (the service's accounting)."""
-
-    def __init__(self, keep: int, service: Service, cap: int):
-        self.keep, self.free, self.nbytes, self.service, self.cap = keep, [], 0, service, cap
-
-    @property
-    def in_use(self) -> int:
-        """Bytes of blocks handed out and not yet put back (requests read, not yet handled)."""
-        return self.nbytes - sum(b.nbytes for b in self.free)
-
-    def get(self, n: int) -> np.ndarray:
-        best = None
-        for i, b in enumerate(self.free):
-            if b.nbytes >= n and (best is None or b.nbytes < self.free[best].nbytes):
-                best = i
-        if best is None:
-            while self.free and self.nbytes + n > self.cap:  # the free ones go before the cap is passed
-                self._drop(self.free.pop())
-            base = np.empty(n, dtype=np.uint8)
-            self.nbytes += n
-            self.service._allocated(n)
-        else:
-            base = self.free.pop(best)
-        return base[:n]
-
-    def put(self, block: np.ndarray) -> None:
-        base = block.base if isinstance(block.base, np.ndarray) else block
-        if base.nbytes == 0 or self.keep == 0:  # keep 0: cleared (its connection is gone)
-            return
-        if self.nbytes > self.cap:  # over the connection's cap: not kept for reuse
-            return self._drop(base)
-        if len(self.free) < self.keep:
-            self.free.append(base)
-        else:
-            smallest = min(range(len(self.free)), key=lambda i: self.free[i].nbytes)
-            if self.free[smallest].nbytes < base.nbytes:
-                self.service._allocated(-self.free[smallest].nbytes)
-                self.nbytes -= self.free[smallest].nbytes
-                self.free[smallest] = base
-            else:
-                self.service._allocated(-base.nbytes)
-                self.nbytes -= base.nbytes
-
-    def _drop(self, base: np.ndarray) -> None:
-        self.service._allocated(-base.nbytes)
-        self.nbytes -= base.nbytes
-
-    def clear(self) -> None:
-        """The connection is gone: its buffers are dropped (those in use go with their requests)."""
-        self.service._allocated(-self.nbytes)
-        self.nbytes, self.free, self.keep = 0, [], 0
 
 
 class Connection:
@@ -246,7 +133,7 @@ class _ServerProtocol(FramedProtocol):
     def __init__(self, service: Service):
         self.service = service
         limits = service.limits
-        self.pool = _Pool(limits.max_in_flight + 1, service, limits.max_queued_bytes)
+        self.pool = ReceivePool(limits.max_in_flight + 1, service._allocated, limits.max_queued_bytes)
         super().__init__(FrameReader(self._on_frame, limits.frame, {AUTH}, alloc=self.pool.get))
         self.reader.limits = _AUTH_LIMITS
         self.conn: Connection | None = None
@@ -663,7 +550,7 @@ class Service:
                         r["unlogged"], time.monotonic() - r["logged_at"], r["last"])  # fmt: skip
             r["logged_at"], r["unlogged"] = time.monotonic(), 0
 
-    def _allocated(self, n: int) -> None:
+    def _allocated(self, n: int) -> None:  # each connection's ReceivePool reports here
         self.block_bytes += n
         self.peak_block_bytes = max(self.peak_block_bytes, self.block_bytes)
 

@@ -91,6 +91,15 @@ LEARNER_PREFETCH = 2  # rounds a learner's RemoteSampler requests ahead: the sha
 # the one before is on the wire (gearflow bench transport sample, 2 cores: ~0.77 of a raw socket vs ~0.63 at 1)
 
 
+def _shard_list(shards) -> list:
+    """The shards a sampler reads: one address or client alone, or a list of 1 to 127 of them."""
+    if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
+        shards = [shards]
+    if not shards or len(shards) > 127:
+        raise ValueError(f"a sampler reads 1 to 127 shards, got {len(shards)}")
+    return list(shards)
+
+
 class RemoteSampler:
     """A :class:`~gearflow.replay.protocols.SamplerLike` over one or several shard services
     (see the module docstring for the sampling rule). ``seed`` seeds the split of a batch over
@@ -113,11 +122,7 @@ class RemoteSampler:
     def __init__(self, shards: Sequence[Any], token: str | None = None, *, prefetch: int = 1,
                  timeout_s: float = 60.0, num_buffers: int = 3, seed: int | None = None, loop: str = "auto",
                  health=None):  # fmt: skip
-        if isinstance(shards, (str, Client)) or (isinstance(shards, tuple) and len(shards) == 2 and isinstance(shards[1], int)):
-            shards = [shards]
-        if not shards or len(shards) > 127:
-            raise ValueError(f"a sampler reads 1 to 127 shards, got {len(shards)}")
-        pairs = [as_client(s, token, timeout_s, loop) for s in shards]
+        pairs = [as_client(s, token, timeout_s, loop) for s in _shard_list(shards)]
         self._clients = [c for c, _ in pairs]
         self._own = [own for _, own in pairs]
         self.health = health  # NodeHealth: down shards are left out (None: every shard, always)
