@@ -283,7 +283,8 @@ def test_cli_quick_measurement(tmp_path):
     assert rows[0] == {"bench": "cluster", "workload": "figures", "model": False, **fig}
     assert fig["env"] == "CartPole-v1" and fig["batch_size"] == 128 and fig["samples_per_insert"] == 8.0
     for key in ("actor_env_steps_per_s", "insert_steps_per_s", "transport_write_steps_per_s",
-                "transport_sample_batches_per_s", "transport_request_latency_us", "transport_loopback_bytes_per_s"):
+                "transport_sample_batches_per_s", "transport_request_latency_us", "transport_loopback_bytes_per_s",
+                "learner_loop_updates_per_s", "learner_loop_cpu_s"):
         assert math.isfinite(fig[key]) and fig[key] > 0, key  # fmt: skip
     assert fig["item_bytes"] == 4 * 4 * 2 + 8 + 4 + 4 + 8 + 8 + 4 + 8  # obs, next_obs, action, ret, disc, version; key, weight, prob
     for key in ("shard_sample_s", "learn_s", "allreduce_s"):
@@ -331,6 +332,21 @@ def test_shared_cores_bound_the_cluster():
     assert r["bottleneck"] == "cpu" and r["env_steps_per_s"] == pytest.approx(2.0 * 10 / 11 / (1 / 1000 + 1 / 1e6))
     assert r["update_bottleneck"] == "cpu"
     assert r["updates_per_s"] == pytest.approx((2.0 - r["env_steps_per_s"] * (1 / 1000 + 1 / 1e6)) / c_u)
+
+
+def test_the_learner_loops_own_cost_is_charged_beside_its_learn_step():
+    """Measured learner-loop figures (gearflow's Prefetcher + learn_step over a shard on loopback):
+    the loop's wall time beyond the learn step at B lengthens each update, its CPU beyond it is
+    charged to the cores in place of 1/S; figures without them model as before."""
+    looped = {**FIG, "transport_sample_batches_per_s": 50.0, "learner_loop_updates_per_s": 50.0,
+              "learner_loop_cpu_s": 0.03}  # fmt: skip
+    assert cluster.loop_overhead(looped) == pytest.approx((0.02 - 0.01, 0.03 - 0.01))
+    assert cluster.loop_overhead({**FIG, "transport_sample_batches_per_s": 50.0}) == (0.0, 1 / 50)
+    t_s = 1e-4 + (2e-4 - 1e-4) / 120 * (64 - 8)
+    assert cluster.cpu_s_per_update(looped, 2, 1) == pytest.approx(0.03 + 2 * (t_s + 2 * 1e-4))
+    r = cluster.model(looped, 2, 4, 1, 10.0, rho=0.0)  # the learner: learn step + the loop's rest
+    assert r["update_limits"]["learner"] == pytest.approx(1 / 0.02)
+    assert cluster.model(FIG, 2, 4, 1, 10.0, rho=0.0)["update_limits"]["learner"] == pytest.approx(1 / 0.01)
 
 
 def test_cli_takes_the_round_trip_and_cores(fig_file):

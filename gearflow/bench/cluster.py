@@ -29,15 +29,21 @@ transport_loopback_bytes_per_s)`` — one shard process cannot serve faster than
 * **network_learner** (a learner fetches b items per update, ``p`` = ``learner.prefetch``
   requests in flight, τ = ``transport_request_latency_us``, R = ``--link-rtt-ms``):
   ``U ≤ 1 / ((τ + R)/p + b·c/L)``;
-* **learner**: ``U ≤ 1 / max(t_l(b) + t_ar(K), τ + R)``: after each learn step the learner
+* **learner**: ``U ≤ 1 / max(t_l(b) + t_ar(K) + o, τ + R)``: after each learn step the learner
   writes the batch's priorities back without waiting (``RemoteSampler.update_priorities``);
   the next round is split once the reply is in, in the prefetching thread, so the round trip
-  overlaps the next learn step and bounds the rate only where it is the longer of the two;
+  overlaps the next learn step and bounds the rate only where it is the longer of the two.
+  ``o`` is what the learner's loop costs besides the learn step (``loop_overhead``: the batch's
+  assembly, the write-back, publishing, the prefetch thread's share of the interpreter), from
+  ``learner_loop_updates_per_s``: gearflow's own ``Prefetcher`` + ``Learner.learn_step`` over a
+  shard on loopback, less ``t_l(B)``;
 * **cpu** (only with ``--cores C``: every process shares C cores, e.g. an emulated cluster on one
-  machine): ``X·(1/a + 1/I) + U·c_u ≤ C``, with ``c_u = K·(t_l(b) + 1/S) + N·K·(t_s + 2τ)``
-  the core-seconds of one update (learn steps, the learner's side of its draw, 1/S with S =
-  ``transport_sample_batches_per_s``, the shards' samples, a sample and a priority request per
-  node and learner, τ of CPU each). Where the figures have S, ``network_learner`` is also
+  machine): ``X·(1/a + 1/I) + U·c_u ≤ C``, with ``c_u = K·(t_l(b) + o_cpu) + N·K·(t_s + 2τ)``
+  the core-seconds of one update (learn steps, the rest of each learner loop's CPU, ``o_cpu`` =
+  ``learner_loop_cpu_s − t_l(B)``, the shards' samples, a sample and a priority request per
+  node and learner, τ of CPU each). Figures from before the loop was measured use ``o = 0`` and
+  ``o_cpu = 1/S`` (the learner's side of one draw, S = ``transport_sample_batches_per_s``), which
+  priced a loaded update at less than half its cost. Where the figures have S, ``network_learner`` is also
   capped at S (what one ``RemoteSampler`` drew on loopback, ``prefetch`` ahead). With ρ = 0 the actors and shards get their processes'
   share ``C·N(M+1)/(N(M+1)+K)`` and the updates what they leave.
 
@@ -154,16 +160,30 @@ def allreduce_s(fig: dict, K: int, L: float) -> float:
     return 2 * (K - 1) * alpha + 2 * (K - 1) / K * float(fig["param_bytes"]) / min(L, beta)
 
 
+def loop_overhead(fig: dict) -> tuple[float, float]:
+    """(seconds, core-seconds) one learner process spends per update besides its learn step: from
+    ``learner_loop_updates_per_s`` and ``learner_loop_cpu_s`` (gearflow's learner loop over a
+    shard on loopback) less the learn step at B. Figures without them: (0, the learner's side of
+    one draw, 1 / ``transport_sample_batches_per_s``) as before they were measured."""
+    l0, l1 = _fit(fig["learn_s"])
+    t_learn = l0 + l1 * float(fig["batch_size"])
+    if fig.get("learner_loop_updates_per_s") and fig.get("learner_loop_cpu_s"):
+        return (max(0.0, 1.0 / float(fig["learner_loop_updates_per_s"]) - t_learn),
+                max(0.0, float(fig["learner_loop_cpu_s"]) - t_learn))  # fmt: skip
+    draw = 1.0 / float(fig["transport_sample_batches_per_s"]) if fig.get("transport_sample_batches_per_s") else 0.0
+    return 0.0, draw
+
+
 def cpu_s_per_update(fig: dict, N: int, K: int) -> float:
-    """c_u: core-seconds one global update costs the cluster: K learn steps, and per learner and
-    node one sample of ``B/(K·N)`` items and two requests (its sample and its priority update, τ
-    each: a loopback request's latency is the CPU of its two ends)."""
+    """c_u: core-seconds one global update costs the cluster: K learn steps with their loops'
+    own cost (:func:`loop_overhead`), and per learner and node one sample of ``B/(K·N)`` items and
+    two requests (its sample and its priority update, τ each: a loopback request's latency is the
+    CPU of its two ends)."""
     B = int(fig["batch_size"])
     l0, l1 = _fit(fig["learn_s"])
     s0, s1 = _fit(fig["shard_sample_s"])
     tau = float(fig["transport_request_latency_us"]) * 1e-6
-    draw = 1.0 / float(fig["transport_sample_batches_per_s"]) if fig.get("transport_sample_batches_per_s") else 0.0
-    return K * (l0 + l1 * B / K + draw) + N * K * (s0 + s1 * B / (K * N) + 2 * tau)
+    return K * (l0 + l1 * B / K + loop_overhead(fig)[1]) + N * K * (s0 + s1 * B / (K * N) + 2 * tau)
 
 
 def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp", rho: float | None = None,
@@ -191,7 +211,8 @@ def model(fig: dict, N: int, M: int, K: int, link_gbps: float, kind: str = "tcp"
     b = B / K
     t_s = s0 + s1 * B / (K * N)  # a shard's share of one learner's request
     t_round_trip = tau + rtt  # the priority write-back: its reply is read before the next round's split
-    t_update = max((l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L), t_round_trip)  # overlapped
+    t_update = max((l0 + l1 * b) / learner_speedup + allreduce_s(fig, K, L) + loop_overhead(fig)[0],
+                   t_round_trip)  # the write-back's round trip overlaps the next learn step
     u_net_learner = 1.0 / ((tau + rtt) / p + b * c / L)
     if fig.get("transport_sample_batches_per_s"):  # measured: what one RemoteSampler draws on loopback
         u_net_learner = min(u_net_learner, float(fig["transport_sample_batches_per_s"]))

@@ -211,6 +211,7 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
     from gearflow.transport import bench as tb
     from gearflow.transport.actor import ShippingWriter
     from gearflow.transport.learner import RemoteSampler
+    from gearflow.transport.learner.sampler import LEARNER_PREFETCH
 
     rng = np.random.default_rng(seed)
     B, E = int(cfg.learner.batch_size), 4
@@ -244,6 +245,9 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
         sampler.sample(8)
         small = np.array(tb.call_times(lambda: sampler.sample(8), seconds / 4)) * 1e6
         sampler.close()
+        sampler = RemoteSampler(addr, token=tb.TOKEN, prefetch=LEARNER_PREFETCH)  # as a learner over shards
+        loop_rate, loop_cpu = _learner_loop(cfg, agent, sampler, max(1.0, seconds))
+        sampler.close()
     finally:
         shard.close()
     loop = tb.sample(max(0.3, seconds / 2))
@@ -252,9 +256,43 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
             "transport_batch_latency_p50_us": float(np.percentile(lat, 50)),
             "transport_batch_latency_p99_us": float(np.percentile(lat, 99)),
             "transport_request_latency_us": float(np.percentile(small, 50)),
+            "learner_loop_updates_per_s": loop_rate, "learner_loop_cpu_s": loop_cpu,
             "transport_loopback_28k_rows_bytes_per_s": loop["remote_gb_per_s"] * 1e9,
             "transport_loopback_bytes_per_s": max(loop["remote_gb_per_s"] * 1e9,
                                                   batch_bytes / (np.percentile(lat, 50) * 1e-6))}  # fmt: skip
+
+
+def _learner_loop(cfg, agent, sampler, seconds: float) -> tuple[float, float]:
+    """(updates/s, CPU seconds per update) of gearflow's own learner loop over ``sampler``: the
+    ``Prefetcher`` drawing ``learner.batch_size`` ahead in its thread and ``Learner.learn_step``
+    (the learn step, the priority write-back, weights published every ``learner.publish_every``
+    into a parameter store). What one learner process spends per update besides the shards' side
+    of the draw: the sum of the learn step and one sample request misses the batches' assembly,
+    the write-back and the threads' contention (issue 34: 8 ms an update measured, 3.4 ms summed)."""
+    import threading
+
+    from gearflow.learner import Learner, Prefetcher, Progress
+    from gearflow.params import ParameterStore
+
+    agent.setup_learner()
+    store = ParameterStore.create(agent.learner_network())
+    learner = Learner(cfg.learner, agent, sampler, store, Progress(), run=cfg.run, env_steps=lambda: 0,
+                      actor_version=lambda: 0)  # fmt: skip
+    stop = threading.Event()
+    pre = Prefetcher(sampler, learner.lock, int(cfg.learner.batch_size), max(1, int(cfg.learner.prefetch)), stop)
+    try:
+        for _ in range(10):  # warm-up: the optimizer's state, the first publications
+            learner.learn_step(pre.get(timeout=120))
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
+        while n < 20 or time.perf_counter() - t0 < seconds:
+            learner.learn_step(pre.get(timeout=120))
+            n += 1
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        pre.close()
+        store.close()
+        store.unlink()
+    return n / wall, cpu / n
 
 
 def measure(config: str, quick: bool = False, seed: int = 0) -> dict:
