@@ -164,7 +164,9 @@ def loop_overhead(fig: dict) -> tuple[float, float]:
     """(seconds, core-seconds) one learner process spends per update besides its learn step: from
     ``learner_loop_updates_per_s`` and ``learner_loop_cpu_s`` (gearflow's learner loop over a
     shard on loopback) less the learn step at B. Figures without them: (0, the learner's side of
-    one draw, 1 / ``transport_sample_batches_per_s``) as before they were measured."""
+    one draw, 1 / ``transport_sample_batches_per_s``) as before they were measured. The loop is
+    measured with a CPU agent: for a GPU learner (``learn_s`` from the device) the difference
+    overstates the overhead; edit the two figures with your learner machine's loop."""
     l0, l1 = _fit(fig["learn_s"])
     t_learn = l0 + l1 * float(fig["batch_size"])
     if fig.get("learner_loop_updates_per_s") and fig.get("learner_loop_cpu_s"):
