@@ -20,6 +20,9 @@ measured on this machine by :func:`measure`.
   p50 latency of an 8-item sample (``transport_request_latency_us``: what a request costs besides
   its bytes), and ``transport_loopback_bytes_per_s``: the better of two byte rates a shard served on
   loopback, 28 KiB rows (``transport.bench.sample``) and the config's batch at its p50 latency.
+* ``learner_loop_updates_per_s``, ``learner_loop_cpu_s``: gearflow's own learner loop
+  (``Prefetcher`` + ``Learner.learn_step``, a CPU agent) over that shard: updates/s and CPU
+  seconds per update (:func:`_learner_loop`; the model charges what exceeds the learn step).
 * ``item_bytes`` (c): bytes of one sampled item (every column of the batch, next columns, key,
   weight, probability); ``step_bytes``: bytes stored per step.
 """

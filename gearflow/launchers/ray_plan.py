@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from gearflow.errors import GearflowError
 
-log = logging.getLogger("gearflow.runner")  # the driver's logger (gearflow.launchers.ray)
+log = logging.getLogger("gearflow.runner")  # the logger ray.py's driver writes to: the same lines as before the move
 
 __all__ = ["learner_gpus", "needs_line", "place_roles", "run_summary"]
 
