@@ -508,6 +508,32 @@ def test_remote_mend_renormalises_the_whole_batch_after_a_partial_torn_redraw():
     assert redrawn == [1]
 
 
+def test_remote_mend_wins_when_every_redraw_of_many_rows_is_torn_on_the_way():
+    """Mutant: the mend redrawing every torn row in each round. A link so slow that any reply
+    of more than one row is overwritten on its way loses all of them, round after round, until
+    the timeout; after a round that lost every row it tried, the next asks for half as many."""
+    from gearflow.replay.protocols import SelectorInfo
+    from gearflow.transport.learner.assembly import BatchAssembly
+
+    assembly = BatchAssembly(SelectorInfo("uniform", False), num_buffers=1)
+    asked, next_key = [], iter(range(100, 10_000))
+
+    def redraw(n):
+        asked.append(n)
+        keys = np.array([next(next_key) for _ in range(n)], np.int64)
+        data = keys.astype(np.float32)[:, None]
+        torn = np.full(n, 1 if n > 1 else 0, np.uint8)
+        return {"total": 8.0, "count": 8, "torn": bool(torn.any())}, [keys, np.full(n, 0.125), np.ones(n, np.float32), data, torn]
+
+    keys = np.arange(8, dtype=np.int64)
+    reply = (0, 8, {"total": 8.0, "count": 8, "torn": True},
+             [keys, np.full(8, 0.125), np.ones(8, np.float32), keys.astype(np.float32)[:, None], np.ones(8, np.uint8)])  # fmt: skip
+    *_, bufs = assembly.mend(reply, "shard-0", redraw, 5.0, lambda: sum(asked))
+    assert (bufs[0] >= 100).all() and len(set(bufs[0].tolist())) == 8  # every row redrawn, once each kept
+    np.testing.assert_array_equal(bufs[3][:, 0], bufs[0].astype(np.float32))  # each row its own item's data
+    assert asked[:4] == [8, 4, 2, 1] and max(asked[4:]) <= 2
+
+
 # ---------------------------------------------------------------------------- data-parallel setup
 def test_data_parallel_setup_broadcasts_buffers_of_an_agent_without_state_dict(monkeypatch):
     """Mutant: the data-parallel fallback broadcast skipping module.buffers(). An agent without

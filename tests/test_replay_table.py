@@ -501,6 +501,40 @@ def test_torn_items_are_resampled_prioritized_weights_renormalised(make_table):
     np.testing.assert_allclose(by[16.0], 0.5, rtol=1e-6)
 
 
+class LappingTable(Table):
+    """A sampler slowed by load: while it copies more than one row, the writer laps the whole
+    ring (and makes items of the new steps), so every row of such a gather is torn; a
+    one-row gather is left alone."""
+
+    lap = None
+
+    def _gather(self, slots, rec, out, only=None, tensors=None):
+        if self.lap is not None and (slots.size if only is None else only.size) > 1:
+            self.lap()
+        return super()._gather(slots, rec, out, only, tensors)
+
+
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_a_sampler_lapped_during_every_redraw_of_many_rows_still_completes_its_batch(make_table, selector):
+    # redrawing all torn rows at once would lose them all again, round after round, until the
+    # sample timed out; fewer rows a round after a round that lost them all wins
+    S = 16
+    table = make_table(SPEC, P=1, S=S, selector=selector, kind=KINDS["transition"], table_cls=LappingTable)
+    rec = Recorder(table.storage, [0])
+
+    def lap():
+        for _ in range(S):
+            rec.append(0)
+            rec.item(0, 1)
+
+    lap()
+    table.scan()
+    table.lap = lap
+    s = table.sample(8, timeout_s=5)
+    check_batch(s, rec, table.kind, 1, 8)  # every row what its item's steps held when copied
+    assert table.torn >= 8 and table.stats()["replay/torn_resampled"] == table.torn
+
+
 # ---------------------------------------------------------------------------- buffers & misc
 def test_buffers_rotate_and_batches_are_copies(make_table):
     table = make_table(SPEC, P=1, S=16, selector="fifo", num_buffers=3)

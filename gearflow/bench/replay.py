@@ -282,6 +282,11 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
     torn item was detected and redrawn: then the check proved nothing."""
     steps = max(4096, int(100_000 * scale)) // 64 * 64
     seconds = max(1.5, 5.0 * scale)
+    # A batch's gather must take a small part of one lap of the ring: once a sampler slowed
+    # by load cannot redraw its torn rows within a lap, every redraw is torn again and the
+    # sample times out. 256 rows are ~2/3 of a lap of the smallest (4,096-step) ring at full
+    # speed, so a small ring draws fewer rows (at most one per 64 steps held).
+    batch = min(256, steps // 64)
     table = prioritized_table(W3_SPEC, 1, steps, Transition(next_columns=("obs",)), seed)
     ctx = mp.get_context("spawn")
     procs = []
@@ -301,7 +306,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
             _, pos0, seq0 = q.get(timeout=120)
             bases.append((seq0, pos0))
             if phase == "concurrent":
-                table.wait_until_ready(256, timeout_s=60)
+                table.wait_until_ready(batch, timeout_s=60)
             else:
                 stop.set()  # solo: the writer runs ``seconds``
             go.set()
@@ -310,7 +315,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
                 # item overwritten mid-gather (a loaded machine may starve the writer for a while)
                 samples, bad, start = 0, 0, time.perf_counter()
                 while proc.is_alive():
-                    s = table.sample(256)
+                    s = table.sample(batch)
                     bad += verify_stamps(s, bases)
                     samples += 1
                     elapsed = time.perf_counter() - start
@@ -326,7 +331,7 @@ def w3(emit: Emit, scale: float, seed: int) -> None:
             if phase == "writer_solo":
                 samples, bad, start = 0, 0, time.perf_counter()
                 while time.perf_counter() - start < seconds:
-                    s = table.sample(256)
+                    s = table.sample(batch)
                     bad += verify_stamps(s, bases)
                     samples += 1
                 rates["sampler_solo"] = samples / (time.perf_counter() - start)

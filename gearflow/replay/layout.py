@@ -115,3 +115,25 @@ def buffer_sets(prefetch: int) -> int:
     """Batch buffer sets a table (or shard) keeps for a consumer that prefetches ``prefetch``
     batches: one being read by the learner, ``prefetch`` queued, one being filled."""
     return int(prefetch) + 2
+
+
+class RedrawRounds:
+    """How many of a batch's torn rows to redraw in the next round. A sampler slowed by load
+    whose redraw of every torn row takes longer than the writers need to lap the ring loses
+    them all again, round after round, until its sample times out: after a round that lost
+    every row it tried, the next tries half as many (each round short enough to win), and
+    after one that lost none, twice as many."""
+
+    def __init__(self, n: int):
+        self.size = max(1, int(n))
+
+    def take(self, bad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows to redraw now, and the rest (left for later rounds)."""
+        return bad[: self.size], bad[self.size :]
+
+    def lost(self, tried: int, again: int) -> None:
+        """A round redrew ``tried`` rows, of which ``again`` were torn again."""
+        if again >= tried:
+            self.size = max(1, self.size // 2)
+        elif again == 0:
+            self.size *= 2

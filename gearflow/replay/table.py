@@ -56,7 +56,7 @@ from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.inserts import InsertLimit
 from gearflow.replay.items import ItemKind
-from gearflow.replay.layout import item_key, slot_partition, torn_items
+from gearflow.replay.layout import RedrawRounds, item_key, slot_partition, torn_items
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiter, RateLimiterTimeout
 from gearflow.replay.selectors import KeyIndex, Selector
 from gearflow.replay.storage import (
@@ -277,25 +277,30 @@ class Table(TableIngest):
         rec = _take_records(self._slot_rec, slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)
-        deadline, masses = None, None
+        deadline, masses, newly, rounds = None, None, bad, RedrawRounds(bad.size)
         while bad.size:
-            # steps overwritten while we copied: evict those items, draw replacements
-            deadline = self.evict_torn(slots[bad], deadline, timeout_s, "they could be gathered")
+            # steps overwritten while we copied: evict those items, draw replacements (as many
+            # rows a round as ``rounds`` says: a slowed sampler must win some rounds)
+            if newly.size:
+                deadline = self.evict_torn(slots[newly], deadline, timeout_s, "they could be gathered")
             if masses is None and sel.total is not None:
                 masses = probs * sel.total  # each row's mass at its draw
-            fresh = self.selector.sample(bad.size)
+            part, rest = rounds.take(bad)
+            fresh = self.selector.sample(part.size)
             slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
-            slots[bad], probs[bad], weights[bad] = fresh.slots, fresh.probabilities, fresh.weights
+            slots[part], probs[part], weights[part] = fresh.slots, fresh.probabilities, fresh.weights
             if masses is not None and fresh.total is not None:
-                masses[bad] = fresh.probabilities * fresh.total
+                masses[part] = fresh.probabilities * fresh.total
                 # one normalisation for the whole batch, against the table as it is now
                 probs, weights = self.selector.reweigh(masses) or (probs, weights)
             # only the redrawn rows get records: the scan above may have ingested new items
             # into slots that other rows still hold, and those rows keep the records (and so
             # the keys) of the items they gathered
-            rec[:, bad] = _take_records(self._slot_rec, fresh.slots)
-            self._gather(slots, rec, out, only=bad, tensors=tensors)
-            bad = bad[self._torn(slots[bad], rec[:, bad])]
+            rec[:, part] = _take_records(self._slot_rec, fresh.slots)
+            self._gather(slots, rec, out, only=part, tensors=tensors)
+            newly = part[self._torn(slots[part], rec[:, part])]
+            rounds.lost(part.size, newly.size)
+            bad = np.concatenate([newly, rest])
         self.note_sampled(batch_size)
         keys = self.keys_of(slots, rec)
         sample = Sample(

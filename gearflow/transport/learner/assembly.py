@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gearflow.replay.rate_limiter import RateLimiterTimeout
-from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, key_shard, shard_key
+from gearflow.replay.layout import PROPORTIONAL_SELECTORS, SHARD_SHIFT, RedrawRounds, key_shard, shard_key
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.table import Sample
 
@@ -134,18 +134,20 @@ class BatchAssembly:
         if not bad.size:
             return i, b, meta, bufs
         masses = bufs[1] * max(float(meta["total"]), 0.0)  # each item's mass at its draw
-        deadline = time.monotonic() + timeout_s
+        deadline, rounds = time.monotonic() + timeout_s, RedrawRounds(bad.size)
         while bad.size:
             if time.monotonic() > deadline:  # as a local table gives up
                 raise RateLimiterTimeout(f"replay: writers kept overwriting the drawn items of shard {i} faster than "
                                          f"they could be sent ({redrawn()} redrawn so far); its rings are too small "
                                          f"for the write rate")  # fmt: skip
-            meta, fresh = redraw(int(bad.size))
-            again = torn_of(address, i, fresh.pop(), bad.size) if meta.get("torn") else bad[:0]
+            part, rest = rounds.take(bad)  # as many rows a round as a slowed link can win
+            meta, fresh = redraw(int(part.size))
+            again = torn_of(address, i, fresh.pop(), part.size) if meta.get("torn") else part[:0]
             for a, f in zip(bufs, fresh):
-                a[bad] = f
-            masses[bad] = fresh[1] * max(float(meta["total"]), 0.0)
-            bad = bad[again]
+                a[part] = f
+            masses[part] = fresh[1] * max(float(meta["total"]), 0.0)
+            rounds.lost(part.size, again.size)
+            bad = np.concatenate([part[again], rest])
         total = max(float(meta["total"]), 0.0)
         if total > 0:
             np.divide(masses, total, out=bufs[1])  # one normalisation, against the shard now
