@@ -357,6 +357,74 @@ def test_writer_blocks_on_rate_limiter_and_times_out(make_table):
         w.storage.close()
 
 
+def test_a_writer_waiting_for_a_large_room_is_not_starved_by_one_taking_small_pieces(make_table):
+    """Writer A publishes one item at a time as fast as room appears; writer B needs room for 8
+    at once (16 envs ending their episodes together flush many items). Each sample makes room
+    for one item. Before, A took every bit of room as it appeared and B waited for ever (one
+    actor of a HalfCheetah run wrote nothing for 660 s); now A waits behind B, who waited first."""
+    import threading
+
+    from gearflow.replay.inserts import InsertAborted
+    from gearflow.replay.storage import WAIT_SINCE_NS
+
+    # spi 1, error buffer 8: the limit is samples + 9; the room can reach 15 with nothing inserted
+    table = make_table(SPEC, P=2, S=64, R=64, limiter=RateLimiter(1, samples_per_insert=1.0, error_buffer=8.0))
+    st = table.storage
+    stop, b_done, errors = threading.Event(), threading.Event(), []
+    a = Writer(SharedStorage.attach(st.name), [0], insert_timeout_s=120)
+    b = Writer(SharedStorage.attach(st.name), [1], insert_timeout_s=120)
+    a.abort = stop.is_set
+    room = lambda: int(st.header[H_INSERT_LIMIT]) - int(st.counters[:, PUBLISHED].sum())  # noqa: E731
+
+    def run_a():
+        try:
+            t = 0
+            while not stop.is_set():
+                a.append(step_values([0], [t]))
+                a.create_items([1.0], num_steps=1)
+                t += 1
+        except InsertAborted:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def run_b():
+        try:
+            for t in range(8):
+                b.append(step_values([0], [t]))
+            b.create_items(np.ones(8), num_steps=1, streams=np.zeros(8, np.int64), ends=np.arange(1, 9))
+            b_done.set()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def wait(cond):
+        deadline = time.monotonic() + 60  # a hang guard only: every wait ends on progress
+        while not cond():
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(1e-4)
+
+    ta, tb = threading.Thread(target=run_a), threading.Thread(target=run_b)
+    try:
+        ta.start()
+        wait(lambda: room() == 0)  # A took the first room
+        tb.start()
+        samples = 0
+        while not b_done.is_set() and samples < 400:
+            # sample once A has taken the room, or once A waits (behind B)
+            wait(lambda: room() == 0 or st.counters[0, WAIT_SINCE_NS] != 0 or b_done.is_set())
+            table.sample(1)
+            samples += 1
+        assert b_done.is_set(), f"B got no room for its 8 items in {samples} samples"
+    finally:
+        stop.set()
+        ta.join(30)
+        tb.join(30)
+        a.storage.close()
+        b.storage.close()
+    assert not errors, errors
+    assert st.counters[1, PUBLISHED] == 8 and st.counters[:, WAIT_SINCE_NS].tolist() == [0, 0]
+
+
 def test_append_of_large_rows_in_c_writes_what_the_slice_copies_write(storage_factory, monkeypatch):
     """Rows of 2,800 bytes go through _hotpath.put_rows (one memcpy a row); the slice-copy
     loop it replaced is the reference: the same batches give the same table, ring wraps and

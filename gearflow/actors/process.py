@@ -72,8 +72,8 @@ class _Paused:
         new_pause = held_s <= self._last  # within one pause held_s only grows
         self._last = held_s
         if self._said < 0 or new_pause or held_s - self._said >= 600:
-            log.warning("actor %d paused: its insert has been held %.0f s by the rate limiter (no learner is "
-                        "sampling this replay); it waits for one", self.actor_index, held_s)  # fmt: skip
+            log.warning("actor %d paused: its insert has been held %.0f s by the rate limiter (no learner has "
+                        "sampled enough to make room); it waits for one", self.actor_index, held_s)  # fmt: skip
             self._said = held_s
         return True
 

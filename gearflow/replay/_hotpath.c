@@ -779,6 +779,7 @@ done:
 #define F_COMMIT 1
 #define F_PUBLISHED 2
 #define F_REC_RESERVE 6
+#define F_WAIT_SINCE_NS 7  /* storage.WAIT_SINCE_NS: a writer waits for the insert limit since (ns; 0: none) */
 /* Optional trailing arguments (a prioritized selector's own state, for the fused path):
  *   position: int64[N], live: int64[N], count, levels, fanout, alpha
  * With them every ingested item is also made live in the selector with mass p ** alpha and
@@ -1273,9 +1274,13 @@ static PyObject *nstep_publish(PyObject *self, PyObject *args) {
     if (mode == 0 && m) {  /* the rate limiter: the table's inserts + m within its limit */
         const int64_t limit = __atomic_load_n(&c->header[H_INSERT_LIMIT_F], __ATOMIC_RELAXED);
         if (limit != NO_LIMIT_V) {
-            int64_t total = 0;
-            for (Py_ssize_t p = 0; p < c->P; p++) total += __atomic_load_n(&c->counters[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
-            if (total + m > limit) return PyLong_FromLong(-1);
+            int64_t total = 0, waiting = 0;
+            for (Py_ssize_t p = 0; p < c->P; p++) {
+                total += __atomic_load_n(&c->counters[p * 8 + F_PUBLISHED], __ATOMIC_RELAXED);
+                waiting |= __atomic_load_n(&c->counters[p * 8 + F_WAIT_SINCE_NS], __ATOMIC_RELAXED);
+            }
+            /* a writer waits for room: Python's wait_for_insert decides who goes first */
+            if (total + m > limit || waiting) return PyLong_FromLong(-1);
         }
     }
     if (mode != 2 && m) {

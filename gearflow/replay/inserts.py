@@ -12,6 +12,13 @@ writer's ``abort()`` says stop (:class:`InsertAborted`) or ``timeout_s`` passes
 ``hold(seconds_held)`` instead; while it returns True the insert waits on (Reverb's blocking
 insert: an actor whose learner is away pauses, it is not killed).
 
+Writers take room in the order they began to wait. A waiting writer stamps its partitions'
+``WAIT_SINCE_NS`` (and their ``HEARTBEAT_NS`` at each re-check); a writer with room still waits
+while another live writer (heartbeat under :data:`STALE_WAITER_NS` old) has waited longer. Without
+this, a writer that needs a large room (16 envs ending their episodes at once flush 16 × n items)
+never found it: writers of small pieces took each bit of room as the learner's samples made it,
+and one actor of a HalfCheetah run wrote nothing for 660 s.
+
     wait_for_insert(storage, m, timeout_s=60.0, abort=stop_event.is_set)   # then publish m items
     table.insert_limit.publish()    # the table's side: after a sample, a scan, a new limiter
 """
@@ -22,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from gearflow.errors import GearflowError
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.storage import (
@@ -29,7 +38,9 @@ from gearflow.replay.storage import (
     H_CLOSED,
     H_INSERT_LIMIT,
     H_SAMPLES,
+    HEARTBEAT_NS,
     PUBLISHED,
+    WAIT_SINCE_NS,
     SharedStorage,
     TableClosed,
 )
@@ -37,7 +48,9 @@ from gearflow.replay.storage import (
 if TYPE_CHECKING:
     from gearflow.replay.table import Table
 
-__all__ = ["InsertAborted", "InsertLimit", "wait_for_insert"]
+__all__ = ["STALE_WAITER_NS", "InsertAborted", "InsertLimit", "wait_for_insert"]
+
+STALE_WAITER_NS = 2_000_000_000  # a waiter that has not re-checked for this long is not waited for (dead)
 
 
 class InsertAborted(GearflowError):
@@ -45,33 +58,65 @@ class InsertAborted(GearflowError):
 
 
 def wait_for_insert(storage: SharedStorage, m: int, timeout_s: float, abort: Callable[[], bool] | None,
-                    hold: Callable[[float], bool] | None = None) -> None:
+                    hold: Callable[[float], bool] | None = None, partitions: np.ndarray | None = None) -> None:
     """Return once the table's insert limit takes ``m`` more items (at once in the usual case:
-    no limit, or room); see the module docstring for how it gives up."""
+    no limit, or room and nobody waiting before); see the module docstring for how it gives up.
+    ``partitions``: the writer's own (it stamps them while it waits; None: a writer that waits
+    behind the others but is not waited for)."""
     header, counters = storage.header, storage.counters
     limit = int(header[H_INSERT_LIMIT])
-    if limit == NO_LIMIT or counters[:, PUBLISHED].sum() + m <= limit:
+    if limit == NO_LIMIT:
+        return
+    mine = _NO_PARTITIONS if partitions is None else np.asarray(partitions, dtype=np.int64)
+    start_ns = time.monotonic_ns()
+    if counters[:, PUBLISHED].sum() + m <= limit and not _waited_longer(counters, mine, start_ns, start_ns):
         return
     start = time.monotonic()
     deadline = start + timeout_s
     delay = 1e-4
-    while counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]:
-        if header[H_CLOSED]:  # Table.close() set the limit below any count: it never opens again
-            raise TableClosed(f"insert of {m} item(s) refused: the replay table {storage.name} was closed")
-        if abort is not None and abort():
-            raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
-        if time.monotonic() > deadline:
-            if hold is not None and hold(time.monotonic() - start):
-                deadline = time.monotonic() + timeout_s  # asked again after another timeout_s
-                continue
-            raise RateLimiterTimeout(
-                f"insert of {m} item(s) blocked for {timeout_s:.1f} s by the rate "
-                f"limiter: {int(counters[:, PUBLISHED].sum())} inserted, "
-                f"{int(header[H_SAMPLES])} sampled, limit {int(header[H_INSERT_LIMIT])} "
-                f"(is the learner sampling?)"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, MAX_BACKOFF_S)
+    counters[mine, WAIT_SINCE_NS] = start_ns
+    counters[mine, HEARTBEAT_NS] = start_ns
+    try:
+        while (counters[:, PUBLISHED].sum() + m > header[H_INSERT_LIMIT]
+               or _waited_longer(counters, mine, start_ns, time.monotonic_ns())):  # fmt: skip
+            if header[H_CLOSED]:  # Table.close() set the limit below any count: it never opens again
+                raise TableClosed(f"insert of {m} item(s) refused: the replay table {storage.name} was closed")
+            if abort is not None and abort():
+                raise InsertAborted(f"insert of {m} item(s) abandoned while the rate limiter held it: the writer was asked to stop")
+            if time.monotonic() > deadline:
+                if hold is not None and hold(time.monotonic() - start):
+                    deadline = time.monotonic() + timeout_s  # asked again after another timeout_s
+                    continue
+                raise RateLimiterTimeout(
+                    f"insert of {m} item(s) blocked for {timeout_s:.1f} s by the rate "
+                    f"limiter: {int(counters[:, PUBLISHED].sum())} inserted, "
+                    f"{int(header[H_SAMPLES])} sampled, limit {int(header[H_INSERT_LIMIT])} "
+                    f"(is the learner sampling?)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+            counters[mine, HEARTBEAT_NS] = time.monotonic_ns()  # still waiting: the others wait behind it
+            counters[mine, WAIT_SINCE_NS] = start_ns  # (again, if another writer took it for stale)
+    finally:
+        counters[mine, WAIT_SINCE_NS] = 0
+
+
+_NO_PARTITIONS = np.zeros(0, dtype=np.int64)
+
+
+def _waited_longer(counters: np.ndarray, mine: np.ndarray, since_ns: int, now_ns: int) -> bool:
+    """Whether a live writer of other partitions than ``mine`` has waited since before ``since_ns``."""
+    waits = counters[:, WAIT_SINCE_NS]
+    if not waits.any():  # the usual case: nobody waits
+        return False
+    live = now_ns - counters[:, HEARTBEAT_NS] < STALE_WAITER_NS
+    stale = (waits > 0) & ~live
+    stale[mine] = False
+    if stale.any():  # a writer that died waiting: its stamp is cleared (one still waiting stamps again)
+        counters[np.flatnonzero(stale), WAIT_SINCE_NS] = 0
+    before = (waits > 0) & (waits < since_ns) & live
+    before[mine] = False
+    return bool(before.any())
 
 
 class InsertLimit:

@@ -78,7 +78,9 @@ CLOSED_LIMIT = -1
 # (containers) or survived a reboot, so gc needs the whole identity to remove a segment
 H_BOOT_ID, H_PID_NS, H_START_TIME, H_RUN_TAG = range(12, 16)
 # counter fields
-RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS, REC_RESERVE = range(7)
+RESERVE, COMMIT, PUBLISHED, EPISODES, WRITER_PID, HEARTBEAT_NS, REC_RESERVE, WAIT_SINCE_NS = range(8)
+# WAIT_SINCE_NS: time.monotonic_ns() since which the partition's writer has waited for the insert
+# limit (0: not waiting); writers take room in the order they began to wait (replay/inserts.py)
 
 
 

@@ -386,7 +386,7 @@ class Writer(StreamPositions):
 
     def _wait_for_insert(self, m: int) -> None:
         """Before publishing ``m`` items (a hook: the shipping writer ships here)."""
-        wait_for_insert(self.storage, m, self.insert_timeout_s, self.abort, self.hold)
+        wait_for_insert(self.storage, m, self.insert_timeout_s, self.abort, self.hold, self.partitions)
 
     def end_episode(self, streams=None) -> None:
         """Close the current episode of ``streams``: later items cannot reach back into it."""
