@@ -16,6 +16,8 @@ region as it is)::
                REC_RESERVE item records that may be being written: the records of items
                          < REC_RESERVE - R are gone or going (bumped *before* a record
                          slot is rewritten; the record ring's seqlock upper bound)
+               WAIT_SINCE_NS when the partition's writer began to wait for the insert limit
+                         (0: not waiting; writers take room in that order: inserts.py)
     item_start    int64[P, R]       absolute step index of each item record's first step
     item_length   int32[P, R]       steps in the item
     item_priority float64[P, R]     initial priority
