@@ -408,6 +408,7 @@ def test_a_writer_waiting_for_a_large_room_is_not_starved_by_one_taking_small_pi
         ta.start()
         wait(lambda: room() == 0)  # A took the first room
         tb.start()
+        wait(lambda: st.counters[1, COMMIT] == 8)  # B wrote its steps: its items wait for room next
         samples = 0
         while not b_done.is_set() and samples < 400:
             # sample once A has taken the room, or once A waits (behind B)
