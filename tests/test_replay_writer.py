@@ -426,6 +426,24 @@ def test_a_writer_waiting_for_a_large_room_is_not_starved_by_one_taking_small_pi
     assert st.counters[1, PUBLISHED] == 8 and st.counters[:, WAIT_SINCE_NS].tolist() == [0, 0]
 
 
+def test_a_writer_that_died_waiting_does_not_hold_the_others(make_table):
+    """A waiter's stamp left behind (its process killed while it waited, heartbeat stale) is not
+    waited for: a writer with room publishes at once, and the stale stamp is cleared."""
+    from gearflow.replay.storage import WAIT_SINCE_NS
+
+    table = make_table(SPEC, P=2, S=16, limiter=RateLimiter(1, samples_per_insert=1.0, error_buffer=8.0))
+    st = table.storage
+    st.counters[1, WAIT_SINCE_NS] = 1  # waited since long ago...
+    st.counters[1, HEARTBEAT_NS] = time.monotonic_ns() - 10 * 10**9  # ...and last re-checked 10 s ago
+    w = Writer(SharedStorage.attach(st.name), [0], insert_timeout_s=2)
+    try:
+        w.append(step_values([0], [0]))
+        w.create_items([1.0], num_steps=1)  # RateLimiterTimeout if it waited behind the dead writer
+        assert st.counters[0, PUBLISHED] == 1 and st.counters[1, WAIT_SINCE_NS] == 0
+    finally:
+        w.storage.close()
+
+
 def test_append_of_large_rows_in_c_writes_what_the_slice_copies_write(storage_factory, monkeypatch):
     """Rows of 2,800 bytes go through _hotpath.put_rows (one memcpy a row); the slice-copy
     loop it replaced is the reference: the same batches give the same table, ring wraps and

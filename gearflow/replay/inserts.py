@@ -114,7 +114,7 @@ def _waited_longer(counters: np.ndarray, mine: np.ndarray, since_ns: int, now_ns
     stale[mine] = False
     if stale.any():  # a writer that died waiting: its stamp is cleared (one still waiting stamps again)
         counters[np.flatnonzero(stale), WAIT_SINCE_NS] = 0
-    before = (waits > 0) & (waits < since_ns) & live
+    before = (waits > 0) & (waits < since_ns)  # (``waits`` is a view: the stale stamps are 0 now)
     before[mine] = False
     return bool(before.any())
 
