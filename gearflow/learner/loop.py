@@ -1,5 +1,5 @@
-"""The learner loop: batches in (prefetched, or from a serial actor), learn step, priority
-write-back, β schedule, weight publishing, metric rows, stop limits, periodic checkpoints.
+"""The learner loop: learn step, priority write-back, β schedule, weight publishing, metric rows,
+stop limits, periodic checkpoints.
 
 :class:`Learner` reads replay through the sampler interface
 (:class:`~gearflow.replay.protocols.SamplerLike`: ``sample`` / ``update_priorities`` /
@@ -17,13 +17,10 @@ writes checkpoints.
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -31,174 +28,15 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from gearflow.run.checkpoint import RunCheckpoints, rng_states
 from gearflow.config import parse_period
+from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
+from gearflow.run.checkpoint import RunCheckpoints, rng_states
 
 if TYPE_CHECKING:
     from gearflow.distributed import DataParallel
 
 log = logging.getLogger("gearflow.runner")
-
-__all__ = ["BetaSchedule", "Learner", "Prefetcher", "Progress", "SerialBatches"]
-
-ACTING_S = 30.0  # an actor that reported nothing for this long (held by a rate limiter, dead, restarting) is not acting
-
-
-@dataclass
-class Progress:
-    """What the run tracks for logs, checkpoints and the final summary."""
-
-    start: float = field(default_factory=time.monotonic)
-    updates: int = 0
-    episodes: int = 0
-    wait_s: float = 0.0
-    learn_s: float = 0.0
-    returns: dict[int, collections.deque] = field(default_factory=dict)  # per actor
-    all_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
-    restarts: int = 0
-    samples: int = 0  # items learned from
-    tokens: int = 0  # steps learned from (items × their valid steps)
-    data_age: float = 0.0
-    actor_counters: dict[int, dict] = field(default_factory=dict)  # latest "counters" message per actor
-    seen: dict[int, float] = field(default_factory=dict)  # per actor: time.monotonic() of its latest report
-
-    def saw(self, actor: int, now: float | None = None) -> None:
-        """``actor`` reported (an episode, or counters: it is stepping its envs)."""
-        self.seen[actor] = time.monotonic() if now is None else now
-
-    def add_episode(self, actor: int, ret: float) -> None:
-        self.saw(actor)
-        self.returns.setdefault(actor, collections.deque(maxlen=100)).append(ret)
-        self.all_returns.append(ret)
-        self.episodes += 1
-
-    def state(self, now: float) -> dict[str, Any]:
-        """JSON-able counters for a checkpoint (``now``: ``time.monotonic()``)."""
-        return {
-            "elapsed_s": now - self.start, "updates": self.updates, "episodes": self.episodes,
-            "samples": self.samples, "tokens": self.tokens,
-            "wait_s": self.wait_s, "learn_s": self.learn_s, "restarts": self.restarts,
-            "returns": {str(a): list(r) for a, r in self.returns.items()},
-            "all_returns": list(self.all_returns),
-        }  # fmt: skip
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.start = time.monotonic() - float(state["elapsed_s"])
-        self.updates, self.episodes = int(state["updates"]), int(state["episodes"])
-        self.wait_s, self.learn_s = float(state["wait_s"]), float(state["learn_s"])
-        self.restarts = int(state["restarts"])
-        self.samples, self.tokens = int(state.get("samples", 0)), int(state.get("tokens", 0))
-        self.returns = {int(a): collections.deque(r, maxlen=100) for a, r in state["returns"].items()}
-        self.all_returns = collections.deque(state["all_returns"], maxlen=100)
-
-    def greediest(self, now: float | None = None) -> int | None:
-        """The greediest actor that is acting: the highest index among those with episodes that
-        reported within ``ACTING_S`` (a starved, dead or restarting actor's last episodes are
-        old news, and it may be the one on a node that started late); None when none is."""
-        now = time.monotonic() if now is None else now
-        acting = [a for a in self.returns if now - self.seen.get(a, -math.inf) <= ACTING_S]
-        return max(acting, default=None)
-
-    def greediest_return(self, now: float | None = None) -> float:
-        """Mean of the last 100 episodes of the greediest acting actor (:meth:`greediest`; none
-        acting: of the highest index, the last one that acted)."""
-        if not self.returns:
-            return float("nan")
-        actor = self.greediest(now)
-        return float(np.mean(self.returns[max(self.returns) if actor is None else actor]))
-
-    def actor_weights_version(self) -> int:
-        """The oldest weights version any actor that has acted reported (-1 before one has): an
-        actor still starting (a spawned process importing torch) has no policy lag yet."""
-        versions = [int(c.get("actor/weight_version", -1)) for c in self.actor_counters.values()
-                    if int(c.get("actor/env_steps", 1)) > 0]  # fmt: skip
-        return min(versions) if versions else -1
-
-
-class Prefetcher:
-    """Samples batches in a background thread, ``depth`` ahead of the learner."""
-
-    def __init__(self, table: SamplerLike, lock: threading.Lock, batch_size: int, depth: int,
-                 stop: threading.Event, progress: Optional[Progress] = None):  # fmt: skip
-        self.table, self.lock, self.batch_size, self.progress = table, lock, batch_size, progress
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = stop
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                with self.lock:
-                    try:
-                        batch = self.table.sample(self.batch_size, timeout_s=0.2)
-                    except TimeoutError:
-                        continue
-                while not self.stop.is_set():
-                    try:
-                        self.queue.put(batch, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as exc:  # surfaced in the learner thread
-            self.error = exc
-
-    def get(self, timeout: float) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.queue.get(timeout=timeout)
-
-    def next_batch(self):
-        """The next batch, or None after waiting 0.5 s (the wait counts once learning began)."""
-        t0 = time.perf_counter()
-        try:
-            batch = self.get(timeout=0.5)
-        except queue.Empty:
-            batch = None
-        if self.progress is not None and self.progress.updates:
-            self.progress.wait_s += time.perf_counter() - t0
-        return batch
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-
-
-class SerialBatches:
-    """``run.serial=true``: a batch whenever the rate limiter allows one (the same check the table
-    applies when it samples), else one actor step, a scan, and a batch if that allowed one.
-
-    Sampling first keeps the one thread from deadlocking where one batch allows fewer inserts than
-    one actor step writes (``batch_size / samples_per_insert`` < the items of one recv): stepping
-    first would add more than a batch frees every turn until an insert blocks, with no sampler left
-    to free it. Now the actor steps only once no batch can be sampled, the state the error buffer
-    leaves room to insert from (``2 · error_buffer ≥ batch_size + items · samples_per_insert``).
-
-    ``paced=False`` (``replay.samples_per_insert=0``: inserts never wait for samples) steps the
-    actor every call, then samples: sampling first would learn forever on the first
-    ``min_size_to_sample`` items, the actor never stepping again."""
-
-    def __init__(self, actor, table, batch_size: int, progress: Progress, paced: bool = True):
-        self.actor, self.table, self.batch_size, self.progress = actor, table, batch_size, progress
-        self.paced = paced
-
-    def next_batch(self):
-        if not self.paced:
-            self.actor.step()
-        self.table.scan()
-        if not self.table.can_sample(self.batch_size):
-            if not self.paced:
-                return None
-            self.actor.step()
-            self.table.scan()
-            if not self.table.can_sample(self.batch_size):
-                return None
-        t0 = time.perf_counter()
-        batch = self.table.sample(self.batch_size)
-        self.progress.wait_s += time.perf_counter() - t0
-        return batch
 
 
 @dataclass

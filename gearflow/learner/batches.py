@@ -1,0 +1,99 @@
+"""Batches into the learner loop: :class:`Prefetcher` (a background thread sampling ``depth``
+batches ahead, through :class:`~gearflow.replay.protocols.SamplerLike`) and
+:class:`SerialBatches` (``run.serial=true``: one thread steps the actor and samples)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+from gearflow.learner.progress import Progress
+from gearflow.replay.protocols import SamplerLike
+
+
+class Prefetcher:
+    """Samples batches in a background thread, ``depth`` ahead of the learner."""
+
+    def __init__(self, table: SamplerLike, lock: threading.Lock, batch_size: int, depth: int,
+                 stop: threading.Event, progress: Optional[Progress] = None):  # fmt: skip
+        self.table, self.lock, self.batch_size, self.progress = table, lock, batch_size, progress
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = stop
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                with self.lock:
+                    try:
+                        batch = self.table.sample(self.batch_size, timeout_s=0.2)
+                    except TimeoutError:
+                        continue
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(batch, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # surfaced in the learner thread
+            self.error = exc
+
+    def get(self, timeout: float) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.queue.get(timeout=timeout)
+
+    def next_batch(self):
+        """The next batch, or None after waiting 0.5 s (the wait counts once learning began)."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.get(timeout=0.5)
+        except queue.Empty:
+            batch = None
+        if self.progress is not None and self.progress.updates:
+            self.progress.wait_s += time.perf_counter() - t0
+        return batch
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+class SerialBatches:
+    """``run.serial=true``: a batch whenever the rate limiter allows one (the same check the table
+    applies when it samples), else one actor step, a scan, and a batch if that allowed one.
+
+    Sampling first keeps the one thread from deadlocking where one batch allows fewer inserts than
+    one actor step writes (``batch_size / samples_per_insert`` < the items of one recv): stepping
+    first would add more than a batch frees every turn until an insert blocks, with no sampler left
+    to free it. Now the actor steps only once no batch can be sampled, the state the error buffer
+    leaves room to insert from (``2 · error_buffer ≥ batch_size + items · samples_per_insert``).
+
+    ``paced=False`` (``replay.samples_per_insert=0``: inserts never wait for samples) steps the
+    actor every call, then samples: sampling first would learn forever on the first
+    ``min_size_to_sample`` items, the actor never stepping again."""
+
+    def __init__(self, actor, table, batch_size: int, progress: Progress, paced: bool = True):
+        self.actor, self.table, self.batch_size, self.progress = actor, table, batch_size, progress
+        self.paced = paced
+
+    def next_batch(self):
+        if not self.paced:
+            self.actor.step()
+        self.table.scan()
+        if not self.table.can_sample(self.batch_size):
+            if not self.paced:
+                return None
+            self.actor.step()
+            self.table.scan()
+            if not self.table.can_sample(self.batch_size):
+                return None
+        t0 = time.perf_counter()
+        batch = self.table.sample(self.batch_size)
+        self.progress.wait_s += time.perf_counter() - t0
+        return batch
+
