@@ -41,6 +41,7 @@ from gearflow.geometry import replay_geometry
 from gearflow.kinds.registry import kind_def, kind_names
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.replay.selectors import SELECTORS
+from gearflow.transport.choice import transport_names
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +321,8 @@ class TransportConfig:
     table on this machine. Several shards sample like one table (exact global prioritized draws)."""
     kind: str = "auto"
     """How the learner reads remote shards: ``tcp``, ``rdma`` (one-sided reads through pyverbs) or
-    ``auto`` (RDMA where an RDMA device and pyverbs are usable, else TCP)."""
+    ``auto`` (RDMA where an RDMA device and pyverbs are usable, else TCP); any other transport
+    added to ``gearflow.transport.choice.DATA_PATHS`` by its name."""
     node_timeout_s: float = 0.0
     """Seconds a learner waits for a shard node's reply (``transport.shards``) before it marks the
     node down: left out of the sampling split, the weights' push and the progress poll, re-probed
@@ -707,7 +709,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     t = cfg.transport
     check(0 <= t.port <= 65535, "transport.port", "must be in [0, 65535] (0: any free port)")
     check(t.loop in ("auto", "uvloop", "asyncio"), "transport.loop", "must be one of auto, uvloop, asyncio")
-    check(t.kind in ("auto", "tcp", "rdma"), "transport.kind", "must be one of auto, tcp, rdma")
+    check(t.kind in transport_names(), "transport.kind", f"must be one of {', '.join(transport_names())}")
     check(all(isinstance(x, str) and _address_ok(x) for x in t.shards), "transport.shards",
           "must be a list of HOST:PORT strings (the addresses gearflow serve logs)")  # fmt: skip
     check(not t.shards or not (run.serial or run.mode == "offline"), "transport.shards",

@@ -676,3 +676,83 @@ def test_rdma_bench_measures_both_paths_in_one_run():
                               steps=40, batches=2)  # fmt: skip
     assert out["table_sample_ms"] > 0 and out["rdma_sample_ms"] > 0 and out["learner_cpu_ms"] > 0
     assert 0 < out["reads_per_batch"] <= 4 * 16 + 1  # ≤ one read per row per column, + the counters
+
+
+# ------------------------------------------------------ a transport added by its DataPath alone
+
+
+def loopback_serve(shard_service):
+    """RDMA's own node end (``serve_node``) over the loopback double's export."""
+    from gearflow.transport.rdma.replay import serve_node
+
+    st = shard_service.table.storage
+    return serve_node(shard_service, LoopbackExport(SHM_DIR / st.name, segment_base(st)))
+
+
+def loopback_sampler(shards, cfg):
+    """RDMA's own learner end (``node_sampler``) reading through the loopback double."""
+    from gearflow.transport.rdma.replay import node_sampler
+
+    return node_sampler(shards, cfg, LoopbackMemory())
+
+
+def test_a_transport_added_as_one_data_path_is_served_by_a_node_and_sampled_by_a_learner(tmp_path, monkeypatch):
+    """``transport.kind`` names a transport that exists only as one ``DATA_PATHS`` entry (RDMA's
+    node and learner ends over the loopback double): the config accepts it, a real shard node
+    (``gearflow serve``'s ``ShardNode``, its actor a real process writing CartPole) starts its
+    server end beside TCP, and a learner over ``transport.shards`` (``RemoteShards``) samples
+    through its learner end: every batch equals the node table's own gather for its keys; the
+    learner's queue pair is connected to the node's export, and nothing else wired it."""
+    from gearflow.agent import make_agent
+    from gearflow.config import load_config
+    from gearflow.launchers.serve import ShardNode
+    from gearflow.transport import choice
+    from gearflow.transport.learner.shards import RemoteShards
+    from tests.test_train import CONFIG, TINY
+
+    token = "data-path-test-token-0123456789"
+    monkeypatch.setenv("GEARFLOW_TOKEN", token)
+    with pytest.raises(ConfigError, match="transport.kind"):
+        load_config(CONFIG, [*TINY, "transport.kind=rdma-loopback"])
+    probe = lambda requested, **_: choice.TransportChoice("rdma-loopback", f"transport={requested}: the test's")  # noqa: E731
+    monkeypatch.setitem(choice.DATA_PATHS, "rdma-loopback", choice.DataPath(
+        probe, serve=f"{__name__}:loopback_serve", sampler=f"{__name__}:loopback_sampler"))  # fmt: skip
+    cfg = load_config(CONFIG, [*TINY, "actor.num_actors=1", "transport.kind=rdma-loopback", f"run.dir={tmp_path / 'node'}"])
+    node = ShardNode(cfg)
+    shards = None
+    try:
+        assert isinstance(node.data_path, RdmaShard) and node.transport.transport == "rdma-loopback"
+        address = node.start()
+        lcfg = load_config(CONFIG, [*TINY, "transport.kind=rdma-loopback", f"transport.shards=[{address}]",
+                                    f"run.dir={tmp_path / 'learner'}"])  # fmt: skip
+        agent = make_agent(lcfg, _cartpole_spec(lcfg), torch.device("cpu"))
+        shards = RemoteShards(lcfg, agent)
+        assert isinstance(shards.sampler.inner, RdmaSampler)
+        assert len(node.data_path.export.connected) == 1
+        got = waits = 0
+        while got < 3:
+            try:
+                batch = shards.sampler.sample(32, timeout_s=1.0)
+            except TimeoutError:  # the node's actor is still filling min_size_to_sample
+                node.roles.check()  # a dead actor fails the test (ActorFailed) instead of waiting on
+                waits += 1
+                assert waits < 600, "the node's actor filled no batch's worth of replay"
+                continue
+            with node.shard.lock:
+                assert_same_batch(node.table, batch)
+            got += 1
+        assert node.table.samples >= 3 * 32
+    finally:
+        if shards is not None:
+            shards.close()
+        node.close()
+
+
+def _cartpole_spec(cfg):
+    from gearflow.envs import make_vec_env
+
+    env = make_vec_env(cfg.env.copy() | {"num_envs": 1, "batch_size": 1}, seed=0)
+    try:
+        return env.env_spec
+    finally:
+        env.close()

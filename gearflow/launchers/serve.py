@@ -163,7 +163,7 @@ class ShardNode:
                                   host=str(t.host), port=int(t.port), token=self.token, loop=str(t.loop),
                                   transport=str(t.kind), checkpoint_dir=str(self.run_dir / "replay"),
                                   limits=service_limits(t.get("limits")))  # fmt: skip
-        self.shard, self.transport, self.rdma, self.epoch = self.server.shard, self.server.transport, self.server.rdma, self.server.epoch
+        self.shard, self.transport, self.data_path, self.epoch = self.server.shard, self.server.transport, self.server.data_path, self.server.epoch
 
     def _stopped_by(self, reason: str) -> None:
         self.stop_reason = reason
@@ -212,7 +212,7 @@ class ShardNode:
         finally:
             if getattr(self, "server", None) is not None:  # the shard service and its RDMA export
                 self.server.close()
-                self.server = self.shard = self.rdma = None
+                self.server = self.shard = self.data_path = None
             self.roles.close()  # the launcher's queue, the parameter store, the table
             self.params = self.table = None
 

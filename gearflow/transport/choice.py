@@ -6,8 +6,16 @@
 ``auto`` is ``rdma`` where pyverbs imports and an RDMA device is listed, else ``tcp``; ``rdma``
 without them is a one-line error saying how to install pyverbs. The learner's shard client
 (:class:`~gearflow.transport.learner.RemoteShards`) and a shard node's server
-(:class:`~gearflow.transport.server.NodeService`) both ask here. pyverbs is imported only by
-the probes below and by :mod:`gearflow.transport.rdma.fabric`'s Verbs classes, never at import.
+(:class:`~gearflow.transport.server.NodeService`) both ask here, and start what the answer
+names without knowing any transport themselves::
+
+    extra = choice.serve(shard_service)       # the node: RDMA's region export (TCP: None)
+    sampler = choice.sampler(shards, cfg)     # the learner: RdmaSampler (TCP: None, the TCP sampler)
+
+Each transport beside TCP is one :class:`DataPath` entry in :data:`DATA_PATHS` (its probe, and
+where its server and learner ends are); the config's ``transport.kind`` check follows from it
+(:func:`transport_names`). pyverbs is imported only by the probes below and by
+:mod:`gearflow.transport.rdma.fabric`'s Verbs classes, never at import.
 """
 
 from __future__ import annotations
@@ -18,22 +26,48 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Callable
 
 from gearflow.errors import ConfigError, MissingDependencyError
 
 __all__ = [
+    "DATA_PATHS",
+    "DataPath",
     "PYVERBS_HINT",
     "TRANSPORTS",
     "TransportChoice",
     "choose_transport",
+    "load",
     "parse_ibv_devices",
     "pyverbs_status",
     "pyverbs_version",
     "rdma_devices",
+    "rdma_probe",
+    "transport_names",
     "require_rdma",
 ]
 
-TRANSPORTS = ("auto", "tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class DataPath:
+    """A transport beside TCP: how learners read a shard node's rows other than by the TCP
+    service's ``replay.sample``. ``probe(requested, **overrides)`` resolves ``auto`` or the
+    transport's own name to a :class:`TransportChoice` (its name, or ``tcp`` with the reason) or
+    raises a one-line error; ``serve`` (``(shard_service) -> closeable``, run by the node beside
+    its TCP service) and ``sampler`` (``(shards, cfg) -> SamplerLike``, shards being the learner's
+    :class:`~gearflow.transport.learner.RemoteShards`) are ``"module:function"``, imported only
+    when the transport is chosen."""
+
+    probe: Callable[..., "TransportChoice"]
+    serve: str
+    sampler: str
+
+
+def load(target: str) -> Callable[..., Any]:
+    """The function a ``"module:function"`` names."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 PYVERBS_HINT = (
     "pyverbs ships with rdma-core, not PyPI: apt-get install python3-pyverbs "
     "(Debian/Ubuntu) or dnf install python3-pyverbs, for the same Python as gearflow"
@@ -67,6 +101,18 @@ class TransportChoice:
 
     transport: str
     reason: str
+
+    def serve(self, shard_service) -> Any:
+        """Start this transport's server end beside the node's TCP service (what the node closes
+        when it stops), or None for TCP: the service itself is the server end."""
+        path = DATA_PATHS.get(self.transport)
+        return None if path is None else load(path.serve)(shard_service)
+
+    def sampler(self, shards, cfg) -> Any:
+        """This transport's learner end over ``shards`` (a ``SamplerLike``), or None for TCP: the
+        caller's own TCP sampler."""
+        path = DATA_PATHS.get(self.transport)
+        return None if path is None else load(path.sampler)(shards, cfg)
 
 
 def pyverbs_version() -> tuple[bool, str]:
@@ -130,10 +176,23 @@ def choose_transport(requested: str = "auto", *, pyverbs: tuple[bool, str] | Non
     ``pyverbs`` / ``devices`` override the probes (``(importable, detail)`` and the
     :func:`rdma_devices` result), so the rule is tested without hardware.
     """
-    if requested not in TRANSPORTS:
-        raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {requested!r}")
+    names = transport_names()
+    if requested not in names:
+        raise ConfigError(f"transport must be one of {', '.join(names)}, got {requested!r}")
     if requested == "tcp":
         return TransportChoice("tcp", "transport=tcp asked for")
+    choice = TransportChoice("tcp", f"transport={requested}")
+    for name, path in DATA_PATHS.items():  # auto: the first one usable here, in this order
+        if requested in ("auto", name):
+            choice = path.probe(requested, pyverbs=pyverbs, devices=devices)
+            if choice.transport != "tcp":
+                return choice
+    return choice
+
+
+def rdma_probe(requested: str, *, pyverbs: tuple[bool, str] | None = None,
+               devices: tuple[list[str], str] | None = None, **_: Any) -> TransportChoice:
+    """RDMA's :attr:`DataPath.probe`: usable when pyverbs imports and an RDMA device is listed."""
     ok, detail = pyverbs if pyverbs is not None else pyverbs_version()
     if not ok:
         if requested == "rdma":
@@ -154,3 +213,15 @@ def require_rdma(purpose: str) -> ModuleType:
     if not ok:
         raise MissingDependencyError(f"{purpose} needs pyverbs: {detail}")
     return importlib.import_module("pyverbs")
+
+
+DATA_PATHS: dict[str, DataPath] = {
+    "rdma": DataPath(rdma_probe, serve="gearflow.transport.rdma.replay:serve_node",
+                     sampler="gearflow.transport.rdma.replay:node_sampler"),
+}  # fmt: skip
+TRANSPORTS = ("auto", "tcp", *DATA_PATHS)  # the built-in names; transport_names() also sees added ones
+
+
+def transport_names() -> tuple[str, ...]:
+    """``auto``, ``tcp`` and every :data:`DATA_PATHS` entry (the config's ``transport.kind`` check)."""
+    return ("auto", "tcp", *DATA_PATHS)

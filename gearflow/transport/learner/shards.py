@@ -198,9 +198,8 @@ class RemoteShards:
                     c.connect(timeout_s=self.timeout_s)
                 except GearflowError as exc:
                     raise GearflowError(f"transport.shards: cannot reach the shard node {c.address_text}: {exc}") from None
-            if self.choice.transport == "rdma":
-                self.sampler = self._rdma_sampler(cfg)
-            else:
+            self.sampler = self.choice.sampler(self, cfg)  # a transport beside TCP (rdma), or None
+            if self.sampler is None:
                 self.sampler = RemoteSampler(self.addresses, token, prefetch=LEARNER_PREFETCH, timeout_s=self.timeout_s,
                                              num_buffers=buffer_sets(cfg.learner.prefetch),
                                              seed=cfg.run.seed if seed is None else seed, loop=str(t.loop),
@@ -231,20 +230,6 @@ class RemoteShards:
         self._down: set[int] = set()  # nodes whose last poll failed (logged once per outage)
         self._next_poll = 0.0
         self.errors: dict[int, str] = {}
-
-    def _rdma_sampler(self, cfg: DictConfig):
-        from gearflow.transport.rdma.fabric import VerbsMemory
-        from gearflow.transport.rdma.replay import RdmaSampler
-
-        if len(self.clients) != 1:
-            raise ConfigError(f"transport.kind={cfg.transport.kind} reads one shard node over RDMA; "
-                              f"transport.shards lists {len(self.clients)} (use transport.kind=tcp for several)")  # fmt: skip
-        client = self.clients[0]
-
-        def call(op: str, meta: dict, bufs: list):
-            return client.call(op, meta, bufs, timeout_s=self.timeout_s)
-
-        return RdmaSampler(call, VerbsMemory(), num_buffers=buffer_sets(cfg.learner.prefetch), timeout_s=self.timeout_s)
 
     # ----------------------------------------------------------------- progress
     def env_steps(self) -> int:

@@ -77,7 +77,7 @@ Call = Callable[[str, dict, list], tuple]  # (type, meta, buffers) -> (meta, buf
 ALIGN = 64
 MAX_SELECT = 1 << 16  # items one select may ask for
 
-__all__ = ["RdmaSampler", "RdmaShard", "direct_call", "pack", "segment_layout", "unpack"]
+__all__ = ["RdmaSampler", "RdmaShard", "direct_call", "node_sampler", "pack", "segment_layout", "serve_node", "unpack"]
 
 
 def pack(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
@@ -444,3 +444,33 @@ class RdmaSampler:
         self.memory.close()
         self._staging = None
         self._buffers = []
+
+
+# ------------------------------------------------------- RDMA's ends, as transport.choice names them
+def serve_node(shard_service, export: RegionExport | None = None) -> RdmaShard:
+    """The node's end (:attr:`~gearflow.transport.choice.DataPath.serve`): its table's segment
+    exported (``export``; default the verbs fabric), the rdma.* handlers on the node's TCP service."""
+    from gearflow.transport.rdma.fabric import VerbsExport
+
+    return RdmaShard.serve(shard_service, VerbsExport() if export is None else export)
+
+
+def node_sampler(shards, cfg, memory: RemoteMemory | None = None) -> RdmaSampler:
+    """The learner's end (:attr:`~gearflow.transport.choice.DataPath.sampler`) over ``shards``
+    (a :class:`~gearflow.transport.learner.RemoteShards`, connected): one shard node read with
+    one-sided READs (``memory``; default the verbs fabric), its control calls over that node's
+    TCP client."""
+    from gearflow.errors import ConfigError
+    from gearflow.replay.layout import buffer_sets
+    from gearflow.transport.rdma.fabric import VerbsMemory
+
+    if len(shards.clients) != 1:
+        raise ConfigError(f"transport.kind={cfg.transport.kind} reads one shard node over RDMA; "
+                          f"transport.shards lists {len(shards.clients)} (use transport.kind=tcp for several)")  # fmt: skip
+    client, timeout_s = shards.clients[0], shards.timeout_s
+
+    def call(op: str, meta: dict, bufs: list):
+        return client.call(op, meta, bufs, timeout_s=timeout_s)
+
+    memory = VerbsMemory() if memory is None else memory
+    return RdmaSampler(call, memory, num_buffers=buffer_sets(cfg.learner.prefetch), timeout_s=timeout_s)

@@ -2,8 +2,9 @@
 
 What ``gearflow serve`` (:class:`~gearflow.launchers.serve.ShardNode`) and a Ray shard role
 serve: a :class:`~gearflow.transport.server.ShardService` over the node's table and parameter
-store (``replay.*``, ``params.get``), the RDMA handlers (``rdma.*``) where ``transport.kind``
-resolves to ``rdma`` (:func:`~gearflow.transport.choice.choose_transport`), the remote actors'
+store (``replay.*``, ``params.get``), the server end of the transport ``transport.kind`` resolves
+to beside TCP (:meth:`~gearflow.transport.choice.TransportChoice.serve`: RDMA's ``rdma.*``
+handlers over the exported segment; TCP: none), the remote actors'
 ``run.join`` / ``run.report`` when the node has any (``members``, handed in), and:
 
 * ``params.push`` — the learner's new weights (``version``, ``names`` + one buffer per tensor),
@@ -53,7 +54,7 @@ class NodeService:
         self.relay, self.env_steps, self.stop_event, self.on_stop = relay, env_steps, stop_event, on_stop
         self.num_actors, self.ladder_offset, self.network = int(num_actors), int(ladder_offset), network
         self.epoch = secrets.token_hex(8)  # a restarted node is another epoch: learners restart their cursors
-        self.rdma = None
+        self.data_path = None
         self.shard = ShardService(table, params=params, partitions=sorted(int(p) for p in remote), host=host, port=port,
                                   token=token, loop=loop, checkpoint_dir=checkpoint_dir, limits=limits)  # fmt: skip
         s = self.shard.service
@@ -62,11 +63,7 @@ class NodeService:
             s.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
             s.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         self.transport = choose_transport(transport)  # auto: RDMA where a device and pyverbs are usable
-        if self.transport.transport == "rdma":  # learners may read rows with one-sided READs (rdma.*)
-            from gearflow.transport.rdma.fabric import VerbsExport
-            from gearflow.transport.rdma.replay import RdmaShard
-
-            self.rdma = RdmaShard.serve(self.shard, VerbsExport())
+        self.data_path = self.transport.serve(self.shard)  # beside TCP (rdma: one-sided READs, rdma.*), or None
         log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
         s.register("params.push", self._params_push)  # the learners' (the default role)
         s.register("run.progress", self._progress, inline=True, roles=ANY_ROLE)
@@ -81,9 +78,9 @@ class NodeService:
 
     def close(self) -> None:
         self.shard.stop()
-        if self.rdma is not None:
-            self.rdma.close()
-            self.rdma = None
+        if self.data_path is not None:
+            self.data_path.close()
+            self.data_path = None
 
     # ----------------------------------------------------------------- handlers
     def _params_push(self, meta: dict, bufs):
