@@ -97,6 +97,14 @@ def test_a_restarted_node_catches_up_and_no_actor_dies(tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+    assert_caught_up(tmp_path, summary, ends, before=before, at_kill=at_kill, at_restart=at_restart)
+
+
+def assert_caught_up(tmp_path: Path, summary: dict, ends: list, *, before: int, at_kill: int, at_restart: int) -> None:
+    """The restart run's checks (shared with tests/test_hosts_node_pacing.py): no actor died of
+    or paused on its rate limiter, the learner reached its step limit, and the nodes' env steps
+    are within 2× over the run (less node 0's steps while node 1 was down) and since the restart.
+    ``before``: node 1's steps before its kill; ``at_kill`` / ``at_restart``: node 0's then."""
     node0, node1 = ends[0]["actor/env_steps"], before + ends[1]["actor/env_steps"]
     after0, after1 = node0 - at_restart, ends[1]["actor/env_steps"]
     down0 = at_restart - at_kill  # node 0's steps while node 1 was down (sampled alone: nothing to pace)
