@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class DataPath:
     """A transport beside TCP: how learners read a shard node's rows other than by the TCP
@@ -68,6 +67,8 @@ def load(target: str) -> Callable[..., Any]:
     """The function a ``"module:function"`` names."""
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
 PYVERBS_HINT = (
     "pyverbs ships with rdma-core, not PyPI: apt-get install python3-pyverbs "
     "(Debian/Ubuntu) or dnf install python3-pyverbs, for the same Python as gearflow"
