@@ -31,11 +31,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("gearflow.bench.keys", "_gather"): "fault injection: wraps the table's gather so a writer laps the "
                                          "ring mid-copy (the benchmark of the stamp check, as test_replay_keys)",
     ("gearflow.bench.replay_stack", "_S_trust"): "measures the stacked-frame reach rule by switching it off",
-    ("gearflow.kinds.transition", "_hotpath"): "TODO(actors' owner): the C adders in replay/_hotpath, a public "
-                                               "gearflow.replay.hotpath (or the adders moving into replay) ends it",
-    ("gearflow.kinds.sequence", "_hotpath"): "TODO(actors' owner): the C window rows in replay/_hotpath (moved "
-                                             "with the Sequence kind out of replay/items.py), as kinds.transition",
-    ("gearflow.actors.base", "_hotpath"): "TODO(actors' owner): as gearflow.actors.adders",
 }
 
 

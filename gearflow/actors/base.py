@@ -39,10 +39,8 @@ from gearflow.params.protocol import ParameterSource
 from gearflow.replay.inserts import InsertAborted
 from gearflow.replay.protocols import WriterLike
 
-try:  # the per-recv episode statistics in C (setup.py builds it); _count_episodes is the reference
-    from gearflow.replay import _hotpath
-except ImportError:  # pragma: no cover - depends on the build
-    _hotpath = None
+# per-recv episode stats in C; None where not built (_count_episodes is the reference)
+from gearflow.replay.hotpath import C as _hotpath
 
 log = logging.getLogger(__name__)
 

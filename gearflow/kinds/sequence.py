@@ -62,10 +62,8 @@ from gearflow.replay.items import TORCH_DTYPES, ItemKind, flat_index, gatherable
 from gearflow.replay.layout import step_rows
 from gearflow.replay.protocols import WriterLike
 
-try:  # C row indices for sequence windows (setup.py builds it); numpy below is the reference
-    from gearflow.replay import _hotpath
-except ImportError:  # pragma: no cover - depends on the build
-    _hotpath = None
+# C window rows; None where not built (numpy below is the reference)
+from gearflow.replay.hotpath import C as _hotpath
 
 __all__ = ["KIND", "Sequence", "SequenceActor", "WindowAdder"]
 

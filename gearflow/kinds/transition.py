@@ -40,10 +40,8 @@ from gearflow.replay.protocols import WriterLike
 from gearflow.replay.rate_limiter import RateLimiterTimeout
 from gearflow.replay.writer import OFFSET_MAX, Writer
 
-try:  # the C adders (setup.py builds it); the numpy code of TransitionAdder is the reference
-    from gearflow.replay import _hotpath
-except ImportError:  # pragma: no cover - depends on the build
-    _hotpath = None
+# the C adders; None where not built (TransitionAdder's numpy is the reference)
+from gearflow.replay.hotpath import C as _hotpath
 
 log = logging.getLogger(__name__)
 
