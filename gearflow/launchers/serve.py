@@ -210,7 +210,7 @@ class ShardNode:
         try:
             self.roles.stop(getattr(self, "relay", None))  # the actors' last reports into the relay
         finally:
-            if getattr(self, "server", None) is not None:  # the shard service and its RDMA export
+            if getattr(self, "server", None) is not None:  # the shard service and its transport's server end (RDMA's export)
                 self.server.close()
                 self.server = self.shard = self.data_path = None
             self.roles.close()  # the launcher's queue, the parameter store, the table

@@ -34,7 +34,6 @@ __all__ = [
     "DATA_PATHS",
     "DataPath",
     "PYVERBS_HINT",
-    "TRANSPORTS",
     "TransportChoice",
     "choose_transport",
     "load",
@@ -220,7 +219,6 @@ DATA_PATHS: dict[str, DataPath] = {
     "rdma": DataPath(rdma_probe, serve="gearflow.transport.rdma.replay:serve_node",
                      sampler="gearflow.transport.rdma.replay:node_sampler"),
 }  # fmt: skip
-TRANSPORTS = ("auto", "tcp", *DATA_PATHS)  # the built-in names; transport_names() also sees added ones
 
 
 def transport_names() -> tuple[str, ...]:
