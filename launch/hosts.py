@@ -2,7 +2,9 @@
 
 Each host is a network namespace with one veth on a bridge (no route out: only the subnet the
 caller names), and a holder process that owns the host's mount and UTS namespaces, in which
-``/dev/shm`` and ``/tmp/ray`` are private tmpfs mounts and the hostname is the host's name.
+``/dev/shm`` and ``/tmp/ray`` are private tmpfs mounts, the host's own run folder is bind-mounted
+at ``/tmp/gearflow-host`` (``HOST_DIR``: the same path names a different folder on each host, as
+a local disk would) and the hostname is the host's name.
 A command "on host i" is ``nsenter`` into the holder's namespaces (the returned ``Popen`` is the
 command itself: kill it and the process dies). Links can be shaped: a rate with ``tc qdisc tbf``
 on both ends of a host's veth, and a delay with a delaying TCP relay (this kernel has no
@@ -36,6 +38,7 @@ import atexit
 import ipaddress
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -46,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+HOST_DIR = "/tmp/gearflow-host"  # on each host, its own run folder (Host.dir on this machine)
 STATE_DIR = Path("/run/gearflow-hosts")  # the CLI's record of hosts it brought up (name.json)
 NETNS_DIR = Path("/run/netns")
 
@@ -73,11 +77,12 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 # The holder: the host's mount + UTS namespaces live as long as it does. It prints one line
-# once /dev/shm and /tmp/ray are private and empty, then sleeps until killed.
+# once /dev/shm and /tmp/ray are private and empty and its folder is at HOST_DIR, then sleeps until killed.
 _HOLDER = (
     "set -e; mount --make-rprivate /; "
     "mount -t tmpfs -o mode=1777,size={shm} gfshm /dev/shm; "
     "mkdir -p /tmp/ray; mount -t tmpfs -o mode=1777 gfray /tmp/ray; "
+    "mkdir -p {host_dir}; mount --bind {dir} {host_dir}; "
     "hostname {hostname}; ip link set lo up; echo ready; exec sleep infinity"
 )
 
@@ -89,7 +94,7 @@ class Host:
     index: int
     name: str  # the network namespace's name, also the host's hostname
     address: str  # its address on the bridge, inside the caller's subnet
-    dir: Path  # its run folder (a plain folder on this machine's disk, for its runs' files)
+    dir: Path  # its run folder (a plain folder on this machine's disk), seen on the host at HOST_DIR
     veth: str  # its interface inside the namespace ("eth0")
     peer: str  # the veth's other end, on the bridge
     holder: int = 0  # pid of the holder process (its mount and UTS namespaces)
@@ -120,6 +125,19 @@ class Host:
     def shm(self) -> list[str]:
         """Names in this host's private /dev/shm."""
         return sorted(self.run(["ls", "-A", "/dev/shm"], check=True).stdout.split())
+
+    def kill(self) -> None:
+        """The host dies whole: its cable pulled (the bridge's end of its veth down), then every
+        process on it but the holder SIGKILLed (their sockets' FINs go nowhere). Its /dev/shm and
+        folder stay, as a dead machine's disk does; ``Hosts.down()`` still removes it."""
+        _sh("ip", "link", "set", self.peer, "down")
+        for _ in range(200):
+            pids = [p for p in self.pids() if p != self.holder]
+            if not pids:
+                return
+            subprocess.run(["kill", "-9", *map(str, pids)], check=False, capture_output=True)
+            time.sleep(0.02)
+        raise RuntimeError(f"host {self.name}: processes {pids} outlived SIGKILL")
 
 
 class Hosts:
@@ -184,7 +202,8 @@ class Hosts:
             _sh("ip", "-n", ns, "link", "set", host.veth, "up")
             if self.rate_mbit:
                 self._shape(host)
-            script = _HOLDER.format(shm=self.shm_size, hostname=ns)
+            script = _HOLDER.format(shm=self.shm_size, hostname=ns, dir=shlex.quote(str(host.dir)),
+                                    host_dir=HOST_DIR)  # fmt: skip
             holder = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "-m", "-u", "--propagation", "private",
                                        "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       start_new_session=True)  # fmt: skip

@@ -78,6 +78,16 @@ class Proc:
             if m := rx.search(line):
                 return m
 
+    def wait_for_updates(self, more: int) -> int:
+        """Read progress lines until the learner's updates grew by more than ``more`` past the
+        first one read; returns the last count."""
+        first = None
+        while True:
+            updates = int(self.wait_for(r"progress: steps \d+ .* updates (\d+) ").group(1))
+            first = updates if first is None else first
+            if updates > first + more:
+                return updates
+
     def address(self) -> str:
         """A ``gearflow serve`` node's ``host:port``, once it listens (its first stdout line)."""
         line = self.popen.stdout.readline()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch.hosts import HOST_DIR
 from tests.helpers_hosts import gearflow_on, hosts_tests, serve_on
 
 pytestmark = hosts_tests
@@ -52,6 +53,10 @@ def test_hosts_are_private_reach_each_other_and_nothing_else(make_hosts):
     assert a.shm() == [f"{a.name}-only"] and b.shm() == []
     assert not Path(f"/dev/shm/{a.name}-only").exists()
     assert b.run(["ls", "-A", "/tmp/ray"]).stdout == ""
+    # HOST_DIR: the same path, each host's own folder (a local disk): a's file is in a.dir only
+    a.run(["sh", "-c", f"echo a > {HOST_DIR}/mine"], check=True)
+    assert (a.dir / "mine").read_text() == "a\n" and not (b.dir / "mine").exists()
+    assert b.run(["ls", "-A", HOST_DIR]).stdout == "" and not Path(HOST_DIR, "mine").exists()
     # b listens; a reaches it; nothing outside the subnet answers (no route), not even this machine
     serve = "import socket, time; s = socket.create_server(('0.0.0.0', 7001)); print('up', flush=True); s.accept()"
     listener = b.popen([sys.executable, "-c", serve + "; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
