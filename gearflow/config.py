@@ -355,6 +355,9 @@ class ClusterConfig:
     started with ``ray start --resources='{"shard_host": 1}'``)."""
     max_restarts: int = 3
     """Times Ray restarts a dead actor group before the run fails."""
+    file_sync_s: float = 10.0
+    """How often the driver pulls into its ``run.dir`` the new run files (metrics, ``train.log``,
+    checkpoints) of a learner on a host that does not share its disk."""
 
 
 @dataclass
@@ -744,6 +747,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
     check(cl.learners >= 1, "cluster.learners", "must be ≥ 1")
     check(cl.learner_gpus >= 0, "cluster.learner_gpus", "must be ≥ 0")
     check(cl.max_restarts >= 0, "cluster.max_restarts", "must be ≥ 0")
+    check(cl.file_sync_s > 0, "cluster.file_sync_s", "must be > 0")
     check(cfg.launcher == "local" or le.batch_size % cl.learners == 0, "learner.batch_size",
           f"must be a multiple of cluster.learners={cl.learners} (each learner samples its share)")  # fmt: skip
     check(cfg.launcher == "local" or not (run.serial or run.mode == "offline"), "launcher",

@@ -234,7 +234,10 @@ class Runner:
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, float]:
         cfg = self.cfg
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGINT/SIGTERM stop the run gracefully; only the main thread may take signals (a Ray
+        # learner role runs us in one of its threads, and Ray stops it otherwise)
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         for s in previous:
             signal.signal(s, self._on_signal)
         metrics_log = display = file_log = None

@@ -221,6 +221,7 @@ VALIDATION_CASES = [
     (["cluster.learners=0"], "cluster.learners", "must be ≥ 1"),
     (["cluster.learner_gpus=-1"], "cluster.learner_gpus", "must be ≥ 0"),
     (["cluster.max_restarts=-1"], "cluster.max_restarts", "must be ≥ 0"),
+    (["cluster.file_sync_s=0"], "cluster.file_sync_s", "must be > 0"),
     (["launcher=ray", "cluster.learners=3"], "learner.batch_size", "must be a multiple of cluster.learners=3"),
     (
         ["replay.capacity=100", "learner.batch_size=1"],

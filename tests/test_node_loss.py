@@ -161,18 +161,23 @@ def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a cluster found here
     try:
         Remote = ray.remote(num_cpus=0, max_restarts=0)(Node)
-        alive, dead = Remote.remote(), Remote.remote()
+        alive, dead, silent = Remote.remote(), Remote.remote(), Remote.remote()
         waits = [alive.wait.remote(False), dead.wait.remote(True)]
         ray.get(waits[0])
         ray.kill(dead, no_restart=True)  # its host is gone: the pending wait() fails
         with caplog.at_level("WARNING", logger="gearflow.runner"):
             nodes = _wait_nodes(ray, waits, ["10.0.0.1:7000", "10.0.0.2:7000"], timeout_s=30)
+            # a node the learners found down is not waited for past the grace: Ray has not given up on it yet
+            hung = [alive.wait.remote(False), silent.wait.remote(True)]
+            down = _wait_nodes(ray, hung, ["10.0.0.1:7000", "10.0.0.3:7000"], timeout_s=600,
+                               down={"10.0.0.3:7000": "no reply in 3.0 s"}, grace_s=0.5)  # fmt: skip
     finally:
         ray.shutdown()
     assert nodes[0]["actor/env_steps"] == 123
     assert nodes[1]["address"] == "10.0.0.2:7000" and "ActorDiedError" in nodes[1]["lost"]
+    assert down[0]["actor/env_steps"] == 123 and down[1]["lost"] == "down since the learners' last call: no reply in 3.0 s"
     lines = [r.getMessage() for r in caplog.records if "lost shard node" in r.getMessage()]
-    assert len(lines) == 1 and "10.0.0.2:7000" in lines[0] and "\n" not in lines[0]
+    assert len(lines) == 2 and "10.0.0.2:7000" in lines[0] and "\n" not in lines[0]
     learner = {"actor/env_steps": 999, "learner/updates": 10, "learner/parameters_fingerprint": "a",
                "stop_reason": "reached run.max_updates=10"}  # fmt: skip
     s = run_summary([learner], nodes, {}, 2, 1)

@@ -191,7 +191,7 @@ def test_a_cluster_too_small_for_the_run_is_one_line(three_nodes, tmp_path):
 
 def test_placement_puts_a_shard_where_its_group_fits(three_nodes):
     """On the live cluster's own ``ray.nodes()``: a shard with 2 actors (3 CPUs) goes to the 3-CPU
-    worker, never the 1-CPU head; a learner then fits in what is left."""
+    worker, never the 1-CPU head; two learners then fit in what is left, the worker's CPU first."""
     from gearflow.launchers.ray import place_roles
 
     cluster, big = three_nodes
@@ -200,7 +200,9 @@ def test_placement_puts_a_shard_where_its_group_fits(three_nodes):
         nodes = ray.nodes()
     finally:
         ray.shutdown()
-    assert place_roles(nodes, 1, {"CPU": 3.0}, 2, {"CPU": 1.0}) == [big]
+    head = next(n["NodeID"] for n in nodes if "node:__internal_head__" in n["Resources"])
+    small = next(n["NodeID"] for n in nodes if n["NodeID"] not in (head, big))
+    assert place_roles(nodes, 1, {"CPU": 3.0}, 2, {"CPU": 1.0}) == ([big], [small, head])
     from gearflow.errors import GearflowError
 
     with pytest.raises(GearflowError, match="no node left for learner rank 2 of 3"):

@@ -7,7 +7,6 @@ and its checkpoints are 0700, its files 0600."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket

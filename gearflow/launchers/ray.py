@@ -34,17 +34,21 @@ removes whatever segment of this run is left in each live node's ``/dev/shm``.
 **Placement by resources.** Each role asks Ray for its resources (``cluster.shard_cpus``,
 ``actor.num_actors`` × ``cluster.actor_cpus``, ``cluster.learner_cpus``,
 ``cluster.learner_gpus``, ``cluster.shard_resources``); :func:`place_roles` puts each shard and
-its group on a node that holds both (workers before the head, fewest shards first) and checks
-the learners fit in what is left. A cluster that cannot hold the run is one GearflowError line
-naming what each role needs and what each node has, before any role starts.
+its group on a node that holds both (workers before the head, fewest shards first) and each
+learner in what is left (most free GPUs, then CPUs); the roles are pinned there. A cluster that
+cannot hold the run is one GearflowError line naming what each role needs and what each node
+has, before any role starts.
 
-**The run's files reach the driver.** The driver writes a marker into ``run.dir``; a learner
-that does not see it (another host, no shared filesystem) writes its metrics, ``train.log`` and
-checkpoints under the same path on its own host and, when it ends (or fails), the driver copies
-them into its ``run.dir`` (``gearflow plot``/``eval`` read them there). A shard node's replay
-checkpoints (``run.dir/replay``) stay on that node's disk. ``run.module_dirs`` and the driver's
-``PYTHONPATH`` must exist at the same paths on every node: a role that misses a module dir
-says so in one line, missing ``PYTHONPATH`` entries are logged with the node's address.
+**The run's files reach the driver as they are written.** The driver writes a marker into
+``run.dir``; a learner that does not see it (another host, no shared filesystem) writes its
+metrics, ``train.log`` and checkpoints under the same path on its own host, and the driver
+process pulls them every ``cluster.file_sync_s`` and once more when the learners end (or fail)
+into the ``run.dir`` it sees (:mod:`gearflow.launchers.run_files`): ``gearflow plot``/``eval``
+read them there, also mid-run; rank R > 0's under ``learner-R/``. A learner whose host dies
+leaves the driver what it had pulled. A shard node's replay checkpoints (``run.dir/replay``)
+stay on that node's disk. ``run.module_dirs`` and the driver's ``PYTHONPATH`` must exist at the
+same paths on every node: a role that misses a module dir says so in one line, missing
+``PYTHONPATH`` entries are logged with the node's address.
 
 A node whose host dies is marked down by the learners after one ``transport.node_timeout_s``
 (:mod:`gearflow.transport.learner.health`): they train on the survivors, and the driver ends
@@ -71,6 +75,7 @@ from gearflow.config import to_yaml
 from gearflow.distributed import fingerprint, hold_rendezvous
 from gearflow.errors import GearflowError, MissingDependencyError
 from gearflow.launchers.ray_plan import learner_gpus, needs_line, place_roles, run_summary
+from gearflow.launchers.run_files import FileSink, FileStream, Puller
 from gearflow.reports import ReportSink
 from gearflow.topology.plan import learner_config, shard_node_config
 
@@ -314,52 +319,49 @@ class ActorGroupRole:
 
 
 class LearnerRole:
-    """One learner (rank ``learner.rank`` of ``learner.world_size``) of a run over the shards."""
+    """One learner (rank ``learner.rank`` of ``learner.world_size``) of a run over the shards. A
+    threaded actor (two threads): the driver pulls its run files (``pull_files``) while ``run``
+    trains."""
 
     def __init__(self):
         _logging()
-        self.own_dir: Path | None = None  # this rank's run.dir when the driver cannot see it
-        self.prefix = ""
+        self.files: FileStream | None = None
 
     def rendezvous(self) -> str:
         """A ``HOST:PORT`` on this node's cluster address for rank 0's torch.distributed store, its
         port held (bound and listening) until rank 0 serves its store on it in this process."""
         return hold_rendezvous(_node_ip())
 
-    def run(self, cfg_yaml: str, run_dir: str, mark: str) -> dict[str, Any]:
-        """Run this rank; ``run_dir``/``mark``: the driver's run.dir and the marker it wrote there."""
-        from gearflow.runner import Runner
-
-        cfg = _cfg(cfg_yaml)
-        rank = int(cfg.learner.rank)
+    def sees(self, run_dir: str, mark: str, rank: int, period_s: float) -> bool:
+        """Whether this node sees the driver's ``run_dir`` (the marker ``mark`` the driver wrote
+        there). When it does not (another host, no shared filesystem), this rank's files are
+        written under the same path here and the driver pulls them (``pull_files``)."""
         try:
             seen = (Path(run_dir) / RUN_MARK).read_text() == mark
         except OSError:
             seen = False
-        if not seen:  # another host without the driver's disk: the driver copies our files back at the end
-            self.own_dir, self.prefix = Path(cfg.run.dir), "" if rank == 0 else f"learner-{rank}/"
+        if not seen:
+            own = Path(run_dir) if rank == 0 else Path(run_dir) / f"learner-{rank}"  # as learner_config puts it
+            prefix, skip = ("", ("learner-", "replay")) if rank == 0 else (f"learner-{rank}/", ())
+            self.files = FileStream(own, prefix, skip)
             log.warning("learner rank %d on %s does not see the driver's run.dir: its files are written to %s on "
-                        "this node and copied to the driver's when the run ends", rank, _node_ip(), cfg.run.dir)  # fmt: skip
+                        "this node and pulled into the driver's every %g s", rank, _node_ip(), own, period_s)  # fmt: skip
+        return seen
+
+    def pull_files(self, ack: int) -> tuple[int, list, list]:
+        """What the driver's copy of this rank's files lacks (:meth:`FileStream.pull`)."""
+        return self.files.pull(ack)
+
+    def run(self, cfg_yaml: str) -> dict[str, Any]:
+        from gearflow.runner import Runner
+
+        cfg = _cfg(cfg_yaml)
         runner = Runner(cfg)
         summary = runner.run()
-        summary["learner/rank"] = rank
+        summary["learner/rank"] = int(cfg.learner.rank)
         summary["learner/node"] = _node_ip()
         summary["learner/parameters_fingerprint"] = fingerprint(runner.agent.learner_network())
         return summary
-
-    def files(self) -> dict[str, bytes]:
-        """This rank's run files (metrics, train.log, checkpoints), by path relative to the run's
-        directory, when the driver cannot see them; {} when it shares the disk. Rank 0 leaves out
-        the other ranks' ``learner-*`` folders and the shards' ``replay`` folder."""
-        if self.own_dir is None or not self.own_dir.is_dir():
-            return {}
-        out = {}
-        for p in sorted(self.own_dir.rglob("*")):
-            rel = p.relative_to(self.own_dir)
-            if not p.is_file() or (not self.prefix and rel.parts[0].startswith(("learner-", "replay"))):
-                continue
-            out[self.prefix + rel.as_posix()] = p.read_bytes()
-        return out
 
 
 # ---------------------------------------------------------------------- the driver
@@ -415,15 +417,17 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
     shards: list = []
     groups: list = []
     learners: list = []
-    registry = None
-    copied = 0
+    registry = puller = None
+    node_summaries: list[dict] = []
     try:
         gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
         extra = {k: float(v) for k, v in (cl.shard_resources or {}).items()}
-        nodes = place_roles(ray.nodes(), S, {"CPU": shard_cpus + group_cpus, **extra}, K,
+        nodes, learner_nodes = place_roles(ray.nodes(), S, {"CPU": shard_cpus + group_cpus, **extra}, K,
                             {"CPU": learner_cpus, "GPU": gpus}, what=needs_line(cfg, gpus))  # fmt: skip
         place = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
-        registry = ray.remote(num_cpus=0)(Registry).remote()
+        # the run's shared state lives with the driver: a lost worker does not take it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        registry = ray.remote(num_cpus=0)(Registry).options(scheduling_strategy=here).remote()
         R = int(cl.max_restarts)
         Shard = ray.remote(num_cpus=shard_cpus, resources=extra or None, max_restarts=R, max_task_retries=-1,
                            max_concurrency=8)(ShardRole)  # fmt: skip
@@ -435,42 +439,39 @@ def train_on_ray(cfg: DictConfig, *, on_started=None) -> dict[str, Any]:
         groups = [Group.options(scheduling_strategy=place[i]).remote(_node_config(cfg, i), i, s, registry)
                   for i, s in enumerate(shards)]  # fmt: skip
         _started(ray, [g.ping.remote() for g in groups], "an actor group")
-        Learner = ray.remote(num_cpus=learner_cpus, num_gpus=gpus, max_restarts=0)(LearnerRole)
-        learners = [Learner.remote() for _ in range(K)]
+        Learner = ray.remote(num_cpus=learner_cpus, num_gpus=gpus, max_restarts=0, max_concurrency=2)(LearnerRole)
+        learners = [Learner.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+                    for n in learner_nodes]  # fmt: skip
         dist = _started(ray, [learners[0].rendezvous.remote()], "learner rank 0")[0]
+        puller = _puller(ray, learners, run_dir, mark, float(cl.file_sync_s))
         addresses = [i["address"] for i in infos]
-        runs = [lr.run.remote(_learner_config(cfg, r, addresses, dist), str(run_dir), mark)
-                for r, lr in enumerate(learners)]  # fmt: skip
+        runs = [lr.run.remote(_learner_config(cfg, r, addresses, dist)) for r, lr in enumerate(learners)]
         if on_started is not None:
             on_started({"shards": shards, "groups": groups, "learners": learners})
         try:
-            summaries = _wait_learners(ray, runs)
+            summaries = _wait_learners(ray, runs, puller)
         finally:
-            copied = _copy_back(ray, learners, run_dir)
-        node_summaries = _wait_nodes(ray, waits, [i["address"] for i in infos])
+            puller.pull()  # the learners' last files (also after a failure: what a live one wrote)
+        down = {a: str(why) for sm in summaries for a, why in (sm.get("transport/nodes_lost") or {}).items()}
+        node_summaries = _wait_nodes(ray, waits, [i["address"] for i in infos], down=down)
         restarts = ray.get(registry.restarts.remote())
     finally:
-        for g in groups:
-            try:
-                ray.get(g.stop.remote(), timeout=20)
-            except Exception as exc:  # noqa: BLE001 - a dead group has nothing left to stop
-                log.debug("actor group stop: %s", exc)
-        for s in shards:
-            try:
-                s.stop.remote()
-                ray.get(s.close.remote(), timeout=20)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("shard close: %s", exc)
+        lost = {i for i, n in enumerate(node_summaries) if "lost" in n}  # their host is gone: nothing to stop there
+        _stop_nodes(ray, [g for i, g in enumerate(groups) if i not in lost],
+                    [s for i, s in enumerate(shards) if i not in lost])  # fmt: skip
         for h in [*groups, *shards, *learners, *([registry] if registry is not None else [])]:
             try:
                 ray.kill(h, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - a role of a lost node is already gone
                 log.debug("ray.kill: %s", exc)
-        _clean_nodes(ray, run_dir)
+        _clean_nodes(ray, run_dir, skip={nodes[i] for i in lost})
         if started:
             ray.shutdown()
     summary = run_summary(summaries, node_summaries, restarts, S, K)
-    summary["cluster/run_files_copied"] = copied
+    summary["cluster/run_files_pulled"] = puller.sink.files if puller is not None else 0
+    if puller is not None and puller.sink.files:
+        log.info("ray: %d run file write(s) (%.1f MiB) pulled from learners on other hosts into %s",
+                 puller.sink.files, puller.sink.bytes / 2**20, run_dir)  # fmt: skip
     log.info("done on Ray (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return over "
              "the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"], S, K,
              summary["actor/env_steps"], summary["learner/updates"], summary["time/elapsed_s"],
@@ -490,30 +491,42 @@ def _started(ray, refs: list, role: str) -> list:
                             f"{text[-1] if text else ''}") from None  # fmt: skip
 
 
-def _copy_back(ray, learners: list, run_dir: Path) -> int:
-    """Copy into the driver's ``run_dir`` the files of each learner that did not see it; returns
-    how many files were written."""
-    n = 0
-    for rank, lr in enumerate(learners):
-        try:
-            files = ray.get(lr.files.remote(), timeout=300)
-        except Exception as exc:  # noqa: BLE001 - a dead learner's files stay on its node
-            log.warning("ray: learner rank %d's run files could not be copied to %s: %s", rank, run_dir, exc)
-            continue
-        for rel, data in files.items():
-            path = run_dir / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            n += 1
-        if files:
-            log.info("ray: copied %d file(s) (%.1f MiB) of learner rank %d into %s", len(files),
-                     sum(map(len, files.values())) / 2**20, rank, run_dir)  # fmt: skip
-    return n
+def _puller(ray, learners: list, run_dir: Path, mark: str, period_s: float) -> Puller:
+    """The driver's pulls of the run files of every learner that does not see its ``run_dir``."""
+    seen = _started(ray, [lr.sees.remote(str(run_dir), mark, r, period_s) for r, lr in enumerate(learners)],
+                    "a learner")  # fmt: skip
+    timeout = max(60.0, 3 * period_s)  # a large checkpoint takes a while; a dead host is known to Ray by then
+
+    def pull(lr):
+        return lambda ack: ray.get(lr.pull_files.remote(ack), timeout=timeout)
+
+    return Puller(FileSink(run_dir), {r: pull(lr) for r, lr in enumerate(learners) if not seen[r]}, period_s)
 
 
-def _clean_nodes(ray, run_dir: Path) -> None:
+def _stop_nodes(ray, groups: list, shards: list, timeout_s: float = 20.0) -> None:
+    """Stop the actor groups, then the shards (``stop``, then ``close``: their segments go), all
+    groups together and all shards together, ``timeout_s`` at most for each step."""
+
+    def settle(refs: list, what: str) -> None:
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a dead role has nothing left to stop
+                log.debug("%s: %s", what, exc)
+        if late:
+            log.debug("%s: %d did not answer in %.0f s", what, len(late), timeout_s)
+
+    settle([g.stop.remote() for g in groups], "actor group stop")
+    for s in shards:
+        s.stop.remote()
+    settle([s.close.remote() for s in shards], "shard close")
+
+
+def _clean_nodes(ray, run_dir: Path, skip: set[str] = frozenset()) -> None:
     """Remove this run's shared-memory segments left on each live node (a shard killed and not
-    restarted, a node whose shard did not close): one zero-CPU task pinned to each node."""
+    restarted, a node whose shard did not close): one zero-CPU task pinned to each node but
+    those in ``skip`` (a lost node's NodeID, which Ray may still count alive)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     def gc(path: str) -> list:  # the tag from the node's own view of the path, as its shard made it
@@ -524,7 +537,7 @@ def _clean_nodes(ray, run_dir: Path) -> None:
     try:
         task = ray.remote(num_cpus=0, max_retries=0)(gc)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            str(run_dir)) for n in ray.nodes() if n.get("Alive")]  # fmt: skip
+            str(run_dir)) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in skip]  # fmt: skip
         for removed in ray.get(refs, timeout=30):
             for name, size in removed:
                 log.info("ray: removed /dev/shm/%s (%.1f MiB) left by this run", name, size / 2**20)
@@ -532,32 +545,47 @@ def _clean_nodes(ray, run_dir: Path) -> None:
         log.warning("ray: this run's segments could not be cleaned on every node: %s", exc)
 
 
-def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0) -> list[dict]:
+def _wait_nodes(ray, waits: list, addresses: list[str], timeout_s: float = 60.0,
+                down: dict[str, str] | None = None, grace_s: float = 5.0) -> list[dict]:
     """Each shard node's summary once the learners ended the run; a node that is gone (its host
     died: Ray cannot restart its shard there) or does not end within ``timeout_s`` is a summary
     ``{"address", "lost": why}`` and one warning line, never the run's error: the learners went on
-    without it and their summary stands."""
-    ready, _ = ray.wait(waits, num_returns=len(waits), timeout=timeout_s)
+    without it and their summary stands. A node the learners found down at their end (``down``:
+    address -> why, their ``transport/nodes_lost``) is given ``grace_s`` only: Ray may take a
+    minute to call a dead host's actor unschedulable, and the run is over."""
+    down = down or {}
+    ready: list = []
+    for group, wait_s in (([w for w, a in zip(waits, addresses) if a not in down], timeout_s),
+                          ([w for w, a in zip(waits, addresses) if a in down], grace_s)):  # fmt: skip
+        if group:
+            ready += ray.wait(group, num_returns=len(group), timeout=wait_s)[0]
     out = []
     for i, (w, address) in enumerate(zip(waits, addresses)):
-        why = f"it did not end within {timeout_s:.0f} s of the learners"
+        why = (f"down since the learners' last call: {down[address]}" if address in down
+               else f"it did not end within {timeout_s:.0f} s of the learners")  # fmt: skip
         if w in ready:
             try:
                 out.append(ray.get(w))
                 continue
             except Exception as exc:  # noqa: BLE001 - ActorDiedError, ActorUnschedulableError, ...
                 cause = getattr(exc, "cause", None) or exc
-                why = f"{type(exc).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"[:300]
+                why = f"{type(exc).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        why = why[:300]
         log.warning("ray: lost shard node %d at %s (%s); the learners went on without it", i, address, why)
         out.append({"address": address, "lost": why, "actor/env_steps": None})
     return out
 
 
-def _wait_learners(ray, runs: list) -> list[dict]:
-    """Every learner's summary; the first failure is raised as one GearflowError line."""
+def _wait_learners(ray, runs: list, puller: Puller) -> list[dict]:
+    """Every learner's summary, pulling their run files when due meanwhile; the first failure is
+    raised as one GearflowError line."""
     pending = list(runs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=puller.period_s if puller.sources else None)
+        if puller.due():
+            puller.pull()
+        if not done:
+            continue
         try:
             ray.get(done[0])
         except Exception as exc:  # noqa: BLE001 - a role's error, re-raised as the run's

@@ -49,16 +49,18 @@ def needs_line(cfg: DictConfig, gpus: float) -> str:
 
 
 def place_roles(nodes: list[dict], shards: int, shard_need: dict[str, float], learners: int,
-                learner_need: dict[str, float], *, what: str = "") -> list[str]:
-    """The node (Ray NodeID) of each shard node and its actor group, from ``ray.nodes()``: each
-    on a live node whose resources hold ``shard_need`` (the shard and its group together), the
-    one with the fewest shards so far, workers before the head, then the most free CPU; then
-    every learner must fit (``learner_need``) in what is left. Raises one GearflowError line
-    naming the role that does not fit and each node's resources.
+                learner_need: dict[str, float], *, what: str = "") -> tuple[list[str], list[str]]:
+    """The node (Ray NodeID) of each shard node and its actor group, and of each learner, from
+    ``ray.nodes()``: each shard on a live node whose resources hold ``shard_need`` (the shard and
+    its group together), the one with the fewest shards so far, workers before the head, then the
+    most free CPU; then each learner where ``learner_need`` fits in what is left, on the node with
+    the most free GPUs, then CPUs, workers before the head. Returns ``(shard_nodes,
+    learner_nodes)``. Raises one GearflowError line naming the role that does not fit and each
+    node's resources.
 
     >>> place_roles([{"NodeID": "a", "Alive": True, "Resources": {"CPU": 1.0, "node:__internal_head__": 1.0}},
     ...              {"NodeID": "b", "Alive": True, "Resources": {"CPU": 4.0}}], 1, {"CPU": 3.0}, 1, {"CPU": 1.0})
-    ['b']
+    (['b'], ['b'])
     """
     live = [n for n in nodes if n.get("Alive")]
     free = {n["NodeID"]: dict(n.get("Resources") or {}) for n in live}
@@ -89,12 +91,15 @@ def place_roles(nodes: list[dict], shards: int, shard_need: dict[str, float], le
         take(n, shard_need)
         count[n] += 1
         placed.append(n)
+    ranks = []
     for r in range(learners):
         ok = [n for n in free if fits(n, learner_need)]
         if not ok:
             raise refuse(f"learner rank {r} of {learners}")
-        take(max(ok, key=lambda n: (free[n].get("GPU", 0.0), free[n].get("CPU", 0.0))), learner_need)
-    return placed
+        n = max(ok, key=lambda n: (free[n].get("GPU", 0.0), free[n].get("CPU", 0.0), n not in head))
+        take(n, learner_need)
+        ranks.append(n)
+    return placed, ranks
 
 
 def _resources(res: dict[str, float]) -> str:
