@@ -211,6 +211,38 @@ def test_no_service_is_a_named_error_within_the_timeout():
         Service(token="")
 
 
+def test_a_send_that_finds_the_connection_reset_reads_as_lost_at_once():
+    """The kernel can report a connection the service reset to the thread sending on it before
+    the client's loop has seen it close. That send's error must already make the connection
+    read as lost (``connected`` false: the next call reconnects or fails with the outage), not
+    as live: a writer that checked ``connected`` after its first error went on staging calls
+    with no error at all (a CI failure of test_transport_faults)."""
+    svc = Service(token=TOKEN)
+    port = svc.start()
+    c = Client(("127.0.0.1", port), token=TOKEN, timeout_s=2, connect_timeout_s=0.5)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_loop():  # the client's loop sees nothing of the reset until released
+        held.set()
+        release.wait()
+
+    try:
+        assert c.call("ping")[0]["pong"]
+        c._loop.call_soon_threadsafe(hold_the_loop)
+        assert held.wait(10)
+        svc.stop()  # the service's end aborted: the client's next sends meet the reset
+        with pytest.raises(ServiceUnavailable, match="lost sending ping"):
+            for _ in range(c.max_in_flight):  # the first may still go into the socket's buffer
+                c.submit("ping", timeout_s=0.5)
+        assert not c.connected
+        with pytest.raises(ServiceUnavailable, match="no service at"):
+            c.call("ping", timeout_s=0.5)
+    finally:
+        release.set()
+        c.close()
+        svc.stop()
+
+
 def test_the_client_logs_only_a_loss_it_did_not_ask_for(caplog):
     """Closing a client is not "connection lost"; a service that goes away is, once."""
     svc = Service(token=TOKEN)

@@ -370,7 +370,10 @@ class Client:
                     n = sock.sendmsg(views[:512])
                 except (BlockingIOError, InterruptedError):
                     n = 0
-                except OSError as exc:
+                except OSError as exc:  # reset or shut: lost for every caller from now on, though the
+                    # loop may see it only later (a caller checking ``connected`` must not find it live)
+                    proto.closed = True
+                    self._call_in_loop(self._drop_transport, proto)
                     raise ServiceUnavailable(f"connection to {self.address_text} lost sending {op}: {exc}") from None
                 started = started or n > 0
                 while n and views:
@@ -398,6 +401,18 @@ class Client:
         p = select.poll()
         p.register(sock.fileno(), select.POLLOUT)
         return bool(p.poll(max(1, int(timeout_s * 1000))))
+
+    def _call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (the client too): nothing left to tear down
+            pass
+
+    @staticmethod
+    def _drop_transport(proto: _ClientProtocol) -> None:
+        """End a connection found dead by a send (its pending calls fail in ``connection_lost``)."""
+        if proto.transport is not None:
+            proto.transport.abort()
 
     @staticmethod
     def _abort(proto: _ClientProtocol) -> None:
