@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 
@@ -230,10 +231,14 @@ def test_a_send_that_finds_the_connection_reset_reads_as_lost_at_once():
         assert c.call("ping")[0]["pong"]
         c._loop.call_soon_threadsafe(hold_the_loop)
         assert held.wait(10)
-        svc.stop()  # the service's end aborted: the client's next sends meet the reset
+        svc.stop()  # the service's end closed
+        c.submit("ping", timeout_s=0.5)  # sent to a closed socket: the service's kernel resets it
+        reset = select.poll()
+        reset.register(c._proto.wsock, select.POLLERR)
+        assert reset.poll(10_000), "no reset reached the client's socket"
+        assert c.connected  # the loop, held, has seen nothing of it
         with pytest.raises(ServiceUnavailable, match="lost sending ping"):
-            for _ in range(c.max_in_flight):  # the first may still go into the socket's buffer
-                c.submit("ping", timeout_s=0.5)
+            c.submit("ping", timeout_s=0.5)
         assert not c.connected
         with pytest.raises(ServiceUnavailable, match="no service at"):
             c.call("ping", timeout_s=0.5)

@@ -373,7 +373,7 @@ class Client:
                 except OSError as exc:  # reset or shut: lost for every caller from now on, though the
                     # loop may see it only later (a caller checking ``connected`` must not find it live)
                     proto.closed = True
-                    self._call_in_loop(self._drop_transport, proto)
+                    self._loop.call_soon_threadsafe(self._abort, proto, False)  # its pending calls fail there
                     raise ServiceUnavailable(f"connection to {self.address_text} lost sending {op}: {exc}") from None
                 started = started or n > 0
                 while n and views:
@@ -402,21 +402,11 @@ class Client:
         p.register(sock.fileno(), select.POLLOUT)
         return bool(p.poll(max(1, int(timeout_s * 1000))))
 
-    def _call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed (the client too): nothing left to tear down
-            pass
-
     @staticmethod
-    def _drop_transport(proto: _ClientProtocol) -> None:
-        """End a connection found dead by a send (its pending calls fail in ``connection_lost``)."""
-        if proto.transport is not None:
-            proto.transport.abort()
-
-    @staticmethod
-    def _abort(proto: _ClientProtocol) -> None:
-        proto.asked = True
+    def _abort(proto: _ClientProtocol, asked: bool = True) -> None:
+        """End ``proto``'s connection (in the loop); ``asked``: this side's choice, not a loss to log."""
+        if asked:
+            proto.asked = True
         if proto.transport is not None:
             proto.transport.abort()
 
