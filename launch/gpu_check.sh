@@ -2,7 +2,7 @@
 # GPU check of the CUDA path in one call: prerequisites, the CUDA tests, the CUDA replay
 # benchmark and three short end-to-end runs, every log and result under one folder.
 #
-#   launch/gpu_check.sh [--out DIR] [--budget S] [--tests-s S] [--bench-s S] [--e2e-s S]
+#   launch/gpu_check.sh [--out DIR] [--budget S] [--plan] [--tests-s S] [--bench-s S] [--e2e-s S]
 #                       [--gato-s S] [--bench-scale X]
 #
 #   --out DIR       where everything goes (default ./gpu_check_out): gpu_check.log (all
@@ -10,8 +10,13 @@
 #                   as each is measured: a killed check keeps what it measured),
 #                   bench_cuda.jsonl, e2e_<name>/ (each run's metrics.jsonl, written as it goes)
 #   --budget S      the whole check's wall-clock limit (default 450): a step never gets more
-#                   than what is left, and a step that would get under 20 s is skipped (noted).
-#                   With the device kit's install (~10-20 s) the call stays under 480 s.
+#                   than what is left, and is skipped (noted) only when what is left is less than
+#                   both its own limit and 20 s (a 10-s step runs with 10 s, a 100-s step with
+#                   25 s left runs with 25 s). With the device kit's install (~10-20 s) the call
+#                   stays under 480 s.
+#   --plan          run nothing: list each step with the limit it would get at this budget if
+#                   every step before it took its whole limit (the worst case), into
+#                   gpu_check.jsonl too ("status": "planned" or "skipped")
 #   --tests-s S     limit of the CUDA tests (default 100)
 #   --bench-s S     limit of the CUDA replay benchmark (default 60)
 #   --e2e-s S       run.max_seconds of pong_apex and the R2D2 transformer (default 40; each
@@ -51,11 +56,13 @@
 # Exit status: 0 when every step passed; 1 when one failed or prerequisites are missing.
 set -euo pipefail
 
-OUT=gpu_check_out BUDGET=450 TESTS_S=100 BENCH_S=60 E2E_S=40 GATO_S=40 BENCH_SCALE=1
+OUT=gpu_check_out BUDGET=450 TESTS_S=100 BENCH_S=60 E2E_S=40 GATO_S=40 BENCH_SCALE=1 PLAN=0
+MIN_STEP_S=20  # a step is skipped only when it would get less than this and less than its own limit
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --budget) BUDGET=$2; shift 2 ;;
+    --plan) PLAN=1; shift ;;
     --tests-s) TESTS_S=$2; shift 2 ;;
     --bench-s) BENCH_S=$2; shift 2 ;;
     --e2e-s) E2E_S=$2; shift 2 ;;
@@ -78,22 +85,37 @@ export PYTHONUNBUFFERED=1
 : >"$JSONL"
 START=$SECONDS
 failed=0
-trap 'echo "gpu_check: $([ "$failed" = 0 ] && echo "all steps passed" || echo "FAILED") in $((SECONDS - START)) s; results: $JSONL; log: $LOG"' EXIT
+if [ "$PLAN" = 1 ]; then
+  trap 'echo "gpu_check: plan: $([ "$failed" = 0 ] && echo "every step runs" || echo "some steps SKIPPED"), at most ${PLANNED} s of the ${BUDGET}-s budget"' EXIT
+else
+  trap 'echo "gpu_check: $([ "$failed" = 0 ] && echo "all steps passed" || echo "FAILED") in $((SECONDS - START)) s; results: $JSONL; log: $LOG"' EXIT
+fi
 
 result() {  # result JSON-OBJECT-BODY: one line into the results file, flushed by the shell's append
   printf '{"step": %s, "t": %s, %s}\n' "$1" "$(date +%s)" "$2" >>"$JSONL"
 }
 
+PLANNED=0  # --plan: the seconds the steps listed so far may take at most (their limits)
+elapsed() { if [ "$PLAN" = 1 ]; then echo "$PLANNED"; else echo $((SECONDS - START)); fi; }
+
 step() {  # step NAME LIMIT COMMAND...: run under min(LIMIT, what the budget has left)
-  local name=$1 limit=$2 rc=0 left t0
+  local name=$1 want=$2 limit=$2 rc=0 left t0 floor
   shift 2
-  left=$((BUDGET - (SECONDS - START)))
+  left=$((BUDGET - $(elapsed)))
   [ "$limit" -gt "$left" ] && limit=$left
-  if [ "$limit" -lt 20 ]; then
-    echo "gpu_check: $name SKIPPED (${left}s of the ${BUDGET}s budget left)"
-    result "\"$name\"" "\"status\": \"skipped\", \"reason\": \"budget\", \"left_s\": $left"
+  floor=$MIN_STEP_S
+  [ "$want" -lt "$floor" ] && floor=$want  # a short step needs only its own limit
+  if [ "$limit" -lt "$floor" ] || [ "$limit" -le 0 ]; then
+    echo "gpu_check: $name SKIPPED (${left}s of the ${BUDGET}s budget left, it needs ${floor}s)"
+    result "\"$name\"" "\"status\": \"skipped\", \"reason\": \"budget\", \"left_s\": $left, \"limit_s\": $want"
     failed=1
     return 1
+  fi
+  if [ "$PLAN" = 1 ]; then
+    echo "gpu_check: plan: $name, limit ${limit}s from ${PLANNED}s: $*"
+    result "\"$name\"" "\"status\": \"planned\", \"limit_s\": $limit, \"from_s\": $PLANNED"
+    PLANNED=$((PLANNED + limit))
+    return 0
   fi
   echo "gpu_check: $name (limit ${limit}s, $((SECONDS - START))s elapsed)"
   printf '\n===== %s: %s (limit %ss, %s)\n' "$name" "$*" "$limit" "$(date -Is)" >>"$LOG"
@@ -117,9 +139,8 @@ if ! step "prerequisites" 45 "$PY" launch/gpu_check_steps.py prerequisites --jso
   exit 1
 fi
 step "environment" 15 "$PY" -m gearflow info || true
-if command -v nvidia-smi >/dev/null; then
-  step "nvidia-smi" 10 nvidia-smi || true
-fi
+step "nvidia-smi" 10 bash -c 'command -v nvidia-smi >/dev/null || { echo "nvidia-smi: not on PATH"; exit 0; }; nvidia-smi' \
+  || true
 step "cuda tests" "$TESTS_S" "$PY" launch/gpu_check_steps.py cuda-tests --jsonl "$JSONL" || true
 # bench lines go to the log and, one JSON record per line as measured, to bench_cuda.jsonl
 step "cuda benchmark" "$BENCH_S" bash -c '"$1" -m gearflow bench replay --device cuda --json --scale "$2" \
@@ -133,7 +154,7 @@ e2e() {  # e2e NAME CONFIG SECONDS [ARGS...]
     --jsonl "$JSONL" --run-dir "$OUT/e2e_$name" "$@" || true
   # a run killed at its limit leaves its shared-memory segments (replay, parameters): the next
   # run should not find the memory taken (removes only segments whose owner is dead)
-  "$PY" -m gearflow replay gc >>"$LOG" 2>&1 || true
+  [ "$PLAN" = 1 ] || "$PY" -m gearflow replay gc >>"$LOG" 2>&1 || true
 }
 e2e pong_apex configs/pong_apex.yaml "$E2E_S" "${E2E_CUDA[@]}"
 e2e r2d2_transformer configs/paper/mat_2m.yaml "$E2E_S" "${E2E_CUDA[@]}" replay.capacity=200000 \
@@ -142,5 +163,5 @@ e2e r2d2_transformer configs/paper/mat_2m.yaml "$E2E_S" "${E2E_CUDA[@]}" replay.
 # not fill the replay in a minute)
 e2e gato_80m configs/paper/gato_80m.yaml "$GATO_S" --plan learner.device=cuda replay.device=cuda \
   learner.bf16=true replay.capacity=200000 replay.min_size_to_sample=200
-grep '^gpu_check: e2e ' "$LOG" || echo "gpu_check: no end-to-end report (see $LOG)"
+[ "$PLAN" = 1 ] || grep '^gpu_check: e2e ' "$LOG" || echo "gpu_check: no end-to-end report (see $LOG)"
 [ "$failed" = 0 ]

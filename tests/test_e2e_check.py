@@ -20,6 +20,34 @@ def test_launch_scripts_parse(script):
     assert proc.returncode == 0, proc.stderr
 
 
+def _gpu_check_plan(tmp_path, *args):
+    """``gpu_check.sh --plan``: each step with the limit it would get if every step before it
+    took its whole limit (nothing runs); the rows of its results file and its exit status."""
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--plan", "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    rows = [json.loads(ln) for ln in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    return rows, proc
+
+
+def test_gpu_check_runs_every_step_at_its_defaults_even_the_short_ones(tmp_path):
+    """The first H200 call skipped `environment` (15 s) and `nvidia-smi` (10 s) with 346 s of the
+    budget left: a step was skipped whenever its limit was under 20 s. A step is skipped only when
+    what is left is less than both its own limit and 20 s; at the defaults every step runs."""
+    rows, proc = _gpu_check_plan(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = {r["step"]: r for r in rows}
+    assert all(r["status"] == "planned" for r in rows), [r for r in rows if r["status"] != "planned"]
+    assert steps["environment"]["limit_s"] == 15 and steps["nvidia-smi"]["limit_s"] == 10
+    assert "every step runs" in proc.stdout
+    # a short budget: the steps that still fit run (whole or cut), the rest are skipped and named
+    rows, proc = _gpu_check_plan(tmp_path, "--budget", "120")
+    assert proc.returncode == 1
+    status = {r["step"]: r["status"] for r in rows}
+    assert status["environment"] == status["nvidia-smi"] == status["cuda tests"] == "planned"
+    assert {r["step"]: r["limit_s"] for r in rows if r["status"] == "planned"}["cuda tests"] == 50  # 120 - 70: cut
+    assert status["cuda benchmark"] == "skipped" and "cuda benchmark SKIPPED" in proc.stdout
+
+
 def test_envpool_ids_without_envpool_assets_is_no_ids_not_a_crash(tmp_path):
     """envpool without its assets raises FileNotFoundError on import (the H200: envpool's wheel but
     no envpool-assets); a config whose env gymnasium has still loads."""
