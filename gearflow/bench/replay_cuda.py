@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -96,10 +98,19 @@ def select(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         emit(_record("cuda_select", names[r["bench"]].format(N=r["N"]), value, "us"))
 
 
-def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
+def _on_host(sample) -> SimpleNamespace:
+    """What :func:`~gearflow.bench.replay.verify_stamps` reads of a batch of CUDA tensors, copied
+    to the host (it compares with host tensors and reads the keys with ``.numpy()``)."""
+    return SimpleNamespace(data={k: v.cpu() for k, v in sample.data.items()}, keys=sample.keys.cpu())
+
+
+def table(emit: Emit, cupy, scale: float, failures: list[str], device: Callable | None = None) -> None:
+    """``device(storage, kind, selector)``: the table's device sampler (default: a
+    ``DeviceReplay`` on ``cupy``; the tests hand in the CuPy emulation's)."""
     import torch
 
     from gearflow.kinds.transition import Transition
+    from gearflow.native.device_replay import DeviceReplay
     from gearflow.replay import (
         RateLimiter,
         SharedStorage,
@@ -109,19 +120,23 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         make_selector,
     )
 
+    device = device or partial(DeviceReplay, cupy=cupy)
+
     def make(spec: dict, steps: int) -> Table:
         storage = SharedStorage.create(TableSpec.parse(spec), 1, steps)
         try:
             sel = make_selector("prioritized", storage.items_per_partition, seed=0, alpha=0.6, beta=0.4)
-            return Table(storage, Transition(next_columns=("obs",) if "obs" in spec else ()), sel,
-                         RateLimiter(min_size_to_sample=1), num_buffers=1, device="cuda")  # fmt: skip
+            kind = Transition(next_columns=("obs",) if "obs" in spec else ())
+            return Table(storage, kind, sel, RateLimiter(min_size_to_sample=1), num_buffers=1,
+                         device=device(storage, kind, sel))  # fmt: skip
         except BaseException:
             storage.close()
             storage.unlink()
             raise
 
     # Atari transitions, every row checked (the W3 stamp pattern: obs bytes = stamp % 251 + 1)
-    steps = max(4096, int(20_000 * scale)) // 64 * 64
+    tiny = scale < 0.1  # a smoke run (the tests: the CuPy emulation runs the kernels on the CPU)
+    steps = max(256 if tiny else 4096, int(20_000 * scale)) // 64 * 64
     spec = {"obs": "uint8[4,84,84]", "action": "int64", "reward": "float32", "done": "bool", "stamp": "int64"}
     t = make(spec, steps)
     try:
@@ -130,23 +145,23 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         chunk = random_steps(t.storage.spec, 64, rng)
         for _ in range(steps // 64):
             idx = np.arange(int(writer.positions[0]), int(writer.positions[0]) + 64)
-            stamp_obs(chunk["obs"], idx)
-            chunk["stamp"][:] = idx
+            stamp_obs(chunk, idx)  # every byte of each row says which step it is
             first = writer.extend(chunk)
             ends = first + np.arange(1, 65)
             ends = ends[ends - 4 >= writer.episode_starts()[0]]
             writer.create_items(rng.random(ends.size) + 0.01, 4, streams=0, ends=ends)
         t.scan()
-        B = 256
+        B = 16 if tiny else 256
         bad = 0
-        for i in range(20):
-            if i % 2:  # the learner's stream busy with a long kernel (~10 ms) while the sample runs
+        for i in range(4 if tiny else 20):
+            if i % 2 and torch.cuda.is_available():  # the learner's stream busy with a long kernel (~10 ms)
                 torch.cuda._sleep(20_000_000)
-            bad += verify_stamps(t.sample(B))
+            # one writer run: item seq s starts at step s (its 4 steps, the first 4 of the ring skipped)
+            bad += verify_stamps(_on_host(t.sample(B)), [(0, 0)])
         emit(_record("cuda_table", "torn_or_corrupt_rows_returned", bad, "rows"))
         if bad:
             failures.append(f"Table(device='cuda'): {bad} sampled rows differ from what was written")
-        min_s = max(0.5, 2.0 * scale)
+        min_s = 0.05 if tiny else max(0.5, 2.0 * scale)
         t_sample = timed(lambda: t.sample(B), min_s)
         rows = {"obs": B, "obs#next": B, "action": B, "reward": B, "done": B, "stamp": B}
         t_floor = floor_gather(t.storage.tensors, rows, steps, min_s, 0)
@@ -162,7 +177,7 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
         t.close()
 
     # sample cost at scale, through the table
-    for n in [10**6, 10**7] if scale >= 1 else [10**4, 10**5]:
+    for n in [10**6, 10**7] if scale >= 1 else [10**3] if tiny else [10**4, 10**5]:
         chunk_n = min(n, 65536)
         steps = -(-n // chunk_n) * chunk_n
         t = make({"action": "int64", "reward": "float32"}, steps + 1)
@@ -176,7 +191,8 @@ def table(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
                 writer.create_items(rng.random(chunk_n) + 0.01, 1, streams=0, ends=first + np.arange(1, chunk_n + 1))
             t.scan()
             emit(_record("cuda_table", f"fill_and_ingest_s_at_{n}_items", time.perf_counter() - start, "s"))
-            cost = min(timed(partial(t.sample, 256), max(0.2, 0.4 * scale), min_calls=50) for _ in range(5))
+            cost = min(timed(partial(t.sample, 16 if tiny else 256), max(0.2, 0.4 * scale), min_calls=5 if tiny else 50)
+                       for _ in range(2 if tiny else 5))  # fmt: skip
             emit(_record("cuda_table", f"sample_us_at_{n}_items", cost * 1e6, "us"))
         finally:
             t.close()
