@@ -155,7 +155,8 @@ def memory_plan_gib(cfg) -> dict:
     learner, replay = plan["learner"], plan.get("replay", {})
     out = {"learner_total_gib": round(learner["total_bytes"] / GIB, 3), "parameters": learner["parameters"],
            "parameter_gib": round(learner["parameter_bytes"] / GIB, 3),
-           "optimizer_state_gib": round(learner["optimizer_state_bytes"] / GIB, 3),
+           "optimizer_state_gib": None if learner["optimizer_state_bytes"] is None
+                                   else round(learner["optimizer_state_bytes"] / GIB, 3),
            "activation_gib": None if learner["activation_bytes"] is None else round(learner["activation_bytes"] / GIB, 3),
            "activation_method": learner["activation_method"],
            "batch_gib": round(learner["batch_bytes"] / GIB, 3)}  # fmt: skip
