@@ -930,6 +930,56 @@ def test_distribution_check_passes_equal_draws_and_catches_a_never_drawn_or_bias
         distribution_mismatch(a // 10, b // 10)
 
 
+def draws_for_every_key(p, min_expected=100, alpha=1e-6):
+    """Draws from the distribution ``p`` (any scale) after which every key has been drawn at least
+    ``min_expected`` times (what :func:`distribution_mismatch` requires of its reference) except
+    with probability ``alpha``: the least likely key's expected count ``m`` solves the Chernoff
+    bound ``K · exp(-(1 - min_expected/m)² m / 2) = alpha`` (about 189 for 800 keys). The first
+    H200 call sized its draws for an expected 120 and its CPU reference drew a key 90 and 99 times."""
+    p = np.asarray(p, np.float64)
+    bound = np.log(len(p) / alpha)  # (1 - M/m)² m / 2 >= this
+    m = float(min_expected)
+    while (1 - min_expected / m) ** 2 * m / 2 < bound:
+        m *= 1.01
+    return int(np.ceil(m * p.sum() / p.min()))
+
+
+def check_draw_distribution(table, draw_keys, known, p, batch=1000):
+    """``draw_keys(batch)`` (the sampler under test: host int64 keys) against ``table``'s own CPU
+    selector, by :func:`distribution_mismatch`, each side drawn :func:`draws_for_every_key` times."""
+    batches = -(-draws_for_every_key(p) // batch)
+    got = np.zeros(len(known))
+    for _ in range(batches):
+        got += _key_counts(draw_keys(batch), known)
+    return distribution_mismatch(got, _cpu_selector_counts(table, batches * batch, known, batch))
+
+
+def _draw_test_table(make_table, selector, **kw):
+    """About 800 keys of priorities 1..11 over two partitions (the draw-distribution tests)."""
+    kind = KINDS["transition"]
+    table = make_table(SPEC, P=2, S=512, kind=kind, selector=selector,
+                       selector_kwargs={"alpha": 1.0} if selector == "prioritized" else None, **kw)  # fmt: skip
+    rec = Recorder(table.storage, [0, 1])
+    for stream in (0, 1):
+        rec.episode(stream, 400, kind)
+    table.scan()
+    known = np.array(sorted(rec.key(p, s) for p, s in rec.items))
+    p = np.array([rec.items[(k % 2, k // 2)][2] for k in known]) if selector == "prioritized" else np.ones(len(known))
+    return table, known, p
+
+
+@pytest.mark.parametrize("selector", ["uniform", "prioritized"])
+def test_the_distribution_test_draws_enough_for_its_power_floor(make_table, selector):
+    """The CUDA draw-distribution test's sizing, on the CPU: its own reference (the CPU selector) must
+    draw every key >= 100 times, or the check refuses to judge. Here the CPU selector stands in for
+    the device too: the sizing lets the check run and pass (with the expected-120 sizing of the
+    first H200 call, some key of the 800 falls short almost surely: P(Poisson(120) < 100) ≈ 3 %)."""
+    table, known, p = _draw_test_table(make_table, selector)
+    assert len(known) >= 790 and draws_for_every_key(np.ones(800)) == pytest.approx(800 * 189, rel=0.02)
+    cpu = lambda n: table._slot_seq[s := table.selector.sample(n).slots] * 2 + s // table.storage.items_per_partition
+    assert check_draw_distribution(table, cpu, known, p) is None
+
+
 def _key_counts(keys, known):
     """Counts of ``keys`` per key of the sorted array ``known`` (every key must be known)."""
     keys = np.asarray(keys, dtype=np.int64)
@@ -1008,22 +1058,11 @@ def test_cuda_table_returns_what_was_written(make_table, selector, kind_name):
 @pytest.mark.parametrize("selector", ["uniform", "prioritized"])
 def test_cuda_draw_distribution_matches_the_cpu_selector(make_table, selector):
     """Device draws through ``Table(device="cuda")`` against the table's own CPU selector, by the
-    power-checked :func:`distribution_mismatch` (about 800 keys; enough draws that every key is
-    expected >= 120 times on each side, so a never-drawn key fails with z >= 11)."""
-    kind = KINDS["transition"]
-    table = make_table(SPEC, P=2, S=512, kind=kind, selector=selector, device="cuda",
-                       selector_kwargs={"alpha": 1.0} if selector == "prioritized" else None)  # fmt: skip
-    rec = Recorder(table.storage, [0, 1])
-    for stream in (0, 1):
-        rec.episode(stream, 400, kind)
-    table.scan()
-    known = np.array(sorted(rec.key(p, s) for p, s in rec.items))
-    p = np.array([rec.items[(k % 2, k // 2)][2] for k in known]) if selector == "prioritized" else np.ones(len(known))
-    batches = int(np.ceil(120 * p.sum() / p.min() / 1000))
-    gpu = np.zeros(len(known))
-    for _ in range(batches):
-        gpu += _key_counts(table.sample(1000).keys.cpu().numpy(), known)
-    why = distribution_mismatch(gpu, _cpu_selector_counts(table, batches * 1000, known))
+    power-checked :func:`distribution_mismatch` (about 800 keys; :func:`draws_for_every_key`
+    draws on each side, so the reference draws every key >= 100 times and a never-drawn key
+    fails with z >= 10)."""
+    table, known, p = _draw_test_table(make_table, selector, device="cuda")
+    why = check_draw_distribution(table, lambda n: table.sample(n).keys.cpu().numpy(), known, p)
     assert why is None, why
 
 
