@@ -19,8 +19,10 @@ the measured GPU memory. Printed (one line, prefixed ``gpu_check: e2e``)::
      "tokens_per_s", "samples_per_s", "env_steps_per_s", "learner_wait_fraction",
      "steady": {"rows", "updates_per_s", "tokens_per_s", "env_steps_per_s"},
      "learner_device", "replay_device", "bf16",
-     "gpu": {"name", "total_gib", "peak_used_gib", "torch_max_allocated_gib", "torch_max_reserved_gib"} | null,
-     "plan": {"learner_total_gib", "parameters", "activation_gib", "replay_host_gib", ...} | absent}
+     "gpu": {"name", "total_gib", "peak_used_gib", "learner_process_peak_gib", "other_processes_peak_gib",
+             "torch_max_allocated_gib", "torch_max_reserved_gib", "cupy_pool_gib"} | null,
+     "plan": {"learner_total_gib", "parameters", "activation_gib", "replay_host_gib", ...} | absent,
+     "plan_vs_learner": {"plan_gib", "torch_max_allocated_gib", "ratio", "learner_process_peak_gib"} | absent}
 
 ``updates_per_s`` etc. are over the whole run (filling the replay included); ``steady`` is the
 mean of the metric rows logged after the first learner update (one row per 5 s).
@@ -28,14 +30,21 @@ mean of the metric rows logged after the first learner update (one row per 5 s).
 time (the whole run).
 ``tokens`` are the steps learned from (items × their valid steps: a transition is one, an
 R2D2 window its unpadded steps). ``gpu.peak_used_gib`` is the device's used memory (all
-processes: learner, CuPy pool, CUDA contexts) sampled every 0.5 s; the ``torch_*`` figures
-are this (the learner's) process's torch allocator. Exit status 1 when no update happened.
+processes: learner, CuPy pool, CUDA contexts) sampled every 0.5 s; ``gpu.learner_process_peak_gib``
+is this (the learner's) process alone and ``gpu.other_processes_peak_gib`` everything else on the
+GPU (actors that act there: gato_80m's), per ``nvidia-smi --query-compute-apps`` every 2 s (None
+without nvidia-smi); the ``torch_*`` figures are the learner's torch allocator and ``cupy_pool_gib``
+its replay's CuPy pool. With ``--plan`` the report's ``plan_vs_learner`` puts the plan's learner
+total beside what the learner's allocator held. Exit status 1 when no update happened.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,14 +55,56 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = float(1 << 30)
 
 
-class GpuMemory:
-    """Peak device memory in use (all processes), sampled by a thread."""
+class ProcessMemory:
+    """Peak device memory of this process (the learner: its CUDA context, torch's allocator, the
+    replay's CuPy pool) and of every other process on the GPUs (the actors, when they act there),
+    from ``nvidia-smi --query-compute-apps=pid,used_memory`` (MiB per process; the figure the
+    driver charges each one). ``available`` is False where nvidia-smi is missing or fails."""
 
-    def __init__(self, period_s: float = 0.5):
+    QUERY = ("nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+
+    def __init__(self, pid: int | None = None):
+        self.pid = os.getpid() if pid is None else pid
+        self.learner = self.others = self.others_count = 0  # peaks: bytes, bytes, processes
+        self.available = shutil.which(self.QUERY[0]) is not None
+
+    def poll(self) -> None:
+        if not self.available:
+            return
+        try:
+            out = subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            self.available = False
+            return
+        mine = others = count = 0
+        for line in out.splitlines():
+            pid, _, mib = (part.strip() for part in line.partition(","))
+            if not (pid.isdigit() and mib.isdigit()):  # "[N/A]" (no permission) or a header
+                continue
+            if int(pid) == self.pid:
+                mine += int(mib) << 20
+            else:
+                others, count = others + (int(mib) << 20), count + 1
+        self.learner, self.others = max(self.learner, mine), max(self.others, others)
+        self.others_count = max(self.others_count, count)
+
+    def report(self) -> dict:
+        if not self.available:
+            return {"learner_process_peak_gib": None, "other_processes_peak_gib": None}
+        return {"learner_process_peak_gib": round(self.learner / GIB, 3),
+                "other_processes_peak_gib": round(self.others / GIB, 3), "other_processes": self.others_count}
+
+
+class GpuMemory:
+    """Peak device memory in use (all processes), and this (the learner's) process's own
+    (:class:`ProcessMemory`, every ``process_every`` polls), sampled by a thread."""
+
+    def __init__(self, period_s: float = 0.5, process_every: int = 4):
         import torch
 
         self.torch, self.peak, self.total = torch, 0, 0
         self.available = torch.cuda.is_available()
+        self.processes, self.process_every = ProcessMemory(), process_every
         self._stop = threading.Event()
         self._thread = None
         if torch.cuda.is_available():
@@ -62,24 +113,31 @@ class GpuMemory:
             self._thread.start()
 
     def _poll(self, period_s: float) -> None:
+        polls = 0
         while not self._stop.wait(period_s):
             try:
                 free, total = self.torch.cuda.mem_get_info()
             except RuntimeError:  # the driver is gone (run ended badly): keep the last peak
                 return
             self.peak = max(self.peak, total - free)
+            if polls % self.process_every == 0:
+                self.processes.poll()
+            polls += 1
 
     def now(self) -> dict | None:
         """The figures so far (the run goes on)."""
         if not self.available:
             return None
         t = self.torch.cuda
+        cupy = sys.modules.get("cupy")  # the replay's device vectors and batch buffers (replay.device=cuda)
         return {
             "name": t.get_device_name(0),
             "total_gib": round(self.total / GIB, 2),
             "peak_used_gib": round(self.peak / GIB, 3),
+            **self.processes.report(),
             "torch_max_allocated_gib": round(t.max_memory_allocated() / GIB, 3),
             "torch_max_reserved_gib": round(t.max_memory_reserved() / GIB, 3),
+            "cupy_pool_gib": None if cupy is None else round(cupy.get_default_memory_pool().total_bytes() / GIB, 3),
         }
 
     def report(self) -> dict | None:
@@ -166,6 +224,17 @@ def memory_plan_gib(cfg) -> dict:
     return out
 
 
+def plan_vs_learner(plan: dict, gpu: dict | None) -> dict | None:
+    """The dry run's learner total beside what the learner's own allocator held at its peak
+    (``ratio`` = measured / planned) and the learner process's whole use (context, CuPy pool)."""
+    planned = plan.get("learner_total_gib") if isinstance(plan, dict) else None
+    if gpu is None or not planned:
+        return None
+    held = gpu["torch_max_allocated_gib"]
+    return {"plan_gib": planned, "torch_max_allocated_gib": held, "ratio": round(held / planned, 3),
+            "learner_process_peak_gib": gpu.get("learner_process_peak_gib")}
+
+
 def steady_of(rows: list[dict]) -> list[dict]:
     """The metric rows logged after the first learner update (the summary row has no rates)."""
     return [r for r in rows if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
@@ -250,6 +319,7 @@ def main(argv=None) -> int:
         }
         if plan is not None:
             report["plan"] = plan
+            report["plan_vs_learner"] = plan_vs_learner(plan, report["gpu"])
     append_line(args.jsonl, report)
     print("gpu_check: e2e " + json.dumps(report), flush=True)
     return 0 if report["updates"] > 0 else 1

@@ -85,3 +85,38 @@ def test_e2e_check_reports_a_short_run(tmp_path):
     assert rows[-1] == report and len([r for r in rows if "progress" in r]) >= 2
     assert any(r["progress"].get("learner/updates", 0) > 0 for r in rows if "progress" in r)
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_gpu_memory_is_split_between_the_learner_process_and_the_others(tmp_path, monkeypatch):
+    """gato_80m on the H200: 26.8 GiB used on the GPU with eight actor processes running their
+    80M-parameter models there, 5.3 GiB allocated by the learner: the report could not say which
+    was which. ProcessMemory reads nvidia-smi's per-process figures (here a stand-in script on
+    PATH that prints what the driver would) and keeps the learner's (this process) and the
+    others' peaks apart."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import e2e_check
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    me = os.getpid()
+    table = tmp_path / "apps.csv"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\n[ "$1" = "--query-compute-apps=pid,used_memory" ] || exit 3\ncat "{table}"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    mem = e2e_check.ProcessMemory()
+    assert mem.available and mem.pid == me
+    table.write_text(f"{me}, 5400\n{me + 1}, 2600\n{me + 2}, 2600\n")
+    mem.poll()
+    table.write_text(f"{me}, 5000\n{me + 1}, 2700\n{me + 2}, 2700\n{me + 3}, [N/A]\n")
+    mem.poll()
+    assert mem.report() == {"learner_process_peak_gib": round(5400 / 1024, 3),
+                            "other_processes_peak_gib": round(5400 / 1024, 3), "other_processes": 2}  # fmt: skip
+    plan = {"learner_total_gib": 4.0}
+    gpu = {"torch_max_allocated_gib": 5.2, **mem.report()}
+    assert e2e_check.plan_vs_learner(plan, gpu) == {"plan_gib": 4.0, "torch_max_allocated_gib": 5.2, "ratio": 1.3,
+                                                   "learner_process_peak_gib": round(5400 / 1024, 3)}  # fmt: skip
+    assert e2e_check.plan_vs_learner({"error": "no plan"}, gpu) is None
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert not e2e_check.ProcessMemory().available
+    assert e2e_check.ProcessMemory().report()["learner_process_peak_gib"] is None
