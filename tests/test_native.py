@@ -55,12 +55,14 @@ from gearflow.native.hostmem import (
 from gearflow.native.select import (
     CHUNK,
     CudaSelect,
+    draw_items,
     importance_weights,
     num_chunks,
     sample_proportional,
     sample_uniform,
     sum_chunks,
     top_k,
+    update_by_key,
     update_priorities,
 )
 from gearflow.replay.selectors import make_selector
@@ -211,6 +213,12 @@ def exercise_every_kernel(g: CudaGather, s: CudaSelect) -> None:
     s.sample_proportional(masses, np.random.default_rng(0).random(4))
     s.sample_uniform(10, np.random.default_rng(0).random(4), live_slots=np.arange(10))
     s.importance_weights(np.full(4, 0.25), 10, 0.4)
+    # the device replay's: pointers only (descriptors, scratch)
+    s.draw_items(0x1000, 0x2000, 4, rows=0x3000, u=0x4000, seed=2**63 + 5, counter=7)
+    s.finish_batch(0x1000, 0x2000, 4, 100, 0.4)
+    for f32 in (False, True):
+        s.update_by_key(0x1000, 0x5000, 0x6000, 8, f32, 3 << 32, 0.6, 0x7000, 0x8000, 5000, 0x9000, 2)
+    s.apply_ingest(0x1000, 0xA000, 3, 0.6, ((0x8000, 0x9000, 5000, 2),))
 
 
 @needs_nvcc
@@ -726,6 +734,11 @@ static unsigned long long gf_bytes_read = 0;
 extern "C" unsigned long long gf_emu_bytes_read() { unsigned long long n = gf_bytes_read; gf_bytes_read = 0; return n; }
 #define GF_COUNT_READ(bytes) (gf_bytes_read += (bytes))
 static inline int atomicMax(int* p, int v) { int old = *p; if (v > old) *p = v; return old; }
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+    unsigned long long old = *p; if (v > old) *p = v; return old;
+}
+static inline void __threadfence_system() {}
+static inline double __longlong_as_double(long long x) { double d; __builtin_memcpy(&d, &x, sizeof d); return d; }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     unsigned long long old = *p; *p = old + v; return old;
 }
@@ -737,6 +750,10 @@ typedef unsigned long long gf_u64;
 typedef void (*gf_kernel)(gf_u64, gf_u64, gf_u64, gf_u64, gf_u64, gf_u64, gf_u64, gf_u64, gf_u64,
                           gf_u64, gf_u64, gf_u64, double, double, double, double);
 static gf_kernel gf_fn;
+// 1: blocks and the threads of a block run in reverse order (a kernel whose result depends on
+// the order its threads run in, which a GPU does not fix, then gives another result)
+static int gf_reverse = 0;
+extern "C" void gf_emu_set_reverse(int on) { gf_reverse = on; }
 static gf_u64 gf_ints[12];
 static double gf_dbls[4];
 static std::vector<int> gf_done;
@@ -757,7 +774,8 @@ extern "C" int gf_emu_launch(void* fn, unsigned gx, unsigned bx, unsigned by, co
     gridDim = {gx, 1, 1};
     blockDim = {bx, by, 1};
     gf_fibers.assign(n, ucontext_t());
-    for (unsigned b = 0; b < gx; ++b) {
+    for (unsigned bb = 0; bb < gx; ++bb) {
+        const unsigned b = gf_reverse ? gx - 1 - bb : bb;
         blockIdx = {b, 0, 0};
         gf_done.assign(n, 0);
         for (unsigned t = 0; t < n; ++t) {
@@ -769,7 +787,8 @@ extern "C" int gf_emu_launch(void* fn, unsigned gx, unsigned bx, unsigned by, co
         }
         for (;;) {
             unsigned ended = 0, waiting = 0;
-            for (unsigned t = 0; t < n; ++t) {
+            for (unsigned tt = 0; tt < n; ++tt) {
+                const unsigned t = gf_reverse ? n - 1 - tt : tt;
                 if (gf_done[t]) continue;
                 gf_current = t;
                 threadIdx = {t % bx, t / bx, 0};
@@ -963,6 +982,163 @@ def test_emulated_select_kernels_match_the_reference(emulated):
     assert slots.tolist() == [-1, -1] and probs.tolist() == [0.0, 0.0]
     values = rng.permutation(1000).astype(np.float64)
     assert np.array_equal(s.top_k(values, 10), top_k(values, 10))
+
+
+# ============================================================================ the device replay's kernels
+class ReplayArrays:
+    """The arrays behind select.cu's gf_replay / gf_draw descriptors, on the CPU (stand-in device
+    arrays whose host addresses the emulated kernels use): N slots of P partitions of R, a
+    counters block [P, 8] standing in for the segment's, one draw of B rows."""
+
+    def __init__(self, cp, P, R, B, uniform=False, trusted=16):
+        N = P * R
+        self.P, self.R, self.N, self.B = P, R, N, B
+        self.masses, self.sums = dev(np.zeros(N)), dev(np.zeros(num_chunks(N)))
+        self.live, self.live_sums = (self.masses, self.sums) if uniform else (dev(np.zeros(N)), dev(np.zeros(num_chunks(N))))
+        self.start, self.seq, self.length = dev(np.zeros(N, np.int64)), dev(np.full(N, -1, np.int64)), dev(np.zeros(N, np.int32))
+        self.winner, self.prio_status = dev(np.zeros(N, np.uint64)), dev(np.zeros(2, np.uint64))
+        self.counters = np.zeros((P, 8), np.int64)  # RESERVE is field 0 here
+        self.desc = select_mod.descriptor(cp, select_mod.REPLAY_FIELDS, {
+            "masses": self.masses, "sums": self.sums, "live": self.live, "live_sums": self.live_sums,
+            "start": self.start, "seq": self.seq, "length": self.length, "winner": self.winner,
+            "prio_status": self.prio_status, "counters": self.counters.ctypes.data, "N": N, "NC": num_chunks(N),
+            "P": P, "R": R, "counter_fields": 8, "reserve_field": 0, "trusted_steps": trusted})  # fmt: skip
+        self.draw = {"slots": dev(np.zeros(B, np.int64)), "probs": dev(np.zeros(B)), "parts": dev(np.zeros(B, np.int64)),
+                     "starts": dev(np.zeros(B, np.int64)), "seqs": dev(np.zeros(B, np.int64)),
+                     "lengths": dev(np.zeros(B, np.int32)), "keys": dev(np.zeros(B, np.int64)),
+                     "weights": dev(np.zeros(B, np.float32)), "probabilities": dev(np.zeros(B)),
+                     "flags": dev(np.zeros(B, np.uint8))}  # fmt: skip
+        self.status = np.zeros(4, np.int64)
+        self.draw_desc = select_mod.descriptor(cp, select_mod.DRAW_FIELDS, {**self.draw, "status": self.status.ctypes.data})
+
+    def ingest(self, s, slots, prios, starts, seqs, lengths, live, alpha):
+        n = len(slots)
+        entries = np.stack([np.asarray(slots, np.int64), np.asarray(prios, np.float64).view(np.int64),
+                            np.asarray(starts, np.int64), np.asarray(seqs, np.int64),
+                            np.asarray(lengths, np.int64), np.asarray(live, np.int64)])  # fmt: skip
+        vectors = [(dptr_of(self.masses), dptr_of(self.sums), self.N, num_chunks(self.N))]
+        if self.live is not self.masses:
+            vectors.append((dptr_of(self.live), dptr_of(self.live_sums), self.N, num_chunks(self.N)))
+        s.apply_ingest(dptr_of(self.desc), entries.ctypes.data, n, alpha, tuple(vectors))
+        return entries
+
+
+def dptr_of(a):
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def test_descriptor_fields_match_the_structs_in_select_cu():
+    src = (KERNEL_DIR / "select.cu").read_text()
+
+    def fields(struct):
+        body = re.search(rf"struct {struct} \{{(.*?)\n\}};", src, re.DOTALL).group(1)
+        body = re.sub(r"//[^\n]*", "", body)
+        names = []
+        for decl in body.split(";"):
+            decl = decl.strip()
+            if decl:
+                names += [re.sub(r"[^\w].*", "", part.strip().split()[-1].lstrip("*")) for part in
+                          (decl.split(",") if "," in decl else [decl])]  # fmt: skip
+        return tuple(names)
+
+    assert fields("gf_replay") == select_mod.REPLAY_FIELDS
+    assert fields("gf_draw") == select_mod.DRAW_FIELDS
+    with pytest.raises(ValueError, match="no value for status"):
+        select_mod.descriptor(FakeCupy(), select_mod.DRAW_FIELDS, {f: 0 for f in select_mod.DRAW_FIELDS[:-1]})
+
+
+@needs_emulation
+@pytest.mark.parametrize("uniform", [False, True])
+def test_emulated_replay_kernels_match_their_references(emulated, uniform):
+    """draw_items (the fused two-level draw, with the kernel's own uniforms or given ones, a subset of
+    rows, the no-mass fallback to the live slots), apply_ingest, the update by key (repeated keys:
+    the last wins on the device; evicted keys ignored; invalid priorities refused and counted,
+    never applied) and finish_batch (keys, torn and impossible rows against the counters, IS
+    weights, the status word) against numpy."""
+    _, s, cp = emulated
+    rng = np.random.default_rng(5)
+    P, R, B = 3, 3000, 40  # N = 9000: three chunks, the last one partial
+    a = ReplayArrays(cp, P, R, B, uniform=uniform)
+    N = a.N
+    slots = rng.permutation(N)[: N // 2]
+    prios = rng.random(slots.size) * 3
+    prios[rng.random(slots.size) < 0.2] = 0.0
+    prios[: slots.size // 4] = 0.0
+    seqs = slots % R + R * rng.integers(0, 4, slots.size)  # the slot rule: seq % R == slot % R
+    starts = rng.integers(0, 200, slots.size)
+    alpha = -1.0 if uniform else 0.6
+    a.ingest(s, slots, prios, starts, seqs, np.full(slots.size, 3), np.ones(slots.size), alpha)
+    gone = slots[:50]
+    a.ingest(s, gone, np.zeros(50), np.zeros(50), np.zeros(50), np.zeros(50), np.zeros(50), alpha)
+    live_h = np.zeros(N)
+    live_h[slots[50:]] = 1
+    masses_h = live_h.copy() if uniform else np.where(live_h > 0, np.zeros(N), 0.0)
+    if not uniform:
+        masses_h[slots[50:]] = np.where(prios[50:] > 0, prios[50:] ** 0.6, 0.0)
+    np.testing.assert_allclose(a.masses, masses_h, rtol=1e-14)
+    np.testing.assert_array_equal(a.live, live_h)
+    np.testing.assert_allclose(a.sums, sum_chunks(masses_h), rtol=1e-12)
+    assert a.seq[slots[60]] == seqs[60] and a.start[slots[60]] == starts[60] and a.length[slots[60]] == 3
+
+    def check_draw(u_arg, u_host, rows=None):
+        count = len(u_host)
+        rows_dev = 0 if rows is None else dptr_of(dev(np.asarray(rows, np.int64)))
+        s.draw_items(dptr_of(a.desc), dptr_of(a.draw_desc), count, rows=rows_dev, u=u_arg, seed=7, counter=3)
+        want, want_p = draw_items(np.asarray(a.masses), np.asarray(a.live), u_host,
+                                  chunk_sums=np.asarray(a.sums), live_sums=np.asarray(a.live_sums))  # fmt: skip
+        at = np.arange(count) if rows is None else np.asarray(rows)
+        assert np.array_equal(a.draw["slots"][at], want)
+        np.testing.assert_allclose(a.draw["probs"][at], want_p, rtol=1e-12)
+        assert np.array_equal(a.draw["parts"][at], want // R) and np.array_equal(a.draw["seqs"][at], a.seq[want])
+        assert np.array_equal(a.draw["starts"][at], a.start[want]) and (a.draw["lengths"][at] == 3).all()
+        return want
+
+    u = rng.random(B)
+    drawn = check_draw(dptr_of(dev(u)), u)
+    assert live_h[drawn].all() and (uniform or (masses_h[drawn] > 0).all())
+    check_draw(0, select_mod.uniforms(7, 3, B))  # the kernel's own uniforms
+    check_draw(dptr_of(dev(u[:5])), u[:5], rows=[3, 9, 0, 30, 1])  # a redraw of 5 rows
+    # finish: the counters say partition 1 overwrote everything before step 150 + 16
+    a.counters[1, 0] = 150 + 16
+    a.draw["slots"][7], a.draw["parts"][7] = -1, -1  # an impossible row
+    s.finish_batch(dptr_of(a.desc), dptr_of(a.draw_desc), B, int(live_h.sum()), 0.4)
+    parts, starts_d, probs_d = (np.asarray(a.draw[k]) for k in ("parts", "starts", "probs"))
+    valid = parts >= 0
+    torn = valid & (starts_d < a.counters[np.maximum(parts, 0), 0] - 16)
+    assert torn.any() and np.array_equal(a.draw["flags"], (~valid) * 1 + torn * 2)
+    assert a.status.tolist()[:2] == [int((~valid).sum()), int(torn.sum())]
+    assert np.array_equal(a.draw["keys"][valid], a.draw["seqs"][valid] * P + parts[valid]) and a.draw["keys"][7] == -1
+    w = np.where(valid, (live_h.sum() * probs_d) ** -0.4, 0.0)
+    np.testing.assert_allclose(a.draw["weights"], w / w.max(), rtol=1e-6)
+    # write-back by key: held keys, an evicted one, a stale seq, a repeat (the last wins), bad values
+    held = slots[50:60]
+    keys = list((a.seq[held] * P + held // R).tolist())
+    keys += [int(a.seq[gone[0]] * P + gone[0] // R), int((a.seq[held[0]] + R) * P + held[0] // R), keys[2], -4]
+    upd = rng.random(len(keys)) * 2
+    upd[3], upd[len(keys) - 2] = np.nan, 0.25  # entry 3 refused; key 2 repeated: 0.25 wins
+    lib = s.module.lib
+    for dtype, reverse in ((np.float64, 0), (np.float32, 1)):  # threads in reverse: the last entry still wins
+        lib.gf_emu_set_reverse(reverse)
+        u_h, want_m = upd.astype(dtype), np.asarray(a.masses).copy()
+        want_applied, want_refused = update_by_key(want_m, np.asarray(a.live), np.asarray(a.seq), keys, u_h, alpha, P, R)
+        before = a.prio_status.copy()
+        scratch = dev(np.zeros(len(keys), np.int64))
+        s.update_by_key(dptr_of(a.desc), dptr_of(dev(np.array(keys, np.int64))), dptr_of(dev(u_h)), len(keys),
+                        dtype == np.float32, (2 if dtype == np.float32 else 1) << 32, alpha, dptr_of(scratch),
+                        dptr_of(a.masses), N, None if uniform else dptr_of(a.sums), num_chunks(N))  # fmt: skip
+        assert (a.prio_status - before).tolist() == [want_applied, want_refused] == [9, 1]
+        np.testing.assert_allclose(a.masses, want_m, rtol=1e-6)
+        np.testing.assert_allclose(a.sums, sum_chunks(np.asarray(a.masses)), rtol=1e-12)
+        lib.gf_emu_set_reverse(0)
+        if not uniform:
+            assert a.masses[held[2]] == pytest.approx(0.25**0.6) and a.masses[held[3]] == masses_h[held[3]]
+    # no mass at all: the draw is uniform over the live slots (probability 1 / live), as the CPU selector
+    if not uniform:
+        a.ingest(s, slots[50:], np.zeros(slots.size - 50), starts[50:], seqs[50:], np.full(slots.size - 50, 3),
+                 np.ones(slots.size - 50), alpha)  # fmt: skip
+        assert not np.asarray(a.masses).any()
+        drawn = check_draw(dptr_of(dev(u)), u)
+        assert live_h[drawn].all() and np.allclose(a.draw["probs"], 1 / live_h.sum())
 
 
 # ============================================================================ probe (CPU, injected CuPy)
