@@ -377,7 +377,7 @@ class HostCupy(FakeCupy):
         super().__init__()
         self.cuda = SimpleNamespace(Stream=HostCupy.Stream, Event=HostCupy.Event, Device=HostCupy.Device,
                                     runtime=HostCupy.Runtime(devices),
-                                    alloc_pinned_memory=lambda n: bytearray(n))  # fmt: skip
+                                    get_elapsed_time=lambda start, end: float("nan"))  # no GPU clock here  # fmt: skip
         self.random = SimpleNamespace(RandomState=HostCupy.RandomState)
 
     class RandomState:
@@ -1464,6 +1464,32 @@ def test_restore_checkpoint_on_cuda_without_cupy_is_a_clear_error_and_leaks_noth
     assert {n for n, _, _ in list_segments()} == before  # the new segment was unlinked
     restored = restore_checkpoint(tmp_path / "replay")  # the checkpoint is intact for a CPU restore
     restored.close()
+
+
+@needs_emulation
+def test_emulated_bench_cuda_select_part_runs_and_checks_its_kernels(emulated_kernels, monkeypatch):
+    """``gearflow bench replay --device cuda``'s ``select`` part (the device replay's sample and
+    write-back by key against the CPU selector's) on the CuPy emulation at a smoke size: it runs,
+    its own checks of the kernels pass, every record has its floor. (Its times here are the
+    emulation's; only a GPU call measures.)"""
+    import argparse
+
+    from gearflow.bench import replay_cuda
+    from gearflow.native import bench_cuda
+
+    _, select_module = emulated_kernels
+    real_select, real_args = bench_cuda.CudaSelect, replay_cuda._native_args
+    monkeypatch.setattr(bench_cuda, "CudaSelect", lambda cupy: real_select(cupy, TracedModule(select_module)))
+    monkeypatch.setattr(replay_cuda, "_native_args", lambda scale: argparse.Namespace(
+        **{**vars(real_args(scale)), "repeats": 1, "sizes": [5000], "batch": 16}))  # fmt: skip
+    rows, failures = [], []
+    replay_cuda.select(rows.append, HostCupy(), 0.01, failures)
+    assert failures == []
+    by = {r["metric"]: r for r in rows}
+    N = 5000 // 8 * 8
+    assert by[f"sample_us_at_{N}_items"]["floor"] == by["cpu_selector_sample_us_at_5000_items"]["value"] > 0
+    assert by[f"update_us_at_{N}_items"]["floor"] == by["cpu_selector_update_us_at_5000_items"]["value"] > 0
+    assert by[f"sample_us_at_{N}_items"]["value"] > 0 and by[f"update_us_at_{N}_items"]["value"] > 0
 
 
 @needs_emulation

@@ -8,10 +8,11 @@ Workloads (sizes at ``--scale 1``; smaller scales shrink them for a smoke run):
   (b) the staging path, CPU ``np.take`` into pinned memory + H2D copy
   (target ≥ 2×). Transition rows and sequence windows, 16/4/1-byte aligned
   rows (:func:`gearflow.native.bench_cuda.bench_gather`).
-* ``select`` — device proportional sampling of a batch of 256 over 10^6 and
-  10^7 priorities (uniforms, chunk scan, search, IS weights; target < 200 µs
-  at 10^7), a 256-priority update, a full chunk-sum pass; and the CPU
-  ``PrioritizedSelector`` for scale (:func:`~gearflow.native.bench_cuda.bench_select`).
+* ``select`` — the device replay's sample of 256 over 10^6 and 10^7 priorities (one
+  fused ``draw_items`` + ``finish_batch``) with the CPU ``PrioritizedSelector.sample(256)``
+  as its floor (target: ratio <= 1), its write-back of 256 device priorities by key
+  (no host sync; target <= 100 us at 10^6) with the CPU selector's update as floor, and a
+  full chunk-sum pass (:func:`~gearflow.native.bench_cuda.bench_select`).
 * ``table`` — ``Table(device="cuda")`` end to end: Atari-sized transitions
   (obs uint8[4,84,84] + next obs), batch 256, every sampled row verified
   (stamp column + obs byte pattern; every other sample taken while torch's
@@ -83,19 +84,24 @@ def gather(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
 
 
 def select(emit: Emit, cupy, scale: float, failures: list[str]) -> None:
+    """The device replay's sample and write-back of 256 at 10^6 and 10^7 slots, each beside the CPU
+    selector's of the same size measured in the same run (the floor: ratio <= 1 is the target for
+    the sample; the write-back's target is <= 100 us at 10^6), and the chunk-sum pass."""
     from gearflow.native.bench_cuda import bench_select
 
     raw: list[dict] = []
     bench_select(cupy, _native_args(scale), failures, emit=raw.append)
-    names = {
-        "select/sample_proportional": "sample_us_at_{N}_items",
-        "select/update_priorities": "update_us_at_{N}_items",
-        "select/sum_chunks": "sum_chunks_gpu_us_at_{N}_items",
-        "select/cpu_prioritized_selector": "cpu_selector_sample_us_at_{N}_items",
-    }
     for r in raw:
-        value = r.get("us", r.get("us_gpu"))
-        emit(_record("cuda_select", names[r["bench"]].format(N=r["N"]), value, "us"))
+        n = r["N"]
+        if r["bench"] == "select/device_sample":
+            emit(_record("cuda_select", f"sample_us_at_{n}_items", r["us"], "us", r["cpu_us"]))
+        elif r["bench"] == "select/device_update_by_key":
+            emit(_record("cuda_select", f"update_us_at_{n}_items", r["us"], "us", r["cpu_us"]))
+        elif r["bench"] == "select/sum_chunks":
+            emit(_record("cuda_select", f"sum_chunks_gpu_us_at_{n}_items", r["us_gpu"], "us"))
+        elif r["bench"] == "select/cpu_prioritized_selector":
+            emit(_record("cuda_select", f"cpu_selector_sample_us_at_{n}_items", r["us"], "us"))
+            emit(_record("cuda_select", f"cpu_selector_update_us_at_{n}_items", r["update_us"], "us"))
 
 
 def _on_host(sample) -> SimpleNamespace:
