@@ -194,7 +194,7 @@ def fake():
 def exercise_every_kernel(g: CudaGather, s: CudaSelect) -> None:
     """Calls that between them launch every kernel variant (for the ABI check)."""
     base = dev(np.zeros(64 * 64 + 16, np.uint8))
-    for row_bytes, offset in ((16, 0), (8, 0), (12, 0), (33, 0), (16, 1)):
+    for row_bytes, offset in ((16, 0), (8, 0), (12, 0), (33, 0), (16, 1), (100, 1)):
         B, T = 3, 4
         n = B * T * row_bytes
         dst = base[offset : offset + n].reshape(B, T, row_bytes)
@@ -360,27 +360,36 @@ def test_torn_flags_follow_the_tables_seqlock_rule():
 
 
 # ============================================================================ gather: wrapper logic (CPU)
-def test_plan_picks_the_widest_load_all_three_pointers_allow():
+def test_plan_picks_the_widest_load_all_three_pointers_allow_or_the_any_alignment_variant():
+    """Small rows take the widest load their alignment allows; rows of >= 64 bytes that are not all
+    16-byte aligned (the H200's 28225-byte rows ran at 0.44x the link on byte loads) take _va:
+    16-byte loads at any alignment. Stacks keep their widths."""
     assert plan_gather("windows", 28224, 10, 4096, 512).kernel == "gather_windows_v16"
-    assert plan_gather("windows", 28224, 10, 4096, 516).width == 4  # dst only 4-byte aligned
-    assert plan_gather("windows", 28224, 10, 4100, 512).width == 4  # src only 4-byte aligned
+    assert plan_gather("windows", 28224, 10, 4096, 516).kernel == "gather_windows_va"  # dst only 4-byte aligned
+    assert plan_gather("windows", 28224, 10, 4100, 512).kernel == "gather_windows_va"  # src only 4-byte aligned
+    assert plan_gather("rows", 28225, 10, 4096, 512).kernel == "gather_rows_va"  # rows at every offset mod 16
     assert plan_gather("rows", 8, 10, 4096, 512).kernel == "gather_rows_v8"
     assert plan_gather("rows", 12, 10, 4096, 512).width == 4
     assert plan_gather("rows", 28, 10, 4096, 512).width == 4
     assert plan_gather("rows", 33, 10, 4096, 512).width == 1
+    assert plan_gather("stacks", 7057, 10, 4096, 512).kernel == "gather_stacks_v1"
+    assert plan_gather("rows", 28224, 10, 4096, 512, piece=4096).pieces == 7
     with pytest.raises(ValueError, match="kind"):
         plan_gather("cols", 8, 1, 0, 0)
+    with pytest.raises(ValueError, match="multiple of the load width 16"):
+        plan_gather("rows", 28225, 10, 4096, 512, piece=100)
 
 
-@pytest.mark.parametrize("row_bytes", [1, 4, 12, 16, 28, 33, 1000, 28224, 10**6])
-def test_plan_geometry_covers_every_row_with_256_thread_blocks(row_bytes):
+@pytest.mark.parametrize("row_bytes", [1, 4, 12, 16, 28, 33, 1000, 28224, 28225, 10**6])
+def test_plan_geometry_covers_every_piece_of_every_row_with_256_thread_blocks(row_bytes):
     for rows in (1, 7, 256 * 80, 10**6):
         p = plan_gather("windows", row_bytes, rows, 0, 0)
         tx, ty, tz = p.block
         assert tx * ty * tz == 256 and tz == 1
-        assert p.units == row_bytes // p.width and tx >= min(p.units, 256) and tx & (tx - 1) == 0
+        assert p.units == -(-row_bytes // p.width) and p.pieces == -(-row_bytes // p.piece)
+        assert tx >= min(-(-min(p.piece, row_bytes) // p.width), 256) and tx & (tx - 1) == 0
         assert 1 <= p.grid[0] <= 65535 and p.grid[1:] == (1, 1)
-        assert p.grid[0] * ty >= rows or p.grid[0] == 65535  # the rest is grid-stride
+        assert p.grid[0] * ty >= rows * p.pieces or p.grid[0] == 65535  # the rest is grid-stride
 
 
 def test_cuda_gather_checks_arguments_before_any_launch(fake):
@@ -426,8 +435,8 @@ def test_cuda_gather_launch_uploads_host_indices_and_passes_device_ones(fake):
                             T, dst, mask, num_rows=300)  # fmt: skip
     assert cp.uploads == 3
     (name, grid, block, args), = module.launches
-    assert name == plan.kernel == "gather_windows_v16" and block == (256, 1, 1) and grid == (B * T, 1, 1)
-    assert int(args[3]) == 3  # num_parts = num_rows / S
+    assert name == plan.kernel == "gather_windows_v16" and block == (256, 1, 1) and grid == (4 * B * T, 1, 1)
+    assert int(args[3]) == 3 and int(args[11]) == 8192  # num_parts = num_rows / S; 8 KiB pieces (4 per row)
     assert int(args[9]) == device_array(dst, "dst").ptr and int(args[10]) == device_array(mask, "mask").ptr
     parts = dev(np.array([0, 1, 2, 0, 1], np.int64))
     g.gather_windows(1 << 20, row_bytes, 100, parts, dev(np.zeros(B, np.int64)), dev(np.ones(B, np.int32)),
@@ -899,8 +908,12 @@ def test_emulator_catches_barrier_divergence(tmp_path):
 
 
 @needs_emulation
-@pytest.mark.parametrize("row_bytes", [1, 8, 12, 16, 28, 33, 64, 28224])
-def test_emulated_gather_kernels_match_the_reference(emulated, row_bytes):
+@pytest.mark.parametrize("row_bytes,piece", [(1, None), (8, None), (12, None), (16, None), (28, None), (33, None),
+                                             (64, None), (100, 32), (1000, None), (28224, 4096), (28225, 4096)])  # fmt: skip
+def test_emulated_gather_kernels_match_the_reference(emulated, row_bytes, piece):
+    """Every variant (v16 .. v1, and va for rows at any alignment: 100-, 1000-, 28225-byte rows, or
+    any row into a 4- or 1-byte aligned output) and rows split into pieces (28224 bytes in 4 KiB
+    pieces: the last one shorter) against numpy, stale bytes everywhere, rows at the ring's end."""
     g, _, _ = emulated
     rng = np.random.default_rng(row_bytes)
     P, S, T, B = 3, 20, 7, 24
@@ -916,24 +929,26 @@ def test_emulated_gather_kernels_match_the_reference(emulated, row_bytes):
         mask = dev(np.ones((B, T), bool))
         idx = (parts, starts, lengths) if offset != 4 else tuple(dev(a.astype(a.dtype)) for a in
                                                                   (parts.astype(np.int64), starts.astype(np.int64), lengths))  # fmt: skip
-        plan = g.gather_windows(col.ctypes.data, row_bytes, S, *idx, T, dst, mask, num_rows=P * S)
-        widths.add(plan.width)
+        plan = g.gather_windows(col.ctypes.data, row_bytes, S, *idx, T, dst, mask, num_rows=P * S, piece=piece)
+        widths.add(plan.kernel.rsplit("_", 1)[1])
         want, want_mask = naive_windows(col, S, parts, starts, lengths, T)
         assert np.array_equal(mask, want_mask)
         assert dst.tobytes() == want.tobytes(), plan
         first, last = transition_rows(parts, starts, np.maximum(lengths, 1), S)
         for rows in (first, last):
             out = raw[offset : offset + B * row_bytes].reshape(B, row_bytes)
-            g.gather_rows(col.ctypes.data, row_bytes, rows, out, num_rows=P * S)
+            g.gather_rows(col.ctypes.data, row_bytes, rows, out, num_rows=P * S, piece=piece)
             assert out.tobytes() == col[rows].tobytes(), plan
     # device indices the kernel cannot address become padding / zero rows, never reads outside the column
     dst, mask = dev(np.full((3, 2, row_bytes), 9, np.uint8)), dev(np.ones((3, 2), bool))
     g.gather_windows(col.ctypes.data, row_bytes, S, dev(np.array([P, -1, 0])), dev(np.array([0, 0, -5])),
-                     dev(np.array([2, 2, 2], np.int32)), 2, dst, mask, num_rows=P * S)  # fmt: skip
+                     dev(np.array([2, 2, 2], np.int32)), 2, dst, mask, num_rows=P * S, piece=piece)  # fmt: skip
     out = dev(np.full((2, row_bytes), 9, np.uint8))
-    g.gather_rows(col.ctypes.data, row_bytes, dev(np.array([-1, P * S])), out, num_rows=P * S)
+    g.gather_rows(col.ctypes.data, row_bytes, dev(np.array([-1, P * S])), out, num_rows=P * S, piece=piece)
     assert not dst.any() and not mask.any() and not out.any()
-    assert len(widths) >= (2 if row_bytes % 4 == 0 else 1)
+    if row_bytes >= 64:  # not all aligned: the any-alignment variant took the rows
+        assert "va" in widths
+    assert len(widths) >= (2 if row_bytes % 16 == 0 or (row_bytes < 64 and row_bytes % 4 == 0) else 1)
 
 
 @needs_emulation

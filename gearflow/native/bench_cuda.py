@@ -4,7 +4,9 @@ Prints one JSON object per measurement:
 
 * ``gather/zero_copy``   — the gather kernels reading rows straight out of
   registered, mapped host memory into device memory (transitions: B rows;
-  sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths.
+  sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths
+  (the last two: the any-alignment variant); rows also at the work-item sizes of
+  ``PIECE_SWEEP`` beside the default (``gather.PIECE``), to choose it on a GPU.
 * ``gather/stacks`` — the stacked-frame kernel (one 84x84 frame stored per step, K = 4
   stacks of R2D2's 80-step windows rebuilt at sample time) with the bytes it reads over
   the host link counted: each frame once per window (``MB_read``: the distinct frames its
@@ -48,6 +50,7 @@ from gearflow.native.hostmem import register_host
 from gearflow.native.select import CudaSelect, num_chunks
 
 OBS_ROW = 4 * 84 * 84  # an Atari frame stack, uint8: 28224 bytes = 1764 * 16
+PIECE_SWEEP = (2048, 4096, 16384, 32768)  # the rows gather's work-item sizes measured beside the default (8 KiB)
 FRAME = 84 * 84  # one stored frame of a stacked column: 7056 bytes = 441 * 16
 
 
@@ -105,15 +108,19 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
                 rows = rng.integers(0, num_rows, size=args.batch).astype(np.int64)
                 rows_d = cupy.asarray(rows)
                 out = cupy.empty((args.batch, row_bytes), dtype=cupy.uint8)
-                plan = gather.gather_rows(reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
-                stream.synchronize()
-                if not np.array_equal(out.get(), column[rows]):
-                    failures.append(f"gather_rows row_bytes={row_bytes}: kernel != numpy")
-                run = partial(gather.gather_rows, reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
-                ms = gpu_ms(cupy, stream, run, args.repeats)
-                moved = args.batch * row_bytes
-                emit({"bench": "gather/zero_copy", "kind": "rows", "row_bytes": row_bytes, "batch": args.batch,
-                      "kernel": plan.kernel, "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
+                for piece in (None, *PIECE_SWEEP):  # the default piece first (the figure), then the sweep
+                    out[...] = 0
+                    plan = gather.gather_rows(reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows, piece=piece)
+                    stream.synchronize()
+                    if not np.array_equal(out.get(), column[rows]):
+                        failures.append(f"gather_rows row_bytes={row_bytes} piece={plan.piece}: kernel != numpy")
+                    run = partial(gather.gather_rows, reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows,
+                                  piece=piece)  # fmt: skip
+                    ms = gpu_ms(cupy, stream, run, args.repeats)
+                    moved = args.batch * row_bytes
+                    emit({"bench": "gather/zero_copy", "kind": "rows", "row_bytes": row_bytes, "batch": args.batch,
+                          "kernel": plan.kernel, "piece": plan.piece, "default_piece": piece is None,
+                          "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
                 # sequences: B windows of T steps, P partitions of S steps, random starts (some wrap)
                 S = num_rows // args.partitions
                 B, T = args.seq_batch, args.seq_len
@@ -137,8 +144,8 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
                 ms = gpu_ms(cupy, stream, run, args.repeats)
                 moved = int(lengths.sum()) * row_bytes  # padding is written, not read
                 emit({"bench": "gather/zero_copy", "kind": "windows", "row_bytes": row_bytes, "batch": B,
-                      "T": T, "kernel": plan.kernel, "MB": round(moved / 1e6, 2),
-                      "GB/s": round(moved / ms / 1e6, 2)})
+                      "T": T, "kernel": plan.kernel, "piece": plan.piece, "default_piece": True,
+                      "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
 
             bench_stacks(cupy, gather, stream, host, reg, args, rng, failures, emit)
 
