@@ -1,7 +1,8 @@
 """One timed end-to-end run of a config (actor processes → replay → learner), reported as one
 JSON line: the ``gpu_check.sh`` end-to-end steps, also runnable on a CPU to check the keys.
 
-    python launch/e2e_check.py NAME CONFIG [--seconds 120] [--steady-rows N] [--jsonl FILE] [--run-dir DIR] [--plan] [KEY=VALUE ...]
+    python launch/e2e_check.py NAME CONFIG [--seconds 120] [--steady-rows N] [--steady-s S] [--jsonl FILE]
+                               [--run-dir DIR] [--plan] [KEY=VALUE ...]
 
 The run is ``gearflow.runner.train`` in this process (the learner runs here; the actors are
 its spawned processes) with ``run.max_seconds`` set, no env-step limit, no checkpoints, in
@@ -9,15 +10,17 @@ its spawned processes) with ``run.max_seconds`` set, no env-step limit, no check
 ``--jsonl``: a ``{"name", "progress": {...}}`` line is appended every ``--progress-s`` seconds
 (the newest metric row's rates, the steady rows so far and the GPU memory so far: a killed run
 keeps them) and the report at the end. ``--steady-rows N``: the run stops at the first progress
-line that counts N steady rows (stop reason ``reached N steady rows``), ``--seconds`` being
-only its deadline: a check that asserts on the steady rates waits for them, not for a duration
+line that counts N steady rows (stop reason ``reached N steady rows``), ``--steady-s S`` at the
+first whose steady rows span S seconds (``reached S s of steady updates``; gpu_check's replay
+pairs: 30), ``--seconds`` being only their deadline: a check that asserts on the steady rates
+waits for them, not for a duration
 that a loaded machine spends starting up. ``--plan``: the report carries the dry run's memory plan of the same
 config (``plan``: the learner's planned bytes, ``gearflow.tools.dryrun.memory_plan``) next to
 the measured GPU memory. Printed (one line, prefixed ``gpu_check: e2e``)::
 
     {"name", "config", "overrides", "stop_reason", "elapsed_s", "updates", "updates_per_s",
      "tokens_per_s", "samples_per_s", "env_steps_per_s", "learner_wait_fraction",
-     "steady": {"rows", "updates_per_s", "tokens_per_s", "env_steps_per_s"},
+     "steady": {"rows", "seconds", "updates_per_s", "tokens_per_s", "env_steps_per_s"},
      "learner_device", "replay_device", "bf16",
      "gpu": {"name", "total_gib", "peak_used_gib", "learner_process_peak_gib", "other_processes_peak_gib",
              "torch_max_allocated_gib", "torch_max_reserved_gib", "cupy_pool_gib"} | null,
@@ -25,7 +28,9 @@ the measured GPU memory. Printed (one line, prefixed ``gpu_check: e2e``)::
      "plan_vs_learner": {"plan_gib", "torch_max_allocated_gib", "ratio", "learner_process_peak_gib"} | absent}
 
 ``updates_per_s`` etc. are over the whole run (filling the replay included); ``steady`` is the
-mean of the metric rows logged after the first learner update (one row per 5 s).
+mean of the metric rows logged after the first learner update (one row per 5 s), the first of
+them left out when there are more (its interval began before learning did), and ``seconds`` the
+time those rows cover.
 ``learner_wait_fraction`` is the learner's time waiting for a batch over its waiting + learning
 time (the whole run).
 ``tokens`` are the steps learned from (items × their valid steps: a transition is one, an
@@ -173,16 +178,16 @@ PROGRESS_KEYS = ("time/elapsed_s", "actor/env_steps", "learner/updates", "learne
 
 class ProgressLines:
     """Appends the newest metric row's figures and the GPU memory so far every ``period_s``;
-    ``steady_rows``: sets ``run_stop`` (the run's stop event) at the first line that counts that
-    many steady rows, and ``reason`` says so."""
+    ``steady_rows`` / ``steady_s``: sets ``run_stop`` (the run's stop event) at the first line that
+    counts that many steady rows / whose steady rows span that many seconds, and ``reason`` says so."""
 
     def __init__(self, name: str, jsonl: str | None, metrics_path: Path, gpu: GpuMemory, period_s: float,
-                 steady_rows: int = 0, run_stop: threading.Event | None = None):  # fmt: skip
+                 steady_rows: int = 0, run_stop: threading.Event | None = None, steady_s: float = 0.0):  # fmt: skip
         self.name, self.jsonl, self.metrics_path, self.gpu = name, jsonl, metrics_path, gpu
-        self.steady_rows, self.run_stop, self.reason = steady_rows, run_stop, ""
+        self.steady_rows, self.steady_s, self.run_stop, self.reason = steady_rows, steady_s, run_stop, ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
-        if jsonl or steady_rows:
+        if jsonl or steady_rows or steady_s:
             self._thread.start()
 
     def _run(self, period_s: float) -> None:
@@ -194,8 +199,9 @@ class ProgressLines:
                 append_line(self.jsonl, {"name": self.name, "t": round(time.time(), 3), "progress": {
                     **{k: last[k] for k in PROGRESS_KEYS if k in last}, "rows": len(rows), "steady_rows": steady,
                     "gpu": self.gpu.now()}})  # fmt: skip
-                if self.steady_rows and steady >= self.steady_rows and self.run_stop is not None:
-                    self.reason = f"reached {self.steady_rows} steady rows"
+                reason = stop_reason(rows, self.steady_rows, self.steady_s)
+                if reason and self.run_stop is not None:
+                    self.reason = reason
                     self.run_stop.set()
                     return
             except Exception as exc:  # noqa: BLE001 - a progress line is never worth the run
@@ -235,17 +241,36 @@ def plan_vs_learner(plan: dict, gpu: dict | None) -> dict | None:
             "learner_process_peak_gib": gpu.get("learner_process_peak_gib")}
 
 
+def steady_span(rows: list[dict]) -> float:
+    """Seconds the steady rows cover after the first of them: from its time to the last one's."""
+    steady = steady_of(rows)
+    return float(steady[-1]["time/elapsed_s"] - steady[0]["time/elapsed_s"]) if len(steady) > 1 else 0.0
+
+
+def stop_reason(rows: list[dict], steady_rows: int = 0, steady_s: float = 0.0) -> str:
+    """Why the run may stop now ("" when it may not): enough steady rows, or steady seconds."""
+    if steady_rows and len(steady_of(rows)) >= steady_rows:
+        return f"reached {steady_rows} steady rows"
+    if steady_s and steady_span(rows) >= steady_s:
+        return f"reached {steady_s:g} s of steady updates"
+    return ""
+
+
 def steady_of(rows: list[dict]) -> list[dict]:
     """The metric rows logged after the first learner update (the summary row has no rates)."""
     return [r for r in rows if r.get("learner/updates", 0) > 0 and "learner/updates_per_s" in r]
 
 
 def steady_rates(metrics_path: Path) -> dict:
-    """Means of the logged rates over the rows after the first learner update."""
-    rows = steady_of(read_rows(metrics_path))
+    """Means of the logged rates over the rows after the first learner update (the first of them
+    left out when there are more: its interval began before learning did) and the seconds they span."""
+    all_rows = read_rows(metrics_path)
+    rows = steady_of(all_rows)
+    span = steady_span(all_rows)
+    rows = rows[1:] if len(rows) > 1 else rows
     keys = {"updates_per_s": "learner/updates_per_s", "tokens_per_s": "learner/tokens_per_s",
             "env_steps_per_s": "actor/env_steps_per_s"}  # fmt: skip
-    out = {"rows": len(rows)}
+    out = {"rows": len(rows), "seconds": round(span, 1)}
     for name, key in keys.items():
         vals = [float(r[key]) for r in rows if key in r]
         out[name] = round(sum(vals) / len(vals), 4) if vals else None
@@ -259,6 +284,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE dotlist overrides")
     parser.add_argument("--seconds", type=float, default=120.0,
                         help="run.max_seconds of the run (with --steady-rows: its deadline)")
+    parser.add_argument("--steady-s", type=float, default=0.0,
+                        help="stop once the steady rows span this many seconds (0: run --seconds)")
     parser.add_argument("--steady-rows", type=int, default=0,
                         help="stop once this many metric rows after the first update exist (0: run --seconds)")
     parser.add_argument("--jsonl", default=None, help="append progress lines and the report here (flushed)")
@@ -287,7 +314,7 @@ def main(argv=None) -> int:
         gpu = GpuMemory()
         run_stop = threading.Event()
         progress = ProgressLines(args.name, args.jsonl, run_dir / "metrics.jsonl", gpu, args.progress_s,
-                                 steady_rows=args.steady_rows, run_stop=run_stop)  # fmt: skip
+                                 steady_rows=args.steady_rows, run_stop=run_stop, steady_s=args.steady_s)  # fmt: skip
         start = time.monotonic()
         try:
             summary = train(cfg, stop=run_stop)
