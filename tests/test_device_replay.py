@@ -325,8 +325,7 @@ class HostCupy(FakeCupy):
             HostCupy.Event.recorded.append((self.seq, stream.ptr, self))
             TRACE.op("event.record", stream=stream if isinstance(stream, HostCupy.Stream) else stream.ptr)
 
-        def query(self):  # passed only once the host waited for it (or a later event on its stream)
-            return self.done
+        # ``done`` (CuPy's property): True only once the host waited for it or a later event on its stream
 
         def synchronize(self):
             TRACE.sync("event.synchronize")

@@ -33,6 +33,7 @@ allocation on this stream) while torch may still read it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,7 @@ class BufferSets:
         with cupy.cuda.Device(device_id):
             self._consumer_done = cupy.cuda.Event(disable_timing=True)  # reused: only the device waits on it
         self._consumer = RawStream(0)  # re-pointed per wait
+        self._lock = threading.Lock()  # release() (the learner's thread) against a refill's wait (the sampler's)
         self.consumer_waits = 0  # refills that waited for torch's current stream (a consumer that never released)
 
     def stream_ptr(self, stream: Any) -> int | None:
@@ -156,7 +158,7 @@ class BufferSets:
         ptr = self.stream_ptr(stream)
         if ptr is None:  # no CUDA consumer (CPU torch, the emulation without one)
             return
-        with self.cupy.cuda.Device(self.device_id):
+        with self._lock, self.cupy.cuda.Device(self.device_id):
             event = out.released.get(ptr)
             if event is None:
                 event = out.released[ptr] = self.cupy.cuda.Event(disable_timing=True)
@@ -176,9 +178,10 @@ class BufferSets:
 
     def _wait_for_release(self, out: DeviceBuffers) -> None:  # inside self.on_device
         """Order the stream after the consumers' recorded releases of ``out`` (then forget them)."""
-        for ptr in sorted(out.recorded):
-            self.stream.wait_event(out.released[ptr])
-        out.recorded.clear()
+        with self._lock:
+            for ptr in sorted(out.recorded):
+                self.stream.wait_event(out.released[ptr])
+            out.recorded.clear()
 
     def _allocate(self, batch_size: int, num_sets: int) -> None:
         self.retired.extend(self.sets)  # kept until no consumer can still read them
@@ -218,7 +221,9 @@ class BufferSets:
         out = self.sets[self._next]
         self._next = (self._next + 1) % num_sets
         with self.on_device:
-            if out.handed_out and not out.recorded and self.wait_for_caller():
+            with self._lock:
+                unreleased = out.handed_out and not out.recorded
+            if unreleased and self.wait_for_caller():
                 self.consumer_waits += 1  # a consumer that reads on torch's stream without releasing
             self._wait_for_release(out)
             for old in self.retired:

@@ -404,9 +404,9 @@ class DeviceReplay:
         """A staging area no queued kernel reads any more (its apply_ingest's event passed), at
         least ``nbytes``, and its event: a few reused in turn (made once each); the oldest is
         waited for only when :data:`STAGING_AREAS` flushes are in flight (no sample in between)."""
-        if self._staging and (self._staging[0][1].query() or len(self._staging) >= STAGING_AREAS):
+        if self._staging and (self._staging[0][1].done or len(self._staging) >= STAGING_AREAS):
             area, event = self._staging.popleft()
-            if not event.query():
+            if not event.done:
                 event.synchronize()
             area.ensure(nbytes)
             return area, event
@@ -581,7 +581,7 @@ class DeviceReplay:
                 x.record_stream(self._torch_stream())
             else:
                 rest.append(x)
-        while self._keep and self._keep[0][0].query():
+        while self._keep and self._keep[0][0].done:
             self._free_events.append(self._keep.popleft()[0])
         if rest:
             event = self._free_events.pop() if self._free_events else self.cupy.cuda.Event(disable_timing=True)
@@ -632,7 +632,7 @@ class DeviceReplay:
     def _wait(self, out: DeviceBuffers) -> None:
         """The batch's event, then its status: the one host wait of a sample (none when the event
         has passed already). Refused priorities since the last read raise ValueError."""
-        if not out.event.query():
+        if not out.event.done:
             out.event.synchronize()
         out.in_flight = False
         self.buffer_sets.after_sync()
