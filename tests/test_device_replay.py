@@ -998,6 +998,38 @@ def check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device, to_cpu
 
 
 @needs_emulation
+def test_emulated_a_torn_row_of_a_batch_drawn_ahead_evicts_its_item_not_the_slots_new_one(emulated_table):
+    """A batch drawn ahead is returned after a later scan. A writer lapped the rings while it was
+    gathered: its row 0's item (seq 0) is torn, and by the time it is returned the scan has put a
+    new item (seq 8) into that slot. The torn row is redrawn and its item's eviction must not
+    evict the new one that holds the slot now (nothing stored is lost)."""
+    table, device = emulated_table("uniform", KINDS["transition"], P=1, S=16, R=8, num_buffers=2)
+    rec = Recorder(table.storage, [0])
+    for t in range(16):
+        rec.append(0)
+        if t >= 8:
+            rec.item(0, 1)  # seqs 0..7: one item per step 8..15, in slots 0..7
+    table.scan()
+    gathers = []
+
+    def lap_during_the_batch_drawn_ahead():
+        gathers.append(1)
+        if len(gathers) == 2:  # the second gather of the first sample: the batch drawn ahead
+            for _ in range(9):  # steps 16..24: step 8 (seq 0) overwritten
+                rec.append(0)
+            rec.item(0, 1)  # seq 8 at step 24: record slot 0
+
+    device.every_gather = lap_during_the_batch_drawn_ahead
+    check_batch(table.sample(8), rec, table.kind, 1, 8)  # the first batch: intact
+    device.every_gather = None
+    s = table.sample(8)  # the batch drawn ahead: row 0 torn (seq 0), slot 0 now holds seq 8
+    check_batch(s, rec, table.kind, 1, 8)
+    assert table.torn >= 1 and 0 not in s.keys.tolist()
+    assert table._slot_seq[0] == 8 and table._slot_live[0]  # seq 8 kept: it was never torn
+    assert table.size == 8  # seqs 1..7 and 8
+
+
+@needs_emulation
 def test_emulated_redraw_keeps_the_records_of_the_rows_not_redrawn(emulated_table):
     table, device = emulated_table("uniform", KINDS["transition"], P=1, S=16, R=8, num_buffers=1)
     check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device)

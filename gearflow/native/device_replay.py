@@ -670,10 +670,12 @@ class DeviceReplay:
             flags = self.cupy.asnumpy(out.draw.flags)  # the rare path: a device read
         return np.flatnonzero(flags & 1).astype(np.int64), np.flatnonzero(flags & 2).astype(np.int64)
 
-    def slots_at(self, out: DeviceBuffers, positions: np.ndarray) -> np.ndarray:
-        """Host copy of ``out``'s drawn slots at ``positions`` (the torn ones, to evict)."""
+    def drawn_at(self, out: DeviceBuffers, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of ``out``'s drawn slots and their items' seqs at ``positions`` (the torn
+        rows: their items are evicted where their slots still hold them)."""
+        at = np.asarray(positions, dtype=np.int64)
         with self._on:
-            return self.cupy.asnumpy(out.draw.slots)[np.asarray(positions, dtype=np.int64)]
+            return self.cupy.asnumpy(out.draw.slots)[at], self.cupy.asnumpy(out.draw.seqs)[at]
 
     def redraw(self, out: DeviceBuffers, positions: np.ndarray, num_live: int) -> None:
         """Fresh draws and records at ``positions`` (host int64) of ``out`` only (the other rows

@@ -71,7 +71,7 @@ class DeviceSampler(Protocol):
 
     def bad_rows(self, out: Any) -> tuple[np.ndarray, np.ndarray]: ...  # (impossible, torn) positions
 
-    def slots_at(self, out: Any, positions: np.ndarray) -> np.ndarray: ...
+    def drawn_at(self, out: Any, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...  # slots, seqs
 
     def redraw(self, out: Any, positions: np.ndarray, num_live: int) -> None: ...
 

@@ -132,8 +132,10 @@ def sample_on_device(table: Any, dev: Any, batch_size: int, timeout_s: float | N
         impossible, torn = dev.bad_rows(out)  # the status word: no device read when both are 0
         if not impossible.size and not torn.size:
             break
-        if torn.size:
-            deadline = table.evict_torn(dev.slots_at(out, torn), deadline, timeout_s, "the GPU could gather them")
+        if torn.size:  # evicted where the slot still holds the item drawn (a batch drawn ahead: a scan
+            slots, seqs = dev.drawn_at(out, torn)  # since may have put a newer item there, intact)
+            held = table.records(slots)[1] == seqs
+            deadline = table.evict_torn(slots[held], deadline, timeout_s, "the GPU could gather them", rows=torn.size)
         dev.redraw(out, np.union1d(impossible, torn), table.size)  # new records for those rows only
     table.note_sampled(batch_size)
     data, keys, weights, probs = dev.batch(out)

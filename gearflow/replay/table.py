@@ -331,12 +331,14 @@ class Table(TableIngest):
             return _NONE
         return np.flatnonzero(torn_items(slot_partition(slots, self._R), starts, reserve, self._S_trust))
 
-    def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
+    def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str,
+                   rows: int | None = None) -> float:  # fmt: skip
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
         scan, everything else overwritten since the draw) and wait until replacements can be
         drawn. A sampler descheduled for a whole lap of a small ring can lose many rounds in a
         row, so this gives up only after the sample timeout (``deadline``, set on the first
-        round and returned), not after a number of rounds."""
+        round and returned), not after a number of rounds. ``rows``: the torn rows to count
+        (default one per slot; a device batch drawn ahead evicts only the items still held)."""
         if deadline is None:
             deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
         elif time.monotonic() > deadline:
@@ -345,7 +347,7 @@ class Table(TableIngest):
                 f"({self.torn} redrawn so far); the ring ({self._S} steps per partition) is too "
                 f"small for the write rate"
             )
-        self.torn += slots.size
+        self.torn += slots.size if rows is None else rows
         self._remove(np.unique(slots))
         self.scan()
         self.wait_until_ready(slots.size, timeout_s)
