@@ -1261,6 +1261,33 @@ def test_cuda_table_returns_what_was_written(make_table, selector, kind_name):
 
 @pytest.mark.cuda
 @needs_gpu
+def test_cuda_write_back_of_cuda_tensors_reads_nothing_on_the_host_and_takes(make_table):
+    """The learner's write-back on a GPU: CUDA keys (the batch's own) and priorities computed on
+    torch's stream behind a long kernel, handed over as they are. torch's sync debug mode raises
+    on any synchronizing torch call in it (a .cpu(), .item() or pageable copy); the call returns
+    while the kernel still runs (nothing waited for it), and the batches drawn after it follow
+    the new priorities."""
+    kind = KINDS["transition"]
+    table, rec = _stamp_table(make_table, kind)
+    s = table.sample(24)
+    hot = int(s.keys[0])  # a read for the test's own check, before the measured call
+    torch.cuda._sleep(BUSY_CYCLES)  # the learner's step still running ...
+    prios = torch.where(s.keys == hot, 1e6, 1e-6).float()  # ... and its priorities queued behind it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert table.update_priorities(s.keys, prios) == 24
+        s.release()
+        busy = not torch.cuda.current_stream().query()  # cudaStreamQuery: no wait
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert busy  # the learner's kernel still ran: the write-back did not wait for it on the host
+    check_batch(_cpu(s), rec, kind, 2, 24)
+    later = sample_after_the_batches_drawn_ahead(table, 24)
+    assert (later.keys == hot).sum() >= 20
+
+
+@pytest.mark.cuda
+@needs_gpu
 @pytest.mark.parametrize("selector", ["uniform", "prioritized"])
 def test_cuda_draw_distribution_matches_the_cpu_selector(make_table, selector):
     """Device draws through ``Table(device="cuda")`` against the table's own CPU selector, by the
