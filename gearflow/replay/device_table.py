@@ -143,7 +143,10 @@ def sample_on_device(table: Any, dev: Any, batch_size: int, timeout_s: float | N
 
 
 def _on_device(x: Any) -> bool:
-    """A device array (a CUDA torch tensor, a CuPy array: ``__cuda_array_interface__``)."""
+    """A device array: a CUDA torch tensor (asked directly: its interface raises for one that
+    requires grad), or anything with ``__cuda_array_interface__`` (a CuPy array)."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "is_cuda"):
+        return bool(x.is_cuda)
     return hasattr(x, "__cuda_array_interface__")
 
 
