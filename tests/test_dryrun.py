@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gearflow.config import envpool_ids, load_config
-from gearflow.tools.dryrun import memory_plan, render
 from gearflow.envs import EnvSpec
 from gearflow.replay.storage import SHM_DIR
+from gearflow.tools.dryrun import memory_plan, render
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
@@ -160,3 +161,49 @@ def test_cli_dry_run_prints_json_and_creates_nothing(tmp_path):
     new = {p.name for p in SHM_DIR.glob("gearflow*")} - shm_before
     assert not [s for s in new if s.startswith(f"gearflow_{proc.pid}_")], new
     assert "Traceback" not in stderr
+
+
+class _Torch211:
+    """``torch`` as torch 2.11's ``torch/optim/adam.py`` calls it: ``torch.tensor(0.0, dtype=...)``
+    for Adam's step counter without ``device="cpu"``, so under ``with torch.device("meta")`` the
+    counter lands on the meta device and the step's ``.item()`` on it raises."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, *args, device=None, **kwargs):
+        return torch.tensor(data, *args, **kwargs)  # the device context's: meta in the dry run
+
+
+def test_dry_run_plans_with_an_adam_that_makes_its_step_counter_on_the_meta_device(monkeypatch):
+    """The H200's torch 2.11: "Tensor.item() cannot be called on meta tensors" from Adam's first
+    step on meta parameters took the whole gato_80m plan with it. The counter is moved to the host
+    and the step retried: the figures equal those of this torch's Adam."""
+    adam = sys.modules[torch.optim.Adam.__module__]  # torch.optim.adam (the attribute is shadowed)
+    spec = EnvSpec(obs_shape=(2,), obs_dtype=np.dtype("float32"), num_actions=3)
+    want = memory_plan(r2d2_cfg(), env_spec=spec)["learner"]
+    monkeypatch.setattr(adam, "torch", _Torch211())
+    with torch.device("meta"):  # the patch reproduces 2.11's failure
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = torch.zeros(3)
+        opt = torch.optim.Adam([p])
+        with pytest.raises(RuntimeError, match="meta"):
+            opt.step()
+        assert opt.state[p]["step"].is_meta
+    got = memory_plan(r2d2_cfg(), env_spec=spec)["learner"]
+    assert got["optimizer"] == "Adam" and got["optimizer_state_bytes"] == want["optimizer_state_bytes"] > 0
+    assert got["total_bytes"] == want["total_bytes"]
+
+
+def test_an_optimizer_that_cannot_step_on_meta_is_named_not_fatal(monkeypatch):
+    def broken_step(self, closure=None):
+        raise NotImplementedError("no meta kernel for this optimizer")
+
+    monkeypatch.setattr(torch.optim.Adam, "step", broken_step)
+    spec = EnvSpec(obs_shape=(2,), obs_dtype=np.dtype("float32"), num_actions=3)
+    plan = memory_plan(r2d2_cfg(), env_spec=spec)
+    le = plan["learner"]
+    assert le["optimizer_state_bytes"] is None and "Adam.step() on the meta device failed" in le["optimizer_method"]
+    assert le["parameters"] > 0 and le["total_bytes"] > 0  # the rest of the plan stands
+    assert "n/a" in render(plan)

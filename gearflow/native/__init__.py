@@ -126,7 +126,7 @@ def probe_nvcc() -> Probe:
     if path is None:
         return Probe("nvcc", False, "nvcc not on PATH")
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return Probe("nvcc", False, _first_line(exc))
     release = [ln for ln in out.stdout.splitlines() if "release" in ln]

@@ -4,7 +4,9 @@ Prints one JSON object per measurement:
 
 * ``gather/zero_copy``   — the gather kernels reading rows straight out of
   registered, mapped host memory into device memory (transitions: B rows;
-  sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths.
+  sequences: B windows of T steps), for 16-, 4- and 1-byte-aligned row widths
+  (the last two: the any-alignment variant); rows also at the work-item sizes of
+  ``PIECE_SWEEP`` beside the default (``gather.PIECE``), to choose it on a GPU.
 * ``gather/stacks`` — the stacked-frame kernel (one 84x84 frame stored per step, K = 4
   stacks of R2D2's 80-step windows rebuilt at sample time) with the bytes it reads over
   the host link counted: each frame once per window (``MB_read``: the distinct frames its
@@ -14,10 +16,12 @@ Prints one JSON object per measurement:
   contiguous, from the same pinned host memory: what the link moves at best.
 * ``gather/cpu_then_h2d`` — the CPU path: ``np.take`` of the same rows into a
   pinned staging buffer, then ``cudaMemcpyAsync`` to the device.
-* ``select/*`` — proportional selection over a device priority vector of N
-  slots (10^6 and 10^7): a sample of 256 (uniforms, chunk scan, search, IS
-  weights), an update of 256 priorities (scatter + chunk refresh), a full
-  chunk-sum pass; and, for scale, the CPU ``PrioritizedSelector.sample(256)``.
+* ``select/*`` — the device replay's selection over a priority vector of N slots
+  (10^6 and 10^7): a sample of 256 (``draw_items``: chunk scan, search, records,
+  uniforms made in the kernel; ``finish_batch``: keys, IS weights, status), a
+  write-back of 256 device priorities by key (``mark_updates`` + ``apply_updates``
+  + chunk re-sums: no host sync), a full chunk-sum pass; and the CPU
+  ``PrioritizedSelector``'s sample and update of 256 (the floors).
 
 GB/s are bytes gathered per second of GPU time between CUDA events (median of
 the repeats); selection times are host wall time per call including Python
@@ -40,11 +44,13 @@ from typing import Any
 import numpy as np
 
 from gearflow.native import require_cupy
+from gearflow.native.cuda_backend import dptr
 from gearflow.native.gather import CudaGather, gather_stacks, stack_frames_read
 from gearflow.native.hostmem import register_host
 from gearflow.native.select import CudaSelect, num_chunks
 
 OBS_ROW = 4 * 84 * 84  # an Atari frame stack, uint8: 28224 bytes = 1764 * 16
+PIECE_SWEEP = (2048, 4096, 16384, 32768)  # the rows gather's work-item sizes measured beside the default (8 KiB)
 FRAME = 84 * 84  # one stored frame of a stacked column: 7056 bytes = 441 * 16
 
 
@@ -102,15 +108,19 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
                 rows = rng.integers(0, num_rows, size=args.batch).astype(np.int64)
                 rows_d = cupy.asarray(rows)
                 out = cupy.empty((args.batch, row_bytes), dtype=cupy.uint8)
-                plan = gather.gather_rows(reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
-                stream.synchronize()
-                if not np.array_equal(out.get(), column[rows]):
-                    failures.append(f"gather_rows row_bytes={row_bytes}: kernel != numpy")
-                run = partial(gather.gather_rows, reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows)
-                ms = gpu_ms(cupy, stream, run, args.repeats)
-                moved = args.batch * row_bytes
-                emit({"bench": "gather/zero_copy", "kind": "rows", "row_bytes": row_bytes, "batch": args.batch,
-                      "kernel": plan.kernel, "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
+                for piece in (None, *PIECE_SWEEP):  # the default piece first (the figure), then the sweep
+                    out[...] = 0
+                    plan = gather.gather_rows(reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows, piece=piece)
+                    stream.synchronize()
+                    if not np.array_equal(out.get(), column[rows]):
+                        failures.append(f"gather_rows row_bytes={row_bytes} piece={plan.piece}: kernel != numpy")
+                    run = partial(gather.gather_rows, reg.device_ptr, row_bytes, rows_d, out, num_rows=num_rows,
+                                  piece=piece)  # fmt: skip
+                    ms = gpu_ms(cupy, stream, run, args.repeats)
+                    moved = args.batch * row_bytes
+                    emit({"bench": "gather/zero_copy", "kind": "rows", "row_bytes": row_bytes, "batch": args.batch,
+                          "kernel": plan.kernel, "piece": plan.piece, "default_piece": piece is None,
+                          "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
                 # sequences: B windows of T steps, P partitions of S steps, random starts (some wrap)
                 S = num_rows // args.partitions
                 B, T = args.seq_batch, args.seq_len
@@ -134,8 +144,8 @@ def bench_gather(cupy: Any, args: argparse.Namespace, failures: list[str], emit:
                 ms = gpu_ms(cupy, stream, run, args.repeats)
                 moved = int(lengths.sum()) * row_bytes  # padding is written, not read
                 emit({"bench": "gather/zero_copy", "kind": "windows", "row_bytes": row_bytes, "batch": B,
-                      "T": T, "kernel": plan.kernel, "MB": round(moved / 1e6, 2),
-                      "GB/s": round(moved / ms / 1e6, 2)})
+                      "T": T, "kernel": plan.kernel, "piece": plan.piece, "default_piece": True,
+                      "MB": round(moved / 1e6, 2), "GB/s": round(moved / ms / 1e6, 2)})
 
             bench_stacks(cupy, gather, stream, host, reg, args, rng, failures, emit)
 
@@ -205,45 +215,123 @@ def bench_stacks(cupy: Any, gather: CudaGather, stream: Any, host: np.ndarray, r
           "GB/s_read": round(read / ms / 1e6, 2), "GB/s_written": round(written / ms / 1e6, 2)})
 
 
-def _sample(sel: CudaSelect, cupy: Any, masses: Any, sums: Any, n: int, batch: int) -> None:
-    _, probs = sel.sample_proportional(masses, cupy.random.random(batch), chunk_sums=sums)
-    sel.importance_weights(probs, n, 0.4)
+class ReplayVectors:
+    """A device replay's vectors and descriptors without a table (select.cu's gf_replay/gf_draw):
+    ``n`` slots of ``P`` partitions with masses ``random ** 3`` (every 7th 0), all live, records
+    whose keys follow the slot rule, a batch of ``B`` rows; counters and the status word in
+    mapped pinned memory (zeros: nothing is torn). What ``DeviceReplay`` launches per sample
+    (``draw_items`` + ``finish_batch``) and per write-back (``update_by_key``), timed alone."""
+
+    def __init__(self, cupy: Any, sel: CudaSelect, n: int, B: int, P: int = 8) -> None:
+        from gearflow.native.hostmem import MappedArea
+        from gearflow.native.select import DRAW_FIELDS, REPLAY_FIELDS, descriptor
+
+        cp, R = cupy, n // P
+        self.n, self.B, self.P, self.R, self.NC, self.sel = P * R, B, P, R, num_chunks(P * R), sel
+        n = self.n
+        rng = np.random.default_rng(0)
+        m = rng.random(n) ** 3
+        m[::7] = 0.0
+        self.masses = cp.asarray(m)
+        self.live = cp.ones(n, dtype=cp.float64)
+        self.sums, self.live_sums = sel.sum_chunks(self.masses), sel.sum_chunks(self.live)
+        self.seq = cp.arange(n, dtype=cp.int64) % R  # slot p * R + seq % R holds item seq of partition p
+        self.start = cp.zeros(n, dtype=cp.int64)
+        self.length = cp.ones(n, dtype=cp.int32)
+        self.winner, self.prio_status = cp.zeros(n, dtype=cp.uint64), cp.zeros(2, dtype=cp.uint64)
+        self.counters, self.status = MappedArea(cp, P * 64), MappedArea(cp, 64)
+        self.desc = descriptor(cp, REPLAY_FIELDS, {
+            "masses": self.masses, "sums": self.sums, "live": self.live, "live_sums": self.live_sums,
+            "start": self.start, "seq": self.seq, "length": self.length, "winner": self.winner,
+            "prio_status": self.prio_status, "counters": self.counters.device_ptr, "N": n, "NC": self.NC,
+            "P": P, "R": R, "counter_fields": 8, "reserve_field": 0, "trusted_steps": 1})  # fmt: skip
+        self.draw = {"slots": cp.zeros(B, dtype=cp.int64), "probs": cp.zeros(B, dtype=cp.float64),
+                     "parts": cp.zeros(B, dtype=cp.int64), "starts": cp.zeros(B, dtype=cp.int64),
+                     "seqs": cp.zeros(B, dtype=cp.int64), "lengths": cp.zeros(B, dtype=cp.int32),
+                     "keys": cp.zeros(B, dtype=cp.int64), "weights": cp.zeros(B, dtype=cp.float32),
+                     "probabilities": cp.zeros(B, dtype=cp.float64), "flags": cp.zeros(B, dtype=cp.uint8)}  # fmt: skip
+        self.draw_desc = descriptor(cp, DRAW_FIELDS, {**self.draw, "status": self.status.device_ptr})
+        self.d, self.dd = dptr(self.desc), dptr(self.draw_desc)
+        slots = rng.integers(0, n, size=B)
+        self.keys = cp.asarray((slots % R) * P + slots // R)  # int64 (B,): the keys of B live items
+        self.prios = cp.asarray(rng.random(B).astype(np.float32))
+        self.scratch = cp.zeros(B, dtype=cp.int64)
+        self.counter = self.tag = 0
+
+    def sample(self) -> None:
+        """One batch's draw and finish (the sample's kernels but the gather)."""
+        self.counter += 1
+        self.sel.draw_items(self.d, self.dd, self.B, seed=1, counter=self.counter)
+        self.sel.finish_batch(self.d, self.dd, self.B, self.n, 0.4)
+
+    def update(self) -> None:
+        """One write-back of B device priorities by key (mark, apply, chunk re-sums)."""
+        self.tag += 1
+        self.sel.update_by_key(self.d, dptr(self.keys), dptr(self.prios), self.B, True, self.tag << 32, 0.6,
+                               dptr(self.scratch), dptr(self.masses), self.n, dptr(self.sums), self.NC)  # fmt: skip
+
+    def close(self) -> None:
+        self.counters.close()
+        self.status.close()
 
 
 def bench_select(cupy: Any, args: argparse.Namespace, failures: list[str], emit: Callable[[dict], None] = emit) -> None:
+    """Per size: the device replay's sample (fused draw + finish) and write-back by key of a
+    batch of ``args.batch`` (256), against the CPU ``PrioritizedSelector``'s sample and update of the same sizes
+    (the floors: the issue's targets are sample <= the CPU selector's, update <= 100 us at 10^6);
+    and the full chunk-sum pass. Every sample is checked once (no dead or zero-mass slot drawn,
+    weights max 1, keys by the slot rule) and every write-back (the masses it wrote)."""
+    from gearflow.replay.selectors import make_selector
+
     stream = cupy.cuda.Stream(non_blocking=True)
     sel = CudaSelect(cupy)
-    B = 256
+    B = args.batch
+    reps = args.repeats * 5
     for n in args.sizes:
+        cpu = make_selector("prioritized", n, seed=0, alpha=0.6, beta=0.4)
+        cpu.insert(np.arange(n), np.random.default_rng(0).random(n), np.arange(n))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            cpu.sample(B)
+        cpu_sample = (time.perf_counter() - t0) / reps * 1e6
+        upd_slots, upd_prios = np.random.default_rng(1).integers(0, n, B), np.random.default_rng(1).random(B)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            cpu.update_known(upd_slots, upd_prios)
+        cpu_update = (time.perf_counter() - t0) / reps * 1e6
+        emit({"bench": "select/cpu_prioritized_selector", "N": n, "batch": B, "us": round(cpu_sample, 1),
+              "update_us": round(cpu_update, 1)})  # fmt: skip
         with stream:
-            masses = cupy.random.random(n, dtype=cupy.float64)
-            masses[::7] = 0.0
-            sums = sel.sum_chunks(masses)
-            slots, _ = sel.sample_proportional(masses, cupy.random.random(B), chunk_sums=sums)
-            stream.synchronize()
-            if bool((slots < 0).any()) or bool((masses[slots] == 0).any()):
-                failures.append(f"sample_proportional N={n}: a zero-mass or missing slot was drawn")
-            us = wall_us(stream, partial(_sample, sel, cupy, masses, sums, n, B), args.repeats * 5)
-            emit({"bench": "select/sample_proportional", "N": n, "batch": B, "us": round(us, 1),
-                  "note": "uniforms + chunk scan + search + IS weights, chunk sums cached"})
-            upd_slots = cupy.random.randint(0, n, size=B, dtype=cupy.int64)
-            upd_prios = cupy.random.random(B, dtype=cupy.float64)
-            run = partial(sel.update_priorities, masses, upd_slots, upd_prios, 0.6, chunk_sums=sums)
-            emit({"bench": "select/update_priorities", "N": n, "batch": B,
-                  "us": round(wall_us(stream, run, args.repeats * 5), 1)})
-            ms = gpu_ms(cupy, stream, partial(sel.sum_chunks, masses, sums), args.repeats)
-            emit({"bench": "select/sum_chunks", "N": n, "chunks": num_chunks(n), "us_gpu": round(ms * 1e3, 1)})
-        if args.cpu_baseline:
-            from gearflow.replay.selectors import make_selector
-
-            cpu = make_selector("prioritized", n, seed=0, alpha=0.6, beta=0.4)
-            cpu.insert(np.arange(n), np.random.default_rng(0).random(n), np.arange(n))
-            reps = args.repeats * 5
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                cpu.sample(B)
-            emit({"bench": "select/cpu_prioritized_selector", "N": n, "batch": B,
-                  "us": round((time.perf_counter() - t0) / reps * 1e6, 1)})
+            v = ReplayVectors(cupy, sel, n, B)
+            try:
+                v.sample()
+                stream.synchronize()
+                get = cupy.asnumpy
+                slots, w, masses, keys = get(v.draw["slots"]), get(v.draw["weights"]), get(v.masses), get(v.draw["keys"])
+                if (slots < 0).any() or (masses[slots] == 0).any() or abs(float(w.max()) - 1) > 1e-6:
+                    failures.append(f"draw_items N={v.n}: a zero-mass or missing slot was drawn, or weights not max 1")
+                if not np.array_equal(keys, (slots % v.R) * v.P + slots // v.R):
+                    failures.append(f"finish_batch N={v.n}: keys are not the drawn slots' items")
+                us = wall_us(stream, v.sample, reps)
+                emit({"bench": "select/device_sample", "N": v.n, "batch": B, "us": round(us, 1),
+                      "cpu_us": round(cpu_sample, 1),
+                      "note": "draw_items (chunk scan + search + records, uniforms in the kernel) + finish_batch"})
+                v.update()
+                stream.synchronize()
+                keys, prios = get(v.keys), get(v.prios).astype(np.float64)
+                last = {int((k % v.P) * v.R + (k // v.P) % v.R): p for k, p in zip(keys.tolist(), prios.tolist())}
+                at = np.array(list(last), dtype=np.int64)
+                want = np.array(list(last.values())) ** 0.6
+                if not np.allclose(get(v.masses)[at], want, rtol=1e-6):
+                    failures.append(f"update_by_key N={v.n}: the masses written are not p ** alpha of the last entries")
+                us = wall_us(stream, v.update, reps)
+                emit({"bench": "select/device_update_by_key", "N": v.n, "batch": B, "us": round(us, 1),
+                      "cpu_us": round(cpu_update, 1), "note": "mark_updates + apply_updates_f32 + chunk_sums"})
+                ms = gpu_ms(cupy, stream, partial(sel.sum_chunks, v.masses, v.sums), args.repeats)
+                emit({"bench": "select/sum_chunks", "N": v.n, "chunks": v.NC, "us_gpu": round(ms * 1e3, 1)})
+            finally:
+                stream.synchronize()
+                v.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,10 @@ class DeviceArray:
 
 
 def is_device_array(obj: Any) -> bool:
+    """A CUDA torch tensor (asked directly: its interface raises for one that requires grad) or
+    anything with ``__cuda_array_interface__`` (CuPy arrays, Numba's)."""
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "is_cuda"):
+        return bool(obj.is_cuda)
     return hasattr(obj, "__cuda_array_interface__")
 
 

@@ -1,81 +1,76 @@
 """Device-side sampling for a replay :class:`~gearflow.replay.table.Table` (``replay.device=cuda``).
 
-The table stays the owner of ingest, eviction, rate limiting, checkpoints and
-keys; its CPU selector stays the source of truth for ``len`` and checkpoints.
-:class:`DeviceReplay` mirrors what sampling needs onto one GPU, fed by the
-table's own ingest/evict/update calls, and draws and gathers whole batches
-there:
+The table stays the owner of ingest, eviction, rate limiting, checkpoints and keys; liveness
+(``len``, the live slots) stays on the host in its :class:`~gearflow.replay.device_table.DeviceSelector`.
+The priorities live only here: :class:`DeviceReplay` holds the table's priority vector and record
+mirrors on one GPU, fed by the table's own ingest/evict calls and by priority write-backs by key
+(device tensors applied on the device: no host round trip, no CPU sum tree), and draws and
+gathers whole batches there::
 
     per slot (N = P * R, on device ``device_id``, written on ``stream`` only)
       masses  float64[N]    p ** alpha (prioritized) or 1.0 (uniform) for a live slot, 0 when dead
       sums    float64[NC]   per-4096-slot chunk sums (select.cu's two-level sum tree)
+      live    float64[N]    1.0 per live slot (the no-mass fallback; the uniform selector: masses)
       start   int64[N]      absolute first step of the item in its partition
       seq     int64[N]      item sequence number in its partition (its key is seq * P + p)
       length  int32[N]      steps in the item (cut to the kind's window at ingest)
+      winner  uint64[N]     the write-back's de-duplication tags
 
-A sample, every device operation queued on :attr:`DeviceReplay.stream` under
-``cupy.cuda.Device(device_id)``:
+**A sample** (:meth:`next_batch`), every device operation on :attr:`stream`: batches are drawn
+``ahead`` samples before they are returned. Each queued batch is, in its own buffer set
+(:mod:`gearflow.native.device_buffers`):
 
-1. the stream waits (a reused event) for the work the consumer (torch's current
-   stream on that device) has queued so far: it may still read the buffer set
-   about to be refilled;
-2. B uniforms → stratified proportional draw (uniform = mass 1 per live slot,
-   the same kernel) → IS weights → each row's record (partition, start, seq,
-   length) copied out of the mirrors *once*, into the :class:`DeviceDraw`, with
-   a flag for an impossible slot (< 0 or ≥ N: the kernel's −1 when rounding
-   makes an empty chunk look non-empty);
-3. one gather kernel per column straight out of the shared-memory segment
-   (``cudaHostRegister``-ed, mapped: zero-copy) into a preallocated buffer set,
-   and the keys (``seq * P + p``), weights and probabilities copied into the
-   same set, all from the draw's records; the count of impossible slots copied
-   into pinned host memory;
-4. one reused event recorded and waited for: **the sample's one host
-   synchronization** (a blocking-sync event: the sampling thread sleeps in the
-   driver instead of spinning a CPU core). The table then reads the RESERVE counters (the seqlock
-   rule of ``Table.overwritten``, via :func:`~gearflow.replay.layout.torn_items` on the draw's
-   records); torn items are evicted, impossible and torn rows redrawn
-   (:meth:`DeviceReplay.redraw`: only those rows get new records) and the batch
-   gathered again. Nothing is returned before every row passed.
+1. the set's refill guard: the stream waits (device-side) for the consumer's releases of it
+   (or, for a consumer that never releases, for torch's current stream);
+2. queued ingest/evictions applied (one kernel reading the entries in place from mapped host
+   memory: an upload from pageable memory would first wait for the stream);
+3. one fused draw (``draw_items``: B stratified proportional draws, the uniforms made in the
+   kernel, each row's record copied out of the mirrors);
+4. the kind's gather kernels straight out of the shared-memory segment (zero-copy);
+5. ``finish_batch``: the seqlock check of every row against RESERVE read by the device after the
+   gather, keys, probabilities, IS weights, and the status word (impossible rows, torn rows,
+   priorities applied / refused) written into pinned host memory;
+6. its event recorded.
 
-Invariant: **the rows gathered are the rows of the keys returned.** Records,
-gather and keys come from the same per-row records, which are written on the
-same stream before the gather reads them; a redraw replaces the records of the
-redrawn rows only, so a scan that reuses the slot of another row of the batch
-(the record ring lapped) cannot change what that row's key names. Outputs
-reach torch through DLPack over the buffer set: CUDA tensors, no copy, written
-before the host synchronization and not written again until a later sample's
-step 1 has waited for the consumer.
+The host returns the oldest queued batch after its event (**the sample's one host sync**, a
+blocking-sync event, normally already passed: the batch was queued ``ahead`` samples before) and
+one read of its status word: nothing else of the batch crosses to the host. A batch with torn or
+impossible rows (the status says so) takes the rare path: the torn items are evicted through the
+table, only those rows are redrawn (the others keep their records), the batch is gathered and
+checked again; it is never returned before every row passed.
 
-Buffer sets and streams: a set is refilled only after the replay stream has
-waited for (a) the work torch's current stream on the device had queued when
-the sample began (step 1: the consumer that reads batches on the stream it
-samples from, the learner's legacy default stream) and (b) every event the
-consumer recorded with :meth:`DeviceReplay.release` since the set's last fill
-(``Sample.release(stream)``: the learner calls it after its step, on the
-stream its step ran on; a consumer on a side stream or in a CUDA graph passes
-that stream). Events are one per (set, consumer stream), made once and reused.
-Sets replaced on a batch-size change are kept, their release events still
-waited for, until ``num_buffers`` later samples have synchronized: their CuPy
-memory never returns to the pool (and a later allocation on this stream)
-while torch may still read it.
+**A priority write-back** (:meth:`update_keys`) of device keys and priorities: the replay stream
+waits (device-side) for the caller's stream, then three launches: keys mapped to the slots still
+holding them, duplicates resolved on the device (a repeated key: its last entry), masses written
+and their chunks re-summed. No host sync, nothing copied to the host. A priority that is not
+finite and >= 0 is not applied; the count comes back in the status word of the next batch drawn
+and the sample that returns that batch raises ValueError naming it.
+
+Invariant: **the rows gathered are the rows of the keys returned.** Records, gather and keys
+come from the same per-row records, written on the same stream before the gather reads them; a
+redraw replaces the records of the redrawn rows only. Outputs reach torch through DLPack over
+the buffer set: CUDA tensors, no copy, written before the batch's event and not written again
+until the set comes round and the stream has waited for its consumer.
+
+Locking: the replay's own lock covers its queue, ingest queue and write-back state only, never a
+host wait: a sampling thread waiting for a batch does not block a write-back from another thread.
 
 Example (GPU; ``Table(..., device="cuda")`` does exactly this)::
 
     dev = DeviceReplay(storage, Transition(("obs",)), selector, device=0)   # require_cupy, registers the segment
     table = Table(storage, Transition(("obs",)), selector, device=dev)
     batch = table.sample(256)          # batch.data["obs"]: cuda:0 uint8 (256, 4, 84, 84)
+    table.update_priorities(batch.keys, td_errors.abs())   # CUDA tensors: applied on the device
 
-CuPy is passed in (``cupy=``) or imported by :func:`~gearflow.native.require_cupy`
-on construction, never at import time; so is the compiled kernel code
-(``gather=`` / ``select=``: a :class:`CudaGather` / :class:`CudaSelect`) and
-the consumer's stream (``consumer_stream=``: a callable returning a raw
-``cudaStream_t``, default torch's current stream on the device).
-Every live priority 0 (prioritized): uniform draws over the selector's live
-slots (P = 1/N, weights 1), as the CPU selector does.
-Differences from the CPU selectors, by design: uniform draws are stratified
-like prioritized ones (same marginal 1/N, lower variance); the device RNG
-(CuPy's) is seeded from the selector's RNG state but is not part of a
-checkpoint, so a restored device table does not repeat the exact draws.
+CuPy is passed in (``cupy=``) or imported by :func:`~gearflow.native.require_cupy` on
+construction, never at import time; so is the compiled kernel code (``gather=`` / ``select=``:
+a :class:`CudaGather` / :class:`CudaSelect`) and the consumer's stream (``consumer_stream=``: a
+callable returning a raw ``cudaStream_t``, default torch's current stream on the device).
+Differences from the CPU selectors, by design: uniform draws are stratified like prioritized
+ones (same marginal 1/N, lower variance); the draws' uniforms come from a counter-based hash
+seeded from the selector's RNG state, which is not part of a checkpoint, so a restored device
+table does not repeat the exact draws; priorities are applied ``ahead`` batches later than on
+the CPU path (the batches already drawn keep their draws).
 """
 
 from __future__ import annotations
@@ -83,6 +78,7 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,20 +87,27 @@ import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
-from gearflow.native.cuda_backend import dptr
-from gearflow.native.device_buffers import BufferSets, DeviceBuffers, RawStream, torch_stream
+from gearflow.native.cuda_backend import check_device, dptr, is_device_array
+from gearflow.native.device_buffers import (
+    BufferSets,
+    DeviceBuffers,
+    DeviceDraw,
+    RawStream,
+    torch_stream,
+)
 from gearflow.native.gather import CudaGather, transition_rows
-from gearflow.native.hostmem import register_storage
+from gearflow.native.hostmem import MappedArea, register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
-from gearflow.native.select import CudaSelect, num_chunks
-from gearflow.replay.layout import item_key, torn_items
+from gearflow.native.select import REPLAY_FIELDS, CudaSelect, descriptor, num_chunks
 
 log = logging.getLogger(__name__)
 
 REPLAY_DEVICES = ("auto", "cpu", "cuda")
 FLUSH_AT = 1 << 20  # queued ingest entries applied to the device without waiting for a draw
 MAX_INVALID_ROUNDS = 8  # redraws of impossible slots in a row before the sample raises
-MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
+STAGING_AREAS = 8  # ingest staging areas in flight before a flush waits for the oldest
+RESERVE = 0  # gearflow.replay.storage's RESERVE counter field (checked against it by the tests)
+_NONE = np.zeros(0, dtype=np.int64)
 
 __all__ = [
     "DEVICE_SELECTORS",
@@ -175,27 +178,6 @@ def resolve_replay_device(name: str, selector: str | None = None) -> str:
     return "cpu"
 
 
-@dataclass
-class DeviceDraw:
-    """One batch's draws and the records of the drawn items, all device arrays of length B (CuPy).
-
-    The records are copied out of the device mirrors when the row is drawn and never re-read:
-    the gather, the seqlock check and the keys all use these, so each key names the item
-    whose rows were gathered even if a later scan reuses the slot.
-    """
-
-    slots: Any  # int64 (B,) as drawn (may hold an impossible slot: see valid)
-    probabilities: Any  # float64 (B,)
-    weights: Any  # float32 (B,) importance weights, max 1
-    parts: Any  # int64 (B,) partition of the slot (-1 where not valid)
-    starts: Any  # int64 (B,) absolute first step of the item
-    seqs: Any  # int64 (B,) item sequence number in its partition
-    lengths: Any  # int32 (B,) steps in the item
-    valid: Any  # bool (B,) 0 <= slot < N
-    invalid: Any  # int64 (1,) count of rows not valid (copied to the host by gather)
-    num_invalid: int | None = None  # that count on the host, once gather has synchronized
-
-
 class _OnDevice:
     """``with self._on:`` = ``with cupy.cuda.Device(i), stream:`` (entered in that order). A fresh
     ``Device`` per entry: CuPy keeps the device to restore in the ``Device`` object, so one shared
@@ -221,12 +203,6 @@ class _OnDevice:
             self.stream.__exit__(*exc)
         finally:
             device.__exit__(*exc)
-
-
-def _mass_input(prioritized: bool, priorities: np.ndarray) -> np.ndarray:
-    """What goes into the mass vector: raw priorities (p ** alpha in the kernel), or 1.0 per
-    live item for the uniform selector."""
-    return np.asarray(priorities, dtype=np.float64) if prioritized else np.ones(len(priorities))
 
 
 def _check_selector(storage: Any, kind: Any, selector: Any) -> str:
@@ -307,14 +283,14 @@ class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
 
     Built over the table's ``storage``, ``kind`` and ``selector`` (one of
-    :data:`DEVICE_SELECTORS`) on GPU ``device`` (default: CuPy's current device
-    now; it is kept for the table's life); registers the whole shared-memory
-    segment with CUDA until :meth:`close`. The table calls :meth:`insert`,
-    :meth:`remove`, :meth:`update` and :meth:`load` as its own state changes, and
-    :meth:`draw` / :meth:`buffers` / :meth:`gather` / :meth:`invalid` /
-    :meth:`torn` / :meth:`redraw` / :meth:`batch` to sample. Every device
-    operation is queued on :attr:`stream` under ``cupy.cuda.Device(device_id)``;
-    :meth:`gather` is the one place that synchronizes (one reused event).
+    :data:`DEVICE_SELECTORS`; a restored selector's priorities and live slots are taken over) on
+    GPU ``device`` (default: CuPy's current device now; it is kept for the table's life);
+    registers the whole shared-memory segment with CUDA until :meth:`close`. The table calls
+    :meth:`insert`, :meth:`remove` and :meth:`load` as its own state changes,
+    :meth:`update_keys` for write-backs, and :meth:`next_batch` / :meth:`bad_rows` /
+    :meth:`redraw` / :meth:`batch` to sample. ``ahead``: batches drawn before they are asked for
+    (their buffer sets are extra: a returned batch stays valid for ``num_buffers - 1`` further
+    samples, as on the CPU path).
     """
 
     def __init__(
@@ -329,194 +305,393 @@ class DeviceReplay:
         select: CudaSelect | None = None,
         seed: int | None = None,
         consumer_stream: Callable[[], int | None] | None = None,
+        ahead: int = 1,
     ) -> None:
         name = _check_selector(storage, kind, selector)
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead must be an integer >= 0, got {ahead!r}")
         cp = require_cupy("replay.device=cuda") if cupy is None else cupy
         device_id = _device_id(cp, device)
         self.cupy, self.storage, self.kind, self.selector = cp, storage, kind, selector
-        self.device_id = device_id
+        self.device_id, self.ahead = device_id, ahead
         self.prioritized = name == "prioritized"
         self._P, self._R, self._S = storage.num_partitions, storage.items_per_partition, storage.steps_per_partition
         N = self._P * self._R
+        self._N, self._NC = N, num_chunks(N)
         self._gather = gather or CudaGather(cp)
         self._select = select or CudaSelect(cp)
         self._consumer_stream = consumer_stream or (lambda: torch_stream(device_id))
         if seed is None:  # follow the selector's seed (public state), so seeded runs stay seeded
             seed = zlib.crc32(np.asarray(selector.state_dict()["rng_state"]).tobytes())
+        self._seed, self._counter = int(seed), 0  # the draws' uniforms: (seed, draw number)
+        self._lock = threading.RLock()  # queue, ingest queue, write-back state; never held over a host wait
         with cp.cuda.Device(device_id):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._on = _OnDevice(cp, device_id, self.stream)
-            # reused every sample (no event created per sample): "gathered" is the one host sync,
-            # "consumer" orders this stream after the consumer's queued reads of the buffer sets
-            self._gathered = cp.cuda.Event(block=True, disable_timing=True)  # the host sleeps on it
-            self._consumer_done = cp.cuda.Event(disable_timing=True)
-            self._consumer = RawStream(0)  # the consumer's stream, re-pointed per sample
-            self._pinned = cp.cuda.alloc_pinned_memory(8)  # int64: impossible slots of the last gather
-            self._status_host = np.frombuffer(self._pinned, dtype=np.int64, count=1)
+            self._caller_done = cp.cuda.Event(disable_timing=True)  # a write-back's inputs are ready
+            self._caller = RawStream(0)
             with self.stream:
-                self._rng = cp.random.RandomState(seed)
                 self._masses = cp.zeros(N, dtype=cp.float64)
-                self._sums = cp.zeros(num_chunks(N), dtype=cp.float64)
+                self._sums = cp.zeros(self._NC, dtype=cp.float64)
+                if self.prioritized:
+                    self._live, self._live_sums = cp.zeros(N, dtype=cp.float64), cp.zeros(self._NC, dtype=cp.float64)
+                else:  # uniform: the masses are 1 per live slot already
+                    self._live, self._live_sums = self._masses, self._sums
                 self._start = cp.zeros(N, dtype=cp.int64)
                 self._seq = cp.full(N, -1, dtype=cp.int64)
                 self._length = cp.zeros(N, dtype=cp.int32)
+                self._winner = cp.zeros(N, dtype=cp.uint64)
+                self._prio_status = cp.zeros(2, dtype=cp.uint64)  # priorities applied, refused (running)
+                self._scratch = cp.zeros(1024, dtype=cp.int64)  # a write-back's slots
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
-        self.columns = DeviceColumns.of(cp, self._gather, storage, self._reg)  # what the kind's gather_on_device reads
-        # the torn rule's bound: an item is intact while its first step is >= RESERVE - (S - stack reach)
+            counters = self._reg.device_pointer(storage.counters.ctypes.data - storage.header.ctypes.data)
+            self._desc = descriptor(cp, REPLAY_FIELDS, {
+                "masses": self._masses, "sums": self._sums, "live": self._live, "live_sums": self._live_sums,
+                "start": self._start, "seq": self._seq, "length": self._length, "winner": self._winner,
+                "prio_status": self._prio_status, "counters": counters, "N": N, "NC": self._NC, "P": self._P,
+                "R": self._R, "counter_fields": storage.counters.shape[1], "reserve_field": RESERVE,
+                "trusted_steps": storage.trusted_steps})  # fmt: skip
+            self._staging: deque[tuple[MappedArea, Any]] = deque()  # (area, event after its apply_ingest)
+        self._desc_ptr = dptr(self._desc)
+        # the torn rule's bound (finish_batch): an item is intact while its first step is >= RESERVE - this
         self._S_trust = storage.trusted_steps
+        self.columns = DeviceColumns.of(cp, self._gather, storage, self._reg)  # what the kind's gather_on_device reads
         self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
         self._pending_n = 0
-        # the output sets and their consumers' releases (gearflow/native/device_buffers.py)
+        # the buffer sets and their consumers' releases (gearflow/native/device_buffers.py)
         self.buffer_sets = BufferSets(cp, device_id, self._on, self.stream, kind, storage.spec, self._consumer_stream)
+        self._queue: deque[DeviceBuffers] = deque()  # batches drawn ahead, oldest first
+        self._tag = 0  # write-back number (winner tags: tag << 32 | entry)
+        self._keep: deque = deque()  # (event, inputs) of write-backs whose inputs the stream may still read
+        self._free_events: list = []  # their events, reused
+        self._seen = (0, 0)  # priorities applied / refused as of the last status read
         self._invalid_rounds = 0
+        self._ext_stream = None  # torch's view of self.stream (record_stream of write-back inputs)
+        self._take_over(selector)
 
     # ------------------------------------------------------------------ mirror of the table's ingest
-    # The table reports ingest/evict/update per partition; those calls are queued on the host and
-    # applied in one batch (one scatter kernel, one record upload) before the next draw, so a scan
-    # over many partitions costs a handful of launches, not a handful per partition. The queue
-    # keeps the table's order; a slot's last entry wins, as in the selectors.
+    # The table reports ingest/evict per partition; those calls are queued on the host and applied
+    # in one kernel (entries de-duplicated on the host, read in place from mapped host memory)
+    # before the next draw, so a scan over many partitions costs a few launches and no upload.
     def _alpha(self) -> float:
-        return float(self.selector.alpha) if self.prioritized else 1.0
+        return float(self.selector.alpha) if self.prioritized else -1.0  # -1: masses are 1 (uniform)
 
-    def _queue(self, slots: np.ndarray, priorities: np.ndarray, records: tuple | None) -> None:
+    def _queue_entries(self, slots: np.ndarray, priorities: np.ndarray, records: tuple | None) -> None:
         if len(slots):  # copies: the caller may reuse its arrays before the queue is applied
             records = None if records is None else tuple(np.array(r) for r in records)
-            self._pending.append((np.array(slots, dtype=np.int64), np.array(priorities, dtype=np.float64), records))
-            self._pending_n += len(slots)
-            if self._pending_n >= FLUSH_AT:  # a table that fills for long before its first sample
-                self.flush()
+            with self._lock:
+                self._pending.append((np.array(slots, dtype=np.int64), np.array(priorities, dtype=np.float64), records))
+                self._pending_n += len(slots)
+                if self._pending_n >= FLUSH_AT:  # a table that fills for long before its first sample
+                    self.flush()
 
     def insert(self, slots: np.ndarray, priorities: np.ndarray, starts: np.ndarray, seqs: np.ndarray,
                lengths: np.ndarray) -> None:  # fmt: skip
-        """Items ingested into ``slots`` (host int64) with their records."""
-        self._queue(slots, _mass_input(self.prioritized, priorities), (starts, seqs, lengths))
+        """Items ingested into ``slots`` (host int64) with their raw priorities and records."""
+        self._queue_entries(slots, priorities, (starts, seqs, lengths))
 
     def remove(self, slots: np.ndarray) -> None:
-        """Items evicted: their mass becomes 0 (their records stay until the slot is reused)."""
-        self._queue(slots, np.zeros(len(slots)), None)
-
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        """New priorities of live slots (validated by the table); the uniform selector ignores them."""
-        if self.prioritized:
-            self._queue(slots, priorities, None)
+        """Items evicted: their mass and liveness become 0 (their records stay until the slot is reused)."""
+        self._queue_entries(slots, np.zeros(len(slots)), None)
 
     def flush(self) -> None:
-        """Apply the queued ingest/evict/update calls to the device vectors (queued on the stream)."""
-        if not self._pending:
-            return
-        with self._on:
+        """Apply the queued ingest/evictions now (queued on the stream; every draw and write-back
+        applies them first anyway)."""
+        with self._lock, self._on:
             self._flush()
 
-    def _flush(self) -> None:  # inside self._on
-        if not self._pending:
-            return
-        pending, self._pending, self._pending_n = self._pending, [], 0
-        cp = self.cupy
-        slots = np.concatenate([s for s, _, _ in pending])
-        prios = np.concatenate([p for _, p, _ in pending])
-        self._select.update_priorities(self._masses, slots, prios, self._alpha(), chunk_sums=self._sums)
-        inserted = [(s, r) for s, _, r in pending if r is not None]
-        if inserted:
-            rs = np.concatenate([s for s, _ in inserted])
-            cols = [np.concatenate([r[i] for _, r in inserted]) for i in range(3)]
-            _, first_reversed = np.unique(rs[::-1], return_index=True)
-            last = len(rs) - 1 - first_reversed  # a slot ingested twice: its last record
-            s_dev = cp.asarray(rs[last])
-            for dst, col, dtype in zip((self._start, self._seq, self._length), cols, (np.int64, np.int64, np.int32)):
-                dst[s_dev] = cp.asarray(np.ascontiguousarray(col[last], dtype=dtype))
+    def _staging_area(self, nbytes: int) -> tuple[MappedArea, Any]:  # inside self._lock and self._on
+        """A staging area no queued kernel reads any more (its apply_ingest's event passed), at
+        least ``nbytes``, and its event: a few reused in turn (made once each); the oldest is
+        waited for only when :data:`STAGING_AREAS` flushes are in flight (no sample in between)."""
+        if self._staging and (self._staging[0][1].done or len(self._staging) >= STAGING_AREAS):
+            area, event = self._staging.popleft()
+            if not event.done:
+                event.synchronize()
+            area.ensure(nbytes)
+            return area, event
+        return MappedArea(self.cupy, max(nbytes, 4096)), self.cupy.cuda.Event(disable_timing=True)
 
-    def load(self, live: np.ndarray, starts: np.ndarray, seqs: np.ndarray, lengths: np.ndarray) -> None:
-        """Rebuild every mirror from the table's per-slot state (after a checkpoint restore). The
-        masses come from the (already restored) selector: its sum tree's leaves, or 1.0 per live slot."""
-        N = self._P * self._R
-        self._pending, self._pending_n = [], 0  # superseded by the state loaded here
+    def _flush(self) -> bool:  # inside self._lock and self._on
+        """Pack the queued entries, the last per slot, into a staging area (int64 [6, n]: select.py
+        INGEST_ROWS, read in place by the kernel) and queue apply_ingest + the chunk re-sums;
+        False when nothing was queued."""
+        if not self._pending:
+            return False
+        pending, self._pending, self._pending_n = self._pending, [], 0
+        slots = np.concatenate([s for s, _, _ in pending])
+        n = slots.size
+        _, first_reversed = np.unique(slots[::-1], return_index=True)
+        last = np.sort(n - 1 - first_reversed)  # each slot's last entry, in the table's order
+        k = last.size
+        area, event = self._staging_area(6 * 8 * k)
+        entries = area.host[: 6 * 8 * k].view(np.int64).reshape(6, k)
+        entries[0] = slots[last]
+        entries[1] = np.concatenate([p for _, p, _ in pending])[last].view(np.int64)
+        live = np.concatenate([np.full(s.size, r is not None) for s, _, r in pending])[last]
+        entries[5] = live
+        for row, i in ((2, 0), (3, 1), (4, 2)):  # start, seq, length (0 for an eviction: not written)
+            col = np.concatenate([np.zeros(s.size, np.int64) if r is None else np.asarray(r[i], np.int64)
+                                  for s, _, r in pending])  # fmt: skip
+            entries[row] = col[last]
+        vectors = [(dptr(self._masses), dptr(self._sums), self._N, self._NC)]
         if self.prioritized:
-            masses = np.where(live, self.selector.tree.leaves[:N], 0.0)
-        else:
-            masses = live.astype(np.float64)
+            vectors.append((dptr(self._live), dptr(self._live_sums), self._N, self._NC))
+        self._select.apply_ingest(self._desc_ptr, area.device_ptr, k, self._alpha(), tuple(vectors))
+        event.record(self.stream)
+        self._staging.append((area, event))
+        return True
+
+    def _take_over(self, selector: Any) -> None:
+        """Live slots and (prioritized) masses of a selector that already holds items (a restored
+        table's): uploaded once, before any sample."""
+        live_slots = np.asarray(selector.live_slots, dtype=np.int64)
+        if not live_slots.size:
+            return
+        live = np.zeros(self._N)
+        live[live_slots] = 1.0
+        masses = np.where(live > 0, selector.tree.leaves[: self._N], 0.0) if self.prioritized else live
         cp = self.cupy
         with self._on:
-            self._masses[...] = cp.asarray(np.ascontiguousarray(masses, dtype=np.float64))
+            self._masses[...] = cp.asarray(np.ascontiguousarray(masses))
+            if self.prioritized:
+                self._live[...] = cp.asarray(live)
+            self._resum_all()
+
+    def _resum_all(self) -> None:  # inside self._on
+        self._select.sum_chunks(self._masses, self._sums)
+        if self.prioritized:
+            self._select.sum_chunks(self._live, self._live_sums)
+
+    def load(self, live: np.ndarray, starts: np.ndarray, seqs: np.ndarray, lengths: np.ndarray) -> None:
+        """Rebuild the mirrors from the table's per-slot state (a checkpoint restore, or the table's
+        own state loaded back): records and liveness uploaded, the masses kept where a slot stays
+        live (they came from the restored selector or this table's write-backs), 0 elsewhere.
+        Batches drawn ahead are dropped (they were drawn from the state before)."""
+        cp = self.cupy
+        with self._lock, self._on:
+            self._pending, self._pending_n = [], 0  # superseded by the state loaded here
+            self._drop_queue()
+            mask = cp.asarray(np.ascontiguousarray(live, dtype=np.float64))
+            self._masses *= mask
+            if self.prioritized:
+                self._live[...] = mask
             self._start[...] = cp.asarray(np.ascontiguousarray(starts, dtype=np.int64))
             self._seq[...] = cp.asarray(np.ascontiguousarray(seqs, dtype=np.int64))
             self._length[...] = cp.asarray(np.ascontiguousarray(lengths, dtype=np.int32))
-            self._select.sum_chunks(self._masses, self._sums)
+            self._resum_all()
+
+    def masses(self) -> np.ndarray:
+        """Host copy of the mass vector (float64[N], p ** alpha; a checkpoint's priorities): queued
+        ingest applied, then one wait for the stream."""
+        with self._lock, self._on:
+            self._flush()
+            self.stream.synchronize()
+            return self.cupy.asnumpy(self._masses)
+
+    def load_masses(self, masses: np.ndarray) -> None:
+        """Replace the mass vector (float64[N], p ** alpha; dead slots must be 0)."""
+        cp = self.cupy
+        with self._lock, self._on:
+            self._drop_queue()
+            self._masses[...] = cp.asarray(np.ascontiguousarray(masses, dtype=np.float64))
+            self._resum_all()
+
+    # ------------------------------------------------------------------ priority write-back
+    def update_keys(self, keys: Any, priorities: Any) -> int:
+        """New priorities by key (int64 keys; float32 or float64 priorities, the same length).
+        Device arrays (CUDA torch tensors, CuPy arrays) are read where they are, after the replay
+        stream waited for torch's current stream (their producer): three launches, no host
+        sync; a priority that is not finite and >= 0 is skipped, counted in the next batch drawn and
+        raised (ValueError) by the sample that returns it.
+        Host arrays (checked by the table first) are uploaded. Keys of evicted
+        items are ignored; a repeated key takes its last priority. Returns the entries handed in."""
+        on_device = is_device_array(keys) or is_device_array(priorities)
+        if on_device:
+            k_ptr, K, _, k_keep = self._device_input(keys, "keys", (np.int64,))
+            p_ptr, n, p_dtype, p_keep = self._device_input(priorities, "priorities", (np.float32, np.float64))
+        else:
+            k_host = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+            p_host = np.asarray(priorities).reshape(-1)
+            if p_host.dtype not in (np.float32, np.float64):
+                p_host = p_host.astype(np.float64)
+            K, n, p_dtype = k_host.size, p_host.size, p_host.dtype
+        if K != n:
+            raise ValueError(f"{K} keys but {n} priorities")
+        if K == 0:
+            return 0
+        cp = self.cupy
+        with self._lock, self._on:
+            self._flush()  # a key ingested since the last draw is on the device before it is looked up
+            if on_device:
+                self._wait_for_caller()
+            else:  # an upload from pageable memory (waits for the stream): the host path, not the learner's
+                k_dev, p_dev = cp.asarray(k_host), cp.asarray(np.ascontiguousarray(p_host))
+                k_ptr, p_ptr, k_keep, p_keep = dptr(k_dev), dptr(p_dev), k_dev, p_dev
+            if self._scratch.shape[0] < K:
+                self._scratch = cp.zeros(max(K, 2 * self._scratch.shape[0]), dtype=cp.int64)
+            self._tag += 1
+            if self._tag >= 2**31:  # the tags would reach the winners of long ago: start over
+                self._winner[...] = 0
+                self._tag = 1
+            self._select.update_by_key(self._desc_ptr, k_ptr, p_ptr, K, p_dtype == np.float32, self._tag << 32,
+                                       self._alpha(), dptr(self._scratch), dptr(self._masses), self._N,
+                                       dptr(self._sums) if self.prioritized else None, self._NC)  # fmt: skip
+            self._keep_alive(k_keep, p_keep)
+        return K
+
+    def _device_input(self, x: Any, name: str, dtypes: tuple) -> tuple[int, int, np.dtype, Any]:
+        """(device pointer, length, dtype, what to keep alive) of a 1-D contiguous device array on this device."""
+        if type(x).__module__.startswith("torch"):
+            if not x.is_cuda:
+                raise ValueError(f"{name} and the other argument must both be CUDA tensors or both host arrays")
+            if x.device.index != self.device_id:
+                raise ValueError(f"{name} is on {x.device}, the replay on cuda:{self.device_id}")
+            x = x.detach().reshape(-1)  # a view where it can be; otherwise a copy queued on torch's stream
+            if x.dtype.is_floating_point and x.element_size() < 4:  # bf16 / fp16 priorities
+                x = x.float()
+            x = x.contiguous()
+            dtype = np.dtype(str(x.dtype).removeprefix("torch."))
+            ptr, n = x.data_ptr(), x.numel()
+        else:
+            if not is_device_array(x):
+                raise ValueError(f"{name} and the other argument must both be device arrays or both host arrays")
+            a = check_device(x, name, ndim=1)
+            ptr, n, dtype = a.ptr, a.shape[0], a.dtype
+        if dtype not in [np.dtype(d) for d in dtypes]:
+            raise ValueError(f"{name} must be {' or '.join(str(np.dtype(d)) for d in dtypes)}, got {dtype}")
+        return ptr, n, dtype, x
+
+    def _wait_for_caller(self) -> None:  # inside self._on
+        """The replay stream waits (device-side) for the work queued so far on torch's current
+        stream: a write-back's device inputs are written there."""
+        ptr = self._consumer_stream()
+        if ptr is not None:
+            self._caller.ptr = ptr
+            self._caller_done.record(self._caller)
+            self.stream.wait_event(self._caller_done)
+
+    def _keep_alive(self, *inputs: Any) -> None:  # inside self._on
+        """Write-back inputs stay allocated until the replay stream has read them: torch tensors
+        through ``record_stream`` on torch's view of the stream (no host wait); other arrays are
+        held until an event after them has passed (checked at the next write-backs)."""
+        rest = []
+        for x in inputs:
+            if type(x).__module__.startswith("torch") and x.is_cuda:
+                x.record_stream(self._torch_stream())
+            else:
+                rest.append(x)
+        while self._keep and self._keep[0][0].done:
+            self._free_events.append(self._keep.popleft()[0])
+        if rest:
+            event = self._free_events.pop() if self._free_events else self.cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+            self._keep.append((event, rest))
+
+    def _torch_stream(self) -> Any:
+        if self._ext_stream is None:
+            import torch
+
+            self._ext_stream = torch.cuda.ExternalStream(self.stream.ptr, device=self.device_id)
+        return self._ext_stream
 
     # ------------------------------------------------------------------ sampling
-    def _wait_for_consumer(self) -> None:
-        """Make :attr:`stream` wait for the work the consumer has queued so far on its stream
-        (torch's current stream on this device): it may still read the buffer set this sample
-        refills, or memory it released to this stream's pool. One reused event; no host wait."""
-        ptr = self._consumer_stream()
-        if ptr is None:  # no CUDA consumer (CPU torch, the emulation): its code has already run
-            return
-        self._consumer.ptr = ptr
-        self._consumer_done.record(self._consumer)
-        self.stream.wait_event(self._consumer_done)
-
-    def draw(self, batch_size: int, num_live: int) -> DeviceDraw:
-        """Start a sample: wait for the consumer, apply queued ingest, queue ``batch_size`` draws
-        among ``num_live`` live items (stratified, proportional to mass) with their records."""
+    def next_batch(self, batch_size: int, num_live: int, num_buffers: int) -> DeviceBuffers:
+        """The next batch of ``batch_size`` items among ``num_live`` live ones: the oldest one drawn
+        ahead (queued now, with the ones ahead of it, when there is none of this size), after its
+        event (the sample's one host sync: usually passed already) and with its status read. Its
+        set is one of ``num_buffers + ahead``. See :meth:`bad_rows` before returning it."""
         if num_live < 1:
             raise ValueError("cannot sample from an empty table")
+        with self._lock:
+            if self._queue and self._queue[0].batch_size != batch_size:
+                self._drop_queue()
+            with self._on:
+                self._flush()  # every draw below sees the table's last scan
+                while len(self._queue) < 1 + self.ahead:
+                    self._enqueue(self.buffer_sets.next(batch_size, num_buffers + self.ahead), num_live)
+            out = self._queue.popleft()
+        self._wait(out)  # outside the lock
         self._invalid_rounds = 0
+        return out
+
+    def _enqueue(self, out: DeviceBuffers, num_live: int) -> None:  # inside self._lock and self._on
+        self._counter += 1
+        B = out.batch_size
+        self._select.draw_items(self._desc_ptr, dptr(out.desc), B, seed=self._seed, counter=self._counter)
+        self._gather_and_finish(out, num_live)
+        self._queue.append(out)
+
+    def _gather_and_finish(self, out: DeviceBuffers, num_live: int) -> None:  # inside self._on
+        self.kind.gather_on_device(self.columns, out.draw, {name: a for name, (a, _) in out.data.items()})
+        beta = float(self.selector.beta) if self.prioritized else 0.0
+        self._select.finish_batch(self._desc_ptr, dptr(out.desc), out.batch_size, num_live, beta)
+        out.event.record(self.stream)
+        out.in_flight = True
+
+    def _wait(self, out: DeviceBuffers) -> None:
+        """The batch's event, then its status: the one host wait of a sample (none when the event
+        has passed already). Refused priorities since the last read raise ValueError."""
+        if not out.event.done:
+            out.event.synchronize()
+        out.in_flight = False
+        self.buffer_sets.after_sync()
+        applied, refused = (int(v) for v in out.status[2:4])
+        if refused > self._seen[1]:
+            new = refused - self._seen[1]
+            self._seen = (applied, refused)
+            raise ValueError(f"update_priorities: {new} priorit{'y' if new == 1 else 'ies'} handed in since the last "
+                             "sample were not finite and >= 0; they were not applied (the others were)")  # fmt: skip
+        self._seen = (applied, refused)
+
+    def _drop_queue(self) -> None:  # inside self._lock
+        """Forget the batches drawn ahead (a batch-size change, a restore); their sets come round
+        again after the stream (a later batch's event) has passed them."""
+        for out in self._queue:
+            out.in_flight = False
+        self._queue.clear()
+
+    def bad_rows(self, out: DeviceBuffers) -> tuple[np.ndarray, np.ndarray]:
+        """Host int64 positions of ``out``'s impossible rows (slot outside the table: redrawn) and
+        torn rows (a writer overwrote them during the gather: evicted and redrawn), from its
+        status word; two empty arrays without a device read in the usual case. Raises
+        RuntimeError after :data:`MAX_INVALID_ROUNDS` rounds in a row with impossible rows."""
+        impossible, torn = int(out.status[0]), int(out.status[1])
+        if not impossible and not torn:
+            return _NONE, _NONE
+        if impossible:
+            self._invalid_rounds += 1
+            if self._invalid_rounds > MAX_INVALID_ROUNDS:
+                raise RuntimeError(
+                    f"device draw returned a slot outside [0, {self._N}) in {MAX_INVALID_ROUNDS} "
+                    "redraws in a row: the device priority vector is inconsistent with the table"
+                )
         with self._on:
-            self._wait_for_consumer()  # first: before anything this sample writes
+            flags = self.cupy.asnumpy(out.draw.flags)  # the rare path: a device read
+        return np.flatnonzero(flags & 1).astype(np.int64), np.flatnonzero(flags & 2).astype(np.int64)
+
+    def drawn_at(self, out: DeviceBuffers, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of ``out``'s drawn slots and their items' seqs at ``positions`` (the torn
+        rows: their items are evicted where their slots still hold them)."""
+        at = np.asarray(positions, dtype=np.int64)
+        with self._on:
+            return self.cupy.asnumpy(out.draw.slots)[at], self.cupy.asnumpy(out.draw.seqs)[at]
+
+    def redraw(self, out: DeviceBuffers, positions: np.ndarray, num_live: int) -> None:
+        """Fresh draws and records at ``positions`` (host int64) of ``out`` only (the other rows
+        keep theirs), queued ingest applied first (the table's scan after a torn eviction), the
+        whole batch gathered and finished again, then waited for (its status read)."""
+        if num_live < 1:
+            raise ValueError("cannot sample from an empty table")
+        cp = self.cupy
+        with self._lock, self._on:
             self._flush()
-            return self._draw(batch_size, num_live)
-
-    def _draw(self, batch_size: int, num_live: int) -> DeviceDraw:  # inside self._on
-        u = self._rng.random_sample(batch_size)  # float64 (B,)
-        if self.prioritized and not self.selector.tree.total > 0:
-            # every live priority is 0: uniform among the live slots, as the CPU selector (and
-            # Reverb's) does, P = 1/N, weights 1; stratified like every device draw
-            cp = self.cupy
-            strata = (cp.arange(batch_size, dtype=cp.float64) + u) / batch_size  # float64 (B,) in [0, 1)
-            live = cp.asarray(np.ascontiguousarray(self.selector.live_slots, dtype=np.int64))  # (N,)
-            slots, probs = self._select.sample_uniform(num_live, strata, live)
-            return self._with_records(slots, probs, cp.ones(batch_size, dtype=cp.float32))
-        slots, probs = self._select.sample_proportional(self._masses, u, chunk_sums=self._sums)
-        return self._with_records(slots, probs, self._weights(probs, num_live))
-
-    def _with_records(self, slots: Any, probs: Any, weights: Any) -> DeviceDraw:  # inside self._on
-        """The draw with each row's record copied out of the mirrors now (the only read of them)."""
-        cp, N = self.cupy, self._P * self._R
-        valid = (slots >= 0) & (slots < N)  # bool (B,): the kernel's -1, or anything past the vector
-        safe = cp.where(valid, slots, 0)  # never index the mirrors out of range (CuPy wraps -1)
-        parts = cp.where(valid, safe // self._R, -1)
-        invalid = cp.zeros(1, dtype=cp.int64)
-        invalid[...] = (~valid).sum()
-        return DeviceDraw(slots, probs, weights, parts, self._start[safe], self._seq[safe], self._length[safe],
-                          valid, invalid)  # fmt: skip
-
-    def _weights(self, probs: Any, num_live: int) -> Any:
-        if not self.prioritized:
-            return self.cupy.ones(probs.shape[0], dtype=self.cupy.float32)
-        return self._select.importance_weights(probs, num_live, float(self.selector.beta))
-
-    def redraw(self, draw: DeviceDraw, positions: np.ndarray, num_live: int) -> DeviceDraw:
-        """``draw`` with fresh draws and records at ``positions`` (host int64) only; the other rows
-        keep their records; weights re-normalised over the batch."""
-        cp = self.cupy
-        with self._on:
-            self._flush()  # the table's scan (torn eviction) ingested: fresh draws see it
-            fresh = self._draw(len(positions), num_live)
-            pos = cp.asarray(np.ascontiguousarray(positions, dtype=np.int64))
-            fields = ("slots", "probabilities", "parts", "starts", "seqs", "lengths", "valid")
-            merged = {}
-            for f in fields:
-                a = getattr(draw, f).copy()
-                a[pos] = getattr(fresh, f)
-                merged[f] = a
-            invalid = cp.zeros(1, dtype=cp.int64)
-            invalid[...] = (~merged["valid"]).sum()
-            return DeviceDraw(weights=self._weights(merged["probabilities"], num_live), invalid=invalid, **merged)
-
-    def slots_at(self, draw: DeviceDraw, positions: np.ndarray) -> np.ndarray:
-        """Host copy of the drawn slots at ``positions`` (the torn ones, to evict)."""
-        cp = self.cupy
-        with self._on:
-            return cp.asnumpy(draw.slots[cp.asarray(np.asarray(positions, dtype=np.int64))])
+            rows = cp.asarray(np.ascontiguousarray(positions, dtype=np.int64))
+            self._counter += 1
+            self._select.draw_items(self._desc_ptr, dptr(out.desc), len(positions), rows=dptr(rows),
+                                    seed=self._seed, counter=self._counter)  # fmt: skip
+            self._gather_and_finish(out, num_live)
+        self._wait(out)
 
     def release(self, out: DeviceBuffers, stream: Any = None) -> None:
         """The consumer has queued every read of the batch in ``out`` on ``stream`` (default:
@@ -524,77 +699,36 @@ class DeviceReplay:
         this point (:meth:`BufferSets.release`: one reused event per (set, stream); no wait)."""
         self.buffer_sets.release(out, stream)
 
-    def buffers(self, batch_size: int, num_buffers: int) -> DeviceBuffers:
-        """The next of ``num_buffers`` preallocated output sets. A batch stays valid for
-        ``num_buffers - 1`` further samples, or until it is released (:meth:`release`) and
-        its set comes round again: a set is refilled only after the sample's :meth:`draw`
-        made the stream wait for torch's current stream, and after the stream waited for every
-        release the consumer recorded on its own stream since the set's last fill."""
-        return self.buffer_sets.next(batch_size, num_buffers)
-
-    def gather(self, draw: DeviceDraw, out: DeviceBuffers) -> None:
-        """Gather the drawn items' steps into ``out`` (zero-copy from the segment) from the draw's
-        records, write its keys, weights and probabilities, then wait for it: the caller reads the
-        RESERVE counters next, and they must postdate the copy. The sample's one host sync."""
-        P, parts = self._P, draw.parts
-        with self._on:
-            self.kind.gather_on_device(self.columns, draw, {name: a for name, (a, _) in out.data.items()})
-            out.keys[0][...] = item_key(draw.seqs, parts, P)  # int64 (B,): the key of the record gathered
-            out.weights[0][...] = draw.weights
-            out.probabilities[0][...] = draw.probabilities
-            self.cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, dptr(draw.invalid), 8,
-                                               MEMCPY_DEVICE_TO_HOST, self.stream.ptr)  # fmt: skip
-            self._gathered.record(self.stream)
-        self._gathered.synchronize()
-        draw.num_invalid = int(self._status_host[0])
-        self.buffer_sets.after_sync()  # this stream waited for the retired sets' consumers before the sync
-
-    def invalid(self, draw: DeviceDraw) -> np.ndarray:
-        """Host int64 positions of impossible slots (< 0 or ≥ N) in ``draw``, to redraw; empty
-        without a device read when :meth:`gather` counted none (the usual case). Raises
-        RuntimeError after :data:`MAX_INVALID_ROUNDS` rounds in a row that had some."""
-        if draw.num_invalid is None:
-            raise ValueError("invalid() needs the draw gathered first (gather() reads the count)")
-        if not draw.num_invalid:
-            return np.zeros(0, dtype=np.int64)
-        self._invalid_rounds += 1
-        if self._invalid_rounds > MAX_INVALID_ROUNDS:
-            raise RuntimeError(
-                f"device draw returned a slot outside [0, {self._P * self._R}) in {MAX_INVALID_ROUNDS} "
-                "redraws in a row: the device priority vector is inconsistent with the table"
-            )
-        cp = self.cupy
-        with self._on:
-            return cp.asnumpy(cp.flatnonzero(~draw.valid)).astype(np.int64)
-
-    def torn(self, draw: DeviceDraw, reserve: np.ndarray) -> np.ndarray:
-        """Host int64 positions of items a writer may have overwritten during :meth:`gather`
-        (from the draw's records); ``reserve`` is the partitions' RESERVE counters read after it
-        returned. Rows with an impossible slot are left to :meth:`invalid`."""
-        cp = self.cupy
-        with self._on:
-            parts = cp.where(draw.valid, draw.parts, 0)
-            r = cp.asarray(np.ascontiguousarray(reserve, dtype=np.int64))
-            bad = draw.valid & torn_items(parts, draw.starts, r, self._S_trust)  # stacks: their reach too
-            return cp.asnumpy(cp.flatnonzero(bad)).astype(np.int64)
-
     def batch(self, out: DeviceBuffers):
         """(data, keys, weights, probabilities) as torch CUDA tensors over ``out`` (DLPack views
-        made when the set was allocated: no copy, no device work, no synchronization)."""
+        made when the set was allocated: no copy, no device work, no synchronization); the set
+        counts as handed out until the consumer releases it."""
+        out.handed_out = True
         data = {name: tensor for name, (_, tensor) in out.data.items()}
         return data, out.keys[1], out.weights[1], out.probabilities[1]
+
+    @property
+    def priority_counts(self) -> dict[str, int]:
+        """Write-back entries applied and refused, as of the last batch's status word."""
+        return {"applied": self._seen[0], "refused": self._seen[1]}
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Wait for queued work, drop the buffers, unregister the segment (before it is unmapped)."""
         if self._reg.closed:
             return
-        self._pending, self._pending_n = [], 0
-        with self.cupy.cuda.Device(self.device_id):
-            self.stream.synchronize()
-            self.buffer_sets.clear()
-            self._reg.close()
+        with self._lock:
+            self._pending, self._pending_n = [], 0
+            self._queue.clear()
+            with self.cupy.cuda.Device(self.device_id):
+                self.stream.synchronize()
+                self._keep.clear()
+                self.buffer_sets.clear()
+                for area, _ in self._staging:
+                    area.close()
+                self._staging.clear()
+                self._reg.close()
 
     def __repr__(self) -> str:
         kind = "prioritized" if self.prioritized else "uniform"
-        return f"DeviceReplay({kind}, {self._P * self._R} slots, cuda:{self.device_id}, {self._reg!r})"
+        return f"DeviceReplay({kind}, {self._N} slots, cuda:{self.device_id}, ahead {self.ahead}, {self._reg!r})"

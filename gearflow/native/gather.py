@@ -71,7 +71,11 @@ from gearflow.replay.layout import (  # torn_items: re-exported (the seqlock rul
 
 THREADS = 256  # threads per block of every gather kernel (GF_GATHER_THREADS in gather.cu)
 WIDTHS = (16, 8, 4, 1)  # bytes per load/store of the kernel variants _v16, _v8, _v4, _v1
-KERNELS = tuple(f"gather_{kind}_v{w}" for kind in ("windows", "rows", "stacks") for w in WIDTHS)
+VARIANTS = {"windows": (*(f"v{w}" for w in WIDTHS), "va"), "rows": (*(f"v{w}" for w in WIDTHS), "va"),
+            "stacks": tuple(f"v{w}" for w in WIDTHS)}  # fmt: skip
+KERNELS = tuple(f"gather_{kind}_{v}" for kind, variants in VARIANTS.items() for v in variants)
+PIECE = 8192  # bytes per work item of the rows/windows kernels (a longer row is several items)
+ANY_MIN = 64  # rows from this many bytes take the _va variant when they are not all 16-byte aligned
 INT32_MAX = 2**31 - 1
 
 __all__ = [
@@ -92,35 +96,55 @@ class GatherPlan:
     """How a gather is launched (see the header of ``kernels/gather.cu``)."""
 
     kernel: str  # e.g. "gather_windows_v16"
-    width: int  # bytes per load/store: 16, 8, 4 or 1
-    units: int  # loads per row: row_bytes // width
+    width: int  # bytes per load: 16, 8, 4 or 1 (_va: 16, at any alignment)
+    units: int  # loads per row: ceil(row_bytes / width)
     grid: tuple[int, int, int]
-    block: tuple[int, int, int]  # (threads per row, rows per block, 1); product == THREADS
+    block: tuple[int, int, int]  # (threads per work item, items per block, 1); product == THREADS
+    piece: int = 0  # bytes per work item (rows/windows; a row of more is several items); 0: a whole row
+    pieces: int = 1  # work items per row
 
 
-def plan_gather(kind: str, row_bytes: int, rows: int, src_ptr: int, dst_ptr: int) -> GatherPlan:
+def plan_gather(kind: str, row_bytes: int, rows: int, src_ptr: int, dst_ptr: int, piece: int | None = None) -> GatherPlan:
     """Kernel variant and launch geometry for ``rows`` output rows of ``row_bytes``.
 
     The load width is the widest of 16/8/4/1 bytes that divides the source
     base pointer, the destination pointer and ``row_bytes``: then every source
-    and destination row starts aligned to it. Threads per row: the power of
-    two covering the row's units, at most 256; the rest of the block's 256
-    threads take further rows.
+    and destination row starts aligned to it. Rows/windows of at least
+    :data:`ANY_MIN` bytes that are not all 16-byte aligned take the ``_va``
+    variant (16-byte loads from each row's first aligned byte, head and tail
+    bytewise). Rows/windows are copied in pieces of ``piece`` bytes (default
+    :data:`PIECE`; a multiple of the width, 16 for ``_va``), each a work item:
+    more independent loads in flight over the host link for a few long rows.
+    Threads per item: the power of two covering its units, at most 256; the
+    rest of the block's 256 threads take further items.
 
-    >>> plan_gather("windows", 28224, 256 * 80, 0x7f0000001000, 0x7e0000000200)
-    GatherPlan(kernel='gather_windows_v16', width=16, units=1764, grid=(20480, 1, 1), block=(256, 1, 1))
+    >>> plan_gather("rows", 28224, 256, 0x7f0000001000, 0x7e0000000200)   # 256 Atari rows: 1024 work items
+    GatherPlan(kernel='gather_rows_v16', width=16, units=1764, grid=(1024, 1, 1), block=(256, 1, 1), piece=8192, pieces=4)
+    >>> plan_gather("rows", 28225, 256, 0x7f0000001000, 0x7e0000000200).kernel   # rows at every offset mod 16
+    'gather_rows_va'
     >>> plan_gather("rows", 12, 256, 4096, 512).block   # 3 units per row: 4 threads, 64 rows per block
     (4, 64, 1)
     """
-    if kind not in ("windows", "rows", "stacks"):
+    if kind not in VARIANTS:
         raise ValueError(f"kind must be 'windows', 'rows' or 'stacks', got {kind!r}")
     row_bytes = check_int("row_bytes", row_bytes, minimum=1)
     rows = check_int("rows", rows, minimum=0)
     width = next(w for w in WIDTHS if src_ptr % w == 0 and dst_ptr % w == 0 and row_bytes % w == 0)
-    units = row_bytes // width
-    tx = pow2_at_least(units, THREADS)
+    if kind == "stacks":  # a frame per work item (the stack kernel writes each read into K slots)
+        units = row_bytes // width
+        tx = pow2_at_least(units, THREADS)
+        return GatherPlan(f"gather_{kind}_v{width}", width, units, grid_for(rows, THREADS // tx), (tx, THREADS // tx, 1))
+    variant = f"v{width}"
+    if width < 16 and row_bytes >= ANY_MIN:
+        variant, width = "va", 16
+    piece = PIECE if piece is None else check_int("piece", piece, minimum=1)
+    if piece % width:
+        raise ValueError(f"piece must be a multiple of the load width {width}, got {piece}")
+    pieces = -(-row_bytes // piece)
+    units = -(-row_bytes // width)
+    tx = pow2_at_least(-(-min(piece, row_bytes) // width), THREADS)
     ty = THREADS // tx
-    return GatherPlan(f"gather_{kind}_v{width}", width, units, grid_for(rows, ty), (tx, ty, 1))
+    return GatherPlan(f"gather_{kind}_{variant}", width, units, grid_for(rows * pieces, ty), (tx, ty, 1), piece, pieces)
 
 
 def stack_rows(T: int, K: int) -> int:
@@ -384,9 +408,10 @@ class CudaGather:
         return x if isinstance(x, DeviceArray) else device_array(self.cupy.asarray(x), name)
 
     def gather_windows(
-        self, src_base, row_bytes, S, parts, starts, lengths, T, dst, mask, *, num_rows=None, stream=None
+        self, src_base, row_bytes, S, parts, starts, lengths, T, dst, mask, *, num_rows=None, stream=None, piece=None
     ) -> GatherPlan | None:
-        """Queue the window gather (see :func:`gather_windows`); returns the launch plan (None if B == 0)."""
+        """Queue the window gather (see :func:`gather_windows`); returns the launch plan (None if B == 0).
+        ``piece``: bytes per work item (:func:`plan_gather`)."""
         row_bytes, S, T = _check_sizes(row_bytes, S, T)
         src = _check_pointer("src_base", src_base)
         if num_rows is None:
@@ -410,7 +435,7 @@ class CudaGather:
         m = check_device(mask, "mask", dtype=np.bool_, shape=(B, T))
         if B == 0:
             return None
-        plan = plan_gather("windows", row_bytes, B * T, src, out.ptr)
+        plan = plan_gather("windows", row_bytes, B * T, src, out.ptr, piece)
         with stream_scope(stream):
             parts, starts, lengths = (
                 self._upload(a, n) for a, n in ((parts, "parts"), (starts, "starts"), (lengths, "lengths"))
@@ -418,13 +443,14 @@ class CudaGather:
             args = (
                 ptr_arg(src), np.int64(row_bytes), np.int64(S), np.int64(num_rows // S),
                 ptr_arg(parts.ptr), ptr_arg(starts.ptr), ptr_arg(lengths.ptr),
-                np.int64(B), np.int32(T), ptr_arg(out.ptr), ptr_arg(m.ptr),
+                np.int64(B), np.int32(T), ptr_arg(out.ptr), ptr_arg(m.ptr), np.int64(plan.piece),
             )  # fmt: skip
             self._kernels.launch(plan.kernel, plan.grid, plan.block, args)
         return plan
 
-    def gather_rows(self, src_base, row_bytes, rows, dst, *, num_rows=None, stream=None) -> GatherPlan | None:
-        """Queue the row gather (see :func:`gather_rows`); returns the launch plan (None if N == 0)."""
+    def gather_rows(self, src_base, row_bytes, rows, dst, *, num_rows=None, stream=None, piece=None) -> GatherPlan | None:
+        """Queue the row gather (see :func:`gather_rows`); returns the launch plan (None if N == 0).
+        ``piece``: bytes per work item (:func:`plan_gather`)."""
         row_bytes = check_int("row_bytes", row_bytes, minimum=1)
         src = _check_pointer("src_base", src_base)
         if num_rows is None:
@@ -444,12 +470,12 @@ class CudaGather:
             raise ValueError("dst must be C-contiguous")
         if N == 0:
             return None
-        plan = plan_gather("rows", row_bytes, N, src, out.ptr)
+        plan = plan_gather("rows", row_bytes, N, src, out.ptr, piece)
         with stream_scope(stream):
             rows = self._upload(rows, "rows")
             args = (
                 ptr_arg(src), np.int64(row_bytes), np.int64(num_rows),
-                ptr_arg(rows.ptr), np.int64(N), ptr_arg(out.ptr),
+                ptr_arg(rows.ptr), np.int64(N), ptr_arg(out.ptr), np.int64(plan.piece),
             )  # fmt: skip
             self._kernels.launch(plan.kernel, plan.grid, plan.block, args)
         return plan

@@ -52,7 +52,7 @@ HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
 DEFAULT_FLAGS = HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
 DEV_ATTR_CAN_MAP_HOST_MEMORY = 19  # cudaDevAttrCanMapHostMemory
 
-__all__ = ["HostRegistration", "buffer_address", "register_host", "register_storage"]
+__all__ = ["HostRegistration", "MappedArea", "buffer_address", "register_host", "register_storage"]
 
 
 class HostRegistration:
@@ -171,3 +171,59 @@ def register_storage(cupy: Any, storage: Any, *, flags: int = DEFAULT_FLAGS) -> 
         raise ValueError("storage must be an open SharedStorage (its header is gone: closed?)")
     nbytes = -(-int(storage.nbytes) // PAGE_SIZE) * PAGE_SIZE
     return register_host(cupy, int(header.ctypes.data), nbytes, flags=flags)
+
+
+class MappedArea:
+    """A small host area the device reads and writes in place: an anonymous mmap (whole pages),
+    registered mapped (:func:`register_host`) on the current device. The device replay keeps its
+    batches' status words and its ingest staging in such areas: a kernel writes a status word
+    straight into host memory (the host reads it after the batch's event) and reads staged
+    entries without a copy (an upload from pageable memory would first wait for the stream).
+
+    ``host``: the bytes (numpy uint8, a view valid until :meth:`ensure` grows the area or
+    :meth:`close`); ``device_ptr``: their device address. Grow only when no queued kernel uses the
+    area any more (its owner waits for that first).
+
+        area = MappedArea(cupy, 32)
+        status = area.host[:32].view(np.int64)      # int64[4], written by a kernel at area.device_ptr
+    """
+
+    def __init__(self, cupy: Any, nbytes: int) -> None:
+        self.cupy, self.nbytes = cupy, 0
+        self._mm: mmap.mmap | None = None
+        self._reg: HostRegistration | None = None
+        self.host: Any = None
+        self.device_ptr = 0
+        self.ensure(nbytes)
+
+    def ensure(self, nbytes: int) -> None:
+        """At least ``nbytes`` (whole pages; its bytes are not kept when it grows)."""
+        nbytes = check_int("nbytes", nbytes, minimum=1)
+        if nbytes <= self.nbytes:
+            return
+        import numpy as np
+
+        self.close()
+        size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        mm = mmap.mmap(-1, size)
+        host = np.frombuffer(mm, dtype=np.uint8)
+        try:
+            reg = register_host(self.cupy, int(host.ctypes.data), size)
+        except BaseException:
+            del host
+            mm.close()
+            raise
+        self._mm, self._reg, self.host, self.nbytes, self.device_ptr = mm, reg, host, size, reg.device_ptr
+
+    def close(self) -> None:
+        """Unregister and unmap (once its queued users are done)."""
+        if self._reg is not None:
+            self._reg.close()
+            self._reg = None
+        self.host, self.nbytes, self.device_ptr = None, 0, 0
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view of it is still referenced: unmapped when that goes
+                pass
+            self._mm = None

@@ -9,8 +9,8 @@ declarations on a CPU-only machine:
   :func:`~gearflow.native.require_cupy`'s module.
 * :class:`DeviceSampler` — what :class:`~gearflow.replay.Table` calls on the device
   sampler it is handed (``Table(device=DeviceReplay(...))``; ``device="cuda"`` builds
-  one): the table's CPU selector stays the source of truth, the device mirror follows
-  every insert, removal and priority update and draws and gathers batches.
+  one): it holds the priority vector (the table's selector keeps only the live slots), follows
+  every insert and removal, takes write-backs by key, and draws and gathers batches.
 * :data:`DEVICE_SELECTORS` — the selectors the device path samples with (the one place
   that says so: config validation and ``resolve_replay_device`` read it).
 
@@ -48,10 +48,10 @@ class CupyLike(Protocol):
 
 @runtime_checkable
 class DeviceSampler(Protocol):
-    """A device mirror of a table's index (slots: the selector's; records: start, seq, length)."""
+    """A table's device side (slots: the selector's; records: start, seq, length; the priorities)."""
 
     storage: Any  # the SharedStorage it gathers from (mapped into the device's address space)
-    selector: Any  # the table's CPU selector (priorities and liveness are mirrored from it)
+    selector: Any  # the table's DeviceSelector (live slots, alpha, beta), handed over by the table
     device_id: int
 
     def insert(self, slots: np.ndarray, priorities: np.ndarray, starts: np.ndarray, seqs: np.ndarray,
@@ -59,24 +59,24 @@ class DeviceSampler(Protocol):
 
     def remove(self, slots: np.ndarray) -> None: ...
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None: ...
-
     def load(self, live: np.ndarray, starts: np.ndarray, seqs: np.ndarray, lengths: np.ndarray) -> None: ...
 
-    def draw(self, batch_size: int, num_live: int) -> Any: ...  # a DeviceDraw (device arrays)
+    def update_keys(self, keys: Any, priorities: Any) -> int: ...  # device or host arrays; no host sync for device ones
 
-    def redraw(self, draw: Any, positions: np.ndarray, num_live: int) -> Any: ...
+    def masses(self) -> np.ndarray: ...  # the priority vector (p ** alpha) read back: checkpoints
 
-    def slots_at(self, draw: Any, positions: np.ndarray) -> np.ndarray: ...
+    def load_masses(self, masses: np.ndarray) -> None: ...
 
-    def buffers(self, batch_size: int, num_buffers: int) -> Any: ...  # DeviceBuffers: reused outputs
+    def next_batch(self, batch_size: int, num_live: int, num_buffers: int) -> Any: ...  # a DeviceBuffers, waited for
 
-    def gather(self, draw: Any, out: Any) -> None: ...
+    def bad_rows(self, out: Any) -> tuple[np.ndarray, np.ndarray]: ...  # (impossible, torn) positions
 
-    def invalid(self, draw: Any) -> np.ndarray: ...
+    def drawn_at(self, out: Any, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...  # slots, seqs
 
-    def torn(self, draw: Any, reserve: np.ndarray) -> np.ndarray: ...
+    def redraw(self, out: Any, positions: np.ndarray, num_live: int) -> None: ...
 
     def batch(self, out: Any) -> tuple: ...  # (data, keys, weights, probabilities) as torch tensors
+
+    def release(self, out: Any, stream: Any = None) -> None: ...
 
     def close(self) -> None: ...

@@ -73,18 +73,38 @@ KERNELS = (
     "sample_proportional",
     "sample_uniform",
     "importance_weights",
+    "draw_items",
+    "finish_batch",
+    "mark_updates",
+    "apply_updates_f64",
+    "apply_updates_f32",
+    "apply_ingest",
 )
+# The device replay's descriptors (select.cu's struct gf_replay / gf_draw): int64 fields, in order.
+REPLAY_FIELDS = ("masses", "sums", "live", "live_sums", "start", "seq", "length", "winner", "prio_status",
+                 "counters", "N", "NC", "P", "R", "counter_fields", "reserve_field", "trusted_steps")  # fmt: skip
+DRAW_FIELDS = ("slots", "probs", "parts", "starts", "seqs", "lengths", "keys", "weights", "probabilities", "flags",
+               "status")  # fmt: skip
+STATUS_WORDS = ("impossible", "torn", "priorities_applied", "priorities_refused")  # gf_draw.status, int64 each
+INGEST_ROWS = ("slot", "priority_bits", "start", "seq", "length", "live")  # apply_ingest's entries, int64 [6, n]
 _REF_GROUP = 512  # targets searched at once by the reference ((512, CHUNK) float64 = 16 MiB)
 
 __all__ = [
     "CHUNK",
+    "DRAW_FIELDS",
+    "REPLAY_FIELDS",
+    "STATUS_WORDS",
     "CudaSelect",
+    "descriptor",
+    "draw_items",
     "importance_weights",
     "num_chunks",
     "sample_proportional",
     "sample_uniform",
     "sum_chunks",
     "top_k",
+    "uniforms",
+    "update_by_key",
     "update_priorities",
 ]
 
@@ -296,6 +316,151 @@ def top_k(values, k) -> np.ndarray:
     return _top_k(np, values, check_int("k", k, minimum=1))
 
 
+# ---------------------------------------------------------------------------- the device replay's references
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays (wrapping, as the kernel's gf_mix)."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: int, counter: int, n: int) -> np.ndarray:
+    """float64[n] in [0, 1): the uniforms ``draw_items`` makes itself (``u`` NULL) for draw number
+    ``counter`` of a replay seeded ``seed``: ``(mix(seed ^ mix(counter << 32 + i)) >> 11) / 2**53``.
+
+    >>> u = uniforms(7, 1, 4); bool(((0 <= u) & (u < 1)).all()), bool(uniforms(7, 2, 4)[0] != u[0])
+    (True, True)
+    """
+    i = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        inner = _mix((np.uint64(counter & (2**64 - 1)) << np.uint64(32)) + i)
+    bits = _mix(np.uint64(seed & (2**64 - 1)) ^ inner)
+    return (bits >> np.uint64(11)).astype(np.float64) / 9007199254740992.0
+
+
+def _block_exclusive_scan(v: np.ndarray) -> np.ndarray:
+    """The kernels' gf_block_exclusive_scan over THREADS values: Hillis-Steele in float64, the
+    same additions in the same order, then ``inclusive - v``."""
+    x = v.copy()
+    offset = 1
+    while offset < THREADS:
+        x = x + np.concatenate((np.zeros(offset), x[:-offset]))
+        offset <<= 1
+    return x - v
+
+
+def _find(masses: np.ndarray, sums: np.ndarray, ui: float, i: int, count: int) -> tuple[int, float, float]:
+    """One block of ``draw_items``: (slot or -1, total, the slot's mass), arithmetic as the kernel."""
+    N, NC = masses.shape[0], sums.shape[0]
+    per = -(-NC // THREADS)
+    lo = np.minimum(np.arange(THREADS) * per, NC)
+    hi = np.minimum(lo + per, NC)
+    run = np.array([np.cumsum(sums[a:b])[-1] if b > a else 0.0 for a, b in zip(lo, hi)])  # sequential adds
+    before = _block_exclusive_scan(run)
+    total = float(before[-1] + run[-1])
+    target = min(max((i + ui) * (total / count), 0.0), total)
+    holders = np.flatnonzero((run > 0) & (before <= target))
+    chunk, rest = -1, 0.0
+    if holders.size:
+        t = int(holders[-1])
+        acc = float(before[t])
+        for k in range(int(lo[t]), int(hi[t])):
+            if sums[k] > 0 and acc <= target:
+                chunk, rest = k, target - acc
+            acc += float(sums[k])
+    if chunk < 0:
+        return -1, total, 0.0
+    first = chunk * CHUNK + np.arange(THREADS) * PER_THREAD
+    mine = np.array([np.cumsum(np.concatenate(([0.0], masses[f : min(f + PER_THREAD, N)])))[-1] for f in first])
+    in_before = _block_exclusive_scan(mine)
+    runs = np.flatnonzero((mine > 0) & (in_before <= rest))
+    if not runs.size:
+        return -1, total, 0.0
+    t = int(runs[-1])
+    left, acc, pick = rest - float(in_before[t]), 0.0, -1
+    for e in range(int(first[t]), min(int(first[t]) + PER_THREAD, N)):
+        if masses[e] > 0 and acc <= left:
+            pick = e
+        acc += float(masses[e])
+    return pick, total, float(masses[pick]) if pick >= 0 else 0.0
+
+
+def draw_items(masses, live, u, *, chunk_sums=None, live_sums=None) -> tuple[np.ndarray, np.ndarray]:
+    """Reference of the fused draw: ``(slots int64[B], probabilities float64[B])`` for the
+    uniforms ``u``, stratified over B; proportional to ``masses``, or to ``live`` (1 per live slot)
+    when there is no mass at all, as ``PrioritizedSelector`` samples uniformly then. The chunk and
+    the slot are found with the kernel's additions in its order (so the picks agree bit for bit),
+    and by the same rule as :func:`sample_proportional`.
+
+    >>> draw_items(np.array([1.0, 0.0, 3.0]), np.ones(3), np.array([0.5, 0.5]))[0].tolist()
+    [2, 2]
+    >>> draw_items(np.zeros(3), np.array([1.0, 0.0, 1.0]), np.array([0.5, 0.5]))   # no mass: uniform
+    (array([0, 2]), array([0.5, 0.5]))
+    """
+    masses, live = _host_masses(masses), _host_masses(live)
+    u = _check_u(u)
+    sums = sum_chunks(masses) if chunk_sums is None else _host_chunk_sums(chunk_sums, masses.shape[0])
+    lsums = sum_chunks(live) if live_sums is None else _host_chunk_sums(live_sums, live.shape[0])
+    B = u.shape[0]
+    slots, probs = np.full(B, -1, dtype=np.int64), np.zeros(B)
+    for i in range(B):
+        slot, total, mass = _find(masses, sums, float(u[i]), i, B)
+        if not total > 0:
+            slot, total, mass = _find(live, lsums, float(u[i]), i, B)
+        if slot >= 0:
+            slots[i], probs[i] = slot, mass / total
+    return slots, probs
+
+
+def update_by_key(masses, live, seqs, keys, priorities, alpha, P: int, R: int) -> tuple[int, int]:
+    """Reference of the device write-back by key (``mark_updates`` + ``apply_updates``): key ``k``
+    names slot ``(k % P) * R + (k // P) % R``, held when ``live`` there and ``seqs`` there is
+    ``k // P``; the last entry of a held slot wins; it sets ``masses[slot] = p ** alpha`` (0 for
+    p == 0; ``alpha < 0``: masses untouched). A priority that is negative, NaN or infinite is
+    never applied. Returns ``(applied, refused)``.
+
+    >>> m = np.zeros(4); upd = update_by_key(m, np.ones(4), np.array([0, 0, 1, 1]), [0, 5, 5, 3], [4.0, 1.0, 9.0, 1.0], 0.5, 2, 2)
+    >>> upd, m.tolist()    # P=2, R=2: key 5 = seq 2 of partition 1 -> slot 2 holds seq 1: ignored; key 3 -> slot 3
+    ((2, 0), [2.0, 0.0, 0.0, 1.0])
+    """
+    keys = _host_1d(keys, "keys", "iu").astype(np.int64, copy=False)
+    priorities = _host_1d(priorities, "priorities", "f", keys.shape[0]).astype(np.float64, copy=False)
+    ok = np.isfinite(priorities) & (priorities >= 0)
+    refused = int(np.count_nonzero(~ok))
+    winners: dict[int, int] = {}
+    for i, k in enumerate(keys.tolist()):
+        if k < 0:
+            continue
+        seq = k // P
+        s = (k % P) * R + seq % R
+        if s < masses.shape[0] and live[s] > 0 and seqs[s] == seq:
+            winners[s] = i
+    applied = 0
+    for s, i in winners.items():
+        if not ok[i]:
+            continue
+        applied += 1
+        if alpha >= 0:
+            masses[s] = priorities[i] ** alpha if priorities[i] > 0 else 0.0
+    return applied, refused
+
+
+def descriptor(cupy: Any, fields: tuple[str, ...], values: dict[str, Any]) -> Any:
+    """A select.cu descriptor (``struct gf_replay`` / ``gf_draw``): int64[len(fields)] on the
+    device, each field the device pointer of an array (anything with ``__cuda_array_interface__``,
+    or an int taken as a pointer) or an int. Made once per replay / buffer set."""
+    missing = [f for f in fields if f not in values]
+    if missing:
+        raise ValueError(f"descriptor: no value for {', '.join(missing)}")
+    row = [dptr(v) if hasattr(v, "__cuda_array_interface__") else int(v) for v in (values[f] for f in fields)]
+    return cupy.asarray(np.array(row, dtype=np.int64))
+
+
 # ---------------------------------------------------------------------------- CUDA
 class CudaSelect:
     """The selection kernels of ``kernels/select.cu``, launched through an injected CuPy.
@@ -457,6 +622,53 @@ class CudaSelect:
             args = (ptr_arg(dptr(p)), np.int64(B), np.float64(n), np.float64(beta), ptr_arg(dptr(weights)))
             self._kernels.launch("importance_weights", (1, 1, 1), (THREADS, 1, 1), args)
         return weights
+
+    # -- the device replay's kernels: arguments are device pointers (descriptors, scratch), checked
+    # by their owner (DeviceReplay) once; no array is allocated here.
+    def draw_items(self, replay: int, draw: int, count: int, *, rows: int = 0, u: int = 0, seed: int = 0,
+                   counter: int = 0) -> None:  # fmt: skip
+        """Queue ``count`` fused draws into the rows (``rows``: an int64[count] device array's pointer,
+        0 for rows 0..count-1) of the draw descriptor ``draw`` over the replay descriptor ``replay``;
+        uniforms from ``u`` (a float64[count] pointer) or made in the kernel from ``(seed, counter)``."""
+        args = (ptr_arg(replay), ptr_arg(draw), ptr_arg(rows), np.int64(count), ptr_arg(u),
+                np.uint64(seed & (2**64 - 1)), np.uint64(counter & (2**64 - 1)))  # fmt: skip
+        self._kernels.launch("draw_items", grid_for(count, 1), (THREADS, 1, 1), args)
+
+    def finish_batch(self, replay: int, draw: int, batch_size: int, num_live: int, beta: float) -> None:
+        """Queue the batch's seqlock check, keys, probabilities, IS weights, flags and status word."""
+        args = (ptr_arg(replay), ptr_arg(draw), np.int64(batch_size), np.float64(num_live), np.float64(beta))
+        self._kernels.launch("finish_batch", (1, 1, 1), (THREADS, 1, 1), args)
+
+    def update_by_key(self, replay: int, keys: int, priorities: int, count: int, f32: bool, tag: int, alpha: float,
+                      scratch: int, masses: int, N: int, sums: int | None, num_chunks_: int) -> None:  # fmt: skip
+        """Queue a write-back of ``count`` priorities (float32 when ``f32``, else float64) by
+        int64 keys, all device pointers: mark (de-duplication by ``tag``), apply, re-sum the changed
+        chunks (``sums`` None: the uniform selector, masses untouched, ``alpha`` ignored)."""
+        grid = grid_for(count, THREADS)
+        self._kernels.launch("mark_updates", grid, (THREADS, 1, 1),
+                             (ptr_arg(replay), ptr_arg(keys), np.int64(count), np.uint64(tag), ptr_arg(scratch)))
+        name = "apply_updates_f32" if f32 else "apply_updates_f64"
+        self._kernels.launch(name, grid, (THREADS, 1, 1), (ptr_arg(replay), ptr_arg(scratch), ptr_arg(priorities),
+                             np.int64(count), np.uint64(tag), np.float64(alpha if sums is not None else -1.0)))
+        if sums is not None:
+            self._resum(masses, N, scratch, count, sums, num_chunks_)
+
+    def apply_ingest(self, replay: int, entries: int, count: int, alpha: float, vectors: tuple) -> None:
+        """Queue ingest/eviction ``entries`` (int64 [6, count], a device-readable pointer: mapped
+        host memory) and the re-sums of their chunks; ``vectors``: ``((masses, sums), ...)`` pointers
+        to re-sum (masses, then live when it is another vector), with ``N`` and ``NC``."""
+        self._kernels.launch("apply_ingest", grid_for(count, THREADS), (THREADS, 1, 1),
+                             (ptr_arg(replay), ptr_arg(entries), np.int64(count), np.float64(alpha)))
+        for vec, sums, N, NC in vectors:
+            self._resum(vec, N, entries, count, sums, NC)
+
+    def _resum(self, vec: int, N: int, slots: int, count: int, sums: int, NC: int) -> None:
+        if count < NC:  # a block per entry's chunk (entries that changed nothing are -1: skipped)
+            args = (ptr_arg(vec), np.int64(N), ptr_arg(slots), np.int64(count), ptr_arg(sums))
+            self._kernels.launch("chunk_sums", grid_for(count, 1), (THREADS, 1, 1), args)
+        else:  # as many entries as chunks: one pass over all of them costs no more
+            args = (ptr_arg(vec), np.int64(N), ptr_arg(0), np.int64(NC), ptr_arg(sums))
+            self._kernels.launch("chunk_sums", grid_for(NC, 1), (THREADS, 1, 1), args)
 
     def top_k(self, values, k, *, stream=None):
         """Indices of the ``k`` largest ``values``, largest first: CuPy's argpartition + argsort

@@ -30,10 +30,12 @@ CPU gathers run on as many torch threads as measure fastest (1, or all of torch'
 see :class:`GatherThreads`; ``Table(num_threads=N)`` fixes the count).
 
 ``Table(..., device="cuda")`` draws and gathers on the GPU instead
-(:mod:`gearflow.native.device_replay`: a device priority vector mirrored from
-this table's ingest, zero-copy gather out of the registered segment, the same
-seqlock check); the batch is then CUDA tensors. The default ``"cpu"`` path is
-unchanged by it.
+(:mod:`gearflow.native.device_replay`: the priority vector lives on the device, fed
+by this table's ingest and by write-backs of CUDA tensors; batches drawn ahead, a
+zero-copy gather out of the registered segment, the same seqlock rule checked on the
+device); the batch is then CUDA tensors and the table's selector a
+:class:`~gearflow.replay.device_table.DeviceSelector` (live slots only). The default
+``"cpu"`` path is unchanged by it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from gearflow.replay.batches import (  # re-exported
     HostGather,
     Sample,
 )
-from gearflow.replay.device_table import sample_on_device, update_on_device
+from gearflow.replay.device_table import DeviceSelector, sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.inserts import InsertLimit
 from gearflow.replay.items import ItemKind
@@ -154,6 +156,8 @@ class Table(TableIngest):
         # "cuda": selection and gather on the GPU (gearflow.native.device_replay), set up before the
         # table touches the storage, so a missing CuPy leaves the caller's storage as it was
         self._device = _device_replay(device, storage, kind, selector)
+        if self._device is not None:  # priorities on the device only; liveness stays here
+            self.selector = selector = self._device.selector = DeviceSelector(selector, self._device)
         self._max_item_steps = kind.max_steps(storage.steps_per_partition)
         self._init_ingest(P, R)
         self._key_index = KeyIndex(P, R, self._slot_rec, self._slot_live)  # update_priorities
@@ -327,12 +331,14 @@ class Table(TableIngest):
             return _NONE
         return np.flatnonzero(torn_items(slot_partition(slots, self._R), starts, reserve, self._S_trust))
 
-    def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str) -> float:
+    def evict_torn(self, slots: np.ndarray, deadline: float | None, timeout_s: float | None, gatherer: str,
+                   rows: int | None = None) -> float:  # fmt: skip
         """Items at ``slots`` were overwritten while they were gathered: evict them (and, by a
         scan, everything else overwritten since the draw) and wait until replacements can be
         drawn. A sampler descheduled for a whole lap of a small ring can lose many rounds in a
         row, so this gives up only after the sample timeout (``deadline``, set on the first
-        round and returned), not after a number of rounds."""
+        round and returned), not after a number of rounds. ``rows``: the torn rows to count
+        (default one per slot; a device batch drawn ahead evicts only the items still held)."""
         if deadline is None:
             deadline = time.monotonic() + (self.sample_timeout_s if timeout_s is None else timeout_s)
         elif time.monotonic() > deadline:
@@ -341,7 +347,7 @@ class Table(TableIngest):
                 f"({self.torn} redrawn so far); the ring ({self._S} steps per partition) is too "
                 f"small for the write rate"
             )
-        self.torn += slots.size
+        self.torn += slots.size if rows is None else rows
         self._remove(np.unique(slots))
         self.scan()
         self.wait_until_ready(slots.size, timeout_s)
@@ -396,10 +402,15 @@ class Table(TableIngest):
     def update_priorities(self, keys, priorities) -> int:
         """New priorities by key; keys of evicted items are ignored. Returns how many applied.
 
-        A priority that is not finite and ≥ 0 raises ValueError and nothing changes."""
+        A priority that is not finite and ≥ 0 raises ValueError and nothing changes. A device
+        table takes the learner's CUDA tensors as they are and applies them on the GPU without a
+        host sync (:func:`~gearflow.replay.device_table.update_on_device`: it returns how many
+        were handed in, and a bad priority is skipped and raised by the next sample)."""
         if self._closed:
             self._refuse_closed("cannot update priorities")
-        if self._device is None and type(keys) is torch.Tensor and type(priorities) is torch.Tensor:
+        if self._device is not None:  # CUDA tensors applied where they are (no host sync)
+            return update_on_device(self, self._device, keys, priorities)
+        if type(keys) is torch.Tensor and type(priorities) is torch.Tensor:
             applied = self.selector.update_by_key_tensors(keys, priorities, self._key_index)
             if applied is not None:  # a learner's CPU tensors, read where they are
                 return applied
@@ -407,9 +418,7 @@ class Table(TableIngest):
         prios = _host_array(priorities, _FLOATS)
         if keys.shape != prios.shape:
             raise ValueError(f"{keys.size} keys but {prios.size} priorities")
-        if self._device is None:  # one C pass where built: checked, mapped, applied
-            return self.selector.update_by_key(keys, prios, self._key_index)
-        return update_on_device(self, self._device, keys, prios)
+        return self.selector.update_by_key(keys, prios, self._key_index)  # one C pass where built
 
     # ------------------------------------------------------------------ close
     def close(self, wait_s: float = 5.0) -> None:

@@ -17,7 +17,10 @@ Where each figure comes from:
   the agent after ``setup_learner``.
 * **optimizer state**: every ``torch.optim.Optimizer`` attribute of the agent,
   stepped once on meta gradients; the tensors it then holds are counted (Adam:
-  ``exp_avg`` + ``exp_avg_sq`` = 2 × the fp32 parameters).
+  ``exp_avg`` + ``exp_avg_sq`` = 2 × the fp32 parameters). A step counter made on the
+  meta device and read with ``.item()`` (torch 2.11's Adam) is moved to the host and the
+  step retried; an optimizer that still cannot step there is "not measured" (named in
+  the plan) instead of failing the plan.
 * **activations per learner batch**: measured, not guessed: one forward pass of
   the learner network over a meta batch of observations shaped like the
   replay's batch (``item_kind().layout``: ``(B, *obs)`` for transitions,
@@ -86,16 +89,41 @@ def _module_bytes(module: nn.Module) -> int:
     return sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
 
 
-def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of the state ``opt`` holds after one step on (meta) zero gradients."""
+def _meta_scalars_to_host(opt: torch.optim.Optimizer) -> int:
+    """Move the 0-d meta tensors of ``opt``'s state (a step counter) to the host, value 0, same
+    dtype; returns how many. Their bytes are the same on either device."""
+    moved = 0
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_meta and value.dim() == 0:
+                state[key] = torch.zeros((), dtype=value.dtype, device="cpu")
+                moved += 1
+    return moved
+
+
+def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> tuple[int | None, str]:
+    """Bytes of the state ``opt`` holds after one step on (meta) zero gradients, and how they were
+    counted. An optimizer that makes its step counter with ``torch.tensor(0.0)`` (torch 2.11's Adam:
+    under the meta device it lands there) fails its first step on ``.item()`` after making its
+    state: the counter is moved to the host and the step taken again. An optimizer that cannot be
+    stepped on the meta device at all gives None (the plan says why) rather than no plan."""
     params = [p for group in opt.param_groups for p in group["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt.step()
-    for p in params:
-        p.grad = None
+    try:
+        try:
+            opt.step()
+        except RuntimeError:  # "Tensor.item() cannot be called on meta tensors"
+            if not _meta_scalars_to_host(opt):
+                raise
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - the rest of the plan still stands
+        return None, f"not measured: {type(opt).__name__}.step() on the meta device failed ({type(exc).__name__}: {exc})"
+    finally:
+        for p in params:
+            p.grad = None
     states = [v for state in opt.state.values() for v in state.values()]
-    return sum(_nbytes(v) for v in states if isinstance(v, torch.Tensor))
+    return sum(_nbytes(v) for v in states if isinstance(v, torch.Tensor)), "measured: one step on meta gradients"
 
 
 def measure_activations(network: nn.Module, batch: torch.Tensor) -> int:
@@ -142,6 +170,7 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         optimizers = {name: o for name, o in vars(agent).items() if isinstance(o, torch.optim.Optimizer)}
         optimizer_bytes = {type(o).__name__ + ("" if name == "optimizer" else f" ({name})"): _optimizer_state_bytes(o)
                            for name, o in optimizers.items()}  # fmt: skip
+        unmeasured = [f"{name}: {how}" for name, (n, how) in optimizer_bytes.items() if n is None]
 
         kind: ItemKind = agent.item_kind()
         table_spec = replay_spec(agent.replay_columns(), cfg.replay.get("frame_stack", False))
@@ -174,7 +203,8 @@ def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, A
         "buffer_bytes": sum(_nbytes(b) for b in net.buffers()),
         "gradient_bytes": sum(_nbytes(p) for p in trainable),
         "optimizer": ", ".join(optimizer_bytes) or "none",
-        "optimizer_state_bytes": sum(optimizer_bytes.values()),
+        "optimizer_state_bytes": None if unmeasured else sum(n for n, _ in optimizer_bytes.values()),
+        "optimizer_method": "; ".join(unmeasured) or "measured: one step on meta gradients",
         "other_networks": ", ".join(others) or "none",
         "other_network_bytes": sum(_module_bytes(m) for m in others.values()),
         "batch_size": B,
@@ -259,7 +289,9 @@ def render(plan: dict[str, Any]) -> str:
         ("parameters", f"{le['parameters']:,} ({le['dtype']})", human(le["parameter_bytes"])),
         ("buffers", "", human(le["buffer_bytes"])),
         ("gradients", f"{le['trainable_parameters']:,}", human(le["gradient_bytes"])),
-        ("optimizer state", le["optimizer"], human(le["optimizer_state_bytes"])),
+        ("optimizer state", le["optimizer"] + ("" if le["optimizer_state_bytes"] is not None
+                                                else f" ({le['optimizer_method']})"),
+         "n/a" if le["optimizer_state_bytes"] is None else human(le["optimizer_state_bytes"])),
         ("other networks", le["other_networks"], human(le["other_network_bytes"])),
         ("batch", f"{le['batch_size']} items", human(le["batch_bytes"])),
         ("activations / batch", le["activation_method"],

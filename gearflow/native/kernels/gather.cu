@@ -15,21 +15,29 @@
 // lengths, bool mask (1 byte). Strides: dst is C-contiguous [B, T, row_bytes]
 // (windows) or [N, row_bytes] (rows), so output row r starts at r * row_bytes.
 //
-// Alignment and load width: every kernel exists in four variants, named by the
-// bytes each load/store moves: _v16 (uint4), _v8 (uint2), _v4 (unsigned int)
-// and _v1 (unsigned char). The wrapper (gearflow/native/gather.py,
-// plan_gather) picks the widest W such that the src base pointer, the dst
-// pointer and row_bytes are all multiples of W; then every row of src and dst
-// starts W-aligned, and a row is exactly row_bytes / W units. Rows that are not
-// a multiple of 4 bytes (e.g. 33) take the byte path: still coalesced, fewer
-// bytes per request.
+// Alignment and load width: the rows and windows kernels exist in five variants, the stacks
+// kernel in the first four, named by the bytes each load moves: _v16 (uint4), _v8 (uint2),
+// _v4 (unsigned int), _v1 (unsigned char), and _va (uint4 loads at any alignment). The wrapper
+// (gearflow/native/gather.py, plan_gather) takes the widest W such that the src base pointer,
+// the dst pointer and row_bytes are all multiples of W; then every row of src and dst starts
+// W-aligned and a row is exactly row_bytes / W units. Where W < 16 and rows are >= 64 bytes
+// (e.g. 28225-byte rows, every row starting at another offset mod 16) it takes _va instead:
+// each row (or piece) is read with 16-byte loads from its first 16-byte-aligned source address
+// on, its head and tail (< 16 bytes each) byte by byte, and each loaded word is stored with the
+// widest store the destination's alignment there allows (the loads cross the host link; the
+// stores go to device memory, an order of magnitude faster). Small rows keep _vW.
 //
-// Launch geometry (all kernels here): block = (TX, TY, 1) with TX * TY == 256,
-// TX = threads per row = the power of two >= row_bytes / W, capped at 256, and
-// TY = rows per block; grid = (ceil(rows / TY) capped at 65535, 1, 1). Each
-// block walks rows blockIdx.x * TY + threadIdx.y, then + gridDim.x * TY, ...
-// (grid-stride), and the TX threads of a row copy its units lane, lane + TX,
-// ... No shared memory, no __syncthreads, no atomics: any grid is correct.
+// Pieces: a row of the rows/windows kernels is copied in pieces of `piece` bytes (a multiple
+// of W, 16 for _va; the wrapper's default 8 KiB), each a work item of its own, so that a batch
+// of a few hundred 28 KiB rows is a few thousand independent work items in flight over the
+// link, not a few hundred. A row of at most `piece` bytes is one piece (as before pieces).
+//
+// Launch geometry: block = (TX, TY, 1) with TX * TY == 256, TX = threads per work item = the
+// power of two >= the item's units (capped at 256), TY = items per block; grid = (ceil(items /
+// TY) capped at 65535, 1, 1), items = rows * pieces per row. Each block walks items
+// blockIdx.x * TY + threadIdx.y, then + gridDim.x * TY, ... (grid-stride), and the TX threads of
+// an item copy its units lane, lane + TX, ... No shared memory, no __syncthreads, no atomics:
+// any grid is correct.
 //
 // Streams: the kernels are launched on the caller's CuPy stream (the current
 // stream, or the `stream=` the wrapper is given); nothing here synchronizes.
@@ -85,6 +93,82 @@ __device__ __forceinline__ void gf_zero_units(V* __restrict__ dst, i64 n, int la
     for (i64 i = lane; i < n; i += lanes) dst[i] = zero;
 }
 
+// One loaded 16-byte word into dst at any alignment: the widest stores the alignment allows.
+__device__ __forceinline__ void gf_store16(unsigned char* __restrict__ dst, const uint4 v, int align)
+{
+    if (align == 0) {
+        *reinterpret_cast<uint4*>(dst) = v;
+    } else if ((align & 7) == 0) {
+        uint2* d = reinterpret_cast<uint2*>(dst);
+        d[0].x = v.x; d[0].y = v.y; d[1].x = v.z; d[1].y = v.w;
+    } else if ((align & 3) == 0) {
+        unsigned int* d = reinterpret_cast<unsigned int*>(dst);
+        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
+    } else {
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+        for (int k = 0; k < 16; ++k) dst[k] = (unsigned char)(w[k >> 2] >> (8 * (k & 3)));
+    }
+}
+
+// dst[0:n) = src[0:n) for any alignment of either (the _va variant): the bytes before src's
+// first 16-byte boundary and after its last one byte by byte, the words between with uint4
+// loads (four in flight per thread) and gf_store16; lanes `lane`, `lane + lanes`, ...
+__device__ __forceinline__ void gf_copy_any(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                            i64 n, int lane, int lanes)
+{
+    i64 head = (i64)((16 - ((unsigned long long)src & 15)) & 15);
+    head = head < n ? head : n;
+    const i64 words = (n - head) / 16;
+    const i64 body_end = head + words * 16;
+    for (i64 i = lane; i < head; i += lanes) dst[i] = src[i];
+    for (i64 i = body_end + lane; i < n; i += lanes) dst[i] = src[i];
+    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src + head);
+    unsigned char* __restrict__ d = dst + head;
+    const int align = (int)((unsigned long long)d & 15);  // the same for every word of the range
+    i64 w = lane;
+    const i64 step = lanes;
+    for (; w + 3 * step < words; w += 4 * step) {
+        const uint4 a = s[w];
+        const uint4 b = s[w + step];
+        const uint4 c = s[w + 2 * step];
+        const uint4 e = s[w + 3 * step];
+        gf_store16(d + 16 * w, a, align);
+        gf_store16(d + 16 * (w + step), b, align);
+        gf_store16(d + 16 * (w + 2 * step), c, align);
+        gf_store16(d + 16 * (w + 3 * step), e, align);
+    }
+    for (; w < words; w += step) gf_store16(d + 16 * w, s[w], align);
+}
+
+// dst[0:n) = 0 at any alignment (padding of the _va variant).
+__device__ __forceinline__ void gf_zero_any(unsigned char* __restrict__ dst, i64 n, int lane, int lanes)
+{
+    for (i64 i = lane; i < n; i += lanes) dst[i] = 0;
+}
+
+// The copy of bytes [lo, lo + n) of a row (a piece) by variant: V the load type, or the _va path
+// (Any = true, V = uint4): lo is a multiple of sizeof(V) for the _vW variants.
+template <typename V, bool Any>
+__device__ __forceinline__ void gf_copy_piece(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                              i64 n, int lane, int lanes)
+{
+    if (Any) {
+        gf_copy_any(src, dst, n, lane, lanes);
+    } else {
+        gf_copy_units(reinterpret_cast<const V*>(src), reinterpret_cast<V*>(dst), n / (i64)sizeof(V), lane, lanes);
+    }
+}
+
+template <typename V, bool Any>
+__device__ __forceinline__ void gf_zero_piece(unsigned char* __restrict__ dst, i64 n, int lane, int lanes)
+{
+    if (Any) {
+        gf_zero_any(dst, n, lane, lanes);
+    } else {
+        gf_zero_units(reinterpret_cast<V*>(dst), n / (i64)sizeof(V), lane, lanes);
+    }
+}
+
 // dst[b, j, :] = src row parts[b] * S + (starts[b] + j) % S  for j < min(lengths[b], T)
 // dst[b, j, :] = 0                                           otherwise (padding)
 // mask[b, j]   = j < min(lengths[b], T)
@@ -93,57 +177,62 @@ __device__ __forceinline__ void gf_zero_units(V* __restrict__ dst, i64 n, int la
 //   starts  int64[B], absolute first step of each item, >= 0
 //   lengths int32[B], steps in each item (clamped to [0, T])
 //   dst     [B, T, row_bytes] bytes, C-contiguous;  mask bool[B, T]
-template <typename V>
+template <typename V, bool Any>
 __device__ __forceinline__ void gf_gather_windows(
     const unsigned char* __restrict__ src, i64 row_bytes, i64 S, i64 num_parts,
     const i64* __restrict__ parts, const i64* __restrict__ starts,
     const int* __restrict__ lengths, i64 B, int T,
-    unsigned char* __restrict__ dst, bool* __restrict__ mask)
+    unsigned char* __restrict__ dst, bool* __restrict__ mask, i64 piece)
 {
-    const i64 units = row_bytes / (i64)sizeof(V);  // exact: the wrapper checked row_bytes % W == 0
     const int lane = threadIdx.x;
     const int lanes = blockDim.x;
-    const i64 rows = B * (i64)T;
-    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows;
-         r += (i64)gridDim.x * blockDim.y) {
+    const i64 pieces = (row_bytes + piece - 1) / piece;  // work items per output row
+    const i64 items = B * (i64)T * pieces;
+    for (i64 w = (i64)blockIdx.x * blockDim.y + threadIdx.y; w < items; w += (i64)gridDim.x * blockDim.y) {
+        const i64 r = w / pieces;                          // output row (b, j)
+        const i64 lo = (w - r * pieces) * piece;           // this piece's first byte in the row
+        const i64 n = row_bytes - lo < piece ? row_bytes - lo : piece;
         const i64 b = r / T;
         const int j = (int)(r - b * T);
         const i64 p = parts[b];
         const i64 start = starts[b];
-        int n = lengths[b];
-        n = n < 0 ? 0 : (n > T ? T : n);
-        const bool valid = j < n && p >= 0 && p < num_parts && start >= 0;
-        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
+        int len = lengths[b];
+        len = len < 0 ? 0 : (len > T ? T : len);
+        const bool valid = j < len && p >= 0 && p < num_parts && start >= 0;
+        unsigned char* out = dst + r * row_bytes + lo;
         if (valid) {
             const i64 row = p * S + (start + j) % S;
-            gf_copy_units(reinterpret_cast<const V*>(src + row * row_bytes), out, units, lane, lanes);
+            gf_copy_piece<V, Any>(src + row * row_bytes + lo, out, n, lane, lanes);
         } else {
-            gf_zero_units(out, units, lane, lanes);
+            gf_zero_piece<V, Any>(out, n, lane, lanes);
         }
-        if (lane == 0) mask[r] = valid;
+        if (lane == 0 && lo == 0) mask[r] = valid;
     }
 }
 
 // dst[i, :] = src row rows[i]  (zeros for a row outside [0, num_rows))
-//   rows int64[N]; dst [N, row_bytes] bytes, C-contiguous.
+//   rows int64[N]; dst [N, row_bytes] bytes, C-contiguous; in pieces of `piece` bytes.
 // Transitions are this with rows = p * S + start % S (first step) and
 // p * S + (start + length - 1) % S (last step, the n-step bootstrap row).
-template <typename V>
+template <typename V, bool Any>
 __device__ __forceinline__ void gf_gather_rows(
     const unsigned char* __restrict__ src, i64 row_bytes, i64 num_rows,
-    const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst)
+    const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst, i64 piece)
 {
-    const i64 units = row_bytes / (i64)sizeof(V);
     const int lane = threadIdx.x;
     const int lanes = blockDim.x;
-    for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < N;
-         r += (i64)gridDim.x * blockDim.y) {
+    const i64 pieces = (row_bytes + piece - 1) / piece;
+    const i64 items = N * pieces;
+    for (i64 w = (i64)blockIdx.x * blockDim.y + threadIdx.y; w < items; w += (i64)gridDim.x * blockDim.y) {
+        const i64 r = w / pieces;
+        const i64 lo = (w - r * pieces) * piece;
+        const i64 n = row_bytes - lo < piece ? row_bytes - lo : piece;
         const i64 row = rows[r];
-        V* out = reinterpret_cast<V*>(dst + r * row_bytes);
+        unsigned char* out = dst + r * row_bytes + lo;
         if (row >= 0 && row < num_rows) {
-            gf_copy_units(reinterpret_cast<const V*>(src + row * row_bytes), out, units, lane, lanes);
+            gf_copy_piece<V, Any>(src + row * row_bytes + lo, out, n, lane, lanes);
         } else {
-            gf_zero_units(out, units, lane, lanes);
+            gf_zero_piece<V, Any>(out, n, lane, lanes);
         }
     }
 }
@@ -237,23 +326,26 @@ __device__ __forceinline__ void gf_gather_stacks(
 }
 
 // extern "C" entry points, one per load width (see the header comment).
-#define GF_DEFINE_GATHER(SUFFIX, V)                                                          \
+#define GF_DEFINE_ROWS(SUFFIX, V, ANY)                                                       \
     extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
     gather_windows_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 S,     \
                             i64 num_parts, const i64* __restrict__ parts,                    \
                             const i64* __restrict__ starts, const int* __restrict__ lengths, \
                             i64 B, int T, unsigned char* __restrict__ dst,                   \
-                            bool* __restrict__ mask)                                         \
+                            bool* __restrict__ mask, i64 piece)                              \
     {                                                                                        \
-        gf_gather_windows<V>(src, row_bytes, S, num_parts, parts, starts, lengths, B, T,     \
-                             dst, mask);                                                     \
+        gf_gather_windows<V, ANY>(src, row_bytes, S, num_parts, parts, starts, lengths, B, T, \
+                                  dst, mask, piece);                                         \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
     gather_rows_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 num_rows, \
-                         const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst) \
+                         const i64* __restrict__ rows, i64 N, unsigned char* __restrict__ dst, \
+                         i64 piece)                                                          \
     {                                                                                        \
-        gf_gather_rows<V>(src, row_bytes, num_rows, rows, N, dst);                           \
-    }                                                                                        \
+        gf_gather_rows<V, ANY>(src, row_bytes, num_rows, rows, N, dst, piece);               \
+    }
+
+#define GF_DEFINE_STACKS(SUFFIX, V)                                                          \
     extern "C" __global__ void __launch_bounds__(GF_GATHER_THREADS)                          \
     gather_stacks_##SUFFIX(const unsigned char* __restrict__ src, i64 row_bytes, i64 S,      \
                            i64 num_parts, const unsigned char* __restrict__ offsets, i64 K,  \
@@ -265,7 +357,12 @@ __device__ __forceinline__ void gf_gather_stacks(
                             B, T, dst);                                                      \
     }
 
-GF_DEFINE_GATHER(v16, uint4)
-GF_DEFINE_GATHER(v8, uint2)
-GF_DEFINE_GATHER(v4, unsigned int)
-GF_DEFINE_GATHER(v1, unsigned char)
+GF_DEFINE_ROWS(v16, uint4, false)
+GF_DEFINE_ROWS(v8, uint2, false)
+GF_DEFINE_ROWS(v4, unsigned int, false)
+GF_DEFINE_ROWS(v1, unsigned char, false)
+GF_DEFINE_ROWS(va, uint4, true)
+GF_DEFINE_STACKS(v16, uint4)
+GF_DEFINE_STACKS(v8, uint2)
+GF_DEFINE_STACKS(v4, unsigned int)
+GF_DEFINE_STACKS(v1, unsigned char)
