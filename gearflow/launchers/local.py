@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import time
 from typing import Callable
 
 import numpy as np
 from omegaconf import DictConfig
 
+from gearflow.actors.process import actor_process_main, stop_processes
 from gearflow.config import to_yaml
 from gearflow.launchers.failures import ActorFailed, FailureLog
 from gearflow.reports import fold_report, queued
@@ -40,8 +40,6 @@ class LocalLauncher:
     """Starts actor processes and restarts the ones that die."""
 
     def __init__(self, cfg: DictConfig, storage_name: str, params_name: str, partitions: list[np.ndarray]):
-        from gearflow.actors.process import actor_process_main
-
         self._target = actor_process_main  # run_actor_process; a reported error is not printed twice
         self.cfg_yaml = to_yaml(cfg)
         self.max_restarts = cfg.actor.max_restarts
@@ -110,18 +108,7 @@ class LocalLauncher:
         """Ask every actor to stop and wait for it; ``drain`` keeps reading the metrics
         queue meanwhile (a child cannot exit while its queue buffer is unflushed)."""
         self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p is not None and p.is_alive() for p in self.procs):
-            drain()
-            time.sleep(0.05)
-        drain()
-        for proc in self.procs:
-            if proc is not None and proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc is not None and proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_processes(self.procs, drain, timeout)
 
     def close(self) -> None:
         self.metrics.close()

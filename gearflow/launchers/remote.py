@@ -47,6 +47,7 @@ from typing import Callable, Mapping
 import numpy as np
 from omegaconf import DictConfig
 
+from gearflow.actors.process import stop_processes
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
 from gearflow.launchers.local import ActorFailed
@@ -158,14 +159,7 @@ class RemoteActors:
         says so), wait for the shard process, which waits up to ``LEAVE_S`` for them to leave,
         then stop it."""
         self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
-            drain()
-            time.sleep(0.05)
-        drain()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+        stop_processes([self.proc], drain, timeout, kill=False)
 
     def close(self) -> None:
         self.stop_event.set()

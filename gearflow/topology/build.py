@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gearflow.agent import make_agent
-from gearflow.envs import EnvSpec, make_vec_env
+from gearflow.envs import EnvSpec, probe_env_spec
 from gearflow.errors import ConfigError
 from gearflow.geometry import replay_geometry
 from gearflow.topology.plan import RunPlan
@@ -39,16 +39,7 @@ from gearflow.topology.roles import Lifecycle, Shards
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["Builder", "actor_processes", "probe_env_spec", "replay_device"]
-
-
-def probe_env_spec(cfg: DictConfig) -> EnvSpec:
-    """The env's observation and action spec, from one env made and closed at once."""
-    probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=cfg.env.seed)
-    try:
-        return probe.env_spec
-    finally:
-        probe.close()
+__all__ = ["Builder", "actor_processes", "replay_device"]
 
 
 def replay_device(cfg: DictConfig, learner_device: torch.device) -> str:
@@ -93,7 +84,7 @@ class Builder:
         """The agent for the env (learner state set up; its item kind checked against ``replay.item``)
         and the env's spec."""
         cfg = self.cfg
-        self.env_spec = probe_env_spec(cfg)
+        self.env_spec = probe_env_spec(cfg.env)
         agent = make_agent(cfg, self.env_spec, device)
         agent.setup_learner()
         kind = agent.item_kind()
@@ -196,14 +187,7 @@ class Builder:
                                           elapsed=lambda: time.monotonic() - progress.start, emit=emit))  # fmt: skip
 
     def _serial_actor(self, agent, table, params, progress):
-        from gearflow.actors.base import env_seed
-        from gearflow.actors.process import make_actor
+        from gearflow.actors.process import build_actor
 
-        cfg = self.cfg
-        env = make_vec_env(cfg.env, seed=env_seed(cfg, 0))
-        try:
-            return make_actor(cfg, 0, agent, env, table.storage, self.geom.partitions_of(0), params,
-                              on_episode=lambda env, ret, length, eps: progress.add_episode(0, ret))  # fmt: skip
-        except BaseException:
-            env.close()
-            raise
+        return build_actor(self.cfg, 0, agent=agent, storage=table.storage, partitions=self.geom.partitions_of(0),
+                           param_source=params, on_episode=lambda env, ret, length, eps: progress.add_episode(0, ret))  # fmt: skip
