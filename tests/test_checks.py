@@ -1,6 +1,6 @@
 """A researcher's own agent and env (issue 31): mistakes caught at the boundary (``actors/checks.py``),
 reported by ``gearflow check-env`` one line each, and a run that crashed never reported as a success
-(``launchers/failures.py``): every case through the real ``gearflow`` command, with real EnvPool /
+(``roles/failures.py``): every case through the real ``gearflow`` command, with real EnvPool /
 gymnasium envs and real actor processes."""
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ def test_places_one_per_connection_and_a_rejoin_keeps_its_place():
     import multiprocessing as mp
     import queue
 
-    from gearflow.launchers.remote import Members
+    from gearflow.roles.remote_actors import Members
     from gearflow.transport.client import Client
     from gearflow.transport.service import Service
 

@@ -381,7 +381,7 @@ class _Conn:
 def test_reports_are_checked_and_bounded_by_what_the_actor_wrote(caplog):
     import queue
 
-    from gearflow.launchers.remote import Members
+    from gearflow.roles.remote_actors import Members
     from gearflow.learner import Progress
     from gearflow.reports import fold_report
 

@@ -13,10 +13,10 @@ import pytest
 from gearflow.agent import AgentSettings, agent_settings, make_agent
 from gearflow.config import load_config
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.launchers.local import ActorFailed
+from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import list_segments
 from gearflow.topology.plan import MODES, ROLES, learner_config, plan_run, shard_node_config
-from gearflow.topology.roles import Closes, Lifecycle
+from gearflow.topology.lifecycle import Closes, Lifecycle
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
@@ -217,8 +217,8 @@ def test_closes_registers_a_part_and_returns_it():
 def test_the_builder_makes_the_roles_the_plan_names(tmp_path, overrides, roles):
     """The runner's roles are what its plan names, built (not started) in build order; closing
     them leaves no segment."""
-    from gearflow.launchers.local import LocalLauncher
-    from gearflow.runner import Runner
+    from gearflow.roles.actor_processes import LocalLauncher
+    from gearflow.topology.learn import Runner
 
     before = _own_segments()
     runner = Runner(load_config(CONFIG, ["replay.capacity=2000", "env.num_envs=2", "env.batch_size=2", "replay.min_size_to_sample=64",
@@ -251,7 +251,7 @@ def test_a_role_that_fails_its_check_stops_the_run_and_every_role_is_closed(tmp_
     """A real serial run (table, parameter store, learner, serial actor) with one more role whose
     check fails on its third call: the run stops as for a failed actor (final checkpoint, the
     role's own error in the message), the role is stopped, then closed, and no segment is left."""
-    from gearflow.runner import Runner
+    from gearflow.topology.learn import Runner
 
     calls: list = []
     failing = Recorder("monitor", calls, fail_check=3)
@@ -269,7 +269,7 @@ def test_a_role_that_fails_its_check_stops_the_run_and_every_role_is_closed(tmp_
 
 @pytest.mark.slow
 def test_a_role_that_cannot_start_still_has_every_role_closed(tmp_path):
-    from gearflow.runner import Runner
+    from gearflow.topology.learn import Runner
 
     calls: list = []
     before = _own_segments()

@@ -1,7 +1,7 @@
 """Actors on another machine: ``gearflow actor --connect HOST:PORT [CONFIG]``.
 
 A ``gearflow train`` run with ``actor.remote_actors = K`` serves its replay and weights
-over TCP (:mod:`gearflow.launchers.remote`). Each remote actor process here joins it
+over TCP (:mod:`gearflow.roles.remote_actors`). Each remote actor process here joins it
 (``run.join``: an actor index, its partitions, the run's config), then builds its actor with the
 same factory as a local actor process (:func:`~gearflow.actors.process.build_actor`), with the
 transport's seams in place of shared memory::

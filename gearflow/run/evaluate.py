@@ -55,7 +55,7 @@ def play(cfg, agent, network, env, episodes_per_env: int, on_step=None, stop=Non
     """Greedy returns of the first ``episodes_per_env`` episodes of every env of ``env`` (closed
     after) played by the run's own actor class with ``network``, and the env steps it took;
     ``stop()`` true: give up (an empty list). ``gearflow eval`` and the evaluation during training
-    (:mod:`gearflow.launchers.evaluator`) both play through it."""
+    (:mod:`gearflow.roles.evaluator`) both play through it."""
     from gearflow.actors.process import build_actor
 
     E = env.num_envs

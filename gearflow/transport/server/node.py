@@ -1,6 +1,6 @@
 """NodeService: a shard node's server — its replay shard plus the learner's control messages.
 
-What ``gearflow serve`` (:class:`~gearflow.launchers.serve.ShardNode`) and a Ray shard role
+What ``gearflow serve`` (:class:`~gearflow.topology.shard_node.ShardNode`) and a Ray shard role
 serve: a :class:`~gearflow.transport.server.ShardService` over the node's table and parameter
 store (``replay.*``, ``params.get``), the server end of the transport ``transport.kind`` resolves
 to beside TCP (:meth:`~gearflow.transport.choice.TransportChoice.serve`: RDMA's ``rdma.*``

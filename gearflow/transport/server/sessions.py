@@ -52,7 +52,7 @@ class WriterSessions:
             raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
         self.assignable = parts
         # writable(conn) -> the partitions an actor-role connection may write (the run's places it
-        # joined: launchers.remote.Members); None: any assignable one
+        # joined: roles.remote_actors.Members); None: any assignable one
         self.writable: Callable[[Connection], set[int]] | None = None
         self._owner: dict[int, int] = {}  # partition -> session
         self._owners_lock = threading.Lock()

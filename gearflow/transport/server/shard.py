@@ -142,7 +142,7 @@ class ShardService:
     @property
     def writable(self) -> Callable[[Connection], set[int]] | None:
         """``writable(conn)`` → the partitions an actor-role connection may write (the run's
-        places it joined: ``launchers.remote.Members``); None: any assignable one."""
+        places it joined: ``roles.remote_actors.Members``); None: any assignable one."""
         return self.sessions.writable
 
     @writable.setter

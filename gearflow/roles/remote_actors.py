@@ -26,7 +26,7 @@ learner's updates/s on a 2-core machine). Besides the shard's messages (``replay
   says whether the run is over (``stop``).
 
 Reports, joins and departures reach the learner on one queue, folded into the run's
-progress by :meth:`RemoteActors.drain` (as :class:`~gearflow.launchers.local.LocalLauncher`
+progress by :meth:`RemoteActors.drain` (as :class:`~gearflow.roles.actor_processes.LocalLauncher`
 does). A lost remote actor is logged and its place waits for it; the learner keeps training
 on what the table holds. A shard process that dies is restarted on the same port (up to
 ``actor.max_restarts`` times): remote actors reconnect and rejoin by themselves.
@@ -50,7 +50,7 @@ from omegaconf import DictConfig
 from gearflow.actors.process import stop_processes
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.launchers.local import ActorFailed
+from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
 

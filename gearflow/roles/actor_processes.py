@@ -3,7 +3,7 @@
 Each actor process runs :func:`~gearflow.actors.process.run_actor_process`: it attaches
 the replay segment and the parameter store by name and writes its own partitions. A dead
 actor is restarted up to ``actor.max_restarts`` times, unless it died of a failure a restart cannot
-mend (:mod:`gearflow.launchers.failures`: a contract violation, or the same error twice); its partitions and their data
+mend (:mod:`gearflow.roles.failures`: a contract violation, or the same error twice); its partitions and their data
 survive (the new writer continues after the old one's last step). What actors report
 (episodes, counters, errors) arrives on one queue and is folded into the run's
 :class:`~gearflow.learner.Progress` by :meth:`LocalLauncher.drain`::
@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from gearflow.actors.process import actor_process_main, stop_processes
 from gearflow.config import to_yaml
-from gearflow.launchers.failures import ActorFailed, FailureLog
+from gearflow.roles.failures import ActorFailed, FailureLog
 from gearflow.reports import fold_report, queued
 
 log = logging.getLogger("gearflow.runner")
@@ -50,7 +50,7 @@ class LocalLauncher:
         self.procs: list[mp.Process | None] = [None] * len(partitions)
         self.restarts = [0] * len(partitions)
         self.errors: dict[int, str] = {}  # last line of each actor's last traceback
-        self.failures = FailureLog()  # what a dead actor died of: restart it or not (launchers/failures.py)
+        self.failures = FailureLog()  # what a dead actor died of: restart it or not (roles/failures.py)
         self._read: list = []  # reports read by check() before drain() folds them
 
     def _start(self, i: int) -> None:
