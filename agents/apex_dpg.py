@@ -212,6 +212,7 @@ class Agent:
         self.centre = ((high + low) / 2).astype(np.float32)  # (A,) env units
         self.half = ((high - low) / 2).astype(np.float32)  # (A,)
         self.obs_dim = int(np.prod(spec.obs_shape))
+        self.kind = settings.learns_from(Transition, type(self).__module__)  # next_columns=("obs",)
         self.gamma = settings.gamma
         self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
         self.seed = settings.seed
@@ -230,7 +231,7 @@ class Agent:
         }
 
     def item_kind(self) -> Transition:
-        return Transition(next_columns=("obs",))
+        return self.kind
 
     def to_env(self, u: np.ndarray) -> np.ndarray:
         """Normalised actions (k, A) in [-1, 1] → the env's units."""

@@ -214,8 +214,8 @@ class Agent:
             self.act_dim, self.act_shape = int(shape[0]), shape
             self.low = torch.as_tensor(low, dtype=torch.float32).expand(shape).clone()
             self.high = torch.as_tensor(high, dtype=torch.float32).expand(shape).clone()
-        T = settings.max_episode_length
-        self.kind = Episode(max_episode_length=T)
+        self.kind = settings.learns_from(Episode, type(self).__module__)
+        T = self.kind.max_episode_length
         self.max_timestep = int(cfg.max_timestep) or T
         self.target_entropy = -float(self.act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
         self.rng = np.random.default_rng(settings.seed)

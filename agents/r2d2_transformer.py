@@ -378,8 +378,7 @@ class Agent:
             )
         if cfg.d_model % cfg.num_heads:
             raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
-        self.kind = Sequence(length=settings.sequence_length, period=settings.sequence_period,
-                             burn_in=settings.burn_in)
+        self.kind = settings.learns_from(Sequence, type(self).__module__)  # replay.sequence_length, _period, burn_in
         if cfg.context < 0:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
         if cfg.context_hop < 0:
