@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -359,23 +359,11 @@ class Agent:
         return metrics, td_abs
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "target": self.target.state_dict(),
-            "policy_optimizer": self.policy_optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict(),
-            "updates": self.updates,
-            "noise_gen": None if self._noise_gen is None else self._noise_gen.get_state(),
-        }
+        return {**learner_state(self, "online", "target", "policy_optimizer", "critic_optimizer"),
+                "noise_gen": None if self._noise_gen is None else self._noise_gen.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.target.load_state_dict(state["target"])
-        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        self.updates = int(state["updates"])
+        load_learner_state(self, state, "online", "target", "policy_optimizer", "critic_optimizer")
         if state.get("noise_gen") is not None:
             self._noise_gen = torch.Generator(device=self.device)
             self._noise_gen.set_state(state["noise_gen"])

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -260,17 +260,7 @@ class Agent:
         return metrics, td_abs  # new priorities: |TD error| (B,)
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "target": self.target.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-        }
+        return learner_state(self, "online", "target", "optimizer")
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = int(state["updates"])
+        load_learner_state(self, state, "online", "target", "optimizer")

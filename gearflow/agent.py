@@ -48,7 +48,7 @@ from gearflow.replay.table import Sample
 
 __all__ = [
     "ActOutput", "Agent", "AgentSettings", "EnvSpec", "EpisodeAgent", "SequenceAgent", "agent_settings",
-    "load_agent_class", "make_agent", "resolve_device",
+    "learner_state", "load_agent_class", "load_learner_state", "make_agent", "resolve_device",
 ]  # fmt: skip
 
 
@@ -236,6 +236,26 @@ class EpisodeAgent(Agent, Protocol):
         """Actions for contexts: ``obs`` (k, K, *obs), ``rtg`` (k, K), ``actions`` (k, K[, A]),
         ``timesteps`` (k, K), ``lengths`` (k,) valid steps; ``epsilon``: the probability of
         sampling from the policy instead of taking its mode."""
+
+
+def learner_state(agent, *names: str) -> dict:
+    """An agent's learner state for a checkpoint: ``getattr(agent, name).state_dict()`` of each of
+    ``names`` (networks, optimizers, schedulers) and its ``updates``; :func:`load_learner_state`
+    reads it back::
+
+        def state_dict(self):
+            return learner_state(self, "online", "target", "optimizer")
+    """
+    return {**{n: getattr(agent, n).state_dict() for n in names}, "updates": agent.updates}
+
+
+def load_learner_state(agent, state: dict, *names: str) -> None:
+    """What :func:`learner_state` wrote, back into ``agent`` (its learner set up first if it is not)."""
+    if agent.online is None:
+        agent.setup_learner()
+    for n in names:
+        getattr(agent, n).load_state_dict(state[n])
+    agent.updates = int(state["updates"])
 
 
 def load_agent_class(name: str) -> type:

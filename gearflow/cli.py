@@ -107,7 +107,7 @@ def _cli_token(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_actor(args: argparse.Namespace) -> int:
-    from gearflow.actors.remote import ActorSet
+    from gearflow.actors.connect import ActorSet
     from gearflow.config import load_config, to_yaml
     from gearflow.log import inherited_verbosity
 

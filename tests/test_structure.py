@@ -231,6 +231,27 @@ def test_an_actor_is_built_in_one_place():
     assert {c.split(":")[0] for c in calls} - benchmarks == {"gearflow.actors.process"}, calls
 
 
+def test_every_request_name_is_a_typed_constant():
+    """A request name (``replay.sample``, ``run.join``, ...) is written once, as a constant of
+    ``transport/ops.py`` (:class:`~gearflow.transport.ops.Rpc`); code that registers or calls one uses
+    the constant (docstrings may show the name)."""
+    from gearflow.transport import ops
+
+    names = set(ops.RPCS)
+    found = []
+    for m, tree in _modules().items():
+        if m in ("gearflow.transport.ops", "gearflow.config"):  # config keys share the form: run.progress is one
+            continue
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}  # fmt: skip
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs:
+                found.append(f"{m}:{node.lineno}: {node.value!r}")
+    assert not found, "bare request names (use gearflow.transport.ops' constants):\n" + "\n".join(found)
+    assert len(names) == len(ops.RPCS) and all(isinstance(n, ops.Rpc) for n in names)
+
+
 if __name__ == "__main__":
     rows = reach_ins()
     for m, line, name, src in rows:

@@ -1,6 +1,6 @@
 """Actor processes, built one way: the one factory every actor-side process uses — a run's local
 actor processes (:func:`run_actor_process`), the remote actors of ``gearflow actor --connect``
-(:mod:`gearflow.actors.remote`) and the evaluation process (:mod:`gearflow.run.evaluate`'s
+(:mod:`gearflow.actors.connect`) and the evaluation process (:mod:`gearflow.run.evaluate`'s
 ``play``) — and the reports they send.
 
     enter_actor_process(cfg.actor.nice)             # SIGINT left to the parent, logging, 1 thread, niced
@@ -32,7 +32,7 @@ import torch
 
 from gearflow.actors import actor_class_for
 from gearflow.actors.base import ActorBase, actor_epsilon, env_seed
-from gearflow.actors.checks import describe_failure
+from gearflow.actors.contract import describe_failure
 from gearflow.errors import ContractError
 from gearflow.replay.storage import SharedStorage
 from gearflow.replay.writer import Writer
@@ -138,7 +138,7 @@ class ActorReports:
       ``actor/episodes``, ``actor/items``, ``actor/weight_version``, ``actor/env_steps_per_s``
     * ``error``: ``actor``, ``error`` (a traceback; a :class:`~gearflow.errors.ContractError`'s one
       line), ``where``, ``culprit``, ``message``, ``signature``, ``contract``
-      (:func:`~gearflow.actors.checks.describe_failure`)
+      (:func:`~gearflow.actors.contract.describe_failure`)
     """
 
     def __init__(self, put: Callable[[dict], None], actor_index: int):

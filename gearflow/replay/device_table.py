@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from gearflow.replay.batches import Sample
+from gearflow.replay.host_batch import Sample
 from gearflow.replay.selectors import check_priorities
 from gearflow.replay.storage import RESERVE
 

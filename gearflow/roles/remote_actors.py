@@ -5,7 +5,7 @@ not started here: a **shard process** attaches the run's replay segment and para
 by name (as a local actor process does), serves them with a
 :class:`~gearflow.transport.server.shard.ShardService` (``learners=False``: the learner samples its
 own table) on ``transport.host:transport.port``, and waits for them
-(``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.remote`)::
+(``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.connect`)::
 
     remote = RemoteActors(cfg, table, params, {2: parts_2, 3: parts_3})
     port = remote.start()                       # logs the address and the actors' command
@@ -53,6 +53,7 @@ from gearflow.errors import ConfigError, GearflowError
 from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
+from gearflow.transport.ops import RUN_JOIN, RUN_REPORT
 
 log = logging.getLogger("gearflow.runner")
 
@@ -345,8 +346,8 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
         shard.writable = members.writable  # an actor credential writes the partitions of places it joined
-        shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
-        shard.service.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
+        shard.service.register(RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
+        shard.service.register(RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
     except BaseException as exc:
         ready.put(("error", f"{type(exc).__name__}: {exc}"))

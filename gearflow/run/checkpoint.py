@@ -14,7 +14,7 @@ directory, which is ignored and removed by the next save)::
                         tensors, numbers, strings, lists and dicts only
         runner.json     env steps, updates, episodes, elapsed seconds, weights version,
                         recent returns, metric-file offsets, annealed β
-        replay/         the table (gearflow.replay.checkpoint, with its own manifest)
+        replay/         the table (gearflow.replay.table_checkpoint, with its own manifest)
         MANIFEST.json   size and CRC-32 of learner.pt, runner.json and replay/MANIFEST.json
                         (so a missing replay/ is a corrupt checkpoint); written last
 
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from gearflow.run.private import private_dir, redacted
-from gearflow.replay.checkpoint import (
+from gearflow.replay.table_checkpoint import (
     CheckpointError,
     check_manifest,
     save_checkpoint,
