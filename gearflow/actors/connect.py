@@ -29,7 +29,7 @@ import torch
 
 from gearflow.actors.process import ActorReports, StopWhen, build_actor, enter_actor_process, stop_processes
 from gearflow.errors import GearflowError
-from gearflow.transport.ops import RUN_JOIN, RUN_REPORT
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.actor")
 
@@ -101,7 +101,7 @@ def _act(control, address, local_cfg, token, place: list, stop: StopWhen, timeou
     returns env steps."""
     from gearflow.transport.actor import RemoteParams, RemoteWriter, ShippingWriter
 
-    meta, _ = control.call(RUN_JOIN, {"actor": place[0]})
+    meta, _ = control.call(RPC.RUN_JOIN, {"actor": place[0]})
     if meta.get("stop"):
         stop.run_over = True
         return 0
@@ -181,7 +181,7 @@ class _Reporter:
         batch = []
         while self.pending:
             batch.append(self.pending.popleft())
-        reply, _ = self.control.call(RUN_REPORT, {"messages": batch}, timeout_s=timeout_s)
+        reply, _ = self.control.call(RPC.RUN_REPORT, {"messages": batch}, timeout_s=timeout_s)
         if reply.get("stop"):
             self.stop.run_over = True
 

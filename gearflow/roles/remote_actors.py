@@ -53,7 +53,7 @@ from gearflow.errors import ConfigError, GearflowError
 from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
-from gearflow.transport.ops import RUN_JOIN, RUN_REPORT
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.runner")
 
@@ -346,8 +346,8 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
         shard.writable = members.writable  # an actor credential writes the partitions of places it joined
-        shard.service.register(RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
-        shard.service.register(RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
+        shard.service.register(RPC.RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
+        shard.service.register(RPC.RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
     except BaseException as exc:
         ready.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -47,6 +47,7 @@ from gearflow.run.private import private_dir, redacted
 from gearflow.replay.table_checkpoint import (
     CheckpointError,
     check_manifest,
+    read_json_object,
     save_checkpoint,
     verify_checkpoint,
     write_manifest,
@@ -207,12 +208,7 @@ class RunCheckpoints:
         check_manifest(path, "checkpoint", required=("learner.pt", "runner.json"))
         if replay and (path / "replay").is_dir():
             verify_checkpoint(path / "replay")
-        try:
-            runner = json.loads((path / "runner.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: runner.json cannot be read: {exc}") from None
-        if not isinstance(runner, dict):
-            raise CheckpointError(f"{path}: runner.json is not a JSON object")
+        runner = read_json_object(path, "runner.json")
         try:
             learner = load_learner(path / "learner.pt")
         except CheckpointError:

@@ -29,23 +29,7 @@ finish, close — close always, last built first).
 A dead actor is restarted up to ``actor.max_restarts`` times; its partitions and
 their data survive (the new writer continues after the old one's last step).
 SIGINT/SIGTERM stop everything cleanly: no child process and no /dev/shm segment
-is left behind. A network transport hands the learner a remote sampler and the
-actors a remote writer and parameter source; a cluster launcher replaces
-``LocalLauncher``: both plug in here.
-
-Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
-
-    0    finished: a stopping limit was reached (final checkpoint written)
-    2    a user error (config, run directory, checkpoint): one line, nothing started or left
-    3    an actor failed more than ``actor.max_restarts`` times, or of a failure a restart cannot
-         mend (a contract violation of the agent or env, the same error twice), or the run made
-         no env step while its actors failed, whatever limit came first
-         (``roles/failures.py``): the final checkpoint is written and ``--resume`` continues
-         the run once the cause is fixed
-    4    the final checkpoint could not be written (a full or read-only disk): the error
-         names the last checkpoint written, from which ``--resume`` continues
-    130  stopped by SIGINT, 143 by SIGTERM (128 + the signal, as a shell reports it), after
-         the final checkpoint: ``--resume`` continues the run
+is left behind. The exit status each ending gives ``gearflow train`` is in :mod:`gearflow.runner`.
 """
 
 from __future__ import annotations

@@ -5,14 +5,8 @@ processes (:class:`~gearflow.roles.actor_processes.LocalLauncher`), the remote a
 (:class:`~gearflow.roles.remote_actors.RemoteActors`), the shard nodes a learner samples
 (:class:`~gearflow.roles.shards.Shards`), a shard node's service, a cluster's roles, and the parts
 that only need closing (the replay table, the parameter store, a serial actor, the prefetcher:
-:class:`Closes`). Each offers the same methods::
-
-    start()               begin (spawn processes, listen)
-    check() -> int        supervise between batches: restarts made; raises ActorFailed to stop the run
-    drain(progress)       fold what it reported (episodes, counters, errors) into ``progress``
-    stop(drain)           stop gracefully; ``drain()`` keeps reading reports meanwhile
-    finish(reason)        the run ended by itself for ``reason`` (not by a signal): tell others
-    close()               release everything (always called, also after a failure)
+:class:`Closes`). Each offers the same methods (``start``, ``check``, ``drain``, ``stop``,
+``finish``, ``close``; ``summarize`` optional: :mod:`gearflow.roles.base`).
 
 :class:`Lifecycle` runs a list of roles through them: start and check in build order, stop
 and close in reverse (what was built last goes first), each role stopped and closed once,

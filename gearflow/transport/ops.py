@@ -1,5 +1,5 @@
-"""The wire's requests, typed: every request name as one constant (:class:`Rpc`: ``REPLAY_SAMPLE``,
-``RUN_JOIN``, ...), and the ops of a ``replay.write`` request, with one encoder and one decoder
+"""The wire's requests, typed: every request name as one constant (:class:`RPC`: ``RPC.REPLAY_SAMPLE``,
+``RPC.RUN_JOIN``, ...), and the ops of a ``replay.write`` request, with one encoder and one decoder
 for both sides.
 
 A remote writer (:class:`~gearflow.transport.actor.RemoteWriter`, the log-shipping
@@ -45,25 +45,8 @@ __all__ = [
     "Episodes",
     "Extend",
     "Flush",
-    "PARAMS_GET",
-    "PARAMS_PUSH",
-    "RDMA_CONNECT",
-    "RDMA_SELECT",
-    "RDMA_UPDATE",
-    "REPLAY_CHECKPOINT",
-    "REPLAY_CLOSE_WRITER",
-    "REPLAY_INFO",
-    "REPLAY_OPEN_WRITER",
-    "REPLAY_SAMPLE",
-    "REPLAY_STATS",
-    "REPLAY_TOTAL",
-    "REPLAY_UPDATE_PRIORITIES",
-    "REPLAY_WRITE",
+    "RPC",
     "RPCS",
-    "RUN_JOIN",
-    "RUN_PROGRESS",
-    "RUN_REPORT",
-    "RUN_STOP",
     "Rpc",
     "WriteOp",
     "decode_ops",
@@ -80,33 +63,35 @@ class Rpc(str):
     __slots__ = ()
 
 
-# the shard (transport/server/shard.py): a learner's reads and writes of its table
-REPLAY_INFO = Rpc("replay.info")  # the table's spec, kind, selector, partitions (a learner's first call)
-REPLAY_STATS = Rpc("replay.stats")  # the table's counters (any role)
-REPLAY_SAMPLE = Rpc("replay.sample")  # a batch: keys, weights, columns
-REPLAY_UPDATE_PRIORITIES = Rpc("replay.update_priorities")  # new priorities by key
-REPLAY_TOTAL = Rpc("replay.total")  # the selector's total priority and size (the split of a batch; a health probe)
-REPLAY_CHECKPOINT = Rpc("replay.checkpoint")  # the node's table saved on its own disk
-# a remote writer's session (transport/server/sessions.py, transport/actor/)
-REPLAY_OPEN_WRITER = Rpc("replay.open_writer")
-REPLAY_CLOSE_WRITER = Rpc("replay.close_writer")
-REPLAY_WRITE = Rpc("replay.write")  # a batch of the typed write ops above
-# weights
-PARAMS_GET = Rpc("params.get")  # an actor's read of the latest weights
-PARAMS_PUSH = Rpc("params.push")  # a learner's new weights to a shard node
-# a run's members and progress (roles/remote_actors.py's Members; transport/server/node.py)
-RUN_JOIN = Rpc("run.join")  # a remote actor asks for a place
-RUN_REPORT = Rpc("run.report")  # what a remote actor reports; the reply says whether the run is over
-RUN_PROGRESS = Rpc("run.progress")  # what a node's actors reported since a cursor
-RUN_STOP = Rpc("run.stop")  # the run is over: a shard node stops
-# RDMA's control messages beside the TCP data path (transport/rdma/replay.py)
-RDMA_CONNECT = Rpc("rdma.connect")
-RDMA_SELECT = Rpc("rdma.select")
-RDMA_UPDATE = Rpc("rdma.update")
+class RPC:
+    """Every request name of the wire, one constant each: ``RPC.REPLAY_SAMPLE``, ``RPC.RUN_JOIN``."""
 
-RPCS = (REPLAY_INFO, REPLAY_STATS, REPLAY_SAMPLE, REPLAY_UPDATE_PRIORITIES, REPLAY_TOTAL, REPLAY_CHECKPOINT,
-        REPLAY_OPEN_WRITER, REPLAY_CLOSE_WRITER, REPLAY_WRITE, PARAMS_GET, PARAMS_PUSH, RUN_JOIN, RUN_REPORT,
-        RUN_PROGRESS, RUN_STOP, RDMA_CONNECT, RDMA_SELECT, RDMA_UPDATE)  # fmt: skip
+    # the shard (transport/server/shard.py): a learner's reads and writes of its table
+    REPLAY_INFO = Rpc("replay.info")  # the table's spec, kind, selector, partitions (a learner's first call)
+    REPLAY_STATS = Rpc("replay.stats")  # the table's counters (any role)
+    REPLAY_SAMPLE = Rpc("replay.sample")  # a batch: keys, weights, columns
+    REPLAY_UPDATE_PRIORITIES = Rpc("replay.update_priorities")  # new priorities by key
+    REPLAY_TOTAL = Rpc("replay.total")  # the selector's total priority and size (the split of a batch; a health probe)
+    REPLAY_CHECKPOINT = Rpc("replay.checkpoint")  # the node's table saved on its own disk
+    # a remote writer's session (transport/server/sessions.py, transport/actor/)
+    REPLAY_OPEN_WRITER = Rpc("replay.open_writer")
+    REPLAY_CLOSE_WRITER = Rpc("replay.close_writer")
+    REPLAY_WRITE = Rpc("replay.write")  # a batch of the typed write ops above
+    # weights
+    PARAMS_GET = Rpc("params.get")  # an actor's read of the latest weights
+    PARAMS_PUSH = Rpc("params.push")  # a learner's new weights to a shard node
+    # a run's members and progress (roles/remote_actors.py's Members; transport/server/node.py)
+    RUN_JOIN = Rpc("run.join")  # a remote actor asks for a place
+    RUN_REPORT = Rpc("run.report")  # what a remote actor reports; the reply says whether the run is over
+    RUN_PROGRESS = Rpc("run.progress")  # what a node's actors reported since a cursor
+    RUN_STOP = Rpc("run.stop")  # the run is over: a shard node stops
+    # RDMA's control messages beside the TCP data path (transport/rdma/replay.py)
+    RDMA_CONNECT = Rpc("rdma.connect")
+    RDMA_SELECT = Rpc("rdma.select")
+    RDMA_UPDATE = Rpc("rdma.update")
+
+
+RPCS = tuple(v for k, v in vars(RPC).items() if isinstance(v, Rpc))  # every request name
 
 
 # a field's kind: what the decoder accepts (and the encoder writes) for it

@@ -32,7 +32,7 @@ import torch
 from gearflow.transport.choice import choose_transport
 from gearflow.transport.server.shard import ShardService
 from gearflow.transport.service import ANY_ROLE
-from gearflow.transport.ops import PARAMS_PUSH, RUN_JOIN, RUN_PROGRESS, RUN_REPORT, RUN_STOP
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.serve")
 
@@ -61,14 +61,14 @@ class NodeService:
         s = self.shard.service
         if members is not None:
             self.shard.writable = members.writable  # an actor credential writes the partitions of places it joined
-            s.register(RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
-            s.register(RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
+            s.register(RPC.RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
+            s.register(RPC.RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         self.transport = choose_transport(transport)  # auto: RDMA where a device and pyverbs are usable
         self.data_path = self.transport.serve(self.shard)  # beside TCP (rdma: one-sided READs, rdma.*), or None
         log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
-        s.register(PARAMS_PUSH, self._params_push)  # the learners' (the default role)
-        s.register(RUN_PROGRESS, self._progress, inline=True, roles=ANY_ROLE)
-        s.register(RUN_STOP, self._stop, with_connection=True)
+        s.register(RPC.PARAMS_PUSH, self._params_push)  # the learners' (the default role)
+        s.register(RPC.RUN_PROGRESS, self._progress, inline=True, roles=ANY_ROLE)
+        s.register(RPC.RUN_STOP, self._stop, with_connection=True)
 
     @property
     def port(self) -> int:

@@ -30,10 +30,10 @@ from gearflow.transport.ops import (
     Episodes,
     Extend,
     Flush,
+    RPC,
     decode_ops,
 )
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service
-from gearflow.transport.ops import REPLAY_CLOSE_WRITER, REPLAY_OPEN_WRITER, REPLAY_WRITE
 
 log = logging.getLogger("gearflow.transport.server.shard")
 
@@ -66,10 +66,10 @@ class WriterSessions:
             return len(self._owner)
 
     def register(self, s: Service) -> None:
-        s.register(REPLAY_OPEN_WRITER, self.open, with_connection=True, roles=ANY_ROLE)
-        s.register(REPLAY_CLOSE_WRITER, self.close, with_connection=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_OPEN_WRITER, self.open, with_connection=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_CLOSE_WRITER, self.close, with_connection=True, roles=ANY_ROLE)
         # on the loop while no rate limit is set (nothing can wait), else in the pool
-        s.register(REPLAY_WRITE, self.write, with_connection=True, inline=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_WRITE, self.write, with_connection=True, inline=True, roles=ANY_ROLE)
 
     def open(self, meta: dict, bufs, conn: Connection):
         k = meta.get("num_streams")

@@ -67,15 +67,7 @@ from gearflow.replay.table import BufferRing
 from gearflow.transport.server.sessions import WriterSessions
 from gearflow.transport.server.wire import WireRows
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
-from gearflow.transport.ops import (
-    PARAMS_GET,
-    REPLAY_CHECKPOINT,
-    REPLAY_INFO,
-    REPLAY_SAMPLE,
-    REPLAY_STATS,
-    REPLAY_TOTAL,
-    REPLAY_UPDATE_PRIORITIES,
-)
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +126,15 @@ class ShardService:
         self._local = _Lane(None)  # sample(): the table's own buffer sets (each connection has its own lane)
         s = self.service
         # actors (ANY_ROLE): write their sessions' partitions, read stats and weights; the rest is the learners'
-        s.register(REPLAY_INFO, self._info, inline=True)
+        s.register(RPC.REPLAY_INFO, self._info, inline=True)
         self.sessions.register(s)
-        s.register(REPLAY_STATS, self._stats, inline=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_STATS, self._stats, inline=True, roles=ANY_ROLE)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
-            s.register(REPLAY_SAMPLE, self._sample, inline=True, with_connection=True)
-            s.register(REPLAY_UPDATE_PRIORITIES, self._update_priorities, inline=True)
-            s.register(REPLAY_TOTAL, self._total, inline=True)
-            s.register(REPLAY_CHECKPOINT, self._checkpoint)
-        s.register(PARAMS_GET, self._params_get, roles=ANY_ROLE)
+            s.register(RPC.REPLAY_SAMPLE, self._sample, inline=True, with_connection=True)
+            s.register(RPC.REPLAY_UPDATE_PRIORITIES, self._update_priorities, inline=True)
+            s.register(RPC.REPLAY_TOTAL, self._total, inline=True)
+            s.register(RPC.REPLAY_CHECKPOINT, self._checkpoint)
+        s.register(RPC.PARAMS_GET, self._params_get, roles=ANY_ROLE)
 
     @property
     def assignable(self) -> list[int]:
