@@ -6,7 +6,7 @@ over TCP (:mod:`gearflow.roles.remote_actors`). Each remote actor process here j
 same factory as a local actor process (:func:`~gearflow.actors.process.build_actor`), with the
 transport's seams in place of shared memory::
 
-    writer = lambda env: ShippingWriter(address, len(parts), partitions=parts)  # a Writer: the C adder runs
+    writer = lambda env: remote_writer(cfg, address, parts, token)  # ShippingWriter: the C adder runs here
     actor = build_actor(cfg, k, writer=writer, param_source=RemoteParams(control),
                         on_episode=reports.episode)                           # ParameterSource over TCP
 
@@ -99,7 +99,7 @@ def _act(control, address, local_cfg, token, place: list, stop: StopWhen, timeou
     """One membership: join (``place[0]``: the place asked for, None for any; set to the one
     given, so that a rejoin asks for it again), act until stopped or the connection fails;
     returns env steps."""
-    from gearflow.transport.actor import RemoteParams, RemoteWriter, ShippingWriter
+    from gearflow.transport.actor import RemoteParams, remote_writer
 
     meta, _ = control.call(RPC.RUN_JOIN, {"actor": place[0]})
     if meta.get("stop"):
@@ -120,11 +120,10 @@ def _act(control, address, local_cfg, token, place: list, stop: StopWhen, timeou
     def writer(env):
         if env.num_envs != len(parts):
             raise GearflowError(f"the learner gave actor {k} {len(parts)} partitions for env.num_envs={env.num_envs}")
-        # ShippingWriter: a local ring shipped to the shard, so the adder's C path runs here;
-        # RemoteWriter for stacked-frame columns (which the ring does not ship)
-        kind = RemoteWriter if cfg.replay.frame_stack else ShippingWriter
-        return kind(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
-                    timeout_s=timeout_s, loop=loop)  # fmt: skip
+        # the transport's table (transport/actor: ShippingWriter, the adder's C path here; RemoteWriter
+        # for stacked-frame columns)
+        return remote_writer(cfg, address, parts, token, insert_timeout_s=float(cfg.replay.timeout_s),
+                             timeout_s=timeout_s, loop=loop)  # fmt: skip
 
     try:
         actor = build_actor(cfg, k, writer=writer, param_source=RemoteParams(control), on_episode=reports.episode)

@@ -72,9 +72,8 @@ def drive(cfg: DictConfig, plan: RunPlan, *, on_started: Callable[[dict], None] 
             roles.stop(None)
         finally:
             roles.close()
-    log.info("done on a cluster (%s): %d shard node(s), %d learner(s), %d env steps, %d updates in %.0f s; return "
-             "over the last 100 episodes %.1f; learners' parameters identical: %s", summary["stop_reason"],
-             summary["cluster/shards"], summary["cluster/learners"], summary["actor/env_steps"],
-             summary["learner/updates"], summary["time/elapsed_s"], summary["actor/return_last100"],
-             summary["cluster/parameters_identical"])  # fmt: skip
+    log.info("done on a cluster (%s): %s env steps, %s updates in %.0f s; return over the last 100 episodes %s; %s",
+             summary.get("stop_reason"), summary.get("actor/env_steps"), summary.get("learner/updates"),
+             summary.get("time/elapsed_s", 0.0), summary.get("actor/return_last100"),
+             ", ".join(f"{k.removeprefix('cluster/')} {v}" for k, v in summary.items() if k.startswith("cluster/")))  # fmt: skip
     return summary
