@@ -41,7 +41,7 @@ from gearflow.geometry import replay_geometry
 from gearflow.kinds.registry import kind_def, kind_names
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.replay.selectors import SELECTORS
-from gearflow.topology.plan import LAUNCHERS, RUN_MODES  # a leaf of data: the modes' and launchers' names
+from gearflow.topology.plan import LAUNCHERS, RUN_MODES  # a leaf of data
 from gearflow.transport.choice import transport_names
 
 log = logging.getLogger(__name__)

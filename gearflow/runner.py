@@ -29,7 +29,8 @@ Exit status of ``gearflow train`` (so a scheduler can tell the cases apart):
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import DictConfig
 

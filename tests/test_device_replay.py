@@ -1234,8 +1234,8 @@ def test_cuda_probe_compiled_and_ran_a_kernel():
 
 @no_cupy_here
 def test_restore_checkpoint_on_cuda_without_cupy_is_a_clear_error_and_leaks_nothing(tmp_path):
-    from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
     from gearflow.replay.storage import list_segments
+    from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 
     storage = SharedStorage.create(SPEC, num_partitions=2, steps_per_partition=16)
     table = Table(storage, Transition(), make_selector("uniform", 2 * storage.items_per_partition, seed=0),

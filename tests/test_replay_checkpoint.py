@@ -11,8 +11,8 @@ import torch
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
 from gearflow.replay import Writer
-from gearflow.replay.table_checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from gearflow.replay.storage import COMMIT, PUBLISHED, SharedStorage
+from gearflow.replay.table_checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 
 SPEC = {"obs": "float32[2]", "step": "int64"}
 

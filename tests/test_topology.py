@@ -16,10 +16,10 @@ from gearflow.errors import ConfigError, GearflowError
 from gearflow.kinds.episode import Episode
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
-from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import list_segments
-from gearflow.topology.plan import MODES, ROLES, learner_config, plan_run, shard_node_config
+from gearflow.roles.actor_processes import ActorFailed
 from gearflow.topology.lifecycle import Closes, Lifecycle
+from gearflow.topology.plan import MODES, ROLES, learner_config, plan_run, shard_node_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")

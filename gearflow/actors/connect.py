@@ -27,13 +27,19 @@ from typing import Any, Optional
 
 import torch
 
-from gearflow.actors.process import ActorReports, StopWhen, build_actor, enter_actor_process, stop_processes
+from gearflow.actors.process import (
+    ActorReports,
+    StopWhen,
+    build_actor,
+    enter_actor_process,
+    stop_processes,
+)
 from gearflow.errors import GearflowError
 from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.actor")
 
-__all__ = ["ActorSet", "run_remote_actor", "remote_actor_process"]
+__all__ = ["ActorSet", "remote_actor_process", "run_remote_actor"]
 
 LOCAL_KEYS = ("actor.device", "actor.nice")  # what this machine may set differently from the learner
 

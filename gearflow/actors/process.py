@@ -25,7 +25,8 @@ import os
 import signal
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 import torch

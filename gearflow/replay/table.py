@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.host_batch import (  # re-exported
     BatchBuffers,
     BufferRing,
@@ -52,7 +53,6 @@ from gearflow.replay.host_batch import (  # re-exported
     HostGather,
     Sample,
 )
-from gearflow.replay.device_table import sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.inserts import InsertLimit
 from gearflow.replay.items import ItemKind

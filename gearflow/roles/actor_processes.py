@@ -21,15 +21,15 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from omegaconf import DictConfig
 
 from gearflow.actors.process import actor_process_main, stop_processes
 from gearflow.config import to_yaml
-from gearflow.roles.failures import ActorFailed, FailureLog
 from gearflow.reports import fold_report, queued
+from gearflow.roles.failures import ActorFailed, FailureLog
 
 log = logging.getLogger("gearflow.runner")
 

@@ -35,7 +35,7 @@ import os
 import queue
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import DictConfig
 

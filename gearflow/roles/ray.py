@@ -67,8 +67,9 @@ import math
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig
 

@@ -34,7 +34,7 @@ from gearflow.roles.run_files import FileStream
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["ActorGroupRole", "LearnerRole", "REPORT_S", "RUN_MARK", "Registry", "ShardRole"]
+__all__ = ["REPORT_S", "RUN_MARK", "ActorGroupRole", "LearnerRole", "Registry", "ShardRole"]
 
 REPORT_S = 0.25  # how often an actor group forwards its actors' reports to its shard
 RUN_MARK = ".gearflow-driver"  # in the driver's run.dir: a role that sees it shares the driver's disk

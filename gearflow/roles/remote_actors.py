@@ -41,8 +41,8 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Callable, Mapping
 
 import numpy as np
 from omegaconf import DictConfig
@@ -50,14 +50,14 @@ from omegaconf import DictConfig
 from gearflow.actors.process import stop_processes
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.roles.actor_processes import ActorFailed
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
+from gearflow.roles.actor_processes import ActorFailed
 from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["Members", "RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
+__all__ = ["REPORT_TYPES", "Members", "RemoteActors", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
 # how long the shard process waits, once the run is over, for joined actors to hear it (their next

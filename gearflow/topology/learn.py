@@ -54,9 +54,9 @@ from gearflow.replay.storage import gc_segments, run_tag
 from gearflow.roles.actor_processes import LocalLauncher
 from gearflow.roles.failures import ActorFailed, explain, stalled
 from gearflow.run.checkpoint import Checkpoint, RunCheckpoints, set_rng_states
+from gearflow.run.display import make_display
 from gearflow.run.metrics import MetricsLog
 from gearflow.run.private import private_dir
-from gearflow.run.display import make_display
 from gearflow.run.tables import make_run_dir
 from gearflow.topology.build import Builder
 from gearflow.topology.lifecycle import Lifecycle

@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 __all__ = [
+    "RPC",
+    "RPCS",
     "Append",
     "CreateItems",
     "EndEpisode",
     "Episodes",
     "Extend",
     "Flush",
-    "RPC",
-    "RPCS",
     "Rpc",
     "WriteOp",
     "decode_ops",

@@ -8,13 +8,14 @@ An actor-side transport beside these is its module here and one entry in the tab
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gearflow.transport.actor.params import RemoteParams
 from gearflow.transport.actor.shipping import ShippingWriter
 from gearflow.transport.actor.writer import RemoteWriter
 
-__all__ = ["RemoteParams", "RemoteWriter", "ShippingWriter", "WRITERS", "remote_writer"]
+__all__ = ["WRITERS", "RemoteParams", "RemoteWriter", "ShippingWriter", "remote_writer"]
 
 # (name, "module:class", rule): the first entry whose rule(cfg) holds writes the actor's steps
 WRITERS: list[tuple[str, str, Callable[[Any], bool]]] = [

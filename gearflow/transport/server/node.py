@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from gearflow.transport.choice import choose_transport
+from gearflow.transport.ops import RPC
 from gearflow.transport.server.shard import ShardService
 from gearflow.transport.service import ANY_ROLE
-from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.serve")
 

@@ -24,13 +24,13 @@ from gearflow.replay.writer import Writer
 from gearflow.transport.auth import AuthorizationError
 from gearflow.transport.errors import SessionLost
 from gearflow.transport.ops import (
+    RPC,
     Append,
     CreateItems,
     EndEpisode,
     Episodes,
     Extend,
     Flush,
-    RPC,
     decode_ops,
 )
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service

@@ -64,10 +64,10 @@ import torch
 
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.table import BufferRing
+from gearflow.transport.ops import RPC
 from gearflow.transport.server.sessions import WriterSessions
 from gearflow.transport.server.wire import WireRows
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
-from gearflow.transport.ops import RPC
 
 log = logging.getLogger(__name__)
 
