@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -212,6 +212,7 @@ class Agent:
         self.centre = ((high + low) / 2).astype(np.float32)  # (A,) env units
         self.half = ((high - low) / 2).astype(np.float32)  # (A,)
         self.obs_dim = int(np.prod(spec.obs_shape))
+        self.kind = settings.learns_from(Transition, type(self).__module__)  # next_columns=("obs",)
         self.gamma = settings.gamma
         self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
         self.seed = settings.seed
@@ -230,7 +231,7 @@ class Agent:
         }
 
     def item_kind(self) -> Transition:
-        return Transition(next_columns=("obs",))
+        return self.kind
 
     def to_env(self, u: np.ndarray) -> np.ndarray:
         """Normalised actions (k, A) in [-1, 1] → the env's units."""
@@ -358,23 +359,11 @@ class Agent:
         return metrics, td_abs
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "target": self.target.state_dict(),
-            "policy_optimizer": self.policy_optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict(),
-            "updates": self.updates,
-            "noise_gen": None if self._noise_gen is None else self._noise_gen.get_state(),
-        }
+        return {**learner_state(self, "online", "target", "policy_optimizer", "critic_optimizer"),
+                "noise_gen": None if self._noise_gen is None else self._noise_gen.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.target.load_state_dict(state["target"])
-        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        self.updates = int(state["updates"])
+        load_learner_state(self, state, "online", "target", "policy_optimizer", "critic_optimizer")
         if state.get("noise_gen") is not None:
             self._noise_gen = torch.Generator(device=self.device)
             self._noise_gen.set_state(state["noise_gen"])

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
 from gearflow.precision import bf16_forward, fp32
@@ -141,6 +141,8 @@ def n_step_targets(online: nn.Module, target: nn.Module, next_obs, ret, disc, do
 class Agent:
     """Ape-X DQN; see the module docstring. Learner state lives in ``setup_learner``."""
 
+    ITEM = Transition  # the item kind it learns from (replay.item)
+
     def __init__(self, cfg: Config, spec: EnvSpec, settings: AgentSettings, device: torch.device):
         if spec.num_actions is None:
             raise ConfigError(
@@ -157,6 +159,7 @@ class Agent:
             )
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
+        self.kind = settings.learns_from(self.ITEM, type(self).__module__)  # Transition(next_columns=("obs",))
         self.gamma = settings.gamma
         self.n_step = settings.n_step
         self.rng = np.random.default_rng(settings.seed)
@@ -175,7 +178,7 @@ class Agent:
         }
 
     def item_kind(self) -> Transition:
-        return Transition(next_columns=("obs",))
+        return self.kind
 
     # ---- acting
     def make_network(self) -> nn.Module:
@@ -257,17 +260,7 @@ class Agent:
         return metrics, td_abs  # new priorities: |TD error| (B,)
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "target": self.target.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-        }
+        return learner_state(self, "online", "target", "optimizer")
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = int(state["updates"])
+        load_learner_state(self, state, "online", "target", "optimizer")

@@ -65,7 +65,7 @@ from torch import nn
 from agents.dt_accel import StepTokens, compile_step_tokens
 from agents.dt_model import Block, DecisionTransformer, tanh_normal, tanh_normal_mode
 from agents.kv_cache import KVCache, hop_length
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.episode import Episode
 from gearflow.precision import bf16_forward
@@ -214,8 +214,8 @@ class Agent:
             self.act_dim, self.act_shape = int(shape[0]), shape
             self.low = torch.as_tensor(low, dtype=torch.float32).expand(shape).clone()
             self.high = torch.as_tensor(high, dtype=torch.float32).expand(shape).clone()
-        T = settings.max_episode_length
-        self.kind = Episode(max_episode_length=T)
+        self.kind = settings.learns_from(Episode, type(self).__module__)
+        T = self.kind.max_episode_length
         self.max_timestep = int(cfg.max_timestep) or T
         self.target_entropy = -float(self.act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
         self.rng = np.random.default_rng(settings.seed)
@@ -458,22 +458,10 @@ class Agent:
         return metrics, priorities
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "log_temperature": self.log_temperature.detach().clone(),
-            "temperature_optimizer": self.temperature_optimizer.state_dict(),
-            "updates": self.updates,
-        }
+        return {**learner_state(self, "online", "optimizer", "scheduler", "temperature_optimizer"),
+                "log_temperature": self.log_temperature.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_learner_state(self, state, "online", "optimizer", "scheduler", "temperature_optimizer")
         with torch.no_grad():
             self.log_temperature.copy_(state["log_temperature"])
-        self.temperature_optimizer.load_state_dict(state["temperature_optimizer"])
-        self.updates = int(state["updates"])

@@ -74,7 +74,7 @@ from agents.r2d2_accel import (
     compile_one_token_step,
     native_one_token_step,
 )
-from gearflow.agent import ActOutput, AgentSettings, EnvSpec
+from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.sequence import Sequence
 from gearflow.precision import bf16_forward, fp32
@@ -378,8 +378,7 @@ class Agent:
             )
         if cfg.d_model % cfg.num_heads:
             raise ConfigError(f"agent.d_model={cfg.d_model} must be divisible by agent.num_heads={cfg.num_heads}")
-        self.kind = Sequence(length=settings.sequence_length, period=settings.sequence_period,
-                             burn_in=settings.burn_in)
+        self.kind = settings.learns_from(Sequence, type(self).__module__)  # replay.sequence_length, _period, burn_in
         if cfg.context < 0:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
         if cfg.context_hop < 0:
@@ -611,17 +610,7 @@ class Agent:
         return metrics, priorities
 
     def state_dict(self) -> dict:
-        return {
-            "online": self.online.state_dict(),
-            "target": self.target.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "updates": self.updates,
-        }
+        return learner_state(self, "online", "target", "optimizer")
 
     def load_state_dict(self, state: dict) -> None:
-        if self.online is None:
-            self.setup_learner()
-        self.online.load_state_dict(state["online"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = int(state["updates"])
+        load_learner_state(self, state, "online", "target", "optimizer")

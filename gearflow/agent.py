@@ -48,7 +48,7 @@ from gearflow.replay.table import Sample
 
 __all__ = [
     "ActOutput", "Agent", "AgentSettings", "EnvSpec", "EpisodeAgent", "SequenceAgent", "agent_settings",
-    "load_agent_class", "make_agent", "resolve_device",
+    "learner_state", "load_agent_class", "load_learner_state", "make_agent", "resolve_device",
 ]  # fmt: skip
 
 
@@ -75,6 +75,7 @@ class ActOutput:
 
 
 _GROUPS = ("env", "actor", "replay", "learner", "agent", "run", "transport", "cluster")
+_KIND_PARAMETERS = ("sequence_length", "sequence_period", "burn_in", "max_episode_length")
 
 
 @dataclass(frozen=True)
@@ -94,16 +95,23 @@ class AgentSettings:
     """``run.seed``: the seed of the agent's own generators (exploration, sampling)."""
     bf16: bool
     """``learner.bf16``: run the learner's forward passes under bfloat16 autocast (gearflow/precision.py)."""
-    sequence_length: int
-    """``replay.sequence_length``: steps per sequence item (``item=sequence`` agents)."""
-    sequence_period: int
-    """``replay.sequence_period``: steps between the starts of consecutive sequence items."""
-    burn_in: int
-    """``replay.burn_in``: leading steps of a sequence used only as context."""
-    max_episode_length: int
-    """``replay.max_episode_length``: the longest episode item (``item=episode`` agents)."""
+    kind: ItemKind
+    """The run's item rule (``replay.item``, its parameters read by the kind:
+    :func:`~gearflow.kinds.registry.make_kind`): ``Transition()``, ``Sequence(length, period,
+    burn_in)``, ``Episode(max_episode_length)``. The agent learns from it (:meth:`item_kind`
+    returns it) or refuses it (:meth:`learns_from`)."""
+
+    def learns_from(self, item: type, agent: str) -> ItemKind:
+        """:attr:`kind` when it is an ``item`` kind (``agent``: the agent's module, for the error);
+        else a one-line :class:`~gearflow.errors.ConfigError` naming ``replay.item``."""
+        if self.kind.name != item.name:
+            raise ConfigError(f"replay.item={self.kind.name!r}: agent {agent} learns from {item.name} items")
+        return self.kind
 
     def __getattr__(self, name: str):  # only called for names the dataclass does not have
+        if name in _KIND_PARAMETERS:
+            raise AttributeError(f"AgentSettings has no attribute {name!r}: the item kind's parameters are its own "
+                                 f"(settings.kind: {self.__dict__.get('kind')!r}, made from replay.* by the kind)")  # fmt: skip
         if name in _GROUPS:
             have = ", ".join(f.name for f in fields(self))
             raise AttributeError(
@@ -115,11 +123,11 @@ class AgentSettings:
 
 def agent_settings(cfg: Any) -> AgentSettings:
     """The :class:`AgentSettings` of a run config (the one place they are read from it)."""
-    a, r = cfg.actor, cfg.replay
+    from gearflow.kinds.registry import make_kind
+
+    a = cfg.actor
     return AgentSettings(gamma=float(a.gamma), n_step=int(a.n_step), seed=int(cfg.run.seed),
-                         bf16=bool(cfg.learner.bf16), sequence_length=int(r.sequence_length),
-                         sequence_period=int(r.sequence_period), burn_in=int(r.burn_in),
-                         max_episode_length=int(r.max_episode_length))  # fmt: skip
+                         bf16=bool(cfg.learner.bf16), kind=make_kind(cfg.replay))  # fmt: skip
 
 
 @runtime_checkable
@@ -128,14 +136,15 @@ class Agent(Protocol):
 
     def __init__(self, cfg: Any, spec: EnvSpec, settings: AgentSettings, device: torch.device) -> None:
         """``cfg``: the agent's config group; ``settings``: what it reads of the rest of the run
-        (γ, n-step, seed, bf16, the item geometry: :class:`AgentSettings`)."""
+        (γ, n-step, seed, bf16, the item kind: :class:`AgentSettings`)."""
 
     # ---- replay
     def replay_columns(self) -> dict[str, str]:
         """Table spec of one step, e.g. ``{"obs": "float32[4]", "action": "int64", ...}``."""
 
     def item_kind(self) -> ItemKind:
-        """What is sampled, e.g. ``Transition(next_columns=("obs",))``."""
+        """What is sampled: the run's kind, ``settings.kind`` (``settings.learns_from(Transition,
+        ...)`` refuses another), e.g. ``Transition(next_columns=("obs",))``."""
 
     # ---- actor side
     def make_network(self) -> torch.nn.Module:
@@ -227,6 +236,26 @@ class EpisodeAgent(Agent, Protocol):
         """Actions for contexts: ``obs`` (k, K, *obs), ``rtg`` (k, K), ``actions`` (k, K[, A]),
         ``timesteps`` (k, K), ``lengths`` (k,) valid steps; ``epsilon``: the probability of
         sampling from the policy instead of taking its mode."""
+
+
+def learner_state(agent, *names: str) -> dict:
+    """An agent's learner state for a checkpoint: ``getattr(agent, name).state_dict()`` of each of
+    ``names`` (networks, optimizers, schedulers) and its ``updates``; :func:`load_learner_state`
+    reads it back::
+
+        def state_dict(self):
+            return learner_state(self, "online", "target", "optimizer")
+    """
+    return {**{n: getattr(agent, n).state_dict() for n in names}, "updates": agent.updates}
+
+
+def load_learner_state(agent, state: dict, *names: str) -> None:
+    """What :func:`learner_state` wrote, back into ``agent`` (its learner set up first if it is not)."""
+    if agent.online is None:
+        agent.setup_learner()
+    for n in names:
+        getattr(agent, n).load_state_dict(state[n])
+    agent.updates = int(state["updates"])
 
 
 def load_agent_class(name: str) -> type:

@@ -61,7 +61,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from gearflow.config import load_config
-    from gearflow.runner import train
+    from gearflow.topology.plan import plan_run
+    from gearflow.topology.run import run_plan
 
     if args.resume is None:
         if args.config is None:
@@ -81,14 +82,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise GearflowError(f"--resume {run_dir}: no config.yaml there (not a gearflow run directory)")
         cfg = load_config(run_dir / "config.yaml", overrides)
         cfg.run.dir = str(run_dir)
-    from gearflow.topology.plan import plan_run
-
-    if plan_run(cfg, resume=args.resume is not None).mode == "ray":  # the roles run on Ray; this process drives them
-        from gearflow.launchers.ray import train_on_ray
-
-        summary = train_on_ray(cfg)
-    else:
-        summary = train(cfg, resume=args.resume is not None)
+    resume = args.resume is not None
+    summary = run_plan(cfg, plan_run(cfg, resume=resume), resume=resume)  # the plan, chosen once, and run
     print(json.dumps(summary))
     if summary.get("stop_signal"):  # stopped (and checkpointed), not finished
         import signal
@@ -112,7 +107,7 @@ def _cli_token(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_actor(args: argparse.Namespace) -> int:
-    from gearflow.actors.remote import ActorSet
+    from gearflow.actors.connect import ActorSet
     from gearflow.config import load_config, to_yaml
     from gearflow.log import inherited_verbosity
 
@@ -156,10 +151,11 @@ def _cmd_actor(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gearflow.config import load_config
-    from gearflow.launchers.serve import serve
+    from gearflow.topology.plan import plan_run
+    from gearflow.topology.run import run_plan
 
     cfg = load_config(args.config, args.overrides)
-    summary = serve(cfg, address_file=args.address_file)
+    summary = run_plan(cfg, plan_run(cfg, command="serve"), address_file=args.address_file)
     print(json.dumps(summary))
     if summary.get("stop_signal"):
         import signal

@@ -41,6 +41,7 @@ from gearflow.geometry import replay_geometry
 from gearflow.kinds.registry import kind_def, kind_names
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.replay.selectors import SELECTORS
+from gearflow.topology.plan import LAUNCHERS, RUN_MODES  # a leaf of data
 from gearflow.transport.choice import transport_names
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ def _address_ok(text: Any) -> bool:
 
 
 PROGRESS_MODES = ("auto", "live", "log")
-RUN_MODES = ("online", "offline")
 _PERIOD = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
 
 
@@ -742,7 +742,7 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "> 1 needs transport.shards: data-parallel learners sample shard services (gearflow serve)")  # fmt: skip
     check(_address_ok(le.dist_address), "learner.dist_address", "must be HOST:PORT")
     cl = cfg.cluster
-    check(cfg.launcher in ("local", "ray"), "launcher", "must be local or ray")
+    check(cfg.launcher in LAUNCHERS, "launcher", f"must be {', '.join(LAUNCHERS[:-1])} or {LAUNCHERS[-1]}")
     check(cl.shards >= 1, "cluster.shards", "must be ≥ 1")
     check(cl.learners >= 1, "cluster.learners", "must be ≥ 1")
     check(cl.learner_gpus >= 0, "cluster.learner_gpus", "must be ≥ 0")

@@ -453,6 +453,18 @@ def make_vec_env(env_cfg, seed: int) -> VecEnv:
     return _adapt(GymnasiumVecEnv, env, env_id=env_id, seed=seed, transform=transform)
 
 
+def probe_env_spec(env_cfg) -> EnvSpec:
+    """The observation and action spec of ``env_cfg``'s env, from one env made (seeded
+    ``env.seed``) and closed at once: what a builder or an evaluation process makes its agent for."""
+    from omegaconf import OmegaConf
+
+    probe = make_vec_env(OmegaConf.merge(env_cfg, {"num_envs": 1, "batch_size": 1}), seed=int(env_cfg.seed))
+    try:
+        return probe.env_spec
+    finally:
+        probe.close()
+
+
 def _adapt(cls, env, **kwargs):
     """Wrap ``env``; close it if the adapter refuses it (no leaked env threads)."""
     try:

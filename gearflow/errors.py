@@ -24,7 +24,7 @@ class CheckpointNotWritten(GearflowError):
 
 
 class ContractError(GearflowError, ValueError):
-    """An agent or an env broke its contract with the actors (``gearflow/actors/checks.py``): what
+    """An agent or an env broke its contract with the actors (``gearflow/actors/contract.py``): what
     ``act()`` or ``recv()`` returned does not fit the env's spaces. The message names the agent module
     or the env factory, the field, what was expected and what came. Deterministic by nature: an actor
     that dies of one is not restarted, and ``gearflow train`` exits 3."""

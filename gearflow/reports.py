@@ -1,8 +1,8 @@
 """Actor reports (``episode``, ``counters``, ``error`` messages) folded into a run's progress.
 
 Every place a run reads its actors' reports — the local actor processes' queue
-(:class:`~gearflow.launchers.local.LocalLauncher`), remote actors joined to a shard
-(:class:`~gearflow.launchers.remote.RemoteActors`, a shard node's relay), a learner polling its
+(:class:`~gearflow.roles.actor_processes.LocalLauncher`), remote actors joined to a shard
+(:class:`~gearflow.roles.remote_actors.RemoteActors`, a shard node's relay), a learner polling its
 shard nodes (:class:`~gearflow.transport.learner.shards.RemoteShards`) and a Ray actor group — folds
 them with :func:`fold_report`. Where reports are passed on rather than kept (a shard node
 relays them to its learners), :class:`ReportSink` takes them as a Progress would and turns

@@ -110,8 +110,7 @@ from agents.apex_dqn import Config  # noqa: E402,F401  (the agent module's confi
 class Agent(ApexAgent):
     """apex_dqn acting, over ``pair`` items of ``obs reward``."""
 
+    ITEM = Pair  # replay.item=pair: the run's kind is handed in (settings.kind), as every agent's
+
     def replay_columns(self):
         return {"obs": super().replay_columns()["obs"], "reward": "float32"}
-
-    def item_kind(self):
-        return Pair()

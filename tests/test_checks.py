@@ -1,6 +1,6 @@
-"""A researcher's own agent and env (issue 31): mistakes caught at the boundary (``actors/checks.py``),
+"""A researcher's own agent and env (issue 31): mistakes caught at the boundary (``actors/contract.py``),
 reported by ``gearflow check-env`` one line each, and a run that crashed never reported as a success
-(``launchers/failures.py``): every case through the real ``gearflow`` command, with real EnvPool /
+(``roles/failures.py``): every case through the real ``gearflow`` command, with real EnvPool /
 gymnasium envs and real actor processes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gearflow.actors.checks import CheckedEnv, check_act, describe_failure
+from gearflow.actors.contract import CheckedEnv, check_act, describe_failure
 from gearflow.agent import ActOutput
 from gearflow.envs import EnvSpec
 from gearflow.errors import ContractError
@@ -160,7 +160,7 @@ def test_recv_checks_on_a_real_envpool_env():
         for _ in range(50):
             obs, reward, term, trunc, ids = env.recv()
             env.send(np.zeros(len(ids), np.int64), ids)
-        from gearflow.actors.checks import check_recv
+        from gearflow.actors.contract import check_recv
 
         for batch, words in [
             ((obs.astype(np.float64), reward, term, trunc, ids), "observations have dtype float64, expected float32"),
@@ -180,7 +180,7 @@ def test_an_observation_dtype_change_after_the_full_checks_is_still_named(tmp_pa
     """Past the first FULL_CHECKS recvs only the observations' dtype and shape are checked, every recv."""
     from omegaconf import OmegaConf
 
-    from gearflow.actors.checks import FULL_CHECKS
+    from gearflow.actors.contract import FULL_CHECKS
     from gearflow.envs import make_vec_env
 
     d = _workdir(tmp_path)

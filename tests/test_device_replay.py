@@ -1041,7 +1041,7 @@ def test_emulated_restore_checkpoint_onto_a_device_in_a_new_segment(emulated_tab
     """Issue 19: ``restore_checkpoint(device=...)`` builds a new segment and a new device mirror
     from the checkpoint: batches, priorities and further writes as before the save."""
     from gearflow.native import device_replay
-    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+    from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 
     kind = KINDS["sequence"]
     table, _ = emulated_table("prioritized", kind)
@@ -1484,7 +1484,7 @@ def test_cuda_redraw_keeps_the_records_of_the_rows_not_redrawn(make_table):
 @pytest.mark.cuda
 @needs_gpu
 def test_cuda_restore_checkpoint_onto_the_device(make_table, tmp_path):
-    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+    from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 
     kind = KINDS["sequence"]
     table = make_table(SPEC, P=2, S=32, kind=kind, selector="prioritized")
@@ -1506,8 +1506,8 @@ def test_cuda_probe_compiled_and_ran_a_kernel():
 
 @no_cupy_here
 def test_restore_checkpoint_on_cuda_without_cupy_is_a_clear_error_and_leaks_nothing(tmp_path):
-    from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
     from gearflow.replay.storage import list_segments
+    from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 
     storage = SharedStorage.create(SPEC, num_partitions=2, steps_per_partition=16)
     table = Table(storage, Transition(), make_selector("uniform", 2 * storage.items_per_partition, seed=0),

@@ -122,7 +122,7 @@ def test_eval_rows_reach_tensorboard_at_the_earlier_step_they_evaluated(tmp_path
 def test_an_eval_process_that_fails_for_good_switches_evaluation_off_and_never_raises():
     """The same error twice (here: a parameter store that does not exist) is not restarted again;
     check() never raises: the run would go on."""
-    from gearflow.launchers.evaluator import EvalProcess
+    from gearflow.roles.evaluator import EvalProcess
 
     cfg = load_config(CONFIG, ["run.eval_every=10", "actor.max_restarts=5"])
     rows = []

@@ -29,7 +29,7 @@ from gearflow import cli
 from gearflow.run.checkpoint import RunCheckpoints, load_learner, rng_states
 from gearflow.params import ParameterStore
 from gearflow.replay import storage as storage_mod
-from gearflow.replay.checkpoint import CheckpointError, verify_checkpoint, write_manifest
+from gearflow.replay.table_checkpoint import CheckpointError, verify_checkpoint, write_manifest
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import (
     H_BOOT_ID,

@@ -26,8 +26,8 @@ from gearflow.kinds.episode import Episode
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
 from gearflow.replay import RateLimiter, SharedStorage, Table, make_selector
-from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
 from gearflow.replay.spec import TableSpec
+from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 
 PAIR = ["agent.name=pair_kind", "replay.item=pair", "actor.num_actors=1", "env.num_envs=2", "env.batch_size=2",
         "replay.capacity=64", "replay.min_size_to_sample=1", "learner.batch_size=8"]  # fmt: skip

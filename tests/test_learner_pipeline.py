@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gearflow.config import load_config
-from gearflow.runner import Runner
+from gearflow.topology.learn import Runner
 from gearflow.replay.storage import list_segments
 
 from tests.test_apex_dqn import batch

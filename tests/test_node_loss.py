@@ -150,7 +150,8 @@ def test_the_ray_driver_ends_with_a_line_for_a_lost_node(caplog):
     lost node in the run's summary and one warning line, not the driver's traceback; the
     learners' summary stands."""
     ray = pytest.importorskip("ray", reason="launcher=ray needs Ray (pip install 'gearflow[cluster]')")
-    from gearflow.launchers.ray import _wait_nodes, run_summary
+    from gearflow.roles.ray import _wait_nodes
+    from gearflow.roles.ray_plan import run_summary
 
     class Node:
         def wait(self, hold: bool) -> dict:
@@ -193,7 +194,7 @@ def test_a_down_node_is_re_admitted_when_it_answers_and_a_dead_one_stays_lost(tm
     import threading
 
     from gearflow.config import load_config
-    from gearflow.launchers.serve import ShardNode
+    from gearflow.topology.shard_node import ShardNode
     from gearflow.transport.learner.health import NodeHealth
     from tests.test_serve import TOKEN
 

@@ -136,7 +136,7 @@ def test_the_first_row_after_a_resume_has_no_policy_lag_yet(tmp_path):
 
     from gearflow.learner import Learner, Progress
     from gearflow.params import ParameterStore
-    from gearflow.run.progress import log_line
+    from gearflow.run.display import log_line
 
     net = torch.nn.Linear(2, 2)
     params = ParameterStore.create(net)

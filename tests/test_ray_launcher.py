@@ -26,7 +26,7 @@ def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path
     with a fresh table its group moves to) and the run reaches its limit; both
     learners end with bit-identical parameters (they are identical after every step:
     tests/test_distributed.py)."""
-    from gearflow.launchers.ray import train_on_ray
+    from gearflow.runner import train
 
     token = "ray-test-secret-0123"
     monkeypatch.setenv("GEARFLOW_TOKEN", token)
@@ -67,8 +67,8 @@ def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path
 
         threading.Thread(target=later, daemon=True).start()
 
-    summary = train_on_ray(_cfg(tmp_path, "run.max_env_steps=12000", "cluster.learners=2"),
-                           on_started=kill_group_0_then_shard_1)  # fmt: skip
+    summary = train(_cfg(tmp_path, "run.max_env_steps=12000", "cluster.learners=2"),
+                    on_started=kill_group_0_then_shard_1)  # fmt: skip
     assert killed.is_set()
     # rank 0 stops at its own limit, or in the same iteration as rank 1 when rank 1 saw it first
     assert summary["stop_reason"] in ("reached run.max_env_steps=12000", "stopped with the other learners")
@@ -90,7 +90,7 @@ def test_two_shards_two_learners_survive_a_killed_actor_group_and_shard(tmp_path
 def test_the_run_summary_counts_the_learners_highest_env_steps():
     """Rank 0 stopped by rank 1's limit counted fewer steps (a killed shard took the steps since its
     last poll): the run's summary gives rank 1's count, and the rest from rank 0 and the nodes."""
-    from gearflow.launchers.ray import run_summary
+    from gearflow.roles.ray_plan import run_summary
 
     ranks = [{"actor/env_steps": 19977, "learner/updates": 4271, "learner/parameters_fingerprint": "a",
               "stop_reason": "stopped with the other learners"},
@@ -110,7 +110,7 @@ def test_missing_ray_is_one_line(monkeypatch):
     import builtins
 
     from gearflow.errors import MissingDependencyError
-    from gearflow.launchers.ray import require_ray
+    from gearflow.roles.ray import require_ray
 
     real = builtins.__import__
 
@@ -132,7 +132,7 @@ def test_missing_ray_is_one_line(monkeypatch):
     ("auto", 0.5, 0.0, 0.5),      # cluster.learner_gpus wins
 ])
 def test_learners_go_to_gpus_where_there_are_any(tmp_path, device, asked, cluster, want):
-    from gearflow.launchers.ray import learner_gpus
+    from gearflow.roles.ray_plan import learner_gpus
 
     cfg = _cfg(tmp_path, f"learner.device={device}", f"cluster.learner_gpus={asked}", "cluster.learners=2")
     assert learner_gpus(cfg, cluster) == want
@@ -140,7 +140,7 @@ def test_learners_go_to_gpus_where_there_are_any(tmp_path, device, asked, cluste
 
 def test_cuda_learners_without_gpus_are_refused(tmp_path):
     from gearflow.errors import GearflowError
-    from gearflow.launchers.ray import learner_gpus
+    from gearflow.roles.ray_plan import learner_gpus
 
     cfg = _cfg(tmp_path, "learner.device=cuda", "cluster.learners=2")
     with pytest.raises(GearflowError, match=r"learner.device=cuda but the Ray cluster has 1 GPU\(s\) for 2 learner"):
@@ -192,7 +192,7 @@ def test_a_cluster_too_small_for_the_run_is_one_line(three_nodes, tmp_path):
 def test_placement_puts_a_shard_where_its_group_fits(three_nodes):
     """On the live cluster's own ``ray.nodes()``: a shard with 2 actors (3 CPUs) goes to the 3-CPU
     worker, never the 1-CPU head; two learners then fit in what is left, the worker's CPU first."""
-    from gearflow.launchers.ray import place_roles
+    from gearflow.roles.ray_plan import place_roles
 
     cluster, big = three_nodes
     ray.init(address=cluster.address)

@@ -705,7 +705,7 @@ def test_a_transport_added_as_one_data_path_is_served_by_a_node_and_sampled_by_a
     learner's queue pair is connected to the node's export, and nothing else wired it."""
     from gearflow.agent import make_agent
     from gearflow.config import load_config
-    from gearflow.launchers.serve import ShardNode
+    from gearflow.topology.shard_node import ShardNode
     from gearflow.transport import choice
     from gearflow.transport.learner.shards import RemoteShards
     from tests.test_train import CONFIG, TINY

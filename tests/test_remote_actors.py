@@ -242,6 +242,36 @@ def test_an_actor_over_tcp_writes_exactly_what_it_writes_into_shared_memory(monk
             st.unlink()
 
 
+def test_the_remote_writer_is_the_first_of_the_transports_table_that_fits(monkeypatch):
+    """``transport.actor.WRITERS`` chooses a remote actor's writer: ShippingWriter (the C adder's
+    ring) unless the run stacks frames (RemoteWriter); an entry put first is what it writes through."""
+    from omegaconf import OmegaConf
+
+    from gearflow.kinds.transition import Transition
+    from gearflow.transport import actor as remote
+    from gearflow.transport.server.shard import ShardService
+
+    spec = TableSpec.parse({"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32",
+                            "version": "int64"})  # fmt: skip
+    store = SharedStorage.create(spec, 2, 64)
+    try:
+        table = Table(store, Transition(next_columns=("obs",)), make_selector("uniform", 2 * store.items_per_partition))
+        with ShardService(table, token=TOKEN) as shard:
+            def made(frame_stack: bool):
+                w = remote.remote_writer(OmegaConf.create({"replay": {"frame_stack": frame_stack}}),
+                                         ("127.0.0.1", shard.port), [0, 1], TOKEN)  # fmt: skip
+                w.close()
+                return type(w)
+
+            assert made(False) is remote.ShippingWriter and made(True) is remote.RemoteWriter
+            monkeypatch.setattr(remote, "WRITERS", [("staged", "gearflow.transport.actor.writer:RemoteWriter",
+                                                     lambda cfg: True), *remote.WRITERS])  # fmt: skip
+            assert made(False) is remote.RemoteWriter
+    finally:
+        store.close()
+        store.unlink()
+
+
 def _spawned_children(pid: int) -> list[int]:
     """A gearflow process's spawned children (multiprocessing's spawn_main; not its resource tracker)."""
     out = []
@@ -304,7 +334,7 @@ def test_places_one_per_connection_and_a_rejoin_keeps_its_place():
     import multiprocessing as mp
     import queue
 
-    from gearflow.launchers.remote import Members
+    from gearflow.roles.remote_actors import Members
     from gearflow.transport.client import Client
     from gearflow.transport.service import Service
 

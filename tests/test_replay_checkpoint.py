@@ -11,8 +11,8 @@ import torch
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
 from gearflow.replay import Writer
-from gearflow.replay.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from gearflow.replay.storage import COMMIT, PUBLISHED, SharedStorage
+from gearflow.replay.table_checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 
 SPEC = {"obs": "float32[2]", "step": "int64"}
 
@@ -214,7 +214,7 @@ def test_saving_again_replaces_the_checkpoint_atomically(make_table, tmp_path):
 def test_a_pickle_in_selector_npz_is_refused_and_never_run(make_table, tmp_path):
     """A checkpoint whose selector.npz holds an object array (a pickle: code that runs on load),
     manifest and all rewritten to match, is refused by name; the payload does not run."""
-    from gearflow.replay.checkpoint import write_manifest
+    from gearflow.replay.table_checkpoint import write_manifest
 
     table = make_table(spec=SPEC, P=1, S=32, kind=Transition(next_columns=("obs",)), selector="prioritized")
     fill(table, 20, 3)

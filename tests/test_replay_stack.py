@@ -21,7 +21,7 @@ from gearflow.replay import SharedStorage, TableSpec, TrajectoryWriter, Writer
 from gearflow.kinds.episode import Episode
 from gearflow.kinds.sequence import Sequence
 from gearflow.kinds.transition import Transition
-from gearflow.replay.checkpoint import restore_checkpoint, save_checkpoint
+from gearflow.replay.table_checkpoint import restore_checkpoint, save_checkpoint
 from gearflow.replay.items import stack_rows
 from gearflow.replay.spec import Column
 
@@ -283,7 +283,7 @@ def test_trajectory_writer_extend_and_checkpoint_keep_the_stacks(make_table, tmp
     finally:
         restored.close()
     (tmp_path / "ckpt" / "step_offset.npy").unlink()
-    from gearflow.replay.checkpoint import CheckpointError
+    from gearflow.replay.table_checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="step_offset.npy"):
         restore_checkpoint(tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""A learner's run files pulled into the driver's run.dir (gearflow/launchers/run_files.py):
+"""A learner's run files pulled into the driver's run.dir (gearflow/roles/run_files.py):
 the driver's copy equals the learner's after every pull, while a real ``gearflow train`` writes
 them, and never holds half a checkpoint; a pull lost on the way is sent again. The Ray wiring is
 tests/test_ray_launcher.py (a driver in its own mount) and tests/test_ray_hosts.py (across hosts)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gearflow.errors import GearflowError
-from gearflow.launchers.run_files import STAGE, FileSink, FileStream, Puller
+from gearflow.roles.run_files import STAGE, FileSink, FileStream, Puller
 from tests.test_train import CONFIG, ROOT, TINY
 
 

@@ -18,8 +18,8 @@ import torch
 from gearflow.run.checkpoint import RunCheckpoints, rng_states, set_rng_states
 from gearflow.errors import GearflowError
 from gearflow.run.metrics import MetricsLog, read_metrics
-from gearflow.run.progress import LiveDisplay, LogDisplay, log_line, make_display
-from gearflow.replay.checkpoint import CheckpointError
+from gearflow.run.display import LiveDisplay, LogDisplay, log_line, make_display
+from gearflow.replay.table_checkpoint import CheckpointError
 from gearflow.replay.storage import COMMIT, PREFIX, PUBLISHED, RESERVE, SharedStorage, list_segments
 
 from tests.test_train import CONFIG, ROOT, TINY, _alive, _children, _cmdline  # the same tiny CartPole run

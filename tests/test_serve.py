@@ -104,7 +104,7 @@ def test_unreachable_shard_is_one_line(tmp_path):
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """A real shard node in this process, its service listening, its actors not started."""
-    from gearflow.launchers.serve import ShardNode
+    from gearflow.topology.shard_node import ShardNode
 
     monkeypatch.setenv("GEARFLOW_TOKEN", TOKEN)
     cfg = load_config(CONFIG, [*TINY, "actor.num_actors=1", "actor.ladder_offset=3", "actor.ladder_total=4",

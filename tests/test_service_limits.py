@@ -381,9 +381,9 @@ class _Conn:
 def test_reports_are_checked_and_bounded_by_what_the_actor_wrote(caplog):
     import queue
 
-    from gearflow.launchers.remote import Members
     from gearflow.learner import Progress
     from gearflow.reports import fold_report
+    from gearflow.roles.remote_actors import Members
 
     written = {"actor/episodes": 2, "actor/env_steps": 40, "actor/items": 38, "actor/weight_version": 3}
     q: queue.Queue = queue.Queue()

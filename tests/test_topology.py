@@ -13,10 +13,13 @@ import pytest
 from gearflow.agent import AgentSettings, agent_settings, make_agent
 from gearflow.config import load_config
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.launchers.local import ActorFailed
+from gearflow.kinds.episode import Episode
+from gearflow.kinds.sequence import Sequence
+from gearflow.kinds.transition import Transition
 from gearflow.replay.storage import list_segments
+from gearflow.roles.actor_processes import ActorFailed
+from gearflow.topology.lifecycle import Closes, Lifecycle
 from gearflow.topology.plan import MODES, ROLES, learner_config, plan_run, shard_node_config
-from gearflow.topology.roles import Closes, Lifecycle
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "cartpole_apex.yaml")
@@ -217,8 +220,8 @@ def test_closes_registers_a_part_and_returns_it():
 def test_the_builder_makes_the_roles_the_plan_names(tmp_path, overrides, roles):
     """The runner's roles are what its plan names, built (not started) in build order; closing
     them leaves no segment."""
-    from gearflow.launchers.local import LocalLauncher
-    from gearflow.runner import Runner
+    from gearflow.roles.actor_processes import LocalLauncher
+    from gearflow.topology.learn import Runner
 
     before = _own_segments()
     runner = Runner(load_config(CONFIG, ["replay.capacity=2000", "env.num_envs=2", "env.batch_size=2", "replay.min_size_to_sample=64",
@@ -251,7 +254,7 @@ def test_a_role_that_fails_its_check_stops_the_run_and_every_role_is_closed(tmp_
     """A real serial run (table, parameter store, learner, serial actor) with one more role whose
     check fails on its third call: the run stops as for a failed actor (final checkpoint, the
     role's own error in the message), the role is stopped, then closed, and no segment is left."""
-    from gearflow.runner import Runner
+    from gearflow.topology.learn import Runner
 
     calls: list = []
     failing = Recorder("monitor", calls, fail_check=3)
@@ -269,7 +272,7 @@ def test_a_role_that_fails_its_check_stops_the_run_and_every_role_is_closed(tmp_
 
 @pytest.mark.slow
 def test_a_role_that_cannot_start_still_has_every_role_closed(tmp_path):
-    from gearflow.runner import Runner
+    from gearflow.topology.learn import Runner
 
     calls: list = []
     before = _own_segments()
@@ -291,8 +294,7 @@ def test_agents_get_their_settings_as_values_not_the_whole_config():
 
     cfg = _cfg("actor.gamma=0.9", "actor.n_step=5", "run.seed=11", "learner.bf16=true")
     settings = agent_settings(cfg)
-    assert settings == AgentSettings(gamma=0.9, n_step=5, seed=11, bf16=True, sequence_length=80, sequence_period=40,
-                                     burn_in=40, max_episode_length=1000)  # fmt: skip
+    assert settings == AgentSettings(gamma=0.9, n_step=5, seed=11, bf16=True, kind=Transition())
     agent = make_agent(cfg, EnvSpec((4,), np.dtype(np.float32), 2), "cpu")
     assert (agent.gamma, agent.n_step, agent.bf16) == (0.9, 5, True)
     # an agent written against the old contract (full_cfg.actor.gamma) is told what it gets now
@@ -301,3 +303,35 @@ def test_agents_get_their_settings_as_values_not_the_whole_config():
         getattr(settings, "actor")  # noqa: B009 - the attribute access is what is tested
     with pytest.raises(AttributeError, match="AgentSettings has no attribute 'nstep'"):
         getattr(settings, "nstep")  # noqa: B009
+    # the item kind's parameters are the kind's: an agent reads them there
+    with pytest.raises(AttributeError, match=r"'sequence_length': the item kind's parameters are its own "
+                                             r"\(settings.kind: Transition"):
+        getattr(settings, "sequence_length")  # noqa: B009
+
+
+# ---------------------------------------------------------------------------- the item kind, named once
+
+
+@pytest.mark.parametrize("agent,overrides,kind", [
+    ("agents.apex_dqn", [], Transition()),
+    ("agents.r2d2_transformer", ["replay.item=sequence", "replay.sequence_length=16", "replay.sequence_period=8",
+                                 "replay.burn_in=4"], Sequence(length=16, period=8, burn_in=4)),
+    ("agents.decision_transformer", ["replay.item=episode", "replay.max_episode_length=64"],
+     Episode(max_episode_length=64)),
+])  # fmt: skip
+def test_the_item_kind_is_made_once_from_the_config_and_the_agent_learns_from_it(agent, overrides, kind):
+    """``replay.item`` names the kind, the kind reads its own parameters (``make_kind``); the agent
+    is handed that object and returns it (it builds no kind of its own), or refuses another."""
+    import numpy as np
+
+    from gearflow.envs import EnvSpec
+    from gearflow.kinds.registry import make_kind
+
+    cfg = load_config(None, [f"agent.name={agent}", *overrides])
+    assert make_kind(cfg.replay) == kind
+    spec = EnvSpec((4,), np.dtype(np.float32), 2)
+    a = make_agent(cfg, spec, "cpu")
+    assert a.item_kind() is a.kind and a.item_kind() == kind
+    other = "sequence" if kind.name != "sequence" else "transition"
+    with pytest.raises(ConfigError, match=f"replay.item='{other}': agent {agent} learns from {kind.name} items"):
+        make_agent(load_config(None, [f"agent.name={agent}", *overrides, f"replay.item={other}"]), spec, "cpu")

@@ -105,7 +105,7 @@ def test_remote_writer_and_sampler_match_the_shared_memory_path(make_table, shar
     assert stats["replay/size"] == local.stats()["replay/size"]
     assert stats["replay/remote_partitions"] == E
     # a remote checkpoint, restored, samples what the shard's table samples
-    from gearflow.replay.checkpoint import restore_checkpoint
+    from gearflow.replay.table_checkpoint import restore_checkpoint
 
     shard.checkpoint_dir = tmp_path
     (path,) = sampler.checkpoint("ckpt-1")

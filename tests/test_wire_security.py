@@ -328,7 +328,7 @@ def test_a_relay_cannot_switch_integrity_off(service, caplog):
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """A real shard node in this process (``gearflow serve``'s ShardNode), actors not started."""
-    from gearflow.launchers.serve import ShardNode
+    from gearflow.topology.shard_node import ShardNode
 
     monkeypatch.setenv("GEARFLOW_TOKEN", TOKEN)
     cfg = load_config(CONFIG, [*TINY, "actor.num_actors=1", f"run.dir={tmp_path / 'node'}"])
@@ -508,7 +508,7 @@ def test_an_actor_credential_writes_only_the_partitions_of_its_joined_place(make
     import multiprocessing as mp
     import queue
 
-    from gearflow.launchers.remote import Members
+    from gearflow.roles.remote_actors import Members
     from gearflow.transport.actor import RemoteWriter
     from gearflow.transport.server.shard import ShardService
 
@@ -539,7 +539,7 @@ def test_a_place_stays_bound_to_the_actor_name_that_first_joined_it(make_table):
     import multiprocessing as mp
     import queue
 
-    from gearflow.launchers.remote import Members
+    from gearflow.roles.remote_actors import Members
     from gearflow.transport.server.shard import ShardService
 
     table = make_table(spec={"obs": "float32[3]"}, P=4, S=64)

@@ -36,6 +36,7 @@ class Agent:
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
         self.rng = np.random.default_rng(settings.seed)
+        self.kind = settings.learns_from(Transition, type(self).__module__)  # replay.item's kind, or one line
         self.online = None
 
     # ---- replay: the Ape-X actor writes these five columns, one row per step
@@ -50,7 +51,7 @@ class Agent:
         }
 
     def item_kind(self) -> Transition:
-        return Transition(next_columns=("obs",))  # batches also get next_obs (row t+n)
+        return self.kind  # the run's Transition(next_columns=("obs",)): batches also get next_obs (row t+n)
 
     # ---- acting (actor processes)
     def make_network(self) -> nn.Module:

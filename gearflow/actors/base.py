@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gearflow.actors.adders import Adder
-from gearflow.actors.checks import guard
+from gearflow.actors.contract import guard
 from gearflow.kinds.registry import kind_def
 from gearflow.params.protocol import ParameterSource
 from gearflow.replay.inserts import InsertAborted
@@ -117,7 +117,7 @@ class ActorBase:
             raise TypeError("an actor takes the run's actor group (cfg=cfg.actor, env_cfg=cfg.env, "
                             "seed=env_seed(cfg, i)), not the whole run config; make_actor(cfg, ...) does that")  # fmt: skip
         self.cfg, self.actor_index, self.agent, self.env = cfg, int(actor_index), agent, env
-        self.agent, self.env = guard(agent, env, env_cfg)  # boundary checks of act() and recv() (actors/checks.py)
+        self.agent, self.env = guard(agent, env, env_cfg)  # boundary checks of act() and recv() (actors/contract.py)
         self.param_source, self.on_episode, self.writer = param_source, on_episode, writer
         self.sync_period = int(cfg.weight_sync_period)
         self.kind = agent.item_kind()

@@ -19,8 +19,9 @@ from gearflow.kinds.registry import (
     kind_def,
     kind_from_dict,
     kind_names,
+    make_kind,
     register_kind,
     unregister_kind,
 )
 
-__all__ = ["KindDef", "kind_def", "kind_from_dict", "kind_names", "register_kind", "unregister_kind"]
+__all__ = ["KindDef", "kind_def", "kind_from_dict", "kind_names", "make_kind", "register_kind", "unregister_kind"]

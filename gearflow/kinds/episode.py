@@ -269,4 +269,5 @@ class EpisodeActor(ActorBase):
         self._ctx_len[e] += 1
 
 
-KIND = KindDef("episode", item=Episode, adder=EpisodeAdder, actor=EpisodeActor)
+KIND = KindDef("episode", item=Episode, adder=EpisodeAdder, actor=EpisodeActor,
+               from_config=lambda r: Episode(max_episode_length=int(r.max_episode_length)))

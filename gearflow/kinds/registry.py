@@ -7,8 +7,9 @@ loaded on first use; another kind (a user's, a test's) registers itself when its
 imported::
 
     kind_names()                      # ('transition', 'sequence', 'episode', ...registered)
-    d = kind_def("sequence")          # KindDef: item rule, adder, actor, config_min_steps
+    d = kind_def("sequence")          # KindDef: item rule, adder, actor, config_min_steps, from_config
     d.item, d.adder, d.actor          # Sequence, WindowAdder, SequenceActor
+    make_kind(cfg.replay)             # the run's item rule: Sequence(length=80, period=40, burn_in=40)
     kind_from_dict({"kind": "sequence", "length": 8, "period": 4, "burn_in": 0})
 
 A kind module ends with ``KIND = KindDef(...)`` (a built-in: its name in :data:`BUILTIN`;
@@ -21,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["BUILTIN", "KindDef", "kind_def", "kind_from_dict", "kind_names", "register_kind", "unregister_kind"]
+__all__ = ["BUILTIN", "KindDef", "kind_def", "kind_from_dict", "kind_names", "make_kind", "register_kind", "unregister_kind"]
 
 # name → module of the built-in kinds (each module defines ``KIND``), loaded on first use
 BUILTIN: dict[str, str] = {
@@ -35,6 +36,8 @@ def _no_config_minimum(cfg: Any) -> Optional[int]:
     return None
 
 
+
+
 @dataclass(frozen=True)
 class KindDef:
     """One item kind as the framework reads it.
@@ -45,7 +48,10 @@ class KindDef:
     that writes its items (``check_kind``, ``min_steps``, ``size_error``, ``COLUMNS``);
     ``actor``: the :class:`~gearflow.actors.base.ActorBase` subclass that acts for it;
     ``config_min_steps(cfg)``: the fewest steps per partition the config alone implies
-    (``None`` where only the agent's kind says it: the actor's adder checks it then).
+    (``None`` where only the agent's kind says it: the actor's adder checks it then);
+    ``from_config(replay)``: the item rule of a run, its parameters read from the run's ``replay``
+    group by the kind itself (``Sequence``: ``sequence_length``, ``sequence_period``,
+    ``burn_in``); None: ``item()``, a kind without parameters.
     """
 
     name: str
@@ -53,6 +59,11 @@ class KindDef:
     adder: type
     actor: type
     config_min_steps: Callable[[Any], Optional[int]] = _no_config_minimum
+    from_config: Optional[Callable[[Any], Any]] = None
+
+    def of(self, replay: Any) -> Any:
+        """The item rule of the run whose ``replay`` group is given."""
+        return self.item() if self.from_config is None else self.from_config(replay)
 
 
 _REGISTERED: dict[str, KindDef] = {}
@@ -91,6 +102,13 @@ def kind_def(name: str) -> KindDef:
     if module is None:
         raise ValueError(f"unknown item kind {name!r}; known kinds: {', '.join(kind_names())}")
     return register_kind(importlib.import_module(module).KIND)
+
+
+def make_kind(replay: Any) -> Any:
+    """The run's item rule: the kind ``replay.item`` names, its parameters read from the ``replay``
+    group by the kind (:meth:`KindDef.of`). The one place a run's kind is made; the agent gets it
+    (``AgentSettings.kind``), the table and the actors get it from the agent."""
+    return kind_def(str(replay.item)).of(replay)
 
 
 def kind_from_dict(d: dict[str, Any]) -> Any:

@@ -443,4 +443,6 @@ class SequenceActor(ActorBase):
         self._ctx_len[ids] += 1
 
 
-KIND = KindDef("sequence", item=Sequence, adder=WindowAdder, actor=SequenceActor)
+KIND = KindDef("sequence", item=Sequence, adder=WindowAdder, actor=SequenceActor,
+               from_config=lambda r: Sequence(length=int(r.sequence_length), period=int(r.sequence_period),
+                                              burn_in=int(r.burn_in)))  # fmt: skip

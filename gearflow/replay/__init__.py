@@ -13,7 +13,7 @@ Small roles, each swappable:
   LIFO, max/min heap, top-k.
 * :mod:`~gearflow.replay.rate_limiter` — :class:`RateLimiter` (Reverb semantics).
 * :mod:`~gearflow.replay.table` — :class:`Table`: scan, evict, sample, update.
-* :mod:`~gearflow.replay.checkpoint` — consistent checkpoints and exact restore.
+* :mod:`~gearflow.replay.table_checkpoint` — consistent checkpoints and exact restore.
 * :mod:`~gearflow.replay.protocols` — :class:`WriterLike` (what adders write to) and
   :class:`SamplerLike` (what the learner reads): the seams a network transport plugs into.
 """

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from gearflow.replay.batches import Sample
+from gearflow.replay.host_batch import Sample
 from gearflow.replay.selectors import Selector, StateDict, SumTree, check_priorities, make_selector
 
 __all__ = ["DeviceSelector", "sample_on_device", "update_on_device"]

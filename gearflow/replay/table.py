@@ -47,14 +47,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gearflow.replay.batches import (  # re-exported
+from gearflow.replay.device_table import DeviceSelector, sample_on_device, update_on_device
+from gearflow.replay.host_batch import (  # re-exported
     BatchBuffers,
     BufferRing,
     GatherThreads,
     HostGather,
     Sample,
 )
-from gearflow.replay.device_table import DeviceSelector, sample_on_device, update_on_device
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.inserts import InsertLimit
 from gearflow.replay.items import ItemKind
@@ -144,7 +144,7 @@ class Table(TableIngest):
         self.rate_limiter = rate_limiter or RateLimiter()
         self.sample_timeout_s = sample_timeout_s
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        # the CPU path's batch buffer sets and gather (gearflow/replay/batches.py)
+        # the CPU path's batch buffer sets and gather (gearflow/replay/host_batch.py)
         self.batches = BatchBuffers(kind, storage.spec, num_buffers, pin_memory=self.pin_memory)
         self.gather_threads = GatherThreads(num_threads)  # CPU gathers: measured, or num_threads
         self._P, self._R, self._S = P, R, storage.steps_per_partition

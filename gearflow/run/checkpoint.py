@@ -14,7 +14,7 @@ directory, which is ignored and removed by the next save)::
                         tensors, numbers, strings, lists and dicts only
         runner.json     env steps, updates, episodes, elapsed seconds, weights version,
                         recent returns, metric-file offsets, annealed β
-        replay/         the table (gearflow.replay.checkpoint, with its own manifest)
+        replay/         the table (gearflow.replay.table_checkpoint, with its own manifest)
         MANIFEST.json   size and CRC-32 of learner.pt, runner.json and replay/MANIFEST.json
                         (so a missing replay/ is a corrupt checkpoint); written last
 
@@ -44,9 +44,10 @@ import numpy as np
 import torch
 
 from gearflow.run.private import private_dir, redacted
-from gearflow.replay.checkpoint import (
+from gearflow.replay.table_checkpoint import (
     CheckpointError,
     check_manifest,
+    read_json_object,
     save_checkpoint,
     verify_checkpoint,
     write_manifest,
@@ -207,12 +208,7 @@ class RunCheckpoints:
         check_manifest(path, "checkpoint", required=("learner.pt", "runner.json"))
         if replay and (path / "replay").is_dir():
             verify_checkpoint(path / "replay")
-        try:
-            runner = json.loads((path / "runner.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: runner.json cannot be read: {exc}") from None
-        if not isinstance(runner, dict):
-            raise CheckpointError(f"{path}: runner.json is not a JSON object")
+        runner = read_json_object(path, "runner.json")
         try:
             learner = load_learner(path / "learner.pt")
         except CheckpointError:

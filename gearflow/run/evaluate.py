@@ -55,8 +55,8 @@ def play(cfg, agent, network, env, episodes_per_env: int, on_step=None, stop=Non
     """Greedy returns of the first ``episodes_per_env`` episodes of every env of ``env`` (closed
     after) played by the run's own actor class with ``network``, and the env steps it took;
     ``stop()`` true: give up (an empty list). ``gearflow eval`` and the evaluation during training
-    (:mod:`gearflow.launchers.evaluator`) both play through it."""
-    from gearflow.actors.process import make_actor
+    (:mod:`gearflow.roles.evaluator`) both play through it."""
+    from gearflow.actors.process import build_actor
 
     E = env.num_envs
     returns: dict[int, list[float]] = {e: [] for e in range(E)}
@@ -66,7 +66,7 @@ def play(cfg, agent, network, env, episodes_per_env: int, on_step=None, stop=Non
             returns[env_index].append(float(ret))
 
     # greedy (ε = 0), and no writer: evaluation writes no replay
-    with make_actor(cfg, 0, agent, env, None, None, None, epsilon=0.0, network=network, on_episode=on_episode) as actor:
+    with build_actor(cfg, 0, env=env, agent=agent, epsilon=0.0, network=network, on_episode=on_episode) as actor:
         steps, limit = 0, MAX_STEPS_FACTOR * E * episodes_per_env
         while any(len(r) < episodes_per_env for r in returns.values()):
             if stop is not None and stop():

@@ -17,10 +17,10 @@ from omegaconf import DictConfig
 from gearflow.errors import ConfigError
 from gearflow.geometry import ReplayGeometry
 from gearflow.replay import RateLimiter, SharedStorage, Table, TableSpec, make_selector
-from gearflow.replay.checkpoint import restore_checkpoint
 from gearflow.replay.layout import buffer_sets
 from gearflow.replay.selectors import selector_kwargs
 from gearflow.replay.storage import COMMIT
+from gearflow.replay.table_checkpoint import restore_checkpoint
 
 log = logging.getLogger("gearflow.runner")
 

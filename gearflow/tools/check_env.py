@@ -1,7 +1,7 @@
 """``gearflow check-env CONFIG``: a user's env and agent put through the actors' contract before a run.
 
 Builds the env (``env.factory`` or ``env.id``) and steps it with random actions through the same
-checks actors apply (:mod:`gearflow.actors.checks`: observation shape and dtype, reward and flag
+checks actors apply (:mod:`gearflow.actors.contract`: observation shape and dtype, reward and flag
 shapes, NaN); builds the agent, its replay columns and item kind; runs a few recvs through the
 run's own actor class into a small replay table (every ``act()`` answer checked: actions' shape,
 dtype and range, values' shape); then samples one batch and makes one learn step (metrics and
@@ -60,7 +60,7 @@ class _Report:
 
 def _failure(exc: BaseException, cfg) -> str:
     """One line: the message, and where it was raised when that is the agent's or env's code."""
-    from gearflow.actors.checks import describe_failure
+    from gearflow.actors.contract import describe_failure
 
     if isinstance(exc, GearflowError):
         return _first_line(exc)
@@ -70,7 +70,7 @@ def _failure(exc: BaseException, cfg) -> str:
 
 def _check_env_alone(cfg, report: _Report, steps: int):
     """The env with random actions through the actors' recv checks; returns its spec, or None."""
-    from gearflow.actors.checks import CheckedEnv, env_label
+    from gearflow.actors.contract import CheckedEnv, env_label
     from gearflow.envs import make_vec_env
 
     label = env_label(cfg.env)
@@ -117,7 +117,7 @@ def _small_run_config(cfg):
 
 def _check_agent(cfg, spec, report: _Report, steps: int) -> None:
     """The agent: its columns and item kind, ``steps`` recvs through the run's actor, one learn step."""
-    from gearflow.actors.checks import agent_label
+    from gearflow.actors.contract import agent_label
     from gearflow.actors.process import make_actor
     from gearflow.agent import make_agent
     from gearflow.envs import make_vec_env

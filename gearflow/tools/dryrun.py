@@ -54,11 +54,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from gearflow.agent import make_agent
-from gearflow.envs import EnvSpec, make_vec_env
+from gearflow.envs import EnvSpec, probe_env_spec
 from gearflow.errors import GearflowError
 from gearflow.geometry import replay_geometry
 from gearflow.kinds.registry import kind_def
@@ -69,16 +69,6 @@ from gearflow.replay.storage import SharedStorage
 
 META = torch.device("meta")
 KORTHIKANTI = "L·B·T·(34·d + 5·heads·T) bytes (Korthikanti et al. 2022: 16-bit activations with dropout)"
-
-
-def probe_env_spec(cfg: DictConfig) -> EnvSpec:
-    """The env's spec from one environment, as the runner probes it."""
-    one_env = OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1})
-    probe = make_vec_env(one_env, seed=cfg.env.seed)
-    try:
-        return probe.env_spec
-    finally:
-        probe.close()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -149,7 +139,7 @@ def measure_activations(network: nn.Module, batch: torch.Tensor) -> int:
 
 def memory_plan(cfg: DictConfig, env_spec: EnvSpec | None = None) -> dict[str, Any]:
     """The dry-run figures of ``cfg`` (see the module docstring); ``env_spec`` skips the probe."""
-    spec = env_spec if env_spec is not None else probe_env_spec(cfg)
+    spec = env_spec if env_spec is not None else probe_env_spec(cfg.env)
     B = int(cfg.learner.batch_size)
     with META:
         agent = make_agent(cfg, spec, META)

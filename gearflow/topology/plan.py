@@ -2,7 +2,7 @@
 
 Every entry point asks the plan first (``gearflow train``, ``gearflow serve``, the Ray roles),
 then builds the roles it names (:mod:`gearflow.topology.build`) and runs them through one
-lifecycle (:mod:`gearflow.topology.roles`)::
+lifecycle (:mod:`gearflow.topology.lifecycle`)::
 
     plan = plan_run(cfg)                       # gearflow train
     plan.mode                                  # "local"
@@ -29,7 +29,7 @@ shard      a shard node without actors of its own (Ray's shard role)   ``gearflo
 
 ``offline``, ``serial`` and ``local`` end with the ``eval`` role when ``run.eval_every`` is set:
 greedy evaluation during training in a process of its own, reading this process's parameter
-store (:mod:`gearflow.launchers.evaluator`)::
+store (:mod:`gearflow.roles.evaluator`)::
 
     plan_run(load_config(path, ["run.eval_every=20000"])).roles
     # ("replay", "params", "learner", "actors", "eval")
@@ -49,10 +49,16 @@ from omegaconf import DictConfig
 
 from gearflow.errors import ConfigError, GearflowError
 
-__all__ = ["COMMANDS", "MODES", "ROLES", "RunPlan", "evaluates", "learner_config", "plan_run", "shard_node_config"]
+__all__ = ["CLUSTERS", "COMMANDS", "LAUNCHERS", "MODES", "ROLES", "RUN_MODES", "RunPlan", "evaluates", "learner_config",
+           "plan_run", "shard_node_config"]  # fmt: skip
 
 COMMANDS = ("train", "serve")
-MODES = ("dry_run", "ray", "shards", "offline", "serial", "local", "serve", "shard")
+# launcher=<name> of a cluster launch mode → the roles its driver runs, in build order (the builder
+# makes each: Builder.<role>); its mode is named after it. config.validate reads the names here.
+CLUSTERS = {"ray": ("ray_shards", "ray_actor_groups", "ray_learners")}
+LAUNCHERS = ("local", *CLUSTERS)
+RUN_MODES = ("online", "offline")  # run.mode: actors fill the replay, or a dataset does (config.validate reads it)
+MODES = ("dry_run", *CLUSTERS, "shards", "offline", "serial", "local", "serve", "shard")
 ROLES = ("dry_run", "ray_shards", "ray_actor_groups", "ray_learners", "data_parallel", "shards", "replay",
          "params", "learner", "dataset", "serial_actor", "actors", "remote_actors", "shard_service", "eval")  # fmt: skip
 
@@ -99,13 +105,13 @@ def plan_run(cfg: DictConfig, command: str = "train", *, resume: bool = False, a
         return RunPlan("serve", ("replay", "params", "shard_service", "actors"), num - remote, joining)
     if run.dry_run:  # before the launcher: a dry run starts nothing anywhere
         return RunPlan("dry_run", ("dry_run",))
-    if cfg.launcher == "ray":
+    if cfg.launcher in CLUSTERS:  # this process drives roles placed on a cluster
         if resume:
-            raise GearflowError("--resume with launcher=ray is not supported yet: resume the learner with "
+            raise GearflowError(f"--resume with launcher={cfg.launcher} is not supported yet: resume the learner with "
                                 "gearflow train --resume RUN_DIR transport.shards=[...] against running shard nodes")
-        return RunPlan("ray", ("ray_shards", "ray_actor_groups", "ray_learners"))
+        return RunPlan(str(cfg.launcher), CLUSTERS[cfg.launcher])
     if cfg.launcher != "local":
-        raise ConfigError(f"launcher={cfg.launcher}: must be local or ray")
+        raise ConfigError(f"launcher={cfg.launcher}: must be {', '.join(LAUNCHERS[:-1])} or {LAUNCHERS[-1]}")
     if cfg.transport.shards:  # the replay and the actors are on shard nodes (gearflow serve)
         parallel = ("data_parallel",) if int(cfg.learner.world_size) > 1 else ()
         return RunPlan("shards", (*parallel, "shards", "learner"))

@@ -1,4 +1,6 @@
-"""The ops of a ``replay.write`` request, typed: one encoder and one decoder for both sides.
+"""The wire's requests, typed: every request name as one constant (:class:`RPC`: ``RPC.REPLAY_SAMPLE``,
+``RPC.RUN_JOIN``, ...), and the ops of a ``replay.write`` request, with one encoder and one decoder
+for both sides.
 
 A remote writer (:class:`~gearflow.transport.actor.RemoteWriter`, the log-shipping
 :class:`~gearflow.transport.actor.ShippingWriter`) builds a batch of writer calls as a list of
@@ -37,16 +39,59 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 __all__ = [
+    "RPC",
+    "RPCS",
     "Append",
     "CreateItems",
     "EndEpisode",
     "Episodes",
     "Extend",
     "Flush",
+    "Rpc",
     "WriteOp",
     "decode_ops",
     "encode_ops",
 ]
+
+
+class Rpc(str):
+    """The name of one request of the wire (a ``str``: it is sent, registered and compared as
+    the plain name). Every name is one constant below, used by the side that registers its
+    handler and by every side that calls it: a misspelt name is a NameError where it is
+    written, not an "unknown request" from the other end."""
+
+    __slots__ = ()
+
+
+class RPC:
+    """Every request name of the wire, one constant each: ``RPC.REPLAY_SAMPLE``, ``RPC.RUN_JOIN``."""
+
+    # the shard (transport/server/shard.py): a learner's reads and writes of its table
+    REPLAY_INFO = Rpc("replay.info")  # the table's spec, kind, selector, partitions (a learner's first call)
+    REPLAY_STATS = Rpc("replay.stats")  # the table's counters (any role)
+    REPLAY_SAMPLE = Rpc("replay.sample")  # a batch: keys, weights, columns
+    REPLAY_UPDATE_PRIORITIES = Rpc("replay.update_priorities")  # new priorities by key
+    REPLAY_TOTAL = Rpc("replay.total")  # the selector's total priority and size (the split of a batch; a health probe)
+    REPLAY_CHECKPOINT = Rpc("replay.checkpoint")  # the node's table saved on its own disk
+    # a remote writer's session (transport/server/sessions.py, transport/actor/)
+    REPLAY_OPEN_WRITER = Rpc("replay.open_writer")
+    REPLAY_CLOSE_WRITER = Rpc("replay.close_writer")
+    REPLAY_WRITE = Rpc("replay.write")  # a batch of the typed write ops above
+    # weights
+    PARAMS_GET = Rpc("params.get")  # an actor's read of the latest weights
+    PARAMS_PUSH = Rpc("params.push")  # a learner's new weights to a shard node
+    # a run's members and progress (roles/remote_actors.py's Members; transport/server/node.py)
+    RUN_JOIN = Rpc("run.join")  # a remote actor asks for a place
+    RUN_REPORT = Rpc("run.report")  # what a remote actor reports; the reply says whether the run is over
+    RUN_PROGRESS = Rpc("run.progress")  # what a node's actors reported since a cursor
+    RUN_STOP = Rpc("run.stop")  # the run is over: a shard node stops
+    # RDMA's control messages beside the TCP data path (transport/rdma/replay.py)
+    RDMA_CONNECT = Rpc("rdma.connect")
+    RDMA_SELECT = Rpc("rdma.select")
+    RDMA_UPDATE = Rpc("rdma.update")
+
+
+RPCS = tuple(v for k, v in vars(RPC).items() if isinstance(v, Rpc))  # every request name
 
 
 # a field's kind: what the decoder accepts (and the encoder writes) for it

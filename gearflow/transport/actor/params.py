@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gearflow.transport.client import as_client
+from gearflow.transport.ops import RPC
 
 __all__ = ["RemoteParams"]
 
@@ -25,7 +26,7 @@ class RemoteParams:
         self.fetches = 0  # replies that carried weights
 
     def load_into(self, module: Any, min_version: int = 0) -> int | None:
-        meta, bufs = self._client.call("params.get", {"min_version": int(min_version)}, timeout_s=self.timeout_s)
+        meta, bufs = self._client.call(RPC.PARAMS_GET, {"min_version": int(min_version)}, timeout_s=self.timeout_s)
         if meta.get("version") is None:
             return None
         state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)

@@ -21,7 +21,7 @@ from gearflow.replay.writer import Writer
 from gearflow.transport.actor.writer import POLL_S, close_session
 from gearflow.transport.client import RequestTimeout, as_client
 from gearflow.transport.errors import InsertAborted, SessionLost
-from gearflow.transport.ops import CreateItems, Episodes, Extend, Flush, WriteOp, encode_ops
+from gearflow.transport.ops import CreateItems, Episodes, Extend, Flush, RPC, WriteOp, encode_ops
 
 __all__ = ["ShippingWriter"]
 
@@ -58,7 +58,7 @@ class ShippingWriter(Writer):
         self._client, self._own_client = as_client(address, token, timeout_s, loop)
         self.timeout_s, self.max_in_flight, self.max_delay_s = float(timeout_s), int(max_in_flight), float(max_delay_s)
         self._last_ship = time.monotonic()
-        meta, _ = self._client.call("replay.open_writer", {
+        meta, _ = self._client.call(RPC.REPLAY_OPEN_WRITER, {
             "num_streams": int(num_streams), "partitions": None if partitions is None else [int(p) for p in partitions],
             "insert_timeout_s": float(insert_timeout_s),
         }, timeout_s=self.timeout_s)  # fmt: skip
@@ -165,7 +165,7 @@ class ShippingWriter(Writer):
             bufs += [np.concatenate(chunks[n]) if len(chunks[n]) > 1 else chunks[n][0] for n in self._names]
         while len(self._inflight) >= self.max_in_flight:
             self._wait_oldest()
-        fut = self._client.submit("replay.write", {"session": self._session, "ops": encode_ops(ops)}, bufs, timeout_s=self.timeout_s)
+        fut = self._client.submit(RPC.REPLAY_WRITE, {"session": self._session, "ops": encode_ops(ops)}, bufs, timeout_s=self.timeout_s)
         fut.add_done_callback(self._done)
         self._inflight.append(fut)
         self._shipped, self._shipped_items, self._shipped_episodes = commit, published, episodes

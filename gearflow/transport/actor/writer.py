@@ -45,7 +45,7 @@ from gearflow.replay.spec import TableSpec
 from gearflow.replay.writer import StreamPositions
 from gearflow.transport.client import RequestTimeout, ServiceUnavailable, as_client
 from gearflow.transport.errors import InsertAborted, RateLimiterTimeout, SessionLost
-from gearflow.transport.ops import Append, CreateItems, EndEpisode, Extend, Flush, WriteOp, encode_ops
+from gearflow.transport.ops import Append, CreateItems, EndEpisode, Extend, Flush, RPC, WriteOp, encode_ops
 
 __all__ = ["POLL_S", "RemoteWriter", "close_session"]
 
@@ -60,7 +60,7 @@ def close_session(client: Any, own_client: bool, session: Any, timeout_s: float,
     dropped; the client is closed if the writer made it (``own_client``)."""
     try:
         if drain():
-            client.call("replay.close_writer", {"session": session}, timeout_s=timeout_s)
+            client.call(RPC.REPLAY_CLOSE_WRITER, {"session": session}, timeout_s=timeout_s)
     except GONE:
         pass
     finally:
@@ -150,7 +150,7 @@ class RemoteWriter(StreamPositions):
 
     # ----------------------------------------------------------------- session
     def _open(self) -> None:
-        meta, _ = self._client.call("replay.open_writer", {
+        meta, _ = self._client.call(RPC.REPLAY_OPEN_WRITER, {
             "num_streams": self._num_streams, "partitions": self._want, "insert_timeout_s": self.insert_timeout_s,
         }, timeout_s=self.timeout_s)  # fmt: skip
         self._session, self._gen = meta["session"], self._client.generation
@@ -309,7 +309,7 @@ class RemoteWriter(StreamPositions):
             free.put(stage)
 
         self._last_send = time.monotonic()
-        fut = self._client.submit("replay.write", meta, st.buffers(), timeout_s=self.timeout_s, on_sent=on_sent)
+        fut = self._client.submit(RPC.REPLAY_WRITE, meta, st.buffers(), timeout_s=self.timeout_s, on_sent=on_sent)
         fut.add_done_callback(self._done)
         self._inflight.append(fut)
         self._stage = nxt
@@ -371,7 +371,7 @@ class RemoteWriter(StreamPositions):
         self._error = None
         try:
             if self._client.connected and self._client.generation == self._gen:
-                self._client.call("replay.close_writer", {"session": self._session}, timeout_s=self.timeout_s)
+                self._client.call(RPC.REPLAY_CLOSE_WRITER, {"session": self._session}, timeout_s=self.timeout_s)
                 self._open()
         except (ServiceUnavailable, RequestTimeout) as exc:  # the next call re-opens it (or raises the outage)
             err.add_note(f"re-syncing the writer session failed too: {type(exc).__name__}: {exc}")

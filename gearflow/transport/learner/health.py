@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from gearflow.transport.ops import RPC
+
 log = logging.getLogger("gearflow.runner")
 
 __all__ = ["NodeHealth"]
@@ -122,7 +124,7 @@ class NodeHealth:
         c = Client(self.addresses[i], self.token, timeout_s=self.probe_timeout_s,
                    connect_timeout_s=self.probe_timeout_s, loop=self.loop)  # fmt: skip
         try:
-            c.call("replay.total", timeout_s=self.probe_timeout_s)
+            c.call(RPC.REPLAY_TOTAL, timeout_s=self.probe_timeout_s)
             return True
         except (GearflowError, OSError) as exc:
             log.debug("probe of shard node %s: %s", self.addresses[i], exc)

@@ -82,6 +82,7 @@ from gearflow.transport.learner.assembly import (BatchAssembly, check_shards_agr
 from gearflow.transport.learner.updates import PendingUpdates
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable, as_client
 from gearflow.transport.errors import RateLimiterTimeout  # noqa: F401  (the shard's errors are raised here as themselves)
+from gearflow.transport.ops import RPC
 
 __all__ = ["LEARNER_PREFETCH", "RemoteSampler"]
 
@@ -147,7 +148,7 @@ class RemoteSampler:
         self._ahead: collections.deque = collections.deque()  # (batch_size, round) requested ahead
         self.torn = 0  # items the shards marked torn in their replies, redrawn here
         self._updates = PendingUpdates()  # priority updates sent, their replies not read yet
-        infos = [c.call("replay.info", timeout_s=timeout_s)[0] for c in self._clients]
+        infos = [c.call(RPC.REPLAY_INFO, timeout_s=timeout_s)[0] for c in self._clients]
         self.spec = TableSpec.parse(infos[0]["spec"])
         self.kind = kind_from_dict(infos[0]["kind"])
         check_shards_agree(infos, [c.address_text for c in self._clients])
@@ -221,9 +222,9 @@ class RemoteSampler:
         futs = []
         try:
             for i in self._live():
-                futs.append((i, *self._submit(i, "replay.total", paces[i])))
+                futs.append((i, *self._submit(i, RPC.REPLAY_TOTAL, paces[i])))
             for i, tag, f in futs:
-                self._note(i, tag, self._clients[i].result(f, "replay.total", self.timeout_s)[0])
+                self._note(i, tag, self._clients[i].result(f, RPC.REPLAY_TOTAL, self.timeout_s)[0])
         except GONE as exc:
             self._gone(i, exc)
             raise
@@ -278,9 +279,9 @@ class RemoteSampler:
         for i in live:
             b = int(split[i])
             try:
-                parts.append((i, b, *(self._submit(i, "replay.sample", {**meta, **paces[i], "batch_size": b},
+                parts.append((i, b, *(self._submit(i, RPC.REPLAY_SAMPLE, {**meta, **paces[i], "batch_size": b},
                                                    timeout_s=timeout_s + self.timeout_s)
-                                      if b else self._submit(i, "replay.total", paces[i]))))  # fmt: skip
+                                      if b else self._submit(i, RPC.REPLAY_TOTAL, paces[i]))))  # fmt: skip
             except GONE as exc:
                 self._gone(i, exc)
                 raise
@@ -300,7 +301,7 @@ class RemoteSampler:
             replies, drawn = [], np.zeros(len(self._clients))
             for i, b, tag, fut in parts:
                 try:
-                    meta, bufs = self._clients[i].result(fut, "replay.sample" if b else "replay.total", timeout_s + self.timeout_s)
+                    meta, bufs = self._clients[i].result(fut, RPC.REPLAY_SAMPLE if b else RPC.REPLAY_TOTAL, timeout_s + self.timeout_s)
                 except GONE as exc:
                     self._gone(i, exc)
                     raise
@@ -337,8 +338,8 @@ class RemoteSampler:
 
         def redraw(n: int) -> tuple[dict, list]:
             self.torn += n
-            tag, fut = self._submit(i, "replay.sample", {**m, "batch_size": n}, timeout_s=timeout_s + self.timeout_s)
-            meta, fresh = self._clients[i].result(fut, "replay.sample", timeout_s + self.timeout_s)
+            tag, fut = self._submit(i, RPC.REPLAY_SAMPLE, {**m, "batch_size": n}, timeout_s=timeout_s + self.timeout_s)
+            meta, fresh = self._clients[i].result(fut, RPC.REPLAY_SAMPLE, timeout_s + self.timeout_s)
             self._note(i, tag, meta)
             return meta, fresh
 
@@ -364,7 +365,7 @@ class RemoteSampler:
             sel = shard == i
             local = local_key(keys[sel])
             try:
-                self._updates.add(i, *self._submit(i, "replay.update_priorities", {}, [local, prios[sel]]))
+                self._updates.add(i, *self._submit(i, RPC.REPLAY_UPDATE_PRIORITIES, {}, [local, prios[sel]]))
             except GONE as exc:
                 self._down_or_raise(i, exc)
                 continue
@@ -376,7 +377,7 @@ class RemoteSampler:
         """One priority update's reply: its totals noted; a shard that does not answer is marked
         down (with a health: 0 applied), else its error is raised."""
         try:
-            meta, _ = self._clients[i].result(fut, "replay.update_priorities", self.timeout_s)
+            meta, _ = self._clients[i].result(fut, RPC.REPLAY_UPDATE_PRIORITIES, self.timeout_s)
         except GONE as exc:
             self._down_or_raise(i, exc)
             return 0
@@ -390,9 +391,9 @@ class RemoteSampler:
         futs, per = [], []
         try:
             for i in self._live():
-                futs.append((i, *self._submit(i, "replay.stats")))
+                futs.append((i, *self._submit(i, RPC.REPLAY_STATS)))
             for i, tag, f in futs:
-                meta, _ = self._clients[i].result(f, "replay.stats", self.timeout_s)
+                meta, _ = self._clients[i].result(f, RPC.REPLAY_STATS, self.timeout_s)
                 self._note(i, tag, meta)
                 per.append(meta["stats"])
         except GONE as exc:
@@ -410,8 +411,8 @@ class RemoteSampler:
         returns the paths, shard by shard (after every priority update sent before it)."""
         self._updates.collect(block=True, read=self._read_update)
         live = [self._clients[i] for i in self._live()]  # a down shard's table is out of reach
-        futs = [c.submit("replay.checkpoint", {"name": name}, timeout_s=self.timeout_s) for c in live]
-        return [c.result(f, "replay.checkpoint", self.timeout_s)[0]["path"] for c, f in zip(live, futs)]
+        futs = [c.submit(RPC.REPLAY_CHECKPOINT, {"name": name}, timeout_s=self.timeout_s) for c in live]
+        return [c.result(f, RPC.REPLAY_CHECKPOINT, self.timeout_s)[0]["path"] for c, f in zip(live, futs)]
 
     def close(self) -> None:
         if hasattr(self, "_ahead"):

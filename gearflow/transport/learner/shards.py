@@ -42,6 +42,7 @@ from gearflow.replay.layout import buffer_sets
 from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
 from gearflow.transport.learner.health import NodeHealth
 from gearflow.transport.learner.sampler import LEARNER_PREFETCH, RemoteSampler
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.runner")
 
@@ -137,7 +138,7 @@ class PushedParams:
         pending, self._pending = self._pending, []
         for c, fut in pending:
             try:
-                c.result(fut, "params.push", self.timeout_s)
+                c.result(fut, RPC.PARAMS_PUSH, self.timeout_s)
                 self._down.discard(c.address_text)
             except (ServiceUnavailable, RequestTimeout) as exc:
                 self._lost(c, exc)
@@ -156,7 +157,7 @@ class PushedParams:
                 self._down.add(c.address_text)
                 continue  # it gets the version after it is back
             try:
-                self._pending.append((c, c.submit("params.push", {"version": version, "names": names}, bufs,
+                self._pending.append((c, c.submit(RPC.PARAMS_PUSH, {"version": version, "names": names}, bufs,
                                                   timeout_s=self.timeout_s)))  # fmt: skip
             except (ServiceUnavailable, RequestTimeout) as exc:
                 self._lost(c, exc)
@@ -248,12 +249,12 @@ class RemoteShards:
                 self._lost(i, "marked down")
                 continue
             try:
-                futs.append((i, c, c.submit("run.progress", {"cursor": self._cursors[i]}, timeout_s=self.timeout_s)))
+                futs.append((i, c, c.submit(RPC.RUN_PROGRESS, {"cursor": self._cursors[i]}, timeout_s=self.timeout_s)))
             except GearflowError as exc:
                 self._lost(i, exc)
         for i, c, fut in futs:
             try:
-                meta, _ = c.result(fut, "run.progress", self.timeout_s)
+                meta, _ = c.result(fut, RPC.RUN_PROGRESS, self.timeout_s)
             except GearflowError as exc:
                 self._lost(i, exc)
                 continue
@@ -295,7 +296,7 @@ class RemoteShards:
                 log.warning("shard node %s: run.stop not sent (the node is down)", c.address_text)
                 continue
             try:
-                c.call("run.stop", {"reason": reason}, timeout_s=min(10.0, self.timeout_s))
+                c.call(RPC.RUN_STOP, {"reason": reason}, timeout_s=min(10.0, self.timeout_s))
             except GearflowError as exc:
                 log.warning("shard node %s: run.stop not delivered (%s)", c.address_text, exc)
 

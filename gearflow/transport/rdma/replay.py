@@ -56,13 +56,14 @@ import numpy as np
 import torch
 
 from gearflow.kinds.registry import kind_from_dict
-from gearflow.replay.batches import BatchBuffers, GatherThreads, Sample
+from gearflow.replay.host_batch import BatchBuffers, GatherThreads, Sample
 from gearflow.replay.items import FrameStacks
 from gearflow.replay.layout import torn_items
 from gearflow.replay.protocols import SelectorInfo
 from gearflow.replay.rate_limiter import MAX_BACKOFF_S, RateLimiterTimeout
 from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import COUNTER_FIELDS, RESERVE, SHM_DIR
+from gearflow.transport.ops import RPC
 from gearflow.transport.rdma.fabric import (
     Region,
     RegionExport,
@@ -169,14 +170,14 @@ class RdmaShard:
         return shard
 
     def handlers(self) -> dict[str, Callable]:
-        return {"rdma.connect": self.connect, "rdma.select": self.select, "rdma.update": self.update}
+        return {RPC.RDMA_CONNECT: self.connect, RPC.RDMA_SELECT: self.select, RPC.RDMA_UPDATE: self.update}
 
     def register_handlers(self, service) -> None:
         """Serve the handlers on a :class:`~gearflow.transport.service.Service`: ``rdma.connect``
         with the connection, so the learner's queue pair is released when it disconnects."""
-        service.register("rdma.connect", self.connect, with_connection=True)
-        service.register("rdma.select", self.select)
-        service.register("rdma.update", self.update)
+        service.register(RPC.RDMA_CONNECT, self.connect, with_connection=True)
+        service.register(RPC.RDMA_SELECT, self.select)
+        service.register(RPC.RDMA_UPDATE, self.update)
 
     def connect(self, meta: dict, buffers: list, connection=None) -> tuple[dict, list]:
         """A queue pair for the learner's endpoint; the region and the segment's layout."""
@@ -319,7 +320,7 @@ class RdmaSampler:
         self._call, self.memory = call, memory
         self.timeout_s = timeout_s
         self.gather_threads = GatherThreads(num_threads)  # staged rows → batch: Table's measured choice
-        meta, _ = call("rdma.connect", {"endpoint": memory.endpoint()}, [])
+        meta, _ = call(RPC.RDMA_CONNECT, {"endpoint": memory.endpoint()}, [])
         memory.connect(meta["endpoint"])
         self.region = Region.from_dict(meta["region"])
         lay = self.layout = meta["layout"]
@@ -379,7 +380,7 @@ class RdmaSampler:
 
     def _select(self, meta: dict, arrays: dict) -> tuple[dict, dict[str, np.ndarray]]:
         names, bufs = pack(arrays)
-        reply, buffers = self._call("rdma.select", {**meta, "arrays": names}, bufs)
+        reply, buffers = self._call(RPC.RDMA_SELECT, {**meta, "arrays": names}, bufs)
         got = unpack(reply, buffers)
         return reply, {k: np.array(v) for k, v in got.items()}  # owned copies: a reply's buffers may be reused
 
@@ -433,7 +434,7 @@ class RdmaSampler:
     def update_priorities(self, keys, priorities) -> int:
         keys = np.ascontiguousarray(torch.as_tensor(keys).cpu().numpy(), dtype=np.int64).reshape(-1)
         prios = np.ascontiguousarray(torch.as_tensor(priorities).detach().cpu().numpy(), dtype=np.float64).reshape(-1)
-        meta, _ = self._call("rdma.update", {"arrays": ["keys", "priorities"]}, [keys, prios])
+        meta, _ = self._call(RPC.RDMA_UPDATE, {"arrays": ["keys", "priorities"]}, [keys, prios])
         return int(meta["applied"])
 
     def stats(self) -> dict[str, float]:

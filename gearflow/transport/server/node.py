@@ -1,6 +1,6 @@
 """NodeService: a shard node's server — its replay shard plus the learner's control messages.
 
-What ``gearflow serve`` (:class:`~gearflow.launchers.serve.ShardNode`) and a Ray shard role
+What ``gearflow serve`` (:class:`~gearflow.topology.shard_node.ShardNode`) and a Ray shard role
 serve: a :class:`~gearflow.transport.server.ShardService` over the node's table and parameter
 store (``replay.*``, ``params.get``), the server end of the transport ``transport.kind`` resolves
 to beside TCP (:meth:`~gearflow.transport.choice.TransportChoice.serve`: RDMA's ``rdma.*``
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gearflow.transport.choice import choose_transport
+from gearflow.transport.ops import RPC
 from gearflow.transport.server.shard import ShardService
 from gearflow.transport.service import ANY_ROLE
 
@@ -60,14 +61,14 @@ class NodeService:
         s = self.shard.service
         if members is not None:
             self.shard.writable = members.writable  # an actor credential writes the partitions of places it joined
-            s.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
-            s.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
+            s.register(RPC.RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
+            s.register(RPC.RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         self.transport = choose_transport(transport)  # auto: RDMA where a device and pyverbs are usable
         self.data_path = self.transport.serve(self.shard)  # beside TCP (rdma: one-sided READs, rdma.*), or None
         log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
-        s.register("params.push", self._params_push)  # the learners' (the default role)
-        s.register("run.progress", self._progress, inline=True, roles=ANY_ROLE)
-        s.register("run.stop", self._stop, with_connection=True)
+        s.register(RPC.PARAMS_PUSH, self._params_push)  # the learners' (the default role)
+        s.register(RPC.RUN_PROGRESS, self._progress, inline=True, roles=ANY_ROLE)
+        s.register(RPC.RUN_STOP, self._stop, with_connection=True)
 
     @property
     def port(self) -> int:

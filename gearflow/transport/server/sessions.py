@@ -24,6 +24,7 @@ from gearflow.replay.writer import Writer
 from gearflow.transport.auth import AuthorizationError
 from gearflow.transport.errors import SessionLost
 from gearflow.transport.ops import (
+    RPC,
     Append,
     CreateItems,
     EndEpisode,
@@ -52,7 +53,7 @@ class WriterSessions:
             raise ValueError(f"assignable partitions must be distinct and in [0, {P}), got {parts}")
         self.assignable = parts
         # writable(conn) -> the partitions an actor-role connection may write (the run's places it
-        # joined: launchers.remote.Members); None: any assignable one
+        # joined: roles.remote_actors.Members); None: any assignable one
         self.writable: Callable[[Connection], set[int]] | None = None
         self._owner: dict[int, int] = {}  # partition -> session
         self._owners_lock = threading.Lock()
@@ -65,10 +66,10 @@ class WriterSessions:
             return len(self._owner)
 
     def register(self, s: Service) -> None:
-        s.register("replay.open_writer", self.open, with_connection=True, roles=ANY_ROLE)
-        s.register("replay.close_writer", self.close, with_connection=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_OPEN_WRITER, self.open, with_connection=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_CLOSE_WRITER, self.close, with_connection=True, roles=ANY_ROLE)
         # on the loop while no rate limit is set (nothing can wait), else in the pool
-        s.register("replay.write", self.write, with_connection=True, inline=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_WRITE, self.write, with_connection=True, inline=True, roles=ANY_ROLE)
 
     def open(self, meta: dict, bufs, conn: Connection):
         k = meta.get("num_streams")

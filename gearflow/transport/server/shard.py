@@ -64,6 +64,7 @@ import torch
 
 from gearflow.replay.rate_limiter import NO_LIMIT, RateLimiterTimeout
 from gearflow.replay.table import BufferRing
+from gearflow.transport.ops import RPC
 from gearflow.transport.server.sessions import WriterSessions
 from gearflow.transport.server.wire import WireRows
 from gearflow.transport.service import ANY_ROLE, Connection, Defer, Service, ServiceLimits
@@ -125,15 +126,15 @@ class ShardService:
         self._local = _Lane(None)  # sample(): the table's own buffer sets (each connection has its own lane)
         s = self.service
         # actors (ANY_ROLE): write their sessions' partitions, read stats and weights; the rest is the learners'
-        s.register("replay.info", self._info, inline=True)
+        s.register(RPC.REPLAY_INFO, self._info, inline=True)
         self.sessions.register(s)
-        s.register("replay.stats", self._stats, inline=True, roles=ANY_ROLE)
+        s.register(RPC.REPLAY_STATS, self._stats, inline=True, roles=ANY_ROLE)
         if learners:  # on the loop when the table is free and can answer at once (no thread hop), else in the pool
-            s.register("replay.sample", self._sample, inline=True, with_connection=True)
-            s.register("replay.update_priorities", self._update_priorities, inline=True)
-            s.register("replay.total", self._total, inline=True)
-            s.register("replay.checkpoint", self._checkpoint)
-        s.register("params.get", self._params_get, roles=ANY_ROLE)
+            s.register(RPC.REPLAY_SAMPLE, self._sample, inline=True, with_connection=True)
+            s.register(RPC.REPLAY_UPDATE_PRIORITIES, self._update_priorities, inline=True)
+            s.register(RPC.REPLAY_TOTAL, self._total, inline=True)
+            s.register(RPC.REPLAY_CHECKPOINT, self._checkpoint)
+        s.register(RPC.PARAMS_GET, self._params_get, roles=ANY_ROLE)
 
     @property
     def assignable(self) -> list[int]:
@@ -142,7 +143,7 @@ class ShardService:
     @property
     def writable(self) -> Callable[[Connection], set[int]] | None:
         """``writable(conn)`` → the partitions an actor-role connection may write (the run's
-        places it joined: ``launchers.remote.Members``); None: any assignable one."""
+        places it joined: ``roles.remote_actors.Members``); None: any assignable one."""
         return self.sessions.writable
 
     @writable.setter
@@ -325,7 +326,7 @@ class ShardService:
         return {"stats": {k: float(v) for k, v in stats.items()}, "total": total, "count": count, **counters}, []
 
     def _checkpoint(self, meta: dict, bufs):
-        from gearflow.replay.checkpoint import save_checkpoint
+        from gearflow.replay.table_checkpoint import save_checkpoint
 
         name = meta.get("name")
         if self.checkpoint_dir is None:

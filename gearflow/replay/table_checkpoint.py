@@ -80,6 +80,17 @@ def _entry_ok(rel: Any, want: Any) -> bool:
     )  # fmt: skip
 
 
+def read_json_object(directory: Path, name: str) -> dict[str, Any]:
+    """The JSON object in ``directory / name``, or :class:`CheckpointError` naming the file."""
+    try:
+        obj = json.loads((directory / name).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{directory}: {name} cannot be read: {exc}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{directory}: {name} is not a JSON object")
+    return obj
+
+
 def check_manifest(directory: Path, what: str, required: tuple[str, ...] = ()) -> None:
     """Raise :class:`CheckpointError` unless the manifest is a mapping of relative paths to
     size and CRC-32, lists every ``required`` file, and every file listed has its size and CRC."""
@@ -186,12 +197,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the manifest against the files; returns ``meta.json`` or raises CheckpointError."""
     path = Path(path)
     check_manifest(path, "replay checkpoint", required=("meta.json", "table.npz", "selector.npz"))
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: meta.json cannot be read: {exc}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: meta.json is not a JSON object")
+    meta = read_json_object(path, "meta.json")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} (this gearflow reads {FORMAT})")
     try:

@@ -1,17 +1,12 @@
-"""The one lifecycle every role of a run goes through, and the roles that are not launchers.
+"""The one lifecycle every role of a run goes through.
 
-A **role** is anything a run starts, watches or must release: actor processes
-(:class:`~gearflow.launchers.local.LocalLauncher`), the remote actors' shard process
-(:class:`~gearflow.launchers.remote.RemoteActors`), the shard nodes a learner samples
-(:class:`Shards`), and the parts that only need closing (the replay table, the parameter
-store, a serial actor, the prefetcher: :class:`Closes`). Each offers the same methods::
-
-    start()               begin (spawn processes, listen)
-    check() -> int        supervise between batches: restarts made; raises ActorFailed to stop the run
-    drain(progress)       fold what it reported (episodes, counters, errors) into ``progress``
-    stop(drain)           stop gracefully; ``drain()`` keeps reading reports meanwhile
-    finish(reason)        the run ended by itself for ``reason`` (not by a signal): tell others
-    close()               release everything (always called, also after a failure)
+A **role** (:mod:`gearflow.roles`) is anything a run starts, watches or must release: actor
+processes (:class:`~gearflow.roles.actor_processes.LocalLauncher`), the remote actors' shard process
+(:class:`~gearflow.roles.remote_actors.RemoteActors`), the shard nodes a learner samples
+(:class:`~gearflow.roles.shards.Shards`), a shard node's service, a cluster's roles, and the parts
+that only need closing (the replay table, the parameter store, a serial actor, the prefetcher:
+:class:`Closes`). Each offers the same methods (``start``, ``check``, ``drain``, ``stop``,
+``finish``, ``close``; ``summarize`` optional: :mod:`gearflow.roles.base`).
 
 :class:`Lifecycle` runs a list of roles through them: start and check in build order, stop
 and close in reverse (what was built last goes first), each role stopped and closed once,
@@ -31,53 +26,15 @@ after all are closed)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
+
+from gearflow.roles.base import Part, Role
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["Closes", "Lifecycle", "Role", "Shards"]
+__all__ = ["Closes", "Lifecycle", "Part", "Role"]
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class Role(Protocol):
-    """What :class:`Lifecycle` calls (``finish`` is optional)."""
-
-    def start(self) -> Any: ...
-
-    def check(self) -> int: ...
-
-    def drain(self, progress) -> None: ...
-
-    def stop(self, drain: Callable[[], None] = ...) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Part:
-    """A role with nothing to start, check, drain, stop or finish (override what applies)."""
-
-    name = "part"
-
-    def start(self) -> None:
-        pass
-
-    def check(self) -> int:
-        return 0
-
-    def drain(self, progress) -> None:
-        pass
-
-    def stop(self, drain: Callable[[], None] = lambda: None) -> None:
-        pass
-
-    def finish(self, reason: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Closes(Part):
@@ -89,30 +46,6 @@ class Closes(Part):
 
     def close(self) -> None:
         self.obj.close()
-
-
-class Shards(Part):
-    """The shard nodes a learner samples (:class:`~gearflow.transport.learner.shards.RemoteShards`) as a
-    role: their progress is polled on ``drain`` and once more, forced, on ``stop``; ``finish``
-    sends ``run.stop`` (the publishing learner only); ``close`` closes its sampler and publisher."""
-
-    name = "shards"
-
-    def __init__(self, shards, progress):
-        self.shards, self.progress = shards, progress
-
-    def drain(self, progress) -> None:
-        self.shards.poll(progress)
-
-    def stop(self, drain: Callable[[], None] = lambda: None) -> None:
-        self.shards.poll(self.progress, force=True)
-
-    def finish(self, reason: str) -> None:
-        if self.shards.publisher:
-            self.shards.end_run(reason)
-
-    def close(self) -> None:
-        self.shards.close()
 
 
 class Lifecycle:
@@ -185,6 +118,14 @@ class Lifecycle:
             finish = getattr(role, "finish", None)
             if finish is not None:
                 finish(reason)
+
+    def summarize(self, summary: dict) -> dict:
+        """What the roles add to the run's ``summary`` (their optional ``summarize``); returns it."""
+        for role in self.roles:
+            add = getattr(role, "summarize", None)
+            if add is not None:
+                add(summary)
+        return summary
 
     def close(self) -> None:
         """Close every role, last built first, each once; the first error is raised after all."""

@@ -22,7 +22,7 @@ field, what was expected and what came):
   no NaN in float observations.
 
 :func:`describe_failure` turns an exception an actor died of into the report its launcher reads
-(``launchers/failures.py``): where it was raised (the innermost frame in the agent module or the
+(``roles/failures.py``): where it was raised (the innermost frame in the agent module or the
 env factory when there is one) and a signature, so the same failure twice is known as such.
 """
 

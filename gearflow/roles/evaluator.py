@@ -33,13 +33,13 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import signal
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import DictConfig
 
+from gearflow.actors.process import stop_processes
 from gearflow.config import eval_period, to_yaml
 from gearflow.reports import queued
 
@@ -175,18 +175,7 @@ class EvalProcess:
     def stop(self, drain: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """Stop the process (an evaluation in play is given up), reading what it sent meanwhile."""
         self.stop_event.set()
-        proc = self.proc
-        deadline = time.monotonic() + timeout
-        while proc is not None and proc.is_alive() and time.monotonic() < deadline:
-            drain()
-            time.sleep(0.05)
-        drain()
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc is not None and proc.is_alive():
-            proc.kill()
-            proc.join()
+        stop_processes([self.proc], drain, timeout)
 
     def finish(self, reason: str) -> None:
         pass
@@ -203,34 +192,21 @@ def run_eval_process(cfg_yaml: str, params_name: str, requests, results, stop_ev
     the latest weights into the policy, ``run.eval_episodes`` greedy episodes on fresh envs (seeded
     by the request), the returns back on ``results``. Ends when ``stop_event`` is set or the learner
     ``parent_pid`` is gone (even SIGKILLed); an error is sent as ``{"type": "error"}`` and exits 1."""
-    import torch
     from omegaconf import OmegaConf
 
-    from gearflow.agent import make_agent, resolve_device
-    from gearflow.envs import make_vec_env
-    from gearflow.log import inherited_verbosity, setup_logging
+    from gearflow.actors.process import StopWhen, actor_agent, enter_actor_process
+    from gearflow.envs import make_vec_env, probe_env_spec
     from gearflow.params import ParameterStore
     from gearflow.run.evaluate import eval_envs, play, summarize
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner stops us through stop_event
-    setup_logging(inherited_verbosity())
-    torch.set_num_threads(1)
     cfg = OmegaConf.create(cfg_yaml)
-    os.nice(int(cfg.actor.get("nice", 0)))  # as the actors: the learner wins a contended core
-
-    def stopped() -> bool:
-        return stop_event.is_set() or os.getppid() != parent_pid
-
+    enter_actor_process(int(cfg.actor.get("nice", 0)))  # as the actors: the learner wins a contended core
+    stopped = StopWhen(stop_event, parent_pid).is_set
     params = None
     try:
         params = ParameterStore.attach(params_name)
         eval_cfg, per_env = eval_envs(cfg, int(cfg.run.eval_episodes))
-        probe = make_vec_env(OmegaConf.merge(cfg.env, {"num_envs": 1, "batch_size": 1}), seed=0)
-        try:
-            spec = probe.env_spec
-        finally:
-            probe.close()
-        agent = make_agent(eval_cfg, spec, resolve_device(str(cfg.actor.device)))
+        agent = actor_agent(eval_cfg, probe_env_spec(cfg.env))
         network = agent.make_network()
         # the role asks only now, so the weights read below are those of the step it asked at
         results.put({"type": "ready", "pid": os.getpid()})

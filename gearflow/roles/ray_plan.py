@@ -1,4 +1,4 @@
-"""What the ``launcher=ray`` driver decides without Ray (:mod:`gearflow.launchers.ray`): where
+"""What the ``launcher=ray`` driver decides without Ray (:mod:`gearflow.roles.ray`): where
 each role goes (:func:`place_roles`, from ``ray.nodes()``), the GPUs a learner asks for
 (:func:`learner_gpus`) and the run's summary from its roles' (:func:`run_summary`). Plain
 functions of plain data: tested without a Ray cluster."""

@@ -1,5 +1,5 @@
 """Why actors failed, and when a failure is not worth a restart: the launcher's side of the
-failure reports actor processes send (:func:`gearflow.actors.checks.describe_failure`)::
+failure reports actor processes send (:func:`gearflow.actors.contract.describe_failure`)::
 
     failures = FailureLog()
     failures.note(msg)                      # every report read off the actors' queue

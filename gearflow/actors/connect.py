@@ -1,15 +1,17 @@
 """Actors on another machine: ``gearflow actor --connect HOST:PORT [CONFIG]``.
 
 A ``gearflow train`` run with ``actor.remote_actors = K`` serves its replay and weights
-over TCP (:mod:`gearflow.launchers.remote`). Each remote actor process here joins it
-(``run.join``: an actor index, its partitions, the run's config), then runs the same actor
-classes as a local actor process, with the transport's seams in place of shared memory::
+over TCP (:mod:`gearflow.roles.remote_actors`). Each remote actor process here joins it
+(``run.join``: an actor index, its partitions, the run's config), then builds its actor with the
+same factory as a local actor process (:func:`~gearflow.actors.process.build_actor`), with the
+transport's seams in place of shared memory::
 
-    writer = ShippingWriter(address, len(partitions), partitions=partitions)  # a Writer: the C adder runs
-    params = RemoteParams(control)                                          # ParameterSource
-    actor = actor_class_for(agent)(env, agent, writer, params, epsilon, cfg=cfg.actor, ...)
+    writer = lambda env: remote_writer(cfg, address, parts, token)  # ShippingWriter: the C adder runs here
+    actor = build_actor(cfg, k, writer=writer, param_source=RemoteParams(control),
+                        on_episode=reports.episode)                           # ParameterSource over TCP
 
-Episodes and counters go back with ``run.report`` (about once a second), whose reply says
+Its :class:`~gearflow.actors.process.ActorReports` (the same dicts a local actor puts on its
+queue) go back with ``run.report`` (about once a second), whose reply says
 when the run is over. When the learner is unreachable the actor keeps trying for
 ``wait_s`` seconds (backoff), then rejoins in the same place and continues its partitions
 where the learner's table left them; past ``wait_s`` it gives up with a one-line error.
@@ -20,37 +22,26 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import signal
 import time
-import traceback
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from gearflow.actors.process import (
+    ActorReports,
+    StopWhen,
+    build_actor,
+    enter_actor_process,
+    stop_processes,
+)
 from gearflow.errors import GearflowError
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.actor")
 
-__all__ = ["ActorSet", "run_remote_actor", "remote_actor_process"]
+__all__ = ["ActorSet", "remote_actor_process", "run_remote_actor"]
 
 LOCAL_KEYS = ("actor.device", "actor.nice")  # what this machine may set differently from the learner
-
-
-def _jsonable(d: dict) -> dict:
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
-
-
-class _Stop:
-    """Set when told to stop, when the run is over, or when our parent is gone."""
-
-    def __init__(self, event, parent_pid: Optional[int]):
-        self.event, self.parent, self.run_over = event, parent_pid, False
-
-    def is_set(self) -> bool:
-        if self.run_over or (self.event is not None and self.event.is_set()):
-            return True
-        return self.parent is not None and os.getppid() != self.parent
 
 
 def _learner_config(text: str, local) -> Any:
@@ -89,7 +80,7 @@ def run_remote_actor(address: str, local_cfg=None, *, token: Optional[str] = Non
     from gearflow.transport.client import Client, ServiceUnavailable
     from gearflow.transport.errors import SessionLost
 
-    stop = _Stop(stop_event, parent_pid)
+    stop = StopWhen(stop_event, parent_pid)
     control = Client(address, token, timeout_s=timeout_s, loop=loop)
     steps, since, place = 0, time.monotonic(), [actor]
     try:
@@ -110,17 +101,13 @@ def run_remote_actor(address: str, local_cfg=None, *, token: Optional[str] = Non
         control.close()
 
 
-def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s: float, loop: str) -> int:
+def _act(control, address, local_cfg, token, place: list, stop: StopWhen, timeout_s: float, loop: str) -> int:
     """One membership: join (``place[0]``: the place asked for, None for any; set to the one
     given, so that a rejoin asks for it again), act until stopped or the connection fails;
     returns env steps."""
-    from gearflow.actors import actor_class_for
-    from gearflow.actors.base import actor_epsilon, env_seed
-    from gearflow.agent import make_agent, resolve_device
-    from gearflow.envs import make_vec_env
-    from gearflow.transport.actor import RemoteParams, RemoteWriter, ShippingWriter
+    from gearflow.transport.actor import RemoteParams, remote_writer
 
-    meta, _ = control.call("run.join", {"actor": place[0]})
+    meta, _ = control.call(RPC.RUN_JOIN, {"actor": place[0]})
     if meta.get("stop"):
         stop.run_over = True
         return 0
@@ -128,43 +115,29 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
     cfg = _learner_config(meta["config"], local_cfg)
     place[0] = k  # a rejoin asks for the same place
     torch.set_num_threads(1)
-    env = writer = actor = None
+    actor = None
     # reporting starts with the membership, not after the env and agent are built: a run that
     # ends while this actor is still setting up (seconds on a loaded machine) reaches it as
     # "stop" on the next report, before the shard stops (it waits up to LEAVE_S = 30 s for joined actors)
     reporter = _Reporter(control, stop)
     reporter.start()
-    try:
-        env = make_vec_env(cfg.env, seed=env_seed(cfg, k))
+    reports = ActorReports(reporter.put, k)
+
+    def writer(env):
         if env.num_envs != len(parts):
             raise GearflowError(f"the learner gave actor {k} {len(parts)} partitions for env.num_envs={env.num_envs}")
-        agent = make_agent(cfg, env.env_spec, resolve_device(str(cfg.actor.device)))
-        # ShippingWriter: a local ring shipped to the shard, so the adder's C path runs here;
-        # RemoteWriter for stacked-frame columns (which the ring does not ship)
-        kind = RemoteWriter if cfg.replay.frame_stack else ShippingWriter
-        writer = kind(address, len(parts), token, partitions=parts, insert_timeout_s=float(cfg.replay.timeout_s),
-                      timeout_s=timeout_s, loop=loop)  # fmt: skip
+        # the transport's table (transport/actor: ShippingWriter, the adder's C path here; RemoteWriter
+        # for stacked-frame columns)
+        return remote_writer(cfg, address, parts, token, insert_timeout_s=float(cfg.replay.timeout_s),
+                             timeout_s=timeout_s, loop=loop)  # fmt: skip
 
-        def on_episode(env_index: int, ret: float, length: int, epsilon: float) -> None:
-            reporter.put({"type": "episode", "env": int(env_index), "actor/episode_return": float(ret),
-                          "actor/episode_length": int(length), "actor/epsilon": float(epsilon)})  # fmt: skip
-
-        actor = actor_class_for(agent)(env, agent, writer, RemoteParams(control), actor_epsilon(cfg, k, env.num_envs),
-                                       cfg=cfg.actor, env_cfg=cfg.env, actor_index=k, seed=env_seed(cfg, k),
-                                       on_episode=on_episode)  # fmt: skip
-        last = {"t": time.monotonic(), "steps": 0}
-
-        def on_tick(a) -> None:
-            now = time.monotonic()
-            rate = (a.env_steps - last["steps"]) / max(now - last["t"], 1e-9)
-            last.update(t=now, steps=a.env_steps)
-            reporter.put(_jsonable({"type": "counters", "time": time.time(), **a.counters(),
-                                    "actor/env_steps_per_s": rate}))  # fmt: skip
-
-        log.info("remote actor %d: %d envs (%s), partitions %s of %s", k, env.num_envs, env.backend, parts, address)
+    try:
+        actor = build_actor(cfg, k, writer=writer, param_source=RemoteParams(control), on_episode=reports.episode)
+        log.info("remote actor %d: %d envs (%s), partitions %s of %s", k, actor.num_envs, actor.env.backend, parts,
+                 address)  # fmt: skip
         try:
-            actor.run(stop, on_tick=on_tick)
-            on_tick(actor)
+            actor.run(stop, on_tick=reports.counters)
+            reports.counters(actor)
         except Exception as exc:
             from gearflow.transport.client import ServiceUnavailable
 
@@ -173,7 +146,7 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
             elif isinstance(exc, (ServiceUnavailable, GearflowError)):
                 raise
             else:
-                reporter.put({"type": "error", "error": traceback.format_exc()})
+                reports.error(exc, cfg)
                 reporter.close(flush=True)
                 raise
         reporter.close(flush=True)
@@ -182,11 +155,8 @@ def _act(control, address, local_cfg, token, place: list, stop: _Stop, timeout_s
         reporter.close()
         if actor is not None:
             actor.close()
-        elif env is not None:
-            env.close()
-        if writer is not None:
             try:
-                writer.close()
+                actor.writer.close()
             except Exception as exc:
                 if not stop.is_set():
                     raise
@@ -197,7 +167,7 @@ class _Reporter:
     """Sends what the actor reports (``run.report``) about once a second from its own thread, so
     that the learner's "the run is over" reaches ``stop`` even while the actor waits in an insert."""
 
-    def __init__(self, control, stop: _Stop, period_s: float = 1.0):
+    def __init__(self, control, stop: StopWhen, period_s: float = 1.0):
         import collections
         import threading
 
@@ -216,7 +186,7 @@ class _Reporter:
         batch = []
         while self.pending:
             batch.append(self.pending.popleft())
-        reply, _ = self.control.call("run.report", {"messages": batch}, timeout_s=timeout_s)
+        reply, _ = self.control.call(RPC.RUN_REPORT, {"messages": batch}, timeout_s=timeout_s)
         if reply.get("stop"):
             self.stop.run_over = True
 
@@ -245,13 +215,8 @@ def remote_actor_process(address: str, local_yaml: Optional[str], token: Optiona
     """Spawn target: one remote actor; a :class:`GearflowError` is one log line and exit status 2."""
     from omegaconf import OmegaConf
 
-    from gearflow.log import setup_logging
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us through stop_event
-    setup_logging(verbosity)
     local = OmegaConf.create(local_yaml) if local_yaml else None
-    if local is not None:
-        os.nice(int(local.actor.get("nice", 0)))
+    enter_actor_process(int(local.actor.get("nice", 0)) if local is not None else 0, verbosity)
     try:
         run_remote_actor(address, local, token=token, actor=actor, stop_event=stop_event, parent_pid=parent_pid,
                          wait_s=wait_s)  # fmt: skip
@@ -307,10 +272,4 @@ class ActorSet:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            if p is not None:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
+        stop_processes(self.procs, timeout=timeout, kill=False)

@@ -3,7 +3,7 @@
 Each actor process runs :func:`~gearflow.actors.process.run_actor_process`: it attaches
 the replay segment and the parameter store by name and writes its own partitions. A dead
 actor is restarted up to ``actor.max_restarts`` times, unless it died of a failure a restart cannot
-mend (:mod:`gearflow.launchers.failures`: a contract violation, or the same error twice); its partitions and their data
+mend (:mod:`gearflow.roles.failures`: a contract violation, or the same error twice); its partitions and their data
 survive (the new writer continues after the old one's last step). What actors report
 (episodes, counters, errors) arrives on one queue and is folded into the run's
 :class:`~gearflow.learner.Progress` by :meth:`LocalLauncher.drain`::
@@ -21,15 +21,15 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from omegaconf import DictConfig
 
+from gearflow.actors.process import actor_process_main, stop_processes
 from gearflow.config import to_yaml
-from gearflow.launchers.failures import ActorFailed, FailureLog
 from gearflow.reports import fold_report, queued
+from gearflow.roles.failures import ActorFailed, FailureLog
 
 log = logging.getLogger("gearflow.runner")
 
@@ -40,8 +40,6 @@ class LocalLauncher:
     """Starts actor processes and restarts the ones that die."""
 
     def __init__(self, cfg: DictConfig, storage_name: str, params_name: str, partitions: list[np.ndarray]):
-        from gearflow.actors.process import actor_process_main
-
         self._target = actor_process_main  # run_actor_process; a reported error is not printed twice
         self.cfg_yaml = to_yaml(cfg)
         self.max_restarts = cfg.actor.max_restarts
@@ -52,7 +50,7 @@ class LocalLauncher:
         self.procs: list[mp.Process | None] = [None] * len(partitions)
         self.restarts = [0] * len(partitions)
         self.errors: dict[int, str] = {}  # last line of each actor's last traceback
-        self.failures = FailureLog()  # what a dead actor died of: restart it or not (launchers/failures.py)
+        self.failures = FailureLog()  # what a dead actor died of: restart it or not (roles/failures.py)
         self._read: list = []  # reports read by check() before drain() folds them
 
     def _start(self, i: int) -> None:
@@ -110,18 +108,7 @@ class LocalLauncher:
         """Ask every actor to stop and wait for it; ``drain`` keeps reading the metrics
         queue meanwhile (a child cannot exit while its queue buffer is unflushed)."""
         self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p is not None and p.is_alive() for p in self.procs):
-            drain()
-            time.sleep(0.05)
-        drain()
-        for proc in self.procs:
-            if proc is not None and proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc is not None and proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_processes(self.procs, drain, timeout)
 
     def close(self) -> None:
         self.metrics.close()

@@ -5,7 +5,7 @@ not started here: a **shard process** attaches the run's replay segment and para
 by name (as a local actor process does), serves them with a
 :class:`~gearflow.transport.server.shard.ShardService` (``learners=False``: the learner samples its
 own table) on ``transport.host:transport.port``, and waits for them
-(``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.remote`)::
+(``gearflow actor --connect HOST:PORT CONFIG``, :mod:`gearflow.actors.connect`)::
 
     remote = RemoteActors(cfg, table, params, {2: parts_2, 3: parts_3})
     port = remote.start()                       # logs the address and the actors' command
@@ -26,7 +26,7 @@ learner's updates/s on a 2-core machine). Besides the shard's messages (``replay
   says whether the run is over (``stop``).
 
 Reports, joins and departures reach the learner on one queue, folded into the run's
-progress by :meth:`RemoteActors.drain` (as :class:`~gearflow.launchers.local.LocalLauncher`
+progress by :meth:`RemoteActors.drain` (as :class:`~gearflow.roles.actor_processes.LocalLauncher`
 does). A lost remote actor is logged and its place waits for it; the learner keeps training
 on what the table holds. A shard process that dies is restarted on the same port (up to
 ``actor.max_restarts`` times): remote actors reconnect and rejoin by themselves.
@@ -41,21 +41,23 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Callable, Mapping
 
 import numpy as np
 from omegaconf import DictConfig
 
+from gearflow.actors.process import stop_processes
 from gearflow.config import to_yaml
 from gearflow.errors import ConfigError, GearflowError
-from gearflow.launchers.local import ActorFailed
 from gearflow.replay.storage import COMMIT, EPISODES, PUBLISHED
 from gearflow.reports import check_report, fold_report, queued
+from gearflow.roles.actor_processes import ActorFailed
+from gearflow.transport.ops import RPC
 
 log = logging.getLogger("gearflow.runner")
 
-__all__ = ["Members", "RemoteActors", "REPORT_TYPES", "serve_remote_actors"]
+__all__ = ["REPORT_TYPES", "Members", "RemoteActors", "serve_remote_actors"]
 
 REPORT_TYPES = ("episode", "counters", "error")
 # how long the shard process waits, once the run is over, for joined actors to hear it (their next
@@ -158,14 +160,7 @@ class RemoteActors:
         says so), wait for the shard process, which waits up to ``LEAVE_S`` for them to leave,
         then stop it."""
         self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
-            drain()
-            time.sleep(0.05)
-        drain()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+        stop_processes([self.proc], drain, timeout, kill=False)
 
     def close(self) -> None:
         self.stop_event.set()
@@ -351,8 +346,8 @@ def serve_remote_actors(cfg_yaml: str, storage_name: str, params_name: str, part
         shard = ShardService(view, params=params, partitions=every, host=host, port=port, token=token, loop=loop,
                              learners=False, limits=limits)  # fmt: skip
         shard.writable = members.writable  # an actor credential writes the partitions of places it joined
-        shard.service.register("run.join", members.join, with_connection=True, roles=ANY_ROLE)
-        shard.service.register("run.report", members.report, with_connection=True, inline=True, roles=ANY_ROLE)
+        shard.service.register(RPC.RUN_JOIN, members.join, with_connection=True, roles=ANY_ROLE)
+        shard.service.register(RPC.RUN_REPORT, members.report, with_connection=True, inline=True, roles=ANY_ROLE)
         bound = shard.start()
     except BaseException as exc:
         ready.put(("error", f"{type(exc).__name__}: {exc}"))
