@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
@@ -17,7 +17,7 @@ class Prefetcher:
     """Samples batches in a background thread, ``depth`` ahead of the learner."""
 
     def __init__(self, table: SamplerLike, lock: threading.Lock, batch_size: int, depth: int,
-                 stop: threading.Event, progress: Optional[Progress] = None):  # fmt: skip
+                 stop: threading.Event, progress: Progress | None = None):  # fmt: skip
         self.table, self.lock, self.batch_size, self.progress = table, lock, batch_size, progress
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = stop

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +38,23 @@ if TYPE_CHECKING:
     from gearflow.distributed import DataParallel
 
 log = logging.getLogger("gearflow.runner")
+
+
+def read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """A learn step's metrics as numbers: its 0-dim tensors stacked per device and read back at
+    once (a metric row's one host read per device; agents never read them in ``learn``), the rest
+    (numbers) as floats. Keeps the order of ``metrics``."""
+    by_device: dict[Any, list[str]] = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"metric {k!r} is a tensor of shape {tuple(v.shape)}; a metric is one number")
+            by_device.setdefault(v.device, []).append(k)
+    read: dict[str, float] = {}
+    for names in by_device.values():
+        values = torch.stack([metrics[k].detach().reshape(()).float() for k in names]).tolist()
+        read.update(zip(names, values))
+    return {k: read[k] if k in read else float(v) for k, v in metrics.items()}
 
 
 @dataclass
@@ -58,9 +76,9 @@ class Learner:
 
     def __init__(self, learner: DictConfig, agent, table: SamplerLike, params, progress: Progress, *,
                  run: DictConfig, env_steps: Callable[[], int], actor_version: Callable[[], int],
-                 checkpoints: Optional[RunCheckpoints] = None, beta: Optional[BetaSchedule] = None,
-                 device: torch.device = torch.device("cpu"), stop: Optional[threading.Event] = None,
-                 parallel: Optional["DataParallel"] = None):  # fmt: skip
+                 checkpoints: RunCheckpoints | None = None, beta: BetaSchedule | None = None,
+                 device: torch.device = torch.device("cpu"), stop: threading.Event | None = None,
+                 parallel: DataParallel | None = None):  # fmt: skip
         # its own groups only: ``learner`` (batch, publishing, bf16) and ``run`` (limits, logging,
         # checkpoints); the checkpoints record the run's whole config themselves
         self.learner_cfg, self.run_cfg = learner, run
@@ -127,7 +145,9 @@ class Learner:
             self.progress.data_age = float(latest - mean)
             self._last_batch_version = None
 
-    def snapshot(self, metrics: dict[str, float]) -> dict[str, float]:
+    def snapshot(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """A metric row: the run's counters, the table's and the data-parallel group's stats, and
+        ``metrics`` (the latest learn step's, read back here: :func:`read_metrics`)."""
         self.read_pending()
         p = self.progress
         elapsed = max(1e-9, time.monotonic() - p.start)
@@ -152,7 +172,7 @@ class Learner:
             "replay/sample_age_versions": p.data_age,
             **self.table.stats(),
             **(self.parallel.stats() if self.parallel is not None else {}),
-            **metrics,
+            **read_metrics(metrics),
         }
 
     # ------------------------------------------------------------------ the loop
