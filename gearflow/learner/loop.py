@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from gearflow.config import parse_period
+from gearflow.learner.access import ReplayAccess
 from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
 from gearflow.run.checkpoint import RunCheckpoints, rng_states
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from gearflow.distributed import DataParallel
 
 log = logging.getLogger("gearflow.runner")
+
+CHECK_EVERY_S = 0.05  # seconds between the loop's checks: stop limits, supervision, β
 
 
 def read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -89,10 +92,20 @@ class Learner:
         self.env_steps, self.actor_version, self.checkpoints = env_steps, actor_version, checkpoints
         self.beta, self.device, self.parallel = beta, device, parallel
         self.publisher = parallel is None or parallel.is_publisher  # rank 0: weights and checkpoints
-        self.lock = threading.Lock()  # the prefetcher samples and checkpoints read the table under it
+        # the table's critical sections (the prefetcher's draws, checkpoints) and the priority
+        # write-backs the learn step queues without taking it (gearflow/learner/access.py)
+        self.lock = ReplayAccess(table)
         self.stop = stop if stop is not None else threading.Event()  # set: the run stops (signals)
+        # what the loop reads every update, as plain values (an OmegaConf read costs ~10 µs)
+        # (``get``: a caller's partial config, a test's, leaves a limit off)
+        self.publish_every = int(learner.get("publish_every", 10))
+        self._max_env_steps, self._max_updates = int(run.get("max_env_steps") or 0), int(run.get("max_updates") or 0)
+        self._max_seconds, self._stop_at_return = float(run.get("max_seconds") or 0), float(run.get("stop_at_return") or 0)
+        self._log_every_s = float(run.get("log_every_s", 5.0))
+        self.check_every_s = CHECK_EVERY_S
         self._pending_tokens = None  # tensor: valid steps learned from since the last row
         self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
+        self._age_due = True  # the next batch's data age is taken (set again by each check)
         self._checkpoint_period = parse_period(run.checkpoint_every)
         self._last_checkpoint = (time.monotonic(), progress.updates)
         self.metric_offsets: Callable[[], dict[str, int]] = dict  # where a resume continues the metric files
@@ -102,38 +115,50 @@ class Learner:
                         type(agent).__module__)  # fmt: skip
 
     # ------------------------------------------------------------------ one update
-    def learn_step(self, batch) -> dict[str, float]:
+    def learn_step(self, batch) -> dict[str, Any]:
+        """One update: ``agent.learn``, its priorities queued for the table (applied by the sampling
+        side before its next draw: the step neither takes the table's lock nor waits for the
+        device), the counters, and weights published every ``learner.publish_every``. Returns the
+        agent's metrics as it gave them (tensors are read when a row is made: :func:`read_metrics`)."""
         t0 = time.perf_counter()
         # learner.bf16: the agent runs its forward passes under bf16 autocast and computes
         # targets, TD errors, priorities, backward and the optimizer step in fp32
         # (gearflow/precision.py), so no autocast here.
         metrics, priorities = self.agent.learn(batch)
-        if isinstance(priorities, torch.Tensor):
-            priorities = priorities.detach().float()
-        with self.lock:
-            self.table.update_priorities(batch.keys, priorities)
+        access = self.lock
+        access.writeback.put(batch.keys, priorities)
+        if not access.sampler_applies:  # no sampling thread (serial runs, a caller's own batches): now
+            with access:
+                access.writeback.apply()
         p = self.progress
         p.learn_s += time.perf_counter() - t0
         p.updates += 1
-        p.samples += len(batch.keys)
+        n = batch.keys.shape[0]
+        p.samples += n
         # Per-batch reductions stay tensors (on the GPU path, reading them would wait for the
         # device every update); :meth:`read_pending` turns them into numbers when a row is made.
-        mask = batch.data.get("mask")  # sequence/episode items: valid steps; transitions: one each
+        data = batch.data
+        mask = data.get("mask")  # sequence/episode items: valid steps; transitions: one each
         if mask is None:
-            p.tokens += len(batch.keys)
+            p.tokens += n
         else:
             total = mask.sum()
             self._pending_tokens = total if self._pending_tokens is None else self._pending_tokens + total
-        if "version" in batch.data:  # how many publications old the sampled data is
-            self._last_batch_version = (self.params.latest_version(), batch.data["version"].double().mean())
+        if self._age_due and "version" in data:  # how many publications old the sampled data is (a
+            self._age_due = False  # batch after each check: a row reports the latest one)
+            self._last_batch_version = (self.params.latest_version(), data["version"].double().mean())
         release = getattr(batch, "release", None)  # every read of the batch is queued on this stream:
         if release is not None:  # the GPU path may refill its buffers once the stream passes here
             release()
-        if p.updates % self.learner_cfg.publish_every == 0 and self.publisher:
+        if p.updates % self.publish_every == 0 and self.publisher:
             self.params.publish(self.agent.learner_network())
+        return metrics
+
+    def anneal(self) -> None:
+        """β of the table's selector from the run's env steps (the loop calls it with its checks,
+        every :attr:`check_every_s`: β moves over millions of steps)."""
         if self.beta is not None:
             self.table.selector.beta = self.beta(self.env_steps())
-        return metrics
 
     def read_pending(self) -> None:
         """Fold the learner's per-batch tensor reductions into the progress counters."""
@@ -178,26 +203,30 @@ class Learner:
     # ------------------------------------------------------------------ the loop
     def done(self) -> str:
         """Why the run stops now ("" while it goes on): a signal or a ``run.*`` limit."""
-        r, p = self.run_cfg, self.progress
+        p = self.progress
         if self.stop.is_set():
             return "stopped by signal"
-        if r.max_env_steps and self.env_steps() >= r.max_env_steps:
-            return f"reached run.max_env_steps={r.max_env_steps}"
-        if r.max_updates and p.updates >= r.max_updates:
-            return f"reached run.max_updates={r.max_updates}"
-        if r.max_seconds and time.monotonic() - p.start >= r.max_seconds:
-            return f"reached run.max_seconds={r.max_seconds}"
+        if self._max_env_steps and self.env_steps() >= self._max_env_steps:
+            return f"reached run.max_env_steps={self._max_env_steps}"
+        if self._max_updates and p.updates >= self._max_updates:
+            return f"reached run.max_updates={self._max_updates}"
+        if self._max_seconds and time.monotonic() - p.start >= self._max_seconds:
+            return f"reached run.max_seconds={self._max_seconds}"
         greedy = p.returns.get(p.greediest())  # the greediest actor that is acting
-        if r.stop_at_return and greedy is not None and len(greedy) == greedy.maxlen:
-            if float(np.mean(greedy)) >= r.stop_at_return:
-                return f"reached run.stop_at_return={r.stop_at_return}"
+        if self._stop_at_return and greedy is not None and len(greedy) == greedy.maxlen:
+            if float(np.mean(greedy)) >= self._stop_at_return:
+                return f"reached run.stop_at_return={self._stop_at_return}"
         return ""
 
     def run(self, next_batch: Callable[[], Any], *, between: Callable[[], str] = lambda: "",
             emit: Callable[[dict], None] = lambda row: None) -> tuple[str, dict[str, float]]:
-        """Learn until :meth:`done` or ``between()`` (called before every batch: supervision)
-        gives a reason; a metric row goes to ``emit`` every ``run.log_every_s``, a checkpoint
-        is written every ``run.checkpoint_every``. Returns the reason and the last metrics.
+        """Learn until :meth:`done` or ``between()`` (supervision) gives a reason; a metric row goes
+        to ``emit`` every ``run.log_every_s``, a checkpoint is written every ``run.checkpoint_every``.
+        Returns the reason and the last metrics.
+
+        The checks (:meth:`done`, ``between()``, β's annealing) run every :attr:`check_every_s`
+        seconds, not every update (they cost tens of µs: env-step counters, every actor's
+        supervision); a signal (``stop``) and ``run.max_updates`` are checked every update.
 
         Data-parallel (``parallel``): each iteration the ranks agree (:meth:`DataParallel.agree
         <gearflow.distributed.DataParallel.agree>`) to learn only when every rank has a batch
@@ -205,20 +234,27 @@ class Learner:
         reason; a rank stopped by another's reason returns "stopped with the other learners".
         ``env_steps()`` is then the ranks' highest count as of the last agree, or this rank's own
         if higher."""
-        p, every = self.progress, self.run_cfg.log_every_s
+        p, every, signal, max_updates = self.progress, self._log_every_s, self.stop, self._max_updates
         self._last_checkpoint = (time.monotonic(), p.updates)
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
         last_samples, last_tokens = p.samples, p.tokens
         # data-parallel: a batch this rank holds while another rank has none; it stays valid (the
         # table keeps learner.prefetch + 2 buffer sets: the queue's, the prefetch thread's, and
         # the one the learner holds, which is this one until it is learned)
-        pending = None
+        pending, next_check = None, 0.0
         while True:
             if self.parallel is None:
-                if (reason := self.done()) or (reason := between()):
-                    break
+                now = time.monotonic()
+                if now >= next_check or signal.is_set() or (max_updates and p.updates >= max_updates):
+                    if (reason := self.done()) or (reason := between()):
+                        break
+                    self.anneal()
+                    self._age_due = True
+                    next_check = now + self.check_every_s
                 batch = next_batch()
-            else:
+            else:  # every iteration: the ranks agree on it anyway
+                self.anneal()
+                self._age_due = True
                 reason = self.done() or between()
                 batch = pending if pending is not None or reason else next_batch()
                 learn, stop = self.parallel.agree(batch is not None, bool(reason), self.env_steps())
@@ -239,7 +275,7 @@ class Learner:
                 last_samples, last_tokens = p.samples, p.tokens
                 emit(row)
                 last_log, last_steps, last_updates = now, steps, updates
-            if self._checkpoint_due():
+            if self._checkpoint_due(now):
                 self._periodic_checkpoint()
         return reason, metrics
 
@@ -258,6 +294,7 @@ class Learner:
         }
         learner_state = {"agent": self.agent.state_dict(), "rng": rng_states()}
         with self.lock:  # the prefetcher samples under the same lock
+            self.lock.writeback.apply()  # the learn steps' last priorities go into the saved table
             table = self.table if self.run_cfg.checkpoint_replay else None
             path = self.checkpoints.save(self.progress.updates, learner_state, runner_state, table)
         self._last_checkpoint = (time.monotonic(), self.progress.updates)
@@ -279,7 +316,7 @@ class Learner:
             log.warning("checkpoint at %d updates not written (%s); training continues, the previous "
                         "checkpoints are intact, the next period retries", self.progress.updates, exc)
 
-    def _checkpoint_due(self) -> bool:
+    def _checkpoint_due(self, now: float | None = None) -> bool:
         if not self.publisher:
             return False
         kind, every = self._checkpoint_period
@@ -287,5 +324,5 @@ class Learner:
         if kind == "updates":
             return self.progress.updates - updates >= every
         if kind == "seconds":
-            return time.monotonic() - when >= every
+            return (time.monotonic() if now is None else now) - when >= every
         return False

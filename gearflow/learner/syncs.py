@@ -82,7 +82,7 @@ class HostReads:
             where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
             self.sites.append(f"{where} {what}")
 
-    def __enter__(self) -> HostReads:
+    def __enter__(self):
         self._thread = threading.get_ident()
         with _patch_lock:
             if self._thread in _active:
