@@ -304,11 +304,13 @@ class Agent:
             return nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
         return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
         """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
-        and the new priorities |y − Q₁(s, a)| (B,). The policy learns every ``policy_delay`` updates."""
+        and the new priorities |y − Q₁(s, a)| (B,). The policy learns every ``policy_delay`` updates.
+        ``update``: what runs :meth:`update` (``learner.graph``: the CUDA graph of its form,
+        gearflow/learner/graph.py)."""
         policy = (self.updates + 1) % self.cfg.policy_delay == 0
-        metrics, td_abs = self.update(batch, policy)
+        metrics, td_abs = (update or self.update)(batch, policy)
         self.updated()
         if policy:
             self._last_policy = (metrics["learner/policy_loss"], metrics["learner/policy_grad_norm"])

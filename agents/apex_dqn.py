@@ -238,10 +238,11 @@ class Agent:
         ).mean()
         return loss, y, td, q
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
         """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
-        and the new priorities |TD error| (B,)."""
-        metrics, td_abs = self.update(batch)
+        and the new priorities |TD error| (B,). ``update``: what runs :meth:`update` (``learner.graph``:
+        its CUDA graph's replay, gearflow/learner/graph.py)."""
+        metrics, td_abs = (update or self.update)(batch)
         self.updated()
         metrics["learner/updates"] = float(self.updates)
         return metrics, td_abs

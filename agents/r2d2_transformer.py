@@ -590,10 +590,11 @@ class Agent:
         per_seq = 0.5 * sq.sum(dim=1) / valid.sum(dim=1).clamp(min=1)  # (B,)
         return (weights * per_seq).mean(), td, valid, q
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
         """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
-        and the windows' new priorities (B,)."""
-        metrics, priorities = self.update(batch)
+        and the windows' new priorities (B,). ``update``: what runs :meth:`update` (``learner.graph``:
+        its CUDA graph's replay, gearflow/learner/graph.py)."""
+        metrics, priorities = (update or self.update)(batch)
         self.updated()
         metrics["learner/updates"] = float(self.updates)
         return metrics, priorities

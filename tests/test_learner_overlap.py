@@ -12,7 +12,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from gearflow.bench.learner import filled_table

@@ -95,17 +95,25 @@ class PriorityWriteBack:
 
 
 class ReplayAccess:
-    """The lock of the table's critical sections (a draw, the write-backs, a checkpoint's read)
-    and the learn step's queued priority write-backs (:attr:`writeback`). Used as a lock (``with
-    access:``); the learner holds it as ``Learner.lock`` and hands it to the ``Prefetcher``.
+    """The lock of the table's critical sections (a draw, the write-backs, a checkpoint's read),
+    the learn step's queued priority write-backs (:attr:`writeback`) and, for a CUDA learner over
+    a host table, the ring of batches ahead on its device (:attr:`ring`, ``device_batches`` slots:
+    :class:`~gearflow.learner.staging.DeviceBatches`). Used as a lock (``with access:``); the
+    learner holds it as ``Learner.lock`` and hands it to the ``Prefetcher``, which fills the ring.
 
     ``sampler_applies``: a sampling thread applies the write-backs before its draws (set by the
     ``Prefetcher`` that takes this access); while False the learner applies them after each step."""
 
-    def __init__(self, table: Any):
+    def __init__(self, table: Any, device: torch.device | str | None = None, device_batches: int = 0):
         self._lock = threading.Lock()
         self.writeback = PriorityWriteBack(table)
         self.sampler_applies = False
+        self.ring = None
+        if device is not None and torch.device(device).type == "cuda" and device_batches and \
+                not self.writeback.device_table:  # fmt: skip
+            from gearflow.learner.staging import DeviceBatches
+
+            self.ring = DeviceBatches(device, int(device_batches))
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         return self._lock.acquire(blocking, timeout)

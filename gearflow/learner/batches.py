@@ -35,6 +35,7 @@ class Prefetcher:
         if self.access is not None:
             self.access.sampler_applies = True  # this thread applies the write-backs, before each draw
         self._can_sample = getattr(table, "can_sample", None)  # a local table: asked without waiting
+        self.ring = getattr(self.access, "ring", None)  # a CUDA learner: batches ahead on its device
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = stop
         self.error: BaseException | None = None
@@ -43,6 +44,8 @@ class Prefetcher:
 
     def _draw(self):
         """The write-backs applied, then a batch; None while the rate limiter holds it."""
+        if self.ring is not None:  # the table's buffer set about to be reused: copied out of first
+            self.ring.before_draw(getattr(self.table, "num_buffers", 1))
         with self.lock:
             if self.access is not None:
                 self.access.writeback.apply()
@@ -66,7 +69,9 @@ class Prefetcher:
                     delay = min(2 * delay, _BACKOFF[1])
                     continue
                 delay = _BACKOFF[0]
-                while not self.stop.is_set():
+                if self.ring is not None:  # into a free device slot, on the ring's stream
+                    batch = self.ring.put(batch, self.stop)
+                while batch is not None and not self.stop.is_set():
                     try:
                         self.queue.put(batch, timeout=0.2)
                         break
@@ -87,6 +92,9 @@ class Prefetcher:
             batch = self.get(timeout=0.5)
         except queue.Empty:
             batch = None
+        wait = getattr(batch, "wait", None)
+        if wait is not None:  # a device batch: the learner's stream waits for its copy (the host does not)
+            wait()
         if self.progress is not None and self.progress.updates:
             self.progress.wait_s += time.perf_counter() - t0
         return batch

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 
 from gearflow.config import parse_period
 from gearflow.learner.access import ReplayAccess
+from gearflow.learner.graph import learn_function
 from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
 from gearflow.run.checkpoint import RunCheckpoints, rng_states
@@ -94,7 +95,7 @@ class Learner:
         self.publisher = parallel is None or parallel.is_publisher  # rank 0: weights and checkpoints
         # the table's critical sections (the prefetcher's draws, checkpoints) and the priority
         # write-backs the learn step queues without taking it (gearflow/learner/access.py)
-        self.lock = ReplayAccess(table)
+        self.lock = ReplayAccess(table, device, int(learner.get("device_batches", 0)))
         self.stop = stop if stop is not None else threading.Event()  # set: the run stops (signals)
         # what the loop reads every update, as plain values (an OmegaConf read costs ~10 µs)
         # (``get``: a caller's partial config, a test's, leaves a limit off)
@@ -106,6 +107,8 @@ class Learner:
         self._pending_tokens = None  # tensor: valid steps learned from since the last row
         self._last_batch_version = None  # (latest published version, tensor: mean version of the batch)
         self._age_due = True  # the next batch's data age is taken (set again by each check)
+        self._weights = None  # WeightPublisher, made at the first publish
+        self._graph, self._graphed = bool(learner.get("graph", False)), None  # learner.graph
         self._checkpoint_period = parse_period(run.checkpoint_every)
         self._last_checkpoint = (time.monotonic(), progress.updates)
         self.metric_offsets: Callable[[], dict[str, int]] = dict  # where a resume continues the metric files
@@ -124,7 +127,9 @@ class Learner:
         # learner.bf16: the agent runs its forward passes under bf16 autocast and computes
         # targets, TD errors, priorities, backward and the optimizer step in fp32
         # (gearflow/precision.py), so no autocast here.
-        metrics, priorities = self.agent.learn(batch)
+        if self._graph:  # learner.graph: the graphed learn, made at the first update
+            self._graph, self._graphed = False, learn_function(self.agent, self.device, True)
+        metrics, priorities = (self._graphed or self.agent.learn)(batch)
         access = self.lock
         access.writeback.put(batch.keys, priorities)
         if not access.sampler_applies:  # no sampling thread (serial runs, a caller's own batches): now
@@ -151,8 +156,17 @@ class Learner:
         if release is not None:  # the GPU path may refill its buffers once the stream passes here
             release()
         if p.updates % self.publish_every == 0 and self.publisher:
-            self.params.publish(self.agent.learner_network())
+            self.publish()
         return metrics
+
+    def publish(self) -> None:
+        """Publish the learner network's weights (a CUDA learner: from a pinned staging copy, by a
+        helper thread; the step goes on: :class:`~gearflow.params.publisher.WeightPublisher`)."""
+        if self._weights is None:
+            from gearflow.params.publisher import WeightPublisher
+
+            self._weights = WeightPublisher(self.params, self.agent.learner_network, self.device)
+        self._weights.publish()
 
     def anneal(self) -> None:
         """β of the table's selector from the run's env steps (the loop calls it with its checks,
@@ -285,6 +299,8 @@ class Learner:
         ``metric_offsets``: where a resumed run continues the metric files (default: their end)."""
         t0 = time.perf_counter()
         now = time.monotonic()
+        if self._weights is not None:  # a staged publish in flight reaches the store first
+            self._weights.flush()
         self.read_pending()
         runner_state = {
             "env_steps": self.env_steps(),
