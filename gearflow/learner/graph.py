@@ -78,6 +78,7 @@ class GraphedLearn:
 
     def __init__(self, agent: Any, device: torch.device, warmup: int = 3):
         self.agent, self.device, self.warmup = agent, device, warmup
+        self._learn = agent.learn  # bound now: a caller may put this object in its place
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.eager: dict[tuple, int] = {}  # eager updates so far, per form
         self.static: Sample | None = None  # the graphs' inputs
@@ -88,7 +89,7 @@ class GraphedLearn:
                 make_capturable(value, device)
 
     def __call__(self, batch: Sample):
-        return self.agent.learn(batch, update=self._update)
+        return self._learn(batch, update=self._update)
 
     def _update(self, batch: Sample, *args):
         key = tuple(args)
