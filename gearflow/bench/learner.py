@@ -6,8 +6,8 @@ For each config (``--config``, repeated or comma-separated; default on ``--devic
 
 * **the floor**: ``agent.learn`` alone on batches already on the learner's device (3 batches
   drawn from the table, copied there once, learned in turn): ``learn_updates_per_s``. The floor
-  and the loops run in 3 alternating slices (medians), with the torch threads the runner gives a
-  learner (on a CPU: the cores the config's actors leave).
+  and the loops run in alternating slices of ~0.5 s (at least 3; medians), with the torch threads
+  the runner gives a learner (on a CPU: the cores the config's actors leave).
 * **the full loop**: gearflow's own ``Learner.run`` fed by a ``Prefetcher`` over a replay table
   filled before (the config's columns, item kind, selector and batch buffers; random rows; no
   actors, no rate limit), publishing weights into a parameter store every
@@ -42,6 +42,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -370,10 +371,14 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
 
 
 def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, seed: int = 0,
-                 matmul: float | None = None, rounds: int = 3) -> None:  # fmt: skip
+                 matmul: float | None = None, rounds: int = 0, forms: tuple | None = None,
+                 replays: tuple | None = None) -> None:  # fmt: skip
     """Every figure of one config (see the module docstring): per form of the learn step (eager;
     on CUDA also ``learner.graph``), the floor and the loop over each table measured in ``rounds``
-    alternating slices of ``seconds / rounds``, medians reported."""
+    alternating slices of ``seconds / rounds`` (0: one a half second, at least 3), medians reported:
+    on a shared machine the load moves within seconds, and both see the same moves. ``forms``
+    (graph or not) and ``replays`` (the tables' devices) default to the device's."""
+    rounds = rounds or max(3, round(seconds / 0.5))
     from gearflow.agent import make_agent
     from gearflow.config import load_config
 
@@ -383,7 +388,7 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
     spec = _env_spec(cfg)
     first = make_agent(cfg, spec, device)
     tables = {}
-    for replay in ["cpu"] if device.type == "cpu" else ["cpu", "cuda"]:
+    for replay in replays or (("cpu",) if device.type == "cpu" else ("cpu", "cuda")):
         try:
             tables[replay] = filled_table(cfg, first, device=replay if replay == "cpu" else str(device), seed=seed)
         except (GearflowError, ImportError, RuntimeError) as exc:  # no CuPy / no usable GPU: said, skipped
@@ -396,7 +401,7 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
         B = int(cfg.learner.batch_size)
         batches = [_on_device(tables["cpu"].sample(B), device) for _ in range(3)]
         tokens = float(np.mean([_tokens(b) for b in batches]))
-        for graph in [False] if device.type == "cpu" else [False, True]:
+        for graph in forms or ((False,) if device.type == "cpu" else (False, True)):
             agent = first if not graph else make_agent(cfg, spec, device)
             agent.setup_learner()
             flops = learn_flops(agent, batches[0]) if not graph else None
@@ -448,12 +453,21 @@ def run(args, wanted: list[str], emit: Emit) -> int:
     if device.type == "cuda":
         matmul = matmul_tflops(device, seconds / 2)
         emit(record("learner", "matmul", "bf16_matmul_tflops", matmul, "TFLOP/s"))
+    failed = 0
     for name in names:
         path = config_path(name)
-        if not wanted or _name(path) in wanted:
+        if wanted and _name(path) not in wanted:
+            continue
+        try:  # one config's failure (a GPU out of memory, a capture torch refuses) leaves the others' figures
             bench_config(path, device, seconds, emit, seed=args.seed, matmul=matmul)
+        except Exception as exc:
+            failed += 1
+            print(f"bench learner: {_name(path)} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            traceback.print_exc(file=sys.stderr)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if not wanted or "noop" in wanted:
         noop = noop_loop(seconds, seed=args.seed)
         emit(record("learner", "noop", "loop_cpu_us_per_update", noop["cpu_us"], "µs", noop["bare_cpu_us"]))
         emit(record("learner", "noop", "loop_wall_us_per_update", noop["wall_us"], "µs"))
-    return 0
+    return 1 if failed else 0

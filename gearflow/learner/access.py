@@ -61,7 +61,7 @@ class PriorityWriteBack:
                     pinned.copy_(priorities, non_blocking=True)
                     priorities = pinned
                 event = torch.cuda.Event()
-                event.record()  # on the learner's current stream, after the step's work (and the copy)
+                event.record(torch.cuda.current_stream(priorities.device))  # the learner's stream: after the step and the copy
             elif priorities.dtype != torch.float32 and priorities.dtype != torch.float64:
                 priorities = priorities.float()
         self.pending.append((keys, priorities, event, pinned))

@@ -49,7 +49,7 @@ class StagedSample(Sample):
     def wait(self) -> None:
         """Make the caller's current stream wait until the batch is on the device (no host wait)."""
         if self.ready is not None:
-            self.ready.wait()
+            self.ready.wait(torch.cuda.current_stream(self.weights.device))
 
 
 class DeviceBatches:
