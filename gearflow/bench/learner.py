@@ -7,7 +7,8 @@ For each config (``--config``, repeated or comma-separated; default on ``--devic
 * **the floor**: ``agent.learn`` alone on batches already on the learner's device (3 batches
   drawn from the table, copied there once, learned in turn): ``learn_updates_per_s``. The floor
   and the loops run in alternating slices of ~0.5 s (at least 3; medians), with the torch threads
-  the runner gives a learner (on a CPU: the cores the config's actors leave).
+  and the GIL switch interval ``gearflow train`` gives a learner (on a CPU: the cores the config's
+  actors leave; 0.5 ms).
 * **the full loop**: gearflow's own ``Learner.run`` fed by a ``Prefetcher`` over a replay table
   filled before (the config's columns, item kind, selector and batch buffers; random rows; no
   actors, no rate limit), publishing weights into a parameter store every
@@ -334,6 +335,9 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
     cfg = load_config(str(config_path("cartpole_apex")), ["learner.device=cpu", f"run.seed={seed}"])
     spec = EnvSpec(obs_shape=(4,), obs_dtype=np.dtype(np.float32), num_actions=2)
     B, prefetch = int(cfg.learner.batch_size), int(cfg.learner.prefetch)
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - int(cfg.actor.num_actors)))  # as gearflow train
+    sys.setswitchinterval(0.0005)
     table = filled_table(cfg, make_agent(cfg, spec, "cpu"), seed=seed)
     try:
         agent = NullAgent(B)
@@ -364,6 +368,8 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
             feeder.join(timeout=5)
     finally:
         table.close()
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
     return {"cpu_us": loop["cpu_us_per_update"], "wall_us": loop["wall_us_per_update"], "bare_cpu_us": bare}
 
 
@@ -387,17 +393,18 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
     cfg = load_config(str(path), overrides)
     spec = _env_spec(cfg)
     first = make_agent(cfg, spec, device)
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    if device.type == "cpu":  # as gearflow train sets a CPU learner's: the cores the actors leave (before the
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - int(cfg.actor.num_actors)))  # tables: their gathers'
+    sys.setswitchinterval(0.0005)  # as gearflow train: the prefetch thread gets the GIL between the step's calls
     tables = {}
-    for replay in replays or (("cpu",) if device.type == "cpu" else ("cpu", "cuda")):
-        try:
-            tables[replay] = filled_table(cfg, first, device=replay if replay == "cpu" else str(device), seed=seed)
-        except (GearflowError, ImportError, RuntimeError) as exc:  # no CuPy / no usable GPU: said, skipped
-            print(f"bench learner: {name} with replay.device={replay} skipped: {exc}", file=sys.stderr, flush=True)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":  # as the runner sets a CPU learner's: the cores the actors leave
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - int(cfg.actor.num_actors)))
     rec = lambda w, metric, value, unit, f=None: emit(record("learner", w, metric, value, unit, f))
     try:
+        for replay in replays or (("cpu",) if device.type == "cpu" else ("cpu", "cuda")):
+            try:
+                tables[replay] = filled_table(cfg, first, device=replay if replay == "cpu" else str(device), seed=seed)
+            except (GearflowError, ImportError, RuntimeError) as exc:  # no CuPy / no usable GPU: said, skipped
+                print(f"bench learner: {name} with replay.device={replay} skipped: {exc}", file=sys.stderr, flush=True)
         B = int(cfg.learner.batch_size)
         batches = [_on_device(tables["cpu"].sample(B), device) for _ in range(3)]
         tokens = float(np.mean([_tokens(b) for b in batches]))
@@ -437,6 +444,7 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
                     rec(w, "aten_ops_per_update", counted[1], "ops")
     finally:
         torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
         for table in tables.values():
             table.close()
 
@@ -460,7 +468,7 @@ def run(args, wanted: list[str], emit: Emit) -> int:
             continue
         try:  # one config's failure (a GPU out of memory, a capture torch refuses) leaves the others' figures
             bench_config(path, device, seconds, emit, seed=args.seed, matmul=matmul)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (said, counted in the exit code)
             failed += 1
             print(f"bench learner: {_name(path)} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             traceback.print_exc(file=sys.stderr)

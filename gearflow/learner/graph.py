@@ -84,6 +84,7 @@ class GraphedLearn:
         self.static: Sample | None = None  # the graphs' inputs
         self.pool = None  # the graphs' shared memory pool
         self.replays = 0
+        self._side: torch.cuda.Stream | None = None  # the warm-up's stream
         for value in vars(agent).values():
             if isinstance(value, torch.optim.Optimizer):
                 make_capturable(value, device)
@@ -96,7 +97,9 @@ class GraphedLearn:
         held = self.graphs.get(key)
         if held is None and self.eager.get(key, 0) < self.warmup:
             self.eager[key] = self.eager.get(key, 0) + 1
-            side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            side, current = self._side, torch.cuda.current_stream(self.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 out = self.agent.update(batch, *args)
