@@ -17,7 +17,7 @@ For each config (``--config``, repeated or comma-separated; default on ``--devic
   ``wait_fraction``. On ``cuda`` the loop runs twice, with the CPU table and with the CUDA table
   (``replay.device=cuda``, where CuPy runs), as workloads ``NAME/replay_cpu`` and ``NAME/replay_cuda``.
 * **host reads and aten ops per update** of the learner's thread over 50 steady updates of the
-  loop (:class:`gearflow.learner.syncs.HostReads`: ``.item()``/``float()``/``.tolist()``/``.numpy()``/
+  loop (20 on ``cuda``) (:class:`gearflow.learner.syncs.HostReads`: ``.item()``/``float()``/``.tolist()``/``.numpy()``/
   ``.cpu()`` and every aten op; a metric row falls outside them).
 * **FLOPs**: ``learn_gflop_per_update`` (``torch.utils.flop_counter`` over one learn step); on
   ``cuda`` the achieved ``learn_tflops`` of the floor with a bf16 8192³ matmul's TFLOP/s measured
@@ -60,7 +60,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 CPU_CONFIGS = ("cartpole_apex", "halfcheetah_dpg", "cartpole_masked_r2d2")
 CUDA_CONFIGS = ("pong_apex", "halfcheetah_dpg", "paper/mat_2m", "paper/gato_80m")
 OVERRIDES = {"paper/gato_80m": ["learner.bf16=true"]}  # measured as the GPU run trains it
-COUNTED_UPDATES = 50  # steady updates whose host reads and aten ops are counted
+COUNTED_UPDATES = {"cpu": 50, "cuda": 20}  # steady updates whose host reads and aten ops are counted
 
 
 def _item_steps(cfg, kind) -> tuple[int, int]:
@@ -263,9 +263,11 @@ def loop_rate(cfg, agent, table, device: torch.device, seconds: float) -> dict:
             "wall_us_per_update": 1e6 * wall / max(1, n), "updates": n}  # fmt: skip
 
 
-def host_reads(cfg, agent, table, device: torch.device, updates: int = COUNTED_UPDATES) -> tuple[float, float] | None:
+def host_reads(cfg, agent, table, device: torch.device, updates: int = 0) -> tuple[float, float] | None:
     """(host reads, aten ops) per update of the learner's thread over ``updates`` steady updates of
-    the full loop (after 5 of warm-up); None where this gearflow has no counter."""
+    the full loop (after 5 of warm-up; 0: ``COUNTED_UPDATES`` of the device); None where this gearflow
+    has no counter."""
+    updates = updates or COUNTED_UPDATES[device.type]
     try:
         from gearflow.learner.syncs import HostReads
     except ImportError:  # an older gearflow (a benchmark of the code before it)
