@@ -103,7 +103,7 @@ class WeightPublisher:
                     done.synchronize()  # the helper waits for the copy, never the learner
                 self.store.publish(self._staging)
                 self.published += 1
-            except Exception as exc:  # a store closed under it at the run's end, a lost node
+            except Exception as exc:  # noqa: BLE001 (a store closed under it at the run's end, a lost node: logged)
                 self.error = exc
                 log.warning("weights not published: %s", exc)
             finally:
