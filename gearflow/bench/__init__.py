@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seconds", type=float, default=0.0,
-        help="learner: seconds of each timed phase (default 2 x --scale)",
+        help="learner: seconds of each timed phase (default 2 on cpu, 1 on cuda, x --scale)",
     )
     parser.add_argument(
         "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
