@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agents import plain_config
 from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
@@ -49,7 +49,7 @@ from gearflow.precision import bf16_forward, fp32
 
 @dataclass
 class Config:
-    hidden_sizes: List[int] = field(default_factory=lambda: [256, 256])
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
     """Widths of the hidden layers of the policy and of each critic (ReLU MLPs)."""
     twin_critics: bool = True
     """Two critics, the target from their minimum (TD3's clipped double Q); false: one critic (DDPG)."""
@@ -161,7 +161,7 @@ class ActorCritic(nn.Module):
         return u, self.q(obs, u).min(dim=0).values  # (B, A), (B,)
 
 
-def n_step_targets(target: ActorCritic, next_obs, ret, disc, noise: Optional[torch.Tensor], noise_clip: float,
+def n_step_targets(target: ActorCritic, next_obs, ret, disc, noise: torch.Tensor | None, noise_clip: float,
                    bf16: bool = False):  # fmt: skip
     """y = ret + disc · min_j Q'_j(next_obs, clip(μ'(next_obs) + clip(noise, ±c), −1, 1)), float32 (B,).
 
@@ -206,18 +206,21 @@ class Agent:
             raise ConfigError(f"agent.tau={cfg.tau}: must be in (0, 1]")
         if cfg.target_noise < 0 or cfg.target_noise_clip < 0:
             raise ConfigError("agent.target_noise and agent.target_noise_clip must be ≥ 0")
-        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.cfg = plain_config(cfg, Config)  # plain attributes: a read costs ns, not OmegaConf's µs
+        self.spec, self.device = spec, torch.device(device)
         self.act_dim = shape[0]
         low, high = np.broadcast_to(low, shape), np.broadcast_to(high, shape)
         self.centre = ((high + low) / 2).astype(np.float32)  # (A,) env units
         self.half = ((high - low) / 2).astype(np.float32)  # (A,)
+        # the same on the agent's device, made once (not copied from pageable memory every update)
+        self._box = (torch.as_tensor(self.centre, device=self.device), torch.as_tensor(self.half, device=self.device))
         self.obs_dim = int(np.prod(spec.obs_shape))
         self.kind = settings.learns_from(Transition, type(self).__module__)  # next_columns=("obs",)
         self.gamma = settings.gamma
         self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
         self.seed = settings.seed
         self.rng = np.random.default_rng(self.seed)
-        self.online: Optional[ActorCritic] = None
+        self.online: ActorCritic | None = None
 
     # ---- replay: one row per step; a transition spans rows t..t+n
     def replay_columns(self) -> dict[str, str]:
@@ -239,8 +242,9 @@ class Agent:
 
     def normalise(self, action: torch.Tensor) -> torch.Tensor:
         """Actions in the env's units (B, A) → [-1, 1], float32."""
-        centre = torch.as_tensor(self.centre, device=action.device)
-        half = torch.as_tensor(self.half, device=action.device)
+        centre, half = self._box  # (A,) each
+        if centre.device != action.device:
+            centre, half = centre.to(action.device), half.to(action.device)
         return ((action.float() - centre) / half).clamp(-1.0, 1.0)
 
     # ---- acting
@@ -272,15 +276,15 @@ class Agent:
         self.policy_optimizer = torch.optim.Adam(self.online.policy.parameters(), lr=cfg.policy_lr, **fused)
         self.critic_optimizer = torch.optim.Adam(self.online.critics.parameters(), lr=cfg.critic_lr, **fused)
         self.updates = 0
-        self._last_policy = (0.0, 0.0)  # policy loss and grad norm of the latest policy update
-        self._noise_gen: Optional[torch.Generator] = None  # made at the first learn (not on meta)
+        self._last_policy = (0.0, 0.0)  # policy loss and grad norm of the latest policy update (tensors after it)
+        self._noise_gen: torch.Generator | None = None  # made at the first learn (not on meta)
 
     def learner_network(self) -> nn.Module:
         if self.online is None:
             raise RuntimeError("call setup_learner() first")
         return self.online
 
-    def _smoothing_noise(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+    def _smoothing_noise(self, like: torch.Tensor) -> torch.Tensor | None:
         """σ'·N(0, I) of ``like``'s shape (B, A), from the learner's own generator; None without smoothing."""
         if self.cfg.target_noise <= 0:
             return None
@@ -296,10 +300,30 @@ class Agent:
         return 0.5 * td.square()
 
     def _clip(self, params) -> torch.Tensor:
-        limit = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        return nn.utils.clip_grad_norm_(params, limit)
+        """The gradients' global norm (a 0-dim tensor, never read here), clipped to ``max_grad_norm`` when > 0."""
+        if self.cfg.max_grad_norm > 0:
+            return nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
+        """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
+        and the new priorities |y − Q₁(s, a)| (B,). The policy learns every ``policy_delay`` updates.
+        ``update``: what runs :meth:`update` (``learner.graph``: the CUDA graph of its form,
+        gearflow/learner/graph.py)."""
+        policy = (self.updates + 1) % self.cfg.policy_delay == 0
+        metrics, td_abs = (update or self.update)(batch, policy)
+        self.updated()
+        if policy:
+            self._last_policy = (metrics["learner/policy_loss"], metrics["learner/policy_grad_norm"])
+        else:  # the latest policy update's
+            metrics["learner/policy_loss"], metrics["learner/policy_grad_norm"] = self._last_policy
+        metrics["learner/updates"] = float(self.updates)
+        return metrics, td_abs
+
+    def update(self, batch, policy: bool):
+        """The update's tensor work, with no host read and fixed shapes (``learner.graph`` captures
+        each of its two forms whole): the critics' step, and with ``policy`` the policy's step and the
+        Polyak targets. Returns the metrics as 0-dim tensors and |TD| (B,)."""
         cfg = self.cfg
         d = {k: batch.data[k].to(self.device, non_blocking=True) for k in ("obs", "action", "ret", "disc", "next_obs")}
         weights = batch.weights.to(self.device, non_blocking=True).float()  # (B,) importance weights
@@ -316,11 +340,17 @@ class Agent:
         critic_loss.backward()
         critic_norm = self._clip(self.online.critics.parameters())
         self.critic_optimizer.step()
-        self.updates += 1
+        td_abs = td[0].detach().abs()  # (B,) |y − Q₁(s, a)|: the new priorities
+        metrics = {
+            "learner/loss": critic_loss.detach(),
+            "learner/critic_loss": critic_loss.detach(),
+            "learner/q_mean": q.detach()[0].mean(),
+            "learner/td_abs_mean": td_abs.mean(),
+            "learner/grad_norm": critic_norm,
+        }
 
         # policy (every policy_delay updates): ascend Q₁(s, μ(s)); the critics are held fixed
-        policy_loss = policy_norm = None
-        if self.updates % cfg.policy_delay == 0:
+        if policy:
             self.online.critics.requires_grad_(False)
             with bf16_forward(self.device, self.bf16):
                 pre = self.online.preact(d["obs"]).float()  # (B, A)
@@ -330,33 +360,19 @@ class Agent:
                 policy_loss = policy_loss + cfg.preact_l2 * pre.float().square().mean()
             self.policy_optimizer.zero_grad(set_to_none=True)
             policy_loss.backward()
-            policy_norm = self._clip(self.online.policy.parameters())
+            metrics["learner/policy_grad_norm"] = self._clip(self.online.policy.parameters())
             self.policy_optimizer.step()
             self.online.critics.requires_grad_(True)
+            metrics["learner/policy_loss"] = policy_loss.detach()
             if cfg.target_update_period == 0:
                 polyak(self.target, self.online, cfg.tau)
-        if cfg.target_update_period > 0 and self.updates % cfg.target_update_period == 0:
-            self.target.load_state_dict(self.online.state_dict())
-
-        td_abs = td[0].detach().abs()  # (B,) |y − Q₁(s, a)|: the new priorities
-        zero = critic_loss.detach().new_zeros(())
-        stats = torch.stack([
-            critic_loss.detach(), zero if policy_loss is None else policy_loss.detach(), q.detach()[0].mean(),
-            td_abs.mean(), critic_norm.detach().float(), zero if policy_norm is None else policy_norm.detach().float(),
-        ])  # fmt: skip
-        critic_v, policy_v, q_mean, td_mean, c_norm, p_norm = stats.float().cpu().tolist()  # one device sync
-        metrics = {
-            "learner/loss": critic_v,
-            "learner/critic_loss": critic_v,
-            "learner/q_mean": q_mean,
-            "learner/td_abs_mean": td_mean,
-            "learner/grad_norm": c_norm,
-            "learner/updates": float(self.updates),
-        }
-        if policy_loss is not None:
-            self._last_policy = (policy_v, p_norm)
-        metrics["learner/policy_loss"], metrics["learner/policy_grad_norm"] = self._last_policy  # the latest
         return metrics, td_abs
+
+    def updated(self) -> None:
+        """After each update, on the host: the count, and the periodic target copy (in place)."""
+        self.updates += 1
+        if self.cfg.target_update_period > 0 and self.updates % self.cfg.target_update_period == 0:
+            self.target.load_state_dict(self.online.state_dict())
 
     def state_dict(self) -> dict:
         return {**learner_state(self, "online", "target", "policy_optimizer", "critic_optimizer"),

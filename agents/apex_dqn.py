@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agents import plain_config
 from gearflow.agent import ActOutput, AgentSettings, EnvSpec, learner_state, load_learner_state
 from gearflow.errors import ConfigError
 from gearflow.kinds.transition import Transition
@@ -37,7 +37,7 @@ from gearflow.precision import bf16_forward, fp32
 class Config:
     network: str = "mlp"
     """Torso: ``mlp`` for vector observations, ``nature_cnn`` for stacked Atari frames."""
-    hidden_sizes: List[int] = field(default_factory=lambda: [256, 256])
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
     """Widths of the MLP torso's hidden layers."""
     dueling: bool = True
     """Dueling value/advantage heads (Wang et al. 2016)."""
@@ -157,14 +157,15 @@ class Agent:
             raise ConfigError(
                 f"agent.network=nature_cnn needs (C, H, W) frames, got obs shape {spec.obs_shape}"
             )
-        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.cfg = plain_config(cfg, Config)  # plain attributes: a read costs ns, not OmegaConf's µs
+        self.spec, self.device = spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
         self.kind = settings.learns_from(self.ITEM, type(self).__module__)  # Transition(next_columns=("obs",))
         self.gamma = settings.gamma
         self.n_step = settings.n_step
         self.rng = np.random.default_rng(settings.seed)
         self.bf16 = settings.bf16  # the learner's forward passes under bf16 autocast
-        self.online: Optional[nn.Module] = None
+        self.online: nn.Module | None = None
 
     # ---- replay: one row per step; a transition spans rows t..t+n
     def replay_columns(self) -> dict[str, str]:
@@ -204,12 +205,15 @@ class Agent:
         cfg = self.cfg
         self.online = self.make_network()
         self.target = copy.deepcopy(self.online).requires_grad_(False)
+        # fused Adam / foreach RMSProp: a few kernels per step and no host read of the step counts
+        # (the for-loop Adam reads each parameter's step back with .item()); not on the meta device
+        fast = self.device.type in ("cpu", "cuda")
         if cfg.optimizer == "adam":
-            self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+            self.optimizer = torch.optim.Adam(self.online.parameters(), lr=cfg.lr, eps=cfg.adam_eps,
+                                              **({"fused": True} if fast else {}))  # fmt: skip
         else:
-            self.optimizer = torch.optim.RMSprop(
-                self.online.parameters(), lr=cfg.lr, alpha=0.95, eps=cfg.adam_eps, centered=True
-            )
+            self.optimizer = torch.optim.RMSprop(self.online.parameters(), lr=cfg.lr, alpha=0.95, eps=cfg.adam_eps,
+                                                 centered=True, **({"foreach": True} if fast else {}))  # fmt: skip
         self.updates = 0
 
     def learner_network(self) -> nn.Module:
@@ -237,27 +241,38 @@ class Agent:
         ).mean()
         return loss, y, td, q
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
+        """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
+        and the new priorities |TD error| (B,). ``update``: what runs :meth:`update` (``learner.graph``:
+        its CUDA graph's replay, gearflow/learner/graph.py)."""
+        metrics, td_abs = (update or self.update)(batch)
+        self.updated()
+        metrics["learner/updates"] = float(self.updates)
+        return metrics, td_abs
+
+    def update(self, batch):
+        """The update's tensor work, with no host read and fixed shapes (``learner.graph`` captures
+        it whole): loss, backward, clipping, the optimizer step. Returns the metrics as 0-dim
+        tensors and |TD error| (B,)."""
         loss, _, td, q = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)
+        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)  # no host read
         self.optimizer.step()
+        td_abs = td.detach().abs()
+        metrics = {
+            "learner/loss": loss.detach(),
+            "learner/q_mean": q.detach().mean(),
+            "learner/td_abs_mean": td_abs.mean(),
+            "learner/grad_norm": grad_norm,
+        }
+        return metrics, td_abs  # new priorities: |TD error| (B,)
+
+    def updated(self) -> None:
+        """After each update, on the host: the count, and the periodic target copy (in place)."""
         self.updates += 1
         if self.updates % self.cfg.target_update_period == 0:
             self.target.load_state_dict(self.online.state_dict())
-
-        td_abs = td.detach().abs()
-        stats = torch.stack([loss.detach(), q.detach().mean(), td_abs.mean(), grad_norm.detach()])
-        loss_v, q_mean, td_mean, gnorm = stats.float().cpu().tolist()  # one device sync
-        metrics = {
-            "learner/loss": loss_v,
-            "learner/q_mean": q_mean,
-            "learner/td_abs_mean": td_mean,
-            "learner/grad_norm": gnorm,
-            "learner/updates": float(self.updates),
-        }
-        return metrics, td_abs  # new priorities: |TD error| (B,)
 
     def state_dict(self) -> dict:
         return learner_state(self, "online", "target", "optimizer")

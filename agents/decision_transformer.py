@@ -451,10 +451,9 @@ class Agent:
 
         ret = (d["reward"] * d["mask"]).sum(dim=1)  # (B,) the item's return
         priorities = item_priority(ret, d["length"], self.cfg.priority, self.cfg.return_offset)  # unchanged
-        names = ["learner/loss", "learner/grad_norm", "learner/return_mean", *parts]
-        stats = torch.stack([loss.detach(), grad_norm.detach(), ret.mean(), *(v.float() for v in parts.values())])
-        metrics = dict(zip(names, stats.float().cpu().tolist()))  # one device sync
-        metrics["learner/updates"] = float(self.updates)
+        # 0-dim tensors, read by the learner once per metric row (never here: that would wait for the device)
+        metrics = {"learner/loss": loss.detach(), "learner/grad_norm": grad_norm, "learner/return_mean": ret.mean(),
+                   **parts, "learner/updates": float(self.updates)}  # fmt: skip
         return metrics, priorities
 
     def state_dict(self) -> dict:

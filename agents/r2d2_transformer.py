@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agents import plain_config
 from agents.apex_dqn import NatureCNN
 from agents.kv_cache import KVCache, hop_length
 from agents.r2d2_accel import (
@@ -383,7 +384,8 @@ class Agent:
             raise ConfigError(f"agent.context={cfg.context}: must be ≥ 0 (0: replay.sequence_length)")
         if cfg.context_hop < 0:
             raise ConfigError(f"agent.context_hop={cfg.context_hop}: must be ≥ 0 (0: half the context)")
-        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.cfg = plain_config(cfg, Config)  # plain attributes: a read costs ns, not OmegaConf's µs
+        self.spec, self.device = spec, torch.device(device)
         self.num_actions = int(spec.num_actions)
         self.gamma = settings.gamma
         self.n_step = settings.n_step
@@ -559,7 +561,10 @@ class Agent:
     def setup_learner(self) -> None:
         self.online = self.make_network()
         self.target = copy.deepcopy(self.online).requires_grad_(False)
-        self.optimizer = torch.optim.Adam(self.online.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps)
+        # fused Adam: a few kernels per step and no host read of the step counts (the for-loop Adam
+        # reads each parameter's step back with .item(): ~290 a step at gato's size); not on meta
+        fused = {"fused": True} if self.device.type in ("cpu", "cuda") else {}
+        self.optimizer = torch.optim.Adam(self.online.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps, **fused)
         self.updates = 0
 
     def learner_network(self) -> nn.Module:
@@ -584,30 +589,40 @@ class Agent:
         per_seq = 0.5 * sq.sum(dim=1) / valid.sum(dim=1).clamp(min=1)  # (B,)
         return (weights * per_seq).mean(), td, valid, q
 
-    def learn(self, batch):
+    def learn(self, batch, update=None):
+        """One update: metrics (0-dim tensors the learner reads once per metric row, never here)
+        and the windows' new priorities (B,). ``update``: what runs :meth:`update` (``learner.graph``:
+        its CUDA graph's replay, gearflow/learner/graph.py)."""
+        metrics, priorities = (update or self.update)(batch)
+        self.updated()
+        metrics["learner/updates"] = float(self.updates)
+        return metrics, priorities
+
+    def update(self, batch):
+        """The update's tensor work, with no host read and fixed shapes (``learner.graph`` captures
+        it whole): loss, backward, clipping, the optimizer step. Returns the metrics as 0-dim
+        tensors and the priorities η · max|δ| + (1 − η) · mean|δ| (B,)."""
         loss, td, valid, q = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)
+        grad_norm = nn.utils.clip_grad_norm_(self.online.parameters(), self.cfg.max_grad_norm)  # no host read
         self.optimizer.step()
-        self.updates += 1
-        if self.updates % self.cfg.target_update_period == 0:
-            self.target.load_state_dict(self.online.state_dict())
-
         td_abs = td.detach().abs()
         priorities = priority_mix(td_abs, valid, self.cfg.eta)  # (B,)
         steps = valid.sum().clamp(min=1)
-        stats = torch.stack([loss.detach(), (q.detach().amax(2) * valid).sum() / steps,
-                             (td_abs * valid).sum() / steps, grad_norm.detach()])  # fmt: skip
-        loss_v, q_mean, td_mean, gnorm = stats.float().cpu().tolist()  # one device sync
         metrics = {
-            "learner/loss": loss_v,
-            "learner/q_max_mean": q_mean,  # rescaled space
-            "learner/td_abs_mean": td_mean,
-            "learner/grad_norm": gnorm,
-            "learner/updates": float(self.updates),
+            "learner/loss": loss.detach(),
+            "learner/q_max_mean": (q.detach().amax(2) * valid).sum() / steps,  # rescaled space
+            "learner/td_abs_mean": (td_abs * valid).sum() / steps,
+            "learner/grad_norm": grad_norm,
         }
         return metrics, priorities
+
+    def updated(self) -> None:
+        """After each update, on the host: the count, and the periodic target copy (in place)."""
+        self.updates += 1
+        if self.updates % self.cfg.target_update_period == 0:
+            self.target.load_state_dict(self.online.state_dict())
 
     def state_dict(self) -> dict:
         return learner_state(self, "online", "target", "optimizer")

@@ -196,6 +196,15 @@ class LearnerConfig:
     errors, priorities, backward and the optimizer step stay fp32 (gearflow/precision.py)."""
     compile: bool = False
     """``torch.compile`` the learner network in place before training."""
+    graph: bool = False
+    """CUDA: capture each form of the agent's update (forward, backward, clipping, optimizer step) in a
+    CUDA graph after a few eager steps and replay it every update (one launch instead of hundreds; fixed
+    batch shapes; optimizers made capturable). Agents whose ``learn`` takes ``update=`` (the reference
+    ones but the Decision Transformer) and CUDA only: elsewhere the learner learns eagerly and says so."""
+    device_batches: int = 3
+    """A CUDA learner sampling a host table (``replay.device=cpu``, shard nodes): static device buffer
+    sets the prefetch thread fills on a side stream, each refilled only after the step that read it
+    (batches ahead on the GPU); 0: batches stay in pinned host memory and the agent copies them."""
     world_size: int = 1
     """Data-parallel learners training one model (``torch.distributed``): each samples
     ``batch_size / world_size`` items, gradients are averaged; rank 0 publishes and checkpoints."""
@@ -695,6 +704,8 @@ def validate(cfg: DictConfig, provenance: Dict[str, str] | None = None) -> None:
           "replay.device", f"assembles batches on {r.device}, but the learner trains on {le.device}")  # fmt: skip
     check(le.prefetch >= 1, "learner.prefetch", "must be ≥ 1")
     check(le.publish_every >= 1, "learner.publish_every", "must be ≥ 1")
+    check(le.device_batches == 0 or le.device_batches >= 2, "learner.device_batches",
+          "must be 0 (off) or ≥ 2 (one the learner reads, one being filled)")  # fmt: skip
     check(e.num_envs >= 1, "env.num_envs", "must be ≥ 1")
     check(0 <= e.batch_size <= e.num_envs, "env.batch_size", "must be in [0, env.num_envs]")
     check(e.backend in ENV_BACKENDS, "env.backend", f"must be one of {', '.join(ENV_BACKENDS)}")

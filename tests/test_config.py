@@ -169,6 +169,7 @@ VALIDATION_CASES = [
      "assembles batches on cuda:1, but the learner trains on cuda:0"),
     (["learner.prefetch=0"], "learner.prefetch", "must be ≥ 1"),
     (["learner.publish_every=0"], "learner.publish_every", "must be ≥ 1"),
+    (["learner.device_batches=1"], "learner.device_batches", "must be 0 (off) or ≥ 2 (one the learner reads, one being filled)"),
     (["env.num_envs=0"], "env.num_envs", "must be ≥ 1"),
     (["env.batch_size=9"], "env.batch_size", "must be in [0, env.num_envs]"),
     (["env.batch_size=-1"], "env.batch_size", "must be in [0, env.num_envs]"),

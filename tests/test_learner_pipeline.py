@@ -52,7 +52,7 @@ def test_bf16_learn_step_updates_priorities_and_counts_samples(tmp_path):
 
         runner.agent.learn = recording_learn
         metrics = runner.learner.learn_step(sample)
-        assert torch.isfinite(torch.tensor(metrics["learner/loss"]))
+        assert torch.isfinite(torch.as_tensor(metrics["learner/loss"]))
         # the table now holds the agent's priorities for exactly the sampled items
         (prios,) = learned
         assert prios.shape == (32,) and (prios > 0).all()

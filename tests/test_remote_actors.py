@@ -289,8 +289,10 @@ def _spawned_children(pid: int) -> list[int]:
 def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     """SIGKILL the learner's shard process mid-run (every actor is remote, so it is the learner's
     only spawned child): the learner restarts it on the same port, the remote actors reconnect,
-    rejoin their places and the run reaches its step limit; both sides exit 0."""
-    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=5000")
+    rejoin their places and the run reaches its step limit; both sides exit 0. (The limit leaves
+    a rejoin several seconds: a learner at ~500 updates/s paces 5,000 steps in ~3 s after the
+    restart, before the second actor's retry, issue 45.)"""
+    learner, learner_log, address = _learner(tmp_path, "actor.remote_actors=2", "run.max_env_steps=20000")
     actors_log = tmp_path / "actors.err"
     actors = _gearflow("actor", "--connect", address, "--actors", "2", log=actors_log)
     _wait_for(learner_log, r"progress: steps [1-9]", learner)
@@ -299,7 +301,7 @@ def test_a_killed_shard_process_is_restarted_and_the_actors_rejoin(tmp_path):
     _wait_for(learner_log, r"shard process died \(exit code -9\); restarting it on port", learner)
     code, out = _finish(learner)
     assert code == 0, learner_log.read_text()[-3000:]
-    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 5000
+    assert json.loads(out.strip().splitlines()[-1])["actor/env_steps"] >= 20000
     assert learner_log.read_text().count("remote actor 0 joined") >= 2  # rejoined after the restart
     assert actors.wait(timeout=240) == 0, actors_log.read_text()[-3000:]
 

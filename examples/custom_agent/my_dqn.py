@@ -91,7 +91,7 @@ class Agent:
         self.updates += 1
         if self.updates % self.cfg.target_update_period == 0:
             self.target.load_state_dict(self.online.state_dict())
-        metrics = {"learner/loss": loss.item(), "learner/updates": float(self.updates)}
+        metrics = {"learner/loss": loss.detach(), "learner/updates": float(self.updates)}  # read at metric rows
         return metrics, (y - q).detach().abs()  # new priorities: |TD error| (B,)
 
     def state_dict(self) -> dict:

@@ -23,7 +23,9 @@ SUITES = {
     "keys": "gearflow.bench.keys",
     "transport": "gearflow.bench.transport",
     "cluster": "gearflow.bench.cluster",
+    "learner": "gearflow.bench.learner",
 }
+CUDA_SUITES = ("replay", "learner")  # the suites with a --device cuda run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("cpu", "cuda"),
         default="cpu",
         help="replay: cpu (the replay core against the CPU floors) or cuda (zero-copy gather vs pinned "
-        "memcpy and staging, device sampling at 1e6/1e7 items, Table(device='cuda') end to end)",
+        "memcpy and staging, device sampling at 1e6/1e7 items, Table(device='cuda') end to end); "
+        "learner: the learner's device",
     )
     parser.add_argument(
-        "--config", default="", help="actors, cluster: the run config to measure (default configs/cartpole_apex.yaml)"
+        "--config", default="", action=_Configs,
+        help="actors, cluster: the run config to measure (default configs/cartpole_apex.yaml); learner: "
+        "configs to measure, repeated or comma-separated (a path, or a name under configs/: pong_apex, paper/mat_2m)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=0.0,
+        help="learner: seconds of each timed phase (default 2 on cpu, 1 on cuda, x --scale)",
     )
     parser.add_argument(
         "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
@@ -55,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from gearflow.bench import cluster  # its options (numpy only at import)
 
     cluster.add_arguments(parser)
+
+
+class _Configs(argparse.Action):
+    """``--config`` given again adds to the list (comma-separated in ``args.config``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        before = getattr(namespace, self.dest, "") or ""
+        setattr(namespace, self.dest, ",".join(c for c in (before, values) if c))
 
 
 def record(bench: str, workload: str, metric: str, value: float, unit: str, floor: float | None = None) -> dict:
@@ -88,9 +105,10 @@ def emit(record: dict[str, Any], as_json: bool) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.device != "cpu" and args.suite != "replay":
-        raise GearflowError(f"--device {args.device}: only the replay suite has a CUDA benchmark")
-    suite = SUITES[args.suite] + ("_cuda" if args.device == "cuda" else "")  # replay_cuda: the GPU workloads
+    if args.device != "cpu" and args.suite not in CUDA_SUITES:
+        raise GearflowError(f"--device {args.device}: only the {' and '.join(CUDA_SUITES)} suites have a CUDA benchmark")
+    cuda_module = args.device == "cuda" and args.suite == "replay"
+    suite = SUITES[args.suite] + ("_cuda" if cuda_module else "")  # replay_cuda: the GPU workloads
     module = importlib.import_module(suite)
     wanted = [w for w in args.workloads.split(",") if w]
     return int(module.run(args, wanted, lambda rec: emit(rec, args.json)) or 0)

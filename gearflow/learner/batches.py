@@ -1,5 +1,6 @@
 """Batches into the learner loop: :class:`Prefetcher` (a background thread sampling ``depth``
-batches ahead, through :class:`~gearflow.replay.protocols.SamplerLike`) and
+batches ahead, through :class:`~gearflow.replay.protocols.SamplerLike`, and applying the learner's
+priority write-backs before each draw: :mod:`gearflow.learner.access`) and
 :class:`SerialBatches` (``run.serial=true``: one thread steps the actor and samples)."""
 
 from __future__ import annotations
@@ -7,33 +8,70 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
+from gearflow.learner.access import ReplayAccess
 from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
 
+_BACKOFF = (1e-4, 5e-3)  # seconds between asks while the rate limiter holds a sample (doubling)
+
 
 class Prefetcher:
-    """Samples batches in a background thread, ``depth`` ahead of the learner."""
+    """Samples batches in a background thread, ``depth`` ahead of the learner, and applies the
+    learner's priority write-backs before each draw (``lock`` a :class:`ReplayAccess`, the
+    learner's ``lock``; a plain lock: none to apply).
 
-    def __init__(self, table: SamplerLike, lock: threading.Lock, batch_size: int, depth: int,
-                 stop: threading.Event, progress: Optional[Progress] = None):  # fmt: skip
+    The lock is held only for the table's own critical sections: the write-backs and a draw,
+    never across a rate-limiter wait (a local table is asked :meth:`~gearflow.replay.Table.can_sample`
+    under the lock and waited for outside it) and never by the learn step, which only queues its
+    priorities: sampling and learning overlap, and the learner's wait for a batch
+    (:meth:`next_batch`, ``Progress.wait_s``) is every moment it waits."""
+
+    def __init__(self, table: SamplerLike, lock: ReplayAccess | threading.Lock, batch_size: int, depth: int,
+                 stop: threading.Event, progress: Progress | None = None):  # fmt: skip
         self.table, self.lock, self.batch_size, self.progress = table, lock, batch_size, progress
+        self.access = lock if isinstance(lock, ReplayAccess) else None
+        if self.access is not None:
+            self.access.sampler_applies = True  # this thread applies the write-backs, before each draw
+        self._can_sample = getattr(table, "can_sample", None)  # a local table: asked without waiting
+        self.ring = getattr(self.access, "ring", None)  # a CUDA learner: batches ahead on its device
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = stop
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
         self.thread.start()
 
+    def _draw(self):
+        """The write-backs applied, then a batch; None while the rate limiter holds it."""
+        if self.ring is not None:  # the table's buffer set about to be reused: copied out of first
+            self.ring.before_draw(getattr(self.table, "num_buffers", 1))
+        with self.lock:
+            if self.access is not None:
+                self.access.writeback.apply()
+            if self._can_sample is None:  # a remote sampler waits in its own call
+                try:
+                    return self.table.sample(self.batch_size, timeout_s=0.2)
+                except TimeoutError:
+                    return None
+            self.table.scan()
+            if not self._can_sample(self.batch_size):
+                return None
+            return self.table.sample(self.batch_size)
+
     def _run(self) -> None:
         try:
+            delay = _BACKOFF[0]
             while not self.stop.is_set():
-                with self.lock:
-                    try:
-                        batch = self.table.sample(self.batch_size, timeout_s=0.2)
-                    except TimeoutError:
-                        continue
-                while not self.stop.is_set():
+                batch = self._draw()
+                if batch is None:  # the rate limiter: wait without the lock, then ask again
+                    self.stop.wait(delay)
+                    delay = min(2 * delay, _BACKOFF[1])
+                    continue
+                delay = _BACKOFF[0]
+                if self.ring is not None:  # into a free device slot, on the ring's stream
+                    batch = self.ring.put(batch, self.stop)
+                while batch is not None and not self.stop.is_set():
                     try:
                         self.queue.put(batch, timeout=0.2)
                         break
@@ -54,6 +92,9 @@ class Prefetcher:
             batch = self.get(timeout=0.5)
         except queue.Empty:
             batch = None
+        wait = getattr(batch, "wait", None)
+        if wait is not None:  # a device batch: the learner's stream waits for its copy (the host does not)
+            wait()
         if self.progress is not None and self.progress.updates:
             self.progress.wait_s += time.perf_counter() - t0
         return batch

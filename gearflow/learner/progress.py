@@ -1,5 +1,5 @@
 """What the run tracks while it learns: updates, episodes and returns per actor, restarts, the
-actors' latest counters; the greediest *acting* actor (:data:`ACTING_S`). The launchers and the
+actors' latest counters; the greediest *acting* actor (:data:`ACTING_S`). The actor roles and the
 transport's learner side fold actors' reports into it (:mod:`gearflow.reports`); checkpoints
 store :meth:`Progress.state`."""
 
