@@ -231,11 +231,10 @@ class _Mac:
         bytes-like part."""
         upd, ctx = self._lib.EVP_MAC_update, self._ctx
         for s in spans:
-            if type(s) is tuple:
-                if s[1]:
-                    upd(ctx, s[0], s[1])
-            else:
-                self.update(s)
+            if type(s) is not tuple:
+                s = (s, len(s)) if isinstance(s, bytes) else _address(s)
+            if s[1]:
+                upd(ctx, s[0], s[1])
 
     def final(self) -> bytes:
         if self._lib.EVP_MAC_final(self._ctx, self._out, ctypes.byref(self._outlen), TAG_BYTES) != 1:
