@@ -51,7 +51,9 @@ PHASES: dict[str, list[tuple[str, str, Callable]]] = {
     "mac": [  # MAC update calls (EVP_MAC_update)
         ("gearflow.transport.integrity", "_Mac.update", _one),
         ("gearflow.transport.integrity", "_Mac.update_spans", _spans_count),
+        ("gearflow.transport.integrity", "BlockMac._update", _one),  # a receiving MAC thread's call
     ],
+    "mac_wait": [("gearflow.transport.integrity", "BlockMac.finish", _one)],  # the receiver waits for its MAC thread
     "recv": [("gearflow.transport.framing", "FrameReader.buffer_updated", _recv_bytes)],  # bytes landed, parsed
     "check": [("gearflow.transport.integrity", "Opener.check", _one)],  # a frame's trailer checked
     "unmark": [("gearflow.transport.framing", "FrameReader._unmark", _one)],  # receiver: a torn frame's re-MAC
