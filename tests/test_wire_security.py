@@ -663,6 +663,26 @@ def test_one_time_keys_and_tags_are_rfc_8439s():
     assert mac.final().hex() == "a8061dc1305136c6c22b8baf0c0127a9"
 
 
+def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monkeypatch):
+    """``update_spans`` (rows by address, bytes, memoryviews, arrays; ``_mac.c`` in one call where
+    it is built, a ctypes call per span where not) tags exactly the bytes the spans name."""
+    rows = np.random.default_rng(0).integers(0, 255, (6, 3000), dtype=np.uint8)
+    base = rows.__array_interface__["data"][0]
+    spans = [b"head", (base + 3000, 3000), memoryview(rows[4]), (base, 0), rows[2], b"", (base + 5 * 3000, 1000)]
+    flat = b"head" + rows[1].tobytes() + rows[4].tobytes() + rows[2].tobytes() + rows[5, :1000].tobytes()
+
+    def tag(feed) -> bytes:
+        mac = integrity.Sealer(bytes(32))
+        mac.begin()
+        feed(mac)
+        return mac.final()
+
+    want = tag(lambda m: m.update(flat))
+    assert tag(lambda m: m.update_spans(spans)) == want
+    monkeypatch.setattr(integrity, "_native", None)  # the ctypes path
+    assert tag(lambda m: m.update_spans(spans)) == want
+
+
 def _torn_frame(marks: np.ndarray) -> tuple[bytes, list]:
     """A reply sealed as the shard seals one whose tail marked ``marks``: (the frame's bytes as
     sent, its layout); rows of 300 bytes, 4 items, the marks last."""
