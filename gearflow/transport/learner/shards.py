@@ -48,6 +48,7 @@ log = logging.getLogger("gearflow.runner")
 __all__ = ["PushedParams", "RemoteShards", "ShardsUnavailable", "TolerantSampler"]
 
 POLL_S = 0.25
+NODE_TIMEOUT_S = 15.0  # transport.node_timeout_s's default (and what 0 means): gearflow/config.py says why
 
 
 class ShardsUnavailable(GearflowError, TimeoutError):
@@ -184,13 +185,13 @@ class RemoteShards:
             token = resolve_token(config_token(t)).decode()
         except ValueError as exc:
             raise ConfigError(f"transport.shards: {exc}") from None
-        # a node's reply: how long before it is marked down (transport.node_timeout_s; 0: as before)
-        self.timeout_s = float(t.get("node_timeout_s", 0) or 0) or max(30.0, float(cfg.replay.timeout_s))
+        # a node's silence, or a call's wait, before it is marked down (transport.node_timeout_s; 0: the default)
+        self.timeout_s = float(t.get("node_timeout_s", 0) or 0) or NODE_TIMEOUT_S
         self.choice = choose_transport(str(t.kind))
         self.publisher = publisher
         self.clients: list = []
         self.sampler = None
-        self.health = NodeHealth(self.addresses, token, probe_timeout_s=min(5.0, self.timeout_s), loop=str(t.loop))
+        self.health = NodeHealth(self.addresses, token, timeout_s=self.timeout_s, loop=str(t.loop))
         try:
             self.clients = [Client(a, token, timeout_s=self.timeout_s, loop=str(t.loop)) for a in self.addresses]
             for c in self.clients:  # one clear line for an unreachable node, before anything else
@@ -222,6 +223,7 @@ class RemoteShards:
             raise
         self.params = PushedParams(self.clients, self.timeout_s, self.health)
         self.health.on_change(lambda i, up: None if up else self.clients[i].drop())
+        self.health.start_heartbeats()
         self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)),
                                        health=self.health)  # fmt: skip
         n = len(self.clients)
