@@ -137,10 +137,12 @@ class _ClientProtocol(FramedProtocol):
                     f"transport.integrity differs: the service at {client.address_text} has {on[theirs]}, this "
                     f"client {on[client.integrity]}; set the same on both ends (true protects every frame with a MAC)"))
             self.server_nonce = sn
-            self.script = auth.transcript(sn, self.nonce, cred.role, cred.name, client.integrity)
+            lim = client.limits  # what this side accepts: the service keeps its replies within it
+            limits = [lim.max_frame_bytes, lim.max_meta_bytes, lim.max_buffers, lim.max_dims]
+            self.script = auth.transcript(sn, self.nonce, cred.role, cred.name, client.integrity, limits)
             self.reader.kinds = frozenset({AUTH_OK, ERROR})
             self.send(encode(AUTH, 0, "", {"nonce": self.nonce, "role": cred.role, "name": cred.name,
-                                           "integrity": client.integrity,
+                                           "integrity": client.integrity, "limits": limits,
                                            "mac": auth.client_mac(cred.secret, self.script)}))  # fmt: skip
         elif kind == AUTH_OK:
             if not auth.check(auth.server_mac(cred.secret, self.script), meta.get("mac")):

@@ -16,9 +16,9 @@ table, parameter store and launcher would go::
   reads the rows with one-sided RDMA READs.
 * ``params`` — :class:`PushedParams`: ``publish`` sends the weights to every node
   (``params.push``), whose actors load them from the node's parameter store.
-* ``poll`` — ``run.progress`` of each node (at most every 0.25 s): episodes and counters, with the
-  actor's index in the run, folded into the learner's :class:`~gearflow.learner.Progress`; the
-  run's env steps are the sum of the nodes'.
+* ``poll`` — ``run.progress`` of each node (at most every 0.25 s; a node that says ``more``, a page
+  of its backlog, at once): episodes and counters, with the actor's index in the run, folded into
+  the learner's :class:`~gearflow.learner.Progress`; the run's env steps are the sum of the nodes'.
 * ``health`` — a :class:`~gearflow.transport.learner.health.NodeHealth` the four share: a node
   whose call times out (``transport.node_timeout_s``) or is refused is marked down at once for
   all of them (nothing waits on it again), re-probed in the background and re-admitted when it
@@ -276,6 +276,8 @@ class RemoteShards:
             if meta.get("lost"):
                 log.warning("shard node %s: %d reports dropped before this learner read them", c.address_text, meta["lost"])
             self._cursors[i] = int(meta["cursor"])
+            if meta.get("more"):  # a page of a backlog (a learner started late): the next one at once
+                self._next_poll = 0.0
             self._steps[i] = int(meta["env_steps"])
             if not self.publisher:  # another learner publishes: the nodes know the latest version
                 self.params.version = max(self.params.version, int(meta.get("weights_version", 0)))
