@@ -403,6 +403,35 @@ def test_a_relay_cannot_switch_integrity_off(service, caplog):
     assert _refused(caplog, "authentication failed")
 
 
+@pytest.mark.parametrize("change", ["smaller", "removed"])
+def test_a_relay_cannot_change_the_frame_limits_a_client_announces(service, caplog, change):
+    """The client's frame limits (what the service keeps its replies within) are in the
+    handshake's transcript: rewritten (a smaller envelope: replies it would page needlessly) or
+    removed, the login fails and nothing is served."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+
+    def tamper(direction, i, frame):
+        if (direction, i) != ("c2s", 0):
+            return [frame]
+        magic, version, kind, rid, meta_len, nbufs, buf_bytes = HEADER.unpack(frame[:HEADER.size])
+        env = json.loads(frame[HEADER.size:HEADER.size + meta_len])
+        assert env["meta"]["limits"] == [256 << 20, 64 << 10, 64, 8]
+        if change == "smaller":
+            env["meta"]["limits"][1] = 16 << 10
+        else:
+            del env["meta"]["limits"]
+        env = json.dumps(env).encode()
+        return [HEADER.pack(magic, version, kind, rid, len(env), nbufs, buf_bytes) + env]
+
+    relay = Relay(svc.port, tamper)
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=5) as c:
+        with pytest.raises(auth.AuthenticationError):
+            c.call("counter.add")
+    relay.close()
+    assert applied["add"] == 0 and _refused(caplog, "authentication failed")
+
+
 # ----------------------------------------------------------------- a real shard node
 @pytest.fixture
 def node(tmp_path, monkeypatch):
