@@ -327,8 +327,9 @@ class FrameReader:
         return len(self._stage)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._direct:
-            return memoryview(self._block)[self._filled:]
+        if self._direct:  # with a MAC, pieces of opener.piece_bytes: MACed (here, or by its thread) while in cache
+            end = self._filled + self.opener.piece_bytes if self.opener is not None else None
+            return memoryview(self._block)[self._filled:end]
         if self._hi == len(self._stage):  # compact: move the unparsed tail to the front
             n = self._hi - self._lo
             self._stage[:n] = self._stage[self._lo:self._hi]

@@ -116,6 +116,7 @@ _ZERO_KEY = bytes(32)
 RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
 MAC_THREAD_BYTES = 1 << 20  # frames with at least this many buffer bytes are MACed in a MAC thread, beside the socket
 FEED_BYTES = 256 << 10  # the receiving MAC thread is woken once this much has landed unMACed (or at the frame's end)
+PIECE_BYTES = 1 << 20  # a receiver with a MAC thread reads a big block at most this much per recv: the thread follows
 
 
 class IntegrityError(FrameError):
@@ -230,6 +231,7 @@ class _Mac:
         self._outlen = ctypes.c_size_t()
         self.seq = 0
         self.thread_bytes = MAC_THREAD_BYTES  # frames this big are MACed in a MAC thread (seal_async, block_mac)
+        self.piece_bytes = PIECE_BYTES  # a receiver's recv size while its MAC thread follows a block
         self._block_mac: BlockMac | None = None
         global _UPDATE_ADDRESS
         if not _UPDATE_ADDRESS:
