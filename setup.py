@@ -15,6 +15,12 @@ setup(
             optional=True,
         ),
         Extension(
+            "gearflow.transport._mac",  # the frame MAC's spans in one call, without the GIL (transport/integrity.py)
+            ["gearflow/transport/_mac.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
             "agents._r2d2_decode",  # R2D2's one-token acting step (agents/r2d2_accel.py)
             ["agents/_r2d2_decode.c"],
             extra_compile_args=["-O3", "-fopenmp-simd"],

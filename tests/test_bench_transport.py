@@ -27,3 +27,16 @@ def test_bench_transport_unknown_workload():
     proc = subprocess.run([sys.executable, "-m", "gearflow", "bench", "transport", "--workloads", "nope"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 2 and "unknown workload(s) ['nope']" in proc.stderr
+
+
+def test_bench_transport_profile_splits_a_round_by_phase_and_side():
+    rows = bench("transport", "--profile", "--scale", "0.1")
+    by = {r["metric"]: r for r in rows if r["workload"] == "profile"}
+    assert by["round_ms[integrity=true]"]["value"] > 0 and by["round_ms[integrity=true]"]["floor"] > 0
+    # both sides MAC with integrity on, and say how many update calls a round costs; off: none
+    for side in ("shard", "learner"):
+        assert by[f"{side}/mac.calls[integrity=true]"]["value"] >= 1, side
+        assert by[f"{side}/mac.items[integrity=true]"]["value"] >= by[f"{side}/mac.calls[integrity=true]"]["value"]
+        assert by[f"{side}/mac.cpu_ms[integrity=true]"]["floor"] is None  # nothing MACed with integrity off
+    assert by["shard/handler.calls[integrity=true]"]["value"] > 0.5 and by["learner/recv.items[integrity=true]"]["value"] > 1e6
+    assert any(m.startswith("learner/thread[") for m in by) and any(m.startswith("shard/thread[") for m in by)

@@ -274,6 +274,85 @@ def test_replayed_reply_and_a_recorded_session_are_refused(service, caplog):
     assert applied["add"] == before
 
 
+# ----------------------------------------------------------------- big frames: MACed in MAC threads
+def _flip_at(frame: bytes, at: int) -> bytes:
+    b = bytearray(frame)
+    b[at] ^= 0x01
+    return bytes(b)
+
+
+@pytest.fixture
+def big_service():
+    """A service whose replies and requests are big enough (2 MiB) for the MAC threads: the
+    service MACs a reply while it writes it, the client MACs a request while it sends it, and
+    each receiver MACs the block as it lands (integrity.BlockMac). Small replies come from an
+    inline handler: sent while the big reply before them is still being MACed."""
+    applied = []
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB
+    assert big.nbytes >= integrity.MAC_THREAD_BYTES
+    svc = Service(token=TOKEN, name="big")
+    svc.register("big.get", lambda meta, bufs: ({"i": meta.get("i")}, [big]), roles=ANY_ROLE)
+    svc.register("small.get", lambda meta, bufs: ({"i": meta.get("i")}, [np.arange(8)]), roles=ANY_ROLE,
+                 inline=True)  # on the loop: sent at once, while the big reply before it is being MACed
+    svc.register("big.put", lambda meta, bufs: (applied.append(float(bufs[0].sum())), ({}, []))[1], roles=ANY_ROLE)
+    svc.start()
+    yield svc, big, applied
+    svc.stop()
+
+
+def test_big_frames_are_maced_beside_the_socket_and_still_checked(big_service, caplog):
+    """Big and small frames pipelined on one connection arrive whole and in order (a small reply
+    sent while a big one's MAC runs goes after its trailer); one changed byte in the middle of a
+    big reply, or of a big request, closes the connection and the request is not applied."""
+    svc, big, applied = big_service
+    caplog.set_level(logging.WARNING)
+    with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=20) as c:
+        ops = ["big.get", "small.get", "small.get", "big.get", "big.get", "small.get"]
+        futs = [c.submit(op, {"i": i}) for i, op in enumerate(ops)]
+        for i, (op, f) in enumerate(zip(ops, futs)):
+            meta, (arr,) = c.result(f, op, 20)
+            assert meta == {"i": i} and np.array_equal(arr, big if op == "big.get" else np.arange(8)), op
+        assert c._proto.reader.opener._block_mac is not None  # the big replies went through a MAC thread
+        c.call("big.put", {}, [big])
+        assert applied == [float(big.sum())]
+    middle = HEADER.size + 200 + big.nbytes // 2  # inside the block, past the first MAC thread's piece
+    relay = Relay(svc.port, lambda d, i, f: [_flip_at(f, middle)] if d == "s2c" and i == 3 else [f])
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=20) as c:
+        assert np.array_equal(c.call("big.get")[1][0], big)  # reply 0 (s2c frame 2): as sent
+        with pytest.raises(ServiceUnavailable, match="integrity check failed"):
+            c.call("big.get")  # reply 1: one byte changed half-way through
+    relay.close()
+    assert _refused(caplog, "failed its MAC check: altered or injected on the way")
+    caplog.clear()
+    relay = Relay(svc.port, lambda d, i, f: [_flip_at(f, middle)] if d == "c2s" and i == 2 else [f])
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=20) as c:
+        c.call("big.put", {}, [big])  # request 0 (c2s frame 1): as sent
+        with pytest.raises(ServiceUnavailable):
+            c.call("big.put", {}, [big])  # request 1: one byte changed
+    relay.close()
+    assert applied == [float(big.sum())] * 2  # the altered request was not applied
+    assert _refused(caplog, "frame integrity check failed: frame 1 failed its MAC check")
+
+
+def test_every_frame_through_the_mac_threads_round_trips(monkeypatch):
+    """With the MAC threads' threshold at 0 every frame after the handshake, empty ones too, is
+    MACed in a MAC thread on both sides: pipelined calls of mixed sizes all verify, in order."""
+    monkeypatch.setattr(integrity, "MAC_THREAD_BYTES", 0)
+    svc = Service(token=TOKEN)
+    svc.register("echo", lambda meta, bufs: (meta, bufs), roles=ANY_ROLE)
+    svc.start()
+    try:
+        with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=20) as c:
+            sizes = [0, 5, 1 << 16, 3, 1 << 20, 0, 7]
+            futs = [c.submit("echo", {"i": i}, [np.full(n, i, np.uint8)] if n else []) for i, n in enumerate(sizes)]
+            for i, (n, f) in enumerate(zip(sizes, futs)):
+                meta, bufs = c.result(f, "echo", 20)
+                assert meta == {"i": i} and (bufs == [] if not n else np.array_equal(bufs[0], np.full(n, i, np.uint8)))
+            assert c._proto.sealer.thread_bytes == 0 and c._proto.reader.opener._block_mac is not None
+    finally:
+        svc.stop()
+
+
 # ----------------------------------------------------------------- integrity settings must agree
 def test_integrity_mismatch_is_refused_at_the_handshake(caplog):
     caplog.set_level(logging.WARNING)
@@ -322,6 +401,35 @@ def test_a_relay_cannot_switch_integrity_off(service, caplog):
     relay.close()
     assert applied["add"] == 0
     assert _refused(caplog, "authentication failed")
+
+
+@pytest.mark.parametrize("change", ["smaller", "removed"])
+def test_a_relay_cannot_change_the_frame_limits_a_client_announces(service, caplog, change):
+    """The client's frame limits (what the service keeps its replies within) are in the
+    handshake's transcript: rewritten (a smaller envelope: replies it would page needlessly) or
+    removed, the login fails and nothing is served."""
+    svc, applied = service
+    caplog.set_level(logging.WARNING)
+
+    def tamper(direction, i, frame):
+        if (direction, i) != ("c2s", 0):
+            return [frame]
+        magic, version, kind, rid, meta_len, nbufs, buf_bytes = HEADER.unpack(frame[:HEADER.size])
+        env = json.loads(frame[HEADER.size:HEADER.size + meta_len])
+        assert env["meta"]["limits"] == [256 << 20, 64 << 10, 64, 8]
+        if change == "smaller":
+            env["meta"]["limits"][1] = 16 << 10
+        else:
+            del env["meta"]["limits"]
+        env = json.dumps(env).encode()
+        return [HEADER.pack(magic, version, kind, rid, len(env), nbufs, buf_bytes) + env]
+
+    relay = Relay(svc.port, tamper)
+    with Client(("127.0.0.1", relay.port), TOKEN, timeout_s=5) as c:
+        with pytest.raises(auth.AuthenticationError):
+            c.call("counter.add")
+    relay.close()
+    assert applied["add"] == 0 and _refused(caplog, "authentication failed")
 
 
 # ----------------------------------------------------------------- a real shard node
@@ -584,6 +692,26 @@ def test_one_time_keys_and_tags_are_rfc_8439s():
     assert mac.final().hex() == "a8061dc1305136c6c22b8baf0c0127a9"
 
 
+def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monkeypatch):
+    """``update_spans`` (rows by address, bytes, memoryviews, arrays; ``_mac.c`` in one call where
+    it is built, a ctypes call per span where not) tags exactly the bytes the spans name."""
+    rows = np.random.default_rng(0).integers(0, 255, (6, 3000), dtype=np.uint8)
+    base = rows.__array_interface__["data"][0]
+    spans = [b"head", (base + 3000, 3000), memoryview(rows[4]), (base, 0), rows[2], b"", (base + 5 * 3000, 1000)]
+    flat = b"head" + rows[1].tobytes() + rows[4].tobytes() + rows[2].tobytes() + rows[5, :1000].tobytes()
+
+    def tag(feed) -> bytes:
+        mac = integrity.Sealer(bytes(32))
+        mac.begin()
+        feed(mac)
+        return mac.final()
+
+    want = tag(lambda m: m.update(flat))
+    assert tag(lambda m: m.update_spans(spans)) == want
+    monkeypatch.setattr(integrity, "_native", None)  # the ctypes path
+    assert tag(lambda m: m.update_spans(spans)) == want
+
+
 def _torn_frame(marks: np.ndarray) -> tuple[bytes, list]:
     """A reply sealed as the shard seals one whose tail marked ``marks``: (the frame's bytes as
     sent, its layout); rows of 300 bytes, 4 items, the marks last."""
@@ -605,14 +733,16 @@ def _torn_frame(marks: np.ndarray) -> tuple[bytes, list]:
     return b"".join(bytes(p) for p in parts), bufs
 
 
-def _open(frame: bytes):
+def _open(frame: bytes, threaded: bool = False):
     """Feed ``frame`` to a real FrameReader with the matching opener: the delivered arrays, or the
-    IntegrityError it raised."""
+    IntegrityError it raised. ``threaded``: its buffer block MACed in a MAC thread (as big frames are)."""
     from gearflow.transport.framing import REPLY, FrameLimits, FrameReader
 
     got = []
     reader = FrameReader(lambda *a: got.append(a[4]), FrameLimits(), {REPLY})
     reader.opener = integrity.Opener(b"k" * integrity.KEY_BYTES)
+    if threaded:
+        reader.opener.thread_bytes = 0
     try:
         buf = reader.get_buffer(-1)
         buf[:len(frame)] = frame
@@ -622,11 +752,15 @@ def _open(frame: bytes):
     return got[0]
 
 
-def test_rows_marked_torn_are_outside_the_mac_and_nothing_else_is():
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "mac-thread"])
+def test_rows_marked_torn_are_outside_the_mac_and_nothing_else_is(threaded):
     """A frame whose marks name item 1: changing a byte of item 1's row is accepted (the sampler
     redraws the item: its bytes are never used), changing one of item 2's row, a key, or the
     marks themselves (clearing item 1's, setting item 3's) is an IntegrityError; with no mark set
-    every row is covered."""
+    every row is covered. The same whether the receiver MACs the block inline or in a MAC thread."""
+    def opened(frame: bytes):
+        return _open(frame, threaded)
+
     marks = np.array([0, 1, 0, 0], np.uint8)
     frame, _ = _torn_frame(marks)
     block = HEADER.size + HEADER.unpack(frame[:HEADER.size])[4]  # the buffer block: keys at 0, rows at 64, marks at 1280
@@ -637,15 +771,15 @@ def test_rows_marked_torn_are_outside_the_mac_and_nothing_else_is():
         b[at] ^= 0x20
         return bytes(b)
 
-    ok = _open(frame)
+    ok = opened(frame)
     assert not isinstance(ok, Exception) and ok[2].tolist() == [0, 1, 0, 0]
-    got = _open(flip(row(1)))
+    got = opened(flip(row(1)))
     assert not isinstance(got, Exception)  # a marked row: not authenticated (the sampler redraws the item)
     assert got[1][1, 5] == ok[1][1, 5] ^ 0x20 and np.array_equal(got[1][2], ok[1][2])
     for what, at in [("an unmarked row", row(2)), ("a key", block + 3), ("item 1's mark", block + 1280 + 1),
                      ("item 3's mark", block + 1280 + 3)]:  # fmt: skip
-        assert isinstance(_open(flip(at)), integrity.IntegrityError), what
+        assert isinstance(opened(flip(at)), integrity.IntegrityError), what
     clean, _ = _torn_frame(np.zeros(4, np.uint8))  # no mark: every byte is covered
     b = bytearray(clean)
     b[row(1)] ^= 0x20
-    assert isinstance(_open(bytes(b)), integrity.IntegrityError)
+    assert isinstance(opened(bytes(b)), integrity.IntegrityError)

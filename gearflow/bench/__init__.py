@@ -62,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
     )
     from gearflow.bench import cluster  # its options (numpy only at import)
+    from gearflow.bench import transport as transport_suite
 
     cluster.add_arguments(parser)
+    transport_suite.add_arguments(parser)
 
 
 class _Configs(argparse.Action):

@@ -16,6 +16,10 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
   (``transport.tls``, integrity on) where the ``openssl`` command can make the certificates.
 * ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
   socket's round trip of the same bytes.
+* ``--profile`` — instead of the workloads: where one ``sample`` round's time goes, integrity on and
+  off, shard and learner side, per phase (the shard's handler, the frame send, the MAC update calls
+  and their count, the receive, the trailer check, the torn rows' reseal, the caller's wait) and per
+  thread (CPU ms per round): :func:`gearflow.transport.bench.sample_profile`.
 * ``writeback`` — a learner's loop (a Prefetcher thread, a 10 ms learn step, the priorities
   written back) over two prioritized shards behind relays adding 10 ms of round trip: updates/s
   with the write-back not waiting for its replies (the default) against waiting for each.
@@ -23,7 +27,7 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from gearflow.bench import record
 from gearflow.errors import GearflowError
@@ -31,9 +35,40 @@ from gearflow.errors import GearflowError
 WORKLOADS = ("insert", "actor", "sample", "latency", "writeback")
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--profile", action="store_true",
+                        help="transport: where a sample round's time goes, integrity on and off, per phase and "
+                             "thread on both sides (instead of the workloads)")  # fmt: skip
+
+
+def profile(args, emit: Callable[[dict], None]) -> int:
+    """``--profile``: per variant, the round's wall ms, then per side each phase's calls, items, wall
+    and CPU ms per round and each thread's CPU ms per round (``floor``: the same figure with
+    integrity off, measured in the same run, where there is one)."""
+    from gearflow.transport import bench as tb
+
+    rows = {r["integrity"]: r for r in tb.sample_profile(rounds=max(10, int(40 * args.scale)))}
+    on, off = rows[True], rows[False]
+    emit(record("transport", "profile", "round_ms[integrity=true]", on["round_ms"], "ms", off["round_ms"]))
+    for side in ("shard", "learner"):
+        phases = sorted(set(on[side]["phases"]) | set(off[side]["phases"]))
+        for phase in phases:
+            a, b = on[side]["phases"].get(phase), off[side]["phases"].get(phase)
+            for field, unit in (("cpu_ms", "ms"), ("wall_ms", "ms"), ("calls", "calls"), ("items", "items")):
+                value = a[field] if a else 0.0
+                emit(record("transport", "profile", f"{side}/{phase}.{field}[integrity=true]", value, unit,
+                            b[field] if b and b[field] else None))  # fmt: skip
+        for name in sorted(set(on[side]["threads"]) | set(off[side]["threads"])):
+            emit(record("transport", "profile", f"{side}/thread[{name}].cpu_ms[integrity=true]",
+                        on[side]["threads"].get(name, 0.0), "ms", off[side]["threads"].get(name) or None))  # fmt: skip
+    return 0
+
+
 def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
     from gearflow.transport import bench as tb
 
+    if getattr(args, "profile", False):
+        return profile(args, emit)
     unknown = sorted(set(wanted) - set(WORKLOADS))
     if unknown:
         raise GearflowError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")

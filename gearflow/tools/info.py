@@ -39,6 +39,7 @@ def collect() -> list[Row]:
     rows += [_package(name) for name in PACKAGES]
     rows.append(_c_module("replay C hot path", "gearflow.replay._hotpath", "using the numpy reference (slower)"))
     rows.append(_c_module("C decode step", "agents._r2d2_decode", "transformer actors step with TorchScript (slower)"))
+    rows.append(_c_module("frame MAC spans", "gearflow.transport._mac", "a ctypes call per span (the MAC thread waits on the GIL)"))
     probes: list[Probe] = [probe_cuda(), probe_cupy(), probe_nvcc(), Probe("pyverbs (rdma)", *pyverbs_status())]
     rows += [Row(p.name, p.ok, p.detail) for p in probes]
     return rows

@@ -3,11 +3,19 @@ session keys.
 
     server → client   CHALLENGE {"nonce": sn (32 random bytes, hex), "version": 2, "integrity": bool}
     client → server   AUTH      {"nonce": cn, "role": "learner"|"actor", "name": actor name ("" for a
-                                 learner), "integrity": bool, "mac": HMAC(K, "client" | transcript)}
+                                 learner), "integrity": bool, "limits": [max_frame_bytes,
+                                 max_meta_bytes, max_buffers, max_dims] (optional),
+                                 "mac": HMAC(K, "client" | transcript)}
     server → client   AUTH_OK   {"mac": HMAC(K, "server" | transcript)}      (or ERROR, then close)
 
-    transcript = version | sn | cn | role | name | integrity
+    transcript = version | sn | cn | role | name | integrity [| limits]
     K          = the learner secret (role learner) or the actor secret of ``name`` (role actor)
+
+``limits``: what the client accepts in a frame (its :class:`~gearflow.transport.framing.FrameLimits`;
+absent: the defaults). The service keeps every reply within them (``Connection.peer_limits``: a
+reply that would break them is an error reply naming the limit, and a reply that can grow, such
+as ``run.progress``, is paged to fit), so a legitimate reply never makes the client drop the
+connection. They are in the transcript: a relay can neither change nor add nor remove them.
 
 Secrets and roles. The **learner secret** (``transport.token`` / ``$GEARFLOW_TOKEN`` / a file on
 the learner's and the shard nodes' machines) can do everything. An **actor credential**
@@ -36,10 +44,29 @@ import secrets
 
 from gearflow.errors import GearflowError
 
-__all__ = ["ACTOR", "LEARNER", "NONCE_BYTES", "PROTOCOL", "TOKEN_ENV", "AuthenticationError", "AuthorizationError",
-           "IntegrityMismatch", "Credential", "actor_credential", "client_mac", "credential", "default_integrity",
-           "configure", "default_tls", "frame_keys", "new_nonce", "resolve_token", "server_mac",
-           "set_default_integrity", "set_default_tls"]  # fmt: skip
+__all__ = [
+    "ACTOR",
+    "LEARNER",
+    "NONCE_BYTES",
+    "PROTOCOL",
+    "TOKEN_ENV",
+    "AuthenticationError",
+    "AuthorizationError",
+    "Credential",
+    "IntegrityMismatch",
+    "actor_credential",
+    "client_mac",
+    "configure",
+    "credential",
+    "default_integrity",
+    "default_tls",
+    "frame_keys",
+    "new_nonce",
+    "resolve_token",
+    "server_mac",
+    "set_default_integrity",
+    "set_default_tls",
+]  # fmt: skip
 
 TOKEN_ENV = "GEARFLOW_TOKEN"
 NONCE_BYTES = 32
@@ -147,7 +174,7 @@ def actor_credential(learner_secret: bytes | str, name: str = "actor") -> str:
 class Credential:
     """What one end holds: the learner secret (``role`` learner) or an actor credential."""
 
-    __slots__ = ("role", "name", "secret")
+    __slots__ = ("name", "role", "secret")
 
     def __init__(self, role: str, name: str, secret: bytes):
         self.role, self.name, self.secret = role, name, secret
@@ -180,8 +207,12 @@ def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
 
 
-def transcript(server_nonce: str, client_nonce: str, role: str, name: str, integrity: bool) -> bytes:
-    return f"gearflow-auth-v{PROTOCOL}|{server_nonce}|{client_nonce}|{role}|{name}|{int(bool(integrity))}".encode()
+def transcript(server_nonce: str, client_nonce: str, role: str, name: str, integrity: bool,
+               limits: list[int] | None = None) -> bytes:  # fmt: skip
+    text = f"gearflow-auth-v{PROTOCOL}|{server_nonce}|{client_nonce}|{role}|{name}|{int(bool(integrity))}"
+    if limits is not None:  # the client's frame limits, when it announces them
+        text += "|limits:" + ":".join(str(int(n)) for n in limits)
+    return text.encode()
 
 
 def client_mac(secret: bytes, transcript_: bytes) -> str:

@@ -72,17 +72,27 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
 
 
 def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True,
-                 tls: str = "") -> None:  # fmt: skip
-    """Child process: a table and its shard service; sends the port, serves until told to stop."""
+                 tls: str = "", profile: bool = False) -> None:  # fmt: skip
+    """Child process: a table and its shard service; sends the port, serves until told to stop
+    (``"stop"``); with ``profile``, its phases are counted (``"profile"``: sends them and starts
+    counting afresh)."""
     from gearflow.transport.auth import set_default_integrity, set_default_tls
 
     set_default_integrity(integrity)
     set_default_tls(tls)
+    prof = None
+    if profile:
+        from gearflow.transport.profile import PhaseProfile
+
+        prof = PhaseProfile().install()
     table = _table(spec, P, S, selector)
     shard = ShardService(table, token=TOKEN, wire_min_row_bytes=wire)
     conn.send(shard.start())
     try:
-        conn.recv()
+        while conn.recv() == "profile":
+            conn.send(prof.read() if prof is not None else {})
+            if prof is not None:
+                prof.reset()
     finally:
         shard.stop()
         table.close()
@@ -92,17 +102,23 @@ class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
     def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024,
-                 integrity: bool = True, tls: str = ""):  # fmt: skip
+                 integrity: bool = True, tls: str = "", profile: bool = False):  # fmt: skip
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.integrity = integrity
-        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity, tls), daemon=True)
+        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity, tls, profile),
+                                daemon=True)  # fmt: skip
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
         self.port = self.conn.recv()
+
+    def profile(self) -> dict:
+        """The shard's phase counters since the last call (a shard started with ``profile``)."""
+        self.conn.send("profile")
+        return self.conn.recv()
 
     def close(self) -> None:
         self.conn.send("stop")
@@ -217,11 +233,12 @@ def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
     return times
 
 
-def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls: str = "") -> ShardProcess:
+def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls: str = "",
+                 profile: bool = False) -> ShardProcess:  # fmt: skip
     """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
-    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls)
+    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls, profile=profile)
     w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity, tls=tls), num_streams=4, token=TOKEN)
     k = items // 4
     rng = np.random.default_rng(0)
@@ -296,6 +313,77 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
             "ratio": float(np.median(remote / floor)), "ratio_no_integrity": float(np.median(plain / floor)),
             "ratio_gathered": float(np.median(gathered / floor)),
             "integrity_cost": float(np.median(1 - remote / plain)), **tls_out}  # fmt: skip
+
+
+def _thread_kind(name: str) -> str:
+    """A thread's name without what differs per run (a client's address, a pool worker's index)."""
+    import re
+
+    return re.sub(r"(-\d+\.\d+\.\d+\.\d+:\d+|_\d+)$", "", name)
+
+
+def sample_profile(rounds: int = 40, batch: int = 256, obs=(4, 84, 84), items: int = 4096, repeats: int = 2) -> Iterator[dict]:
+    """Where one ``sample`` round's time goes, integrity on and off, on both sides
+    (:class:`~gearflow.transport.profile.PhaseProfile`: the learner's phases in this process, the
+    shard's in its own): per round, each phase's calls, items (MAC update calls; bytes received),
+    wall and CPU ms, and each thread's CPU ms; the variants alternate ``repeats`` times,
+    ``rounds`` rounds each, after 5 unprofiled-in-the-sum rounds. One row per variant:
+    ``{"bench": "transport/profile", "integrity", "round_ms", "shard": {...}, "learner": {...}}``
+    with ``{"phases": {phase: {calls, items, wall_ms, cpu_ms}}, "threads": {name: cpu_ms}}`` per side."""
+    from gearflow.transport.profile import PhaseProfile
+
+    prof = PhaseProfile().install()
+    shards, samplers = {}, {}
+    sums: dict[bool, dict] = {}
+    try:
+        for integrity in (True, False):
+            shards[integrity] = _atari_shard(obs, items, 1024, integrity, profile=True)
+            client = Client(("127.0.0.1", shards[integrity].port), TOKEN, integrity=integrity)
+            samplers[integrity] = RemoteSampler([client], token=TOKEN, prefetch=LEARNER_PREFETCH)
+            sums[integrity] = {"rounds": 0, "wall_ns": 0, "shard": {}, "learner": {}}
+        for rep in range(repeats):
+            for integrity in ((True, False) if rep % 2 == 0 else (False, True)):
+                sm, sh = samplers[integrity], shards[integrity]
+                for _ in range(5):
+                    sm.sample(batch)
+                sh.profile()
+                prof.reset()
+                t0 = time.perf_counter_ns()
+                for _ in range(rounds):
+                    sm.sample(batch)
+                wall = time.perf_counter_ns() - t0
+                learner, shard = prof.read(), sh.profile()
+                acc = sums[integrity]
+                acc["rounds"] += rounds
+                acc["wall_ns"] += wall
+                for side, got in (("shard", shard), ("learner", learner)):
+                    a = acc[side]
+                    for phase, v in got["phases"].items():
+                        p = a.setdefault("phases", {}).setdefault(phase, {"calls": 0, "items": 0, "wall_ns": 0, "cpu_ns": 0})
+                        for k in p:
+                            p[k] += v[k]
+                    for name, ns in got["threads"].items():
+                        t = a.setdefault("threads", {})
+                        t[_thread_kind(name)] = t.get(_thread_kind(name), 0) + ns
+    finally:
+        prof.uninstall()
+        for sm in samplers.values():
+            sm.close()
+        for sh in shards.values():
+            sh.close()
+    for integrity, acc in sums.items():
+        n = acc["rounds"]
+        row = {"bench": "transport/profile", "integrity": integrity, "batch": batch, "rounds": n,
+               "round_ms": acc["wall_ns"] / n / 1e6}  # fmt: skip
+        for side in ("shard", "learner"):
+            a = acc[side]
+            row[side] = {
+                "phases": {k: {"calls": v["calls"] / n, "items": v["items"] / n, "wall_ms": v["wall_ns"] / n / 1e6,
+                               "cpu_ms": v["cpu_ns"] / n / 1e6} for k, v in sorted(a.get("phases", {}).items())},
+                "threads": {k: ns / n / 1e6 for k, ns in sorted(a.get("threads", {}).items(), key=lambda x: -x[1])
+                            if ns / n >= 1e4},  # threads busy ≥ 10 µs a round
+            }  # fmt: skip
+        yield row
 
 
 _SMALL = {"obs": "float32[4]", "action": "int64", "ret": "float32", "disc": "float32", "version": "int64"}

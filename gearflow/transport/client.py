@@ -137,10 +137,12 @@ class _ClientProtocol(FramedProtocol):
                     f"transport.integrity differs: the service at {client.address_text} has {on[theirs]}, this "
                     f"client {on[client.integrity]}; set the same on both ends (true protects every frame with a MAC)"))
             self.server_nonce = sn
-            self.script = auth.transcript(sn, self.nonce, cred.role, cred.name, client.integrity)
+            lim = client.limits  # what this side accepts: the service keeps its replies within it
+            limits = [lim.max_frame_bytes, lim.max_meta_bytes, lim.max_buffers, lim.max_dims]
+            self.script = auth.transcript(sn, self.nonce, cred.role, cred.name, client.integrity, limits)
             self.reader.kinds = frozenset({AUTH_OK, ERROR})
             self.send(encode(AUTH, 0, "", {"nonce": self.nonce, "role": cred.role, "name": cred.name,
-                                           "integrity": client.integrity,
+                                           "integrity": client.integrity, "limits": limits,
                                            "mac": auth.client_mac(cred.secret, self.script)}))  # fmt: skip
         elif kind == AUTH_OK:
             if not auth.check(auth.server_mac(cred.secret, self.script), meta.get("mac")):
@@ -358,37 +360,56 @@ class Client:
             sock = proto.wsock
             if proto.closed or (sock is None and self._ssl is None):
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
-            if proto.sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
-                parts = proto.sealer.seal(parts)
+            sealer, mac = proto.sealer, None
+            if sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
+                if self._ssl is None and sum(len(p) for p in parts) >= sealer.thread_bytes:
+                    # a big request: a MAC thread reads it while sendmsg hands it to the kernel
+                    sealer.begin()
+                    mac = concurrent.futures.Future()
+                    sealer.seal_async(parts, mac.set_result)
+                else:
+                    parts = sealer.seal(parts)
             if self._ssl is not None:  # TLS encrypts in the loop: a copy, queued in order
                 self._loop.call_soon_threadsafe(self._tls_write, proto, b"".join(parts))
                 return
-            views = [memoryview(p) for p in parts]
-            started = False
-            while views:
-                try:
-                    n = sock.sendmsg(views[:512])
-                except (BlockingIOError, InterruptedError):
-                    n = 0
-                except OSError as exc:  # reset or shut: lost for every caller from now on, though the
-                    # loop may see it only later (a caller checking ``connected`` must not find it live)
-                    proto.closed = True
-                    self._loop.call_soon_threadsafe(self._abort, proto, False)  # its pending calls fail there
-                    raise ServiceUnavailable(f"connection to {self.address_text} lost sending {op}: {exc}") from None
-                started = started or n > 0
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0], n = views[0][n:], 0
-                if not views:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._poll_out(sock, left):
-                    if started or proto.sealer is not None:  # a sealed frame not sent: the next one's number is off
-                        self._loop.call_soon_threadsafe(self._abort, proto)
-                    raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
+            try:
+                self._send_views(proto, sock, [memoryview(p) for p in parts], deadline, op)
+            finally:
+                error = mac.result() if mac is not None else None  # the parts stay untouched until it is done
+            if error is not None:
+                self._loop.call_soon_threadsafe(self._abort, proto)
+                raise ServiceUnavailable(f"{op}: the frame's MAC failed ({error}); the connection to "
+                                         f"{self.address_text} is closed")  # fmt: skip
+            if mac is not None:
+                self._send_views(proto, sock, [memoryview(sealer.trailer())], deadline, op, started=True)
+
+    def _send_views(self, proto: _ClientProtocol, sock, views: list, deadline: float, op: str,
+                    started: bool = False) -> None:  # fmt: skip
+        """``sendmsg`` every byte of ``views`` (``started``: bytes of this frame left before)."""
+        while views:
+            try:
+                n = sock.sendmsg(views[:512])
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:  # reset or shut: lost for every caller from now on, though the
+                # loop may see it only later (a caller checking ``connected`` must not find it live)
+                proto.closed = True
+                self._loop.call_soon_threadsafe(self._abort, proto, False)  # its pending calls fail there
+                raise ServiceUnavailable(f"connection to {self.address_text} lost sending {op}: {exc}") from None
+            started = started or n > 0
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0], n = views[0][n:], 0
+            if not views:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll_out(sock, left):
+                if started or proto.sealer is not None:  # a sealed frame not sent: the next one's number is off
+                    self._loop.call_soon_threadsafe(self._abort, proto)
+                raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
 
     @staticmethod
     def _tls_write(proto: _ClientProtocol, data: bytes) -> None:

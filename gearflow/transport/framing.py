@@ -39,6 +39,7 @@ has drained them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -65,9 +66,9 @@ __all__ = [
     "REPLY",
     "REQUEST",
     "VERSION",
+    "Chunks",
     "FrameError",
     "FrameLimits",
-    "Chunks",
     "FrameReader",
     "FramedProtocol",
     "as_array",
@@ -143,7 +144,7 @@ class Chunks:
     MAC (:meth:`~gearflow.transport.integrity.Sealer.update_spans`) without a lookup per piece.
     """
 
-    __slots__ = ("dtype", "shape", "parts", "nbytes", "ndim", "addresses")
+    __slots__ = ("addresses", "dtype", "nbytes", "ndim", "parts", "shape")
 
     def __init__(self, dtype: Any, shape: Sequence[int], parts: list, addresses: list | None = None):
         self.dtype, self.shape, self.parts = np.dtype(dtype), tuple(int(n) for n in shape), parts
@@ -313,6 +314,7 @@ class FrameReader:
         self.frames = 0
         self.opener = None  # integrity.Opener once the handshake made the keys: every frame's trailer checked
         self._maced = 0  # bytes of the frame's buffer block the opener has taken (as they arrive: cache-hot)
+        self._bmac = None  # a big block's MAC, in a MAC thread following the bytes (integrity.BlockMac)
         self._head_bytes: list = []  # with an opener: the frame's header and envelope (a torn frame's re-MAC)
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
@@ -325,8 +327,9 @@ class FrameReader:
         return len(self._stage)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._direct:
-            return memoryview(self._block)[self._filled:]
+        if self._direct:  # with a MAC, pieces of opener.piece_bytes: MACed (here, or by its thread) while in cache
+            end = self._filled + self.opener.piece_bytes if self.opener is not None else None
+            return memoryview(self._block)[self._filled:end]
         if self._hi == len(self._stage):  # compact: move the unparsed tail to the front
             n = self._hi - self._lo
             self._stage[:n] = self._stage[self._lo:self._hi]
@@ -339,7 +342,9 @@ class FrameReader:
         try:
             if self._direct:
                 self._filled += nbytes
-                if self.opener is not None:  # MAC each piece as it lands, while it is in cache
+                if self._bmac is not None:  # a MAC thread takes what landed while the loop receives on
+                    self._bmac.landed(self._filled)
+                elif self.opener is not None:  # MAC each piece as it lands, while it is in cache
                     self.opener.update(self._block[self._maced:self._filled])
                     self._maced = self._filled
                 if self._filled == self._block.nbytes:
@@ -390,6 +395,8 @@ class FrameReader:
                 self._lo += meta_len
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
+                if self.opener is not None and buf_bytes >= self.opener.thread_bytes:
+                    self._bmac = self.opener.block_mac(self._block)
                 continue
             need = self._block.nbytes - self._filled
             take = min(need, avail)
@@ -398,10 +405,16 @@ class FrameReader:
                 self._filled += take
                 self._lo += take
             if self._filled < self._block.nbytes:  # the rest goes straight into the block
+                if self._bmac is not None and take:
+                    self._bmac.landed(self._filled)
                 self._lo = self._hi = 0
                 self._direct = True
                 return
             if self.opener is not None:  # the trailer: checked before anyone sees the frame
+                if self._bmac is not None:  # every byte MACed (the thread's last piece) before the check
+                    bmac, self._bmac = self._bmac, None
+                    bmac.finish()
+                    self._maced = self._block.nbytes
                 if self._maced < self._block.nbytes:
                     self.opener.update(self._block[self._maced:])
                     self._maced = self._block.nbytes
@@ -448,7 +461,6 @@ class FrameReader:
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _TRAILER_BYTES = 24  # integrity.TRAILER.size
-_SLICE_BYTES = 256 << 10  # a sealed frame is MACed and written in slices of about this many bytes (L2-sized)
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -463,11 +475,15 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self.sealer = None  # integrity.Sealer once the handshake made the keys: every frame sent gets a trailer
         self._sealing = False  # a frame sent in pieces (send(..., more=True)) is open
         self.transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
+        self._mac_job: list | None = None  # [more, on_sent] of a frame whose MAC runs in a MAC thread
+        self._backlog: list[tuple] = []  # frames sent meanwhile: written after its trailer, in order
         self.closed = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
+        self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=0, low=0)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -485,43 +501,75 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def send(self, parts: list, on_sent: Callable[[], None] | None = None, more: bool = False,
              spans: list | None = None) -> None:  # fmt: skip
         """Write ``parts`` (one frame, or with ``more=True`` the first pieces of one whose rest
-        the next ``send`` writes); ``on_sent()`` once they have drained. ``spans``: the same bytes
-        for the MAC (:func:`encode`'s ``spans``), MACed just before they are written."""
+        the next ``send`` writes); ``on_sent()`` once they have drained (and, for a frame MACed in
+        a MAC thread, once the MAC has read them). ``spans``: the same bytes for the MAC
+        (:func:`encode`'s ``spans``). A frame of ``sealer.thread_bytes`` or more is written at once
+        while a MAC thread reads it (:meth:`~gearflow.transport.integrity.Sealer.seal_async`); its
+        trailer follows when the MAC is done, and frames sent meanwhile wait behind it, in order."""
         t = self.transport
         if self.closed or t is None or t.is_closing():
             if on_sent is not None:
                 on_sent()
             return
+        if self._mac_job is not None:  # the frame before is being MACed: this one goes after its trailer
+            self._backlog.append((parts, on_sent, more, spans))
+            return
         if self.sealer is not None:
             if not self._sealing:
                 self.sealer.begin()
-            if spans is not None and len(spans) == len(parts) and len(parts) > 1:
-                # a big frame in slices: each MACed, then written at once, while its bytes are in cache
-                lo, nbytes = 0, 0
-                for i, s in enumerate(spans):
-                    nbytes += s[1] if type(s) is tuple else len(s)
-                    if nbytes >= _SLICE_BYTES or i == len(spans) - 1:
-                        self.sealer.update_spans(spans[lo:i + 1])
-                        if i < len(spans) - 1:
-                            t.writelines(parts[lo:i + 1])
-                            lo, nbytes = i + 1, 0
-                parts = parts[lo:]
-            else:
-                self.sealer.update_spans(parts if spans is None else spans)
             self._sealing = more
+            macs = parts if spans is None else spans
+            if sum(s[1] if type(s) is tuple else len(s) for s in macs) >= self.sealer.thread_bytes:
+                # a big frame: its bytes go to the socket now and a MAC thread reads them meanwhile
+                # (both only read them); its trailer, and any frame after it, once the MAC is done
+                self._mac_job = job = [more, on_sent]
+                self.sealer.seal_async(macs, functools.partial(self._mac_done, job))
+                t.writelines(parts)
+                return
+            self.sealer.update_spans(macs)
             if not more:
                 parts = [*parts, self.sealer.trailer()]
         t.writelines(parts)
         if on_sent is not None:
-            if t.get_write_buffer_size() == 0:
-                on_sent()
-            else:
-                self._unsent.append(on_sent)
+            self._after_drain(on_sent)
+
+    def _after_drain(self, on_sent: Callable[[], None]) -> None:
+        t = self.transport
+        if self.closed or t is None or t.get_write_buffer_size() == 0:
+            on_sent()
+        else:
+            self._unsent.append(on_sent)
+
+    def _mac_done(self, job: list, error: BaseException | None) -> None:
+        """In the MAC thread: hand the finished frame back to the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._sealed, job, error)
+        except RuntimeError:  # the loop is closed: its connections are gone
+            pass
+
+    def _sealed(self, job: list, error: BaseException | None) -> None:
+        """A big frame's MAC is done (in the loop): its trailer goes out, its ``on_sent`` waits for
+        the drain as any frame's, and the frames sent meanwhile follow in order."""
+        self._mac_job = None
+        more, on_sent = job
+        t = self.transport
+        if error is not None:
+            logging.getLogger(__name__).error("transport: a frame's MAC failed (%s); closing the connection", error)
+            if t is not None:
+                t.abort()
+        elif not more and not (self.closed or t is None or t.is_closing()):
+            t.writelines([self.sealer.trailer()])
+        if on_sent is not None:
+            self._after_drain(on_sent)
+        backlog, self._backlog = self._backlog, []
+        for frame in backlog:  # one that starts another MAC queues the rest behind it again
+            self.send(*frame)
 
     @property
     def replies_unsent(self) -> int:
-        """Frames written whose ``on_sent`` waits for the transport to drain."""
-        return len(self._unsent)
+        """Frames written (or waiting for a frame's MAC before them) whose ``on_sent`` waits for
+        the transport to drain."""
+        return len(self._unsent) + (self._mac_job is not None) + len(self._backlog)
 
     def pause_writing(self) -> None:
         pass

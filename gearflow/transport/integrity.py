@@ -18,13 +18,28 @@ both nonces of the handshake, one per direction, so a recorded frame of one conn
 direction verifies nowhere else.
 
 Both run in OpenSSL's libcrypto (the one Python's ``ssl`` module links), through its
-``EVP_MAC`` / ``EVP_CIPHER`` APIs (OpenSSL ≥ 3): Poly1305 (AVX-512 where the CPU has it) at
-12.8 GB/s on one core here against 8.8 GB/s for AES-128-GMAC (the MAC this module used first:
-the MAC is one pass over the bytes on each side, the whole cost of integrity), 1.1 GB/s for
-HMAC-SHA256 and 0.9 GB/s for keyed ``hashlib.blake2b`` (14 MiB, this machine, loaded). A
-one-time key is never used twice: each direction of each connection has its own session key
-and counts its own frames, and a frame MACed again (a torn frame's reseal, below) finalises
-one tag only.
+``EVP_MAC`` / ``EVP_CIPHER`` APIs (OpenSSL ≥ 3). Chosen by measurement (14.5 MB, one core,
+AVX-512 with IFMA): Poly1305 11.8–12.6 GB/s, AES-128-GMAC 8.0 (the MAC this module used first),
+keyed BLAKE3 (the ``blake3`` package, parallel by construction) 4.6 on one thread and no faster
+on two of a loaded 2-core box, HMAC-SHA256 1.1, keyed ``hashlib.blake2b`` 0.9. The MAC is one
+pass over the bytes on each side, the whole cost of integrity: a tree MAC buys nothing a
+pipelined Poly1305 does not, and costs more CPU per byte. A one-time key is never used twice:
+each direction of each connection has its own session key and counts its own frames, and a
+frame MACed again (a torn frame's reseal, below) finalises one tag only.
+
+Off the critical path (MAC threads). A frame of at least :data:`MAC_THREAD_BYTES` (1 MiB) is
+MACed in a MAC thread (:func:`mac_pool`, 2–4 per process) while the thread that moves its bytes
+moves them: the sender hands the whole frame to the socket at once and the MAC thread reads the
+same bytes meanwhile (both only read them; the sender's frame, its trailer and every later frame
+on that connection are written in order: a frame sent while a MAC runs waits behind its trailer),
+then writes the trailer; the receiver's loop reads the frame's buffer block straight into place
+and a MAC thread follows it, woken once :data:`FEED_BYTES` have landed, taking everything that
+has landed in one call each time; at the block's end the loop waits for it (the tail of the last
+piece), then checks the trailer before the frame is delivered. The MAC input, the key and the
+check are exactly those of a frame MACed inline (smaller frames are): what changes is which
+thread computes it, and when. The sender's span list (~520 rows of a sample reply) goes to
+libcrypto in one call with the GIL released (``_mac.c``, built by setup.py; a ctypes call per
+span where it is not built).
 
 Rows marked torn (the one exception to "every byte"). A shard sends a sample reply's wide
 rows straight out of its shared-memory segment (:mod:`gearflow.transport.server.wire`), where a
@@ -48,12 +63,13 @@ marked item by a fresh draw (:meth:`~gearflow.transport.learner.RemoteSampler._m
 can change those bytes, not what the learner trains on, and cannot set or clear a mark.
 
 Why the sender's tag is true of the bytes sent (the seqlock argument). The shard draws the items
-(time d), MACs the frame's bytes straight from the segment as it hands them to the socket (the
-MAC reads a row just before the kernel copies it: cache-warm), and once everything before the
-marks has left the process it marks every item a writer may have overwritten since d (the
-table's seqlock rule, :meth:`~gearflow.replay.table.Table.overwritten`, which counts a write as
-soon as it is *reserved*). An item left unmarked was not written between d and that check, so
-its rows were the same bytes when the MAC read them and when the kernel copied them. If some item
+(time d), hands the frame's bytes straight from the segment to the socket while a MAC thread
+reads the same bytes there (or MACs them inline, for a small frame), and once everything before
+the marks has left the process *and* the MAC has read every byte, it marks every item a writer
+may have overwritten since d (the table's seqlock rule,
+:meth:`~gearflow.replay.table.Table.overwritten`, which counts a write as soon as it is
+*reserved*). An item left unmarked was not written between d and that check, so its rows were
+the same bytes when the MAC read them and when the kernel copied them, whichever read first. If some item
 is marked, the shard MACs the frame again without the marked rows and checks again after that
 pass; an item newly marked meanwhile means another pass (at most :data:`RESEAL_PASSES`, then every
 item is marked: the frame then MACs only bytes that never change, the gathered columns). Only the
@@ -65,21 +81,32 @@ last pass's tag is finalised and sent: one tag per one-time key.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import hashlib
 import hmac
+import os
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
 from gearflow.errors import MissingDependencyError
 from gearflow.transport.framing import FrameError
-from gearflow.transport.torn_marks import marks_of, masked_frame  # the MAC rule of torn rows (also integrity.masked_frame)
 
-__all__ = ["RESEAL_PASSES", "TAG_BYTES", "TRAILER", "IntegrityError", "Opener", "Sealer", "available", "hkdf",
-           "marks_of", "masked_frame", "require", "session_keys"]  # fmt: skip
+# the MAC rule of torn rows (also integrity.masked_frame)
+from gearflow.transport.torn_marks import marks_of, masked_frame
+
+try:  # the spans of a frame in one call without the GIL (setup.py builds it; else a ctypes call per span)
+    from gearflow.transport import _mac as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+__all__ = ["MAC_THREAD_BYTES", "RESEAL_PASSES", "TAG_BYTES", "TRAILER", "BlockMac", "IntegrityError", "Opener",
+           "Sealer", "available", "hkdf", "mac_pool", "marks_of", "masked_frame", "require", "session_keys"]  # fmt: skip
+
 
 TRAILER = struct.Struct("<Q16s")  # sequence number, tag
 TAG_BYTES = 16
@@ -87,6 +114,9 @@ ALGORITHM = "poly1305, chacha20 one-time keys (rfc 8439)"
 KEY_BYTES = 32
 _ZERO_KEY = bytes(32)
 RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
+MAC_THREAD_BYTES = 1 << 20  # frames with at least this many buffer bytes are MACed in a MAC thread, beside the socket
+FEED_BYTES = 256 << 10  # the receiving MAC thread is woken once this much has landed unMACed (or at the frame's end)
+PIECE_BYTES = 1 << 20  # a receiver with a MAC thread reads a big block at most this much per recv: the thread follows
 
 
 class IntegrityError(FrameError):
@@ -135,6 +165,7 @@ def _load():
             lib.EVP_MAC_CTX_free.restype = None
             lib.EVP_MAC_init.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p]
             lib.EVP_MAC_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            lib.EVP_MAC_update.restype = ctypes.c_int
             lib.EVP_MAC_final.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
             lib.EVP_CIPHER_fetch.restype = ctypes.c_void_p
             lib.EVP_CIPHER_fetch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
@@ -171,6 +202,9 @@ def require():
     return lib
 
 
+_UPDATE_ADDRESS = 0  # EVP_MAC_update's address, for _mac.update_spans
+
+
 def _address(part) -> tuple[int, int]:
     """(address, nbytes) of a bytes-like part (bytes, memoryview, numpy array), without a copy."""
     a = part if type(part) is np.ndarray and part.flags.c_contiguous else np.frombuffer(part, dtype=np.uint8)
@@ -196,6 +230,12 @@ class _Mac:
         self._out = ctypes.create_string_buffer(TAG_BYTES)
         self._outlen = ctypes.c_size_t()
         self.seq = 0
+        self.thread_bytes = MAC_THREAD_BYTES  # frames this big are MACed in a MAC thread (seal_async, block_mac)
+        self.piece_bytes = PIECE_BYTES  # a receiver's recv size while its MAC thread follows a block
+        self._block_mac: BlockMac | None = None
+        global _UPDATE_ADDRESS
+        if not _UPDATE_ADDRESS:
+            _UPDATE_ADDRESS = ctypes.cast(lib.EVP_MAC_update, ctypes.c_void_p).value
 
     def begin(self) -> int:
         """Start the MAC of the next frame; returns its sequence number."""
@@ -228,14 +268,17 @@ class _Mac:
     def update_spans(self, spans: list) -> None:
         """:meth:`update` with each of ``spans``: an ``(address, nbytes)`` pair (memory the caller
         keeps alive: a segment row's address, computed without a Python object per row) or a
-        bytes-like part."""
+        bytes-like part. One call into C for them all, the GIL released throughout (``_mac.c``),
+        where it is built; else a ctypes call per span."""
+        if _native is not None:
+            _native.update_spans(_UPDATE_ADDRESS, self._ctx, spans)
+            return
         upd, ctx = self._lib.EVP_MAC_update, self._ctx
         for s in spans:
-            if type(s) is tuple:
-                if s[1]:
-                    upd(ctx, s[0], s[1])
-            else:
-                self.update(s)
+            if type(s) is not tuple:
+                s = (s, len(s)) if isinstance(s, bytes) else _address(s)
+            if s[1]:
+                upd(ctx, s[0], s[1])
 
     def final(self) -> bytes:
         if self._lib.EVP_MAC_final(self._ctx, self._out, ctypes.byref(self._outlen), TAG_BYTES) != 1:
@@ -254,22 +297,46 @@ class _Mac:
 class Sealer(_Mac):
     """The sending direction: :meth:`seal` appends the trailer of a whole frame's parts;
     :meth:`begin` / :meth:`update` / :meth:`trailer` do one frame sent in pieces (a reply with a
-    tail). Frames must be sealed in the order they go on the wire."""
+    tail); :meth:`seal_async` MACs a big frame's parts in a MAC thread while the caller writes
+    them. Frames must be sealed in the order they go on the wire."""
 
     def seal(self, parts: list) -> list:
         self.begin()
-        for p in parts:
-            self.update(p)
+        self.update_spans(parts)
         parts.append(self.trailer())
         return parts
+
+    def seal_async(self, spans: list, done: Callable[[BaseException | None], None]) -> None:
+        """MAC ``spans`` into the frame begun in a MAC thread (:func:`mac_pool`); ``done(error)``
+        is called there once they are all read (``error``: None, or what the MAC raised). Until
+        then nothing else may use this sealer, and the spans' bytes must stay as they are."""
+
+        def job() -> None:
+            err = None
+            try:
+                self.update_spans(spans)
+            except BaseException as exc:  # noqa: BLE001 - handed to done(): the caller closes its connection
+                err = exc
+            done(err)
+
+        mac_pool().submit(job)
 
     def trailer(self) -> bytes:
         return TRAILER.pack(self.seq - 1, self.final())
 
 
 class Opener(_Mac):
-    """The receiving direction: :meth:`begin` at a frame's header, :meth:`update` with its bytes,
+    """The receiving direction: :meth:`begin` at a frame's header, :meth:`update` with its bytes
+    (or, for a big buffer block, :meth:`block_mac`: a MAC thread follows the block as it lands),
     :meth:`check` with its trailer (raises :class:`IntegrityError`)."""
+
+    def block_mac(self, block: np.ndarray) -> BlockMac:
+        """This direction's :class:`BlockMac`, started on ``block`` (the frame's buffer block,
+        after its header and envelope went through :meth:`update`)."""
+        if self._block_mac is None:
+            self._block_mac = BlockMac(self)
+        self._block_mac.start(block)
+        return self._block_mac
 
     def check(self, trailer) -> None:
         seq, tag = TRAILER.unpack(bytes(trailer))
@@ -278,3 +345,100 @@ class Opener(_Mac):
             raise IntegrityError(f"frame sequence number {seq}, expected {want}: a replayed, reordered or dropped frame")
         if not hmac.compare_digest(tag, self.final()):
             raise IntegrityError(f"frame {seq} failed its MAC check: altered or injected on the way")
+
+
+# ----------------------------------------------------------------- MAC threads
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def mac_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's MAC threads (2 to 4, by cores): a big frame's MAC runs there while the
+    thread that moves its bytes moves them. A job never waits for bytes (a receiving job ends
+    when it has caught up), so a few threads serve every connection."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1)),
+                                                              thread_name_prefix="gearflow-mac")  # fmt: skip
+    return _pool
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+class BlockMac:
+    """The receiving side's MAC of one frame's buffer block in a MAC thread, following the bytes
+    as they land (the loop thread goes on receiving meanwhile): :meth:`landed` with how many of
+    the block's bytes are in (the thread is woken once ``FEED_BYTES`` wait unMACed, and MACs
+    everything that has landed in one call each time), :meth:`finish` at the block's end: waits
+    until every byte is MACed (then the opener's context is the caller's again). The bytes up to
+    ``landed`` must not change until then. ``Opener.block_mac(block)`` makes and starts one.
+
+        bm = opener.block_mac(block)          # the header and envelope are MACed already
+        bm.landed(filled)                     # each time bytes land
+        bm.finish(); opener.check(trailer)
+    """
+
+    def __init__(self, mac: _Mac):
+        self._mac = mac
+        self._cv = threading.Condition(threading.Lock())
+        self._block: np.ndarray | None = None
+        self._base = 0
+        self._lo = self._hi = 0  # [0, _lo) MACed; [_lo, _hi) landed, not MACed yet
+        self._busy = False  # a job is queued or running
+        self._error: BaseException | None = None
+
+    def start(self, block: np.ndarray) -> None:
+        self._block, self._base = block, block.__array_interface__["data"][0]
+        self._lo = self._hi = 0
+        self._error = None
+
+    def landed(self, hi: int, final: bool = False) -> None:
+        with self._cv:
+            self._hi = hi
+            if self._busy or hi <= self._lo or (hi - self._lo < FEED_BYTES and not final):
+                return
+            self._busy = True
+        mac_pool().submit(self._run)
+
+    def _run(self) -> None:
+        block, lo = self._block, self._lo  # the block stays alive while it is read
+        try:
+            while True:
+                with self._cv:
+                    hi = self._hi
+                    if hi <= lo:  # caught up: the next landed() wakes a new job
+                        self._lo, self._busy = lo, False
+                        self._cv.notify_all()
+                        return
+                self._update(block, lo, hi)
+                lo = hi
+        except BaseException as exc:  # noqa: BLE001 - raised by finish() in the receiving thread
+            with self._cv:
+                self._error, self._lo, self._busy = exc, lo, False
+                self._cv.notify_all()
+
+    def _update(self, block: np.ndarray, lo: int, hi: int) -> None:
+        if self._mac._lib.EVP_MAC_update(self._mac._ctx, self._base + lo, hi - lo) != 1:
+            raise IntegrityError("EVP_MAC_update failed")
+
+    def finish(self) -> None:
+        """Wait until the whole block is MACed; raises :class:`IntegrityError` if the MAC failed."""
+        nbytes = self._block.nbytes
+        self.landed(nbytes, final=True)
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            err, lo = self._error, self._lo
+        self._block = None
+        if err is not None:
+            raise IntegrityError(f"the frame's MAC failed in its MAC thread: {err}") from err
+        if lo != nbytes:  # pragma: no cover - a bug, never a peer's doing
+            raise IntegrityError(f"the MAC thread covered {lo} of the block's {nbytes} bytes")

@@ -99,7 +99,9 @@ class Handler:
 class Connection:
     """One authenticated client, as a ``with_connection`` handler sees it: ``id``, ``peer``,
     ``role`` (``"learner"`` or ``"actor"``: the secret it proved at the handshake),
-    ``actor_name`` (its actor credential's name; ``""`` for a learner), ``state`` (a dict for the
+    ``actor_name`` (its actor credential's name; ``""`` for a learner), ``peer_limits`` (the
+    :class:`FrameLimits` the client accepts: every reply is kept within them, a handler whose
+    reply can grow pages it to fit), ``state`` (a dict for the
     handlers' own per-connection data), ``closed``, and :meth:`on_close` (called once, in the
     loop thread, when the connection ends)."""
 
@@ -108,6 +110,7 @@ class Connection:
     def __init__(self, peer: str):
         self.id, self.peer = next(self._ids), peer
         self.role, self.actor_name = "", ""  # set by the handshake, before any handler runs
+        self.peer_limits = FrameLimits()  # what the client accepts in a frame (announced at the handshake)
         self.state: dict[str, Any] = {}
         self.closed = False
         self._on_close: list[Callable[[], None]] = []
@@ -208,8 +211,12 @@ class _ServerProtocol(FramedProtocol):
         svc = self.service
         cn, mac, role, name, wants = (meta.get(k) for k in ("nonce", "mac", "role", "name", "integrity"))
         secret = auth.role_secret(svc._secret, role, name) if isinstance(wants, bool) else None
-        script = auth.transcript(self.nonce, cn, role, name, wants) if secret is not None and auth.valid_nonce(cn) else b""
+        limits, bad = _peer_limits(meta.get("limits"))
+        script = (auth.transcript(self.nonce, cn, role, name, wants, meta.get("limits"))
+                  if secret is not None and auth.valid_nonce(cn) and not bad else b"")  # fmt: skip
         if not script or not auth.check(auth.client_mac(secret, script), mac):
+            if bad:
+                return self._refuse_auth("FrameError", bad, bad)
             return self._refuse_auth("AuthenticationError", "authentication failed",
                                      "authentication failed (wrong secret, unknown role or replayed handshake)")
         if wants != svc.integrity:
@@ -222,7 +229,7 @@ class _ServerProtocol(FramedProtocol):
             return
         self.authed = True
         self.timer.cancel()
-        self.conn.role, self.conn.actor_name = role, name
+        self.conn.role, self.conn.actor_name, self.conn.peer_limits = role, name, limits
         self.reader.kinds = frozenset({REQUEST})
         self.reader.limits = svc.limits.frame
         self.send(encode(AUTH_OK, 0, "", {"mac": auth.server_mac(secret, script)}))
@@ -284,7 +291,12 @@ class _ServerProtocol(FramedProtocol):
                 else:
                     meta_out, bufs = result
                 spans = [] if self.sealer is not None else None
-                parts = encode(REPLY, rid, op, meta_out, bufs, spans=spans)
+                try:  # within what the client accepts: an oversized reply is an error reply, not a dropped connection
+                    parts = encode(REPLY, rid, op, meta_out, bufs, self.conn.peer_limits, spans=spans)
+                except FrameError as exc:
+                    svc.counts["oversized"] += 1
+                    raise FrameError(f"the reply to {op[:128]} breaks the limits this client accepts ({exc}); "
+                                     "nothing was sent") from None  # fmt: skip
                 svc.counts["requests"] += 1
             except asyncio.CancelledError:
                 raise
@@ -296,8 +308,9 @@ class _ServerProtocol(FramedProtocol):
                 name = type(exc).__name__
                 message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
                 log.debug("transport: %s from %s failed: %s: %s", op, self.conn.peer, name, message)
-                spans = None
-                parts = encode(ERROR, rid, op, {"type": name, "message": str(message)[:4000]})
+                spans = None  # (a message is cut to fit the client's envelope limit: JSON escapes take ≤ 6 B a char)
+                cut = min(4000, (self.conn.peer_limits.max_meta_bytes - 1024) // 6)
+                parts = encode(ERROR, rid, op, {"type": name, "message": str(message)[:cut]})
                 svc.counts["errors"] += 1
             finally:
                 del arrays
@@ -354,6 +367,26 @@ class _ServerProtocol(FramedProtocol):
                 return self.frame_error(exc)
             if not self.reader.hold:
                 self.transport.resume_reading()
+
+
+MIN_PEER_META_BYTES = 8 << 10  # a client must accept envelopes this big (an error reply's message is cut to fit)
+
+
+def _peer_limits(announced) -> tuple[FrameLimits, str]:
+    """The frame limits a client announced at the handshake (``[max_frame_bytes, max_meta_bytes,
+    max_buffers, max_dims]``; None: the defaults), or the defaults and why they are refused."""
+    if announced is None:
+        return FrameLimits(), ""
+    names = ("max_frame_bytes", "max_meta_bytes", "max_buffers", "max_dims")
+    if not (isinstance(announced, list) and len(announced) == 4 and all(type(n) is int for n in announced)):
+        return FrameLimits(), f"the client's frame limits must be 4 ints ({', '.join(names)}), got {str(announced)[:80]}"
+    if announced[1] < MIN_PEER_META_BYTES or announced[2] < 4 or announced[3] < 1:
+        return FrameLimits(), (f"the client's frame limits {announced} are too small to answer it (max_meta_bytes ≥ "
+                               f"{MIN_PEER_META_BYTES}, max_buffers ≥ 4, max_dims ≥ 1)")  # fmt: skip
+    try:
+        return FrameLimits(*announced), ""
+    except ValueError as exc:
+        return FrameLimits(), f"the client's frame limits are invalid: {exc}"
 
 
 def _mismatch(ours: bool, theirs: bool, us: str, them: str) -> str:
@@ -569,6 +602,7 @@ class Service:
             "transport/refused": self.counts["refused"],
             "transport/auth_refused": self.counts["auth_refused"],
             "transport/forbidden": self.counts["forbidden"],
+            "transport/replies_oversized": self.counts["oversized"],
             "transport/buffer_bytes": self.buffer_bytes(),
             "transport/in_flight": sum(p.in_flight for p in list(self._protocols)),
             "transport/paused": sum(1 for p in list(self._protocols) if p.reader.hold and not p.closed),

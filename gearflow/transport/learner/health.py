@@ -1,19 +1,33 @@
-"""Which shard nodes answer: a dead host is marked down after one timeout, not waited on again.
+"""Which shard nodes answer: a dead host is marked down once, within one node timeout.
 
 A host that dies whole (power, kernel, a partitioned network) sends no RST: every call to it
 waits its full timeout. The learner's pieces over shard nodes (the sampler, the weights' push,
-the progress poll, the run's end) share one :class:`NodeHealth`: the first of them whose call
-times out (or whose connection is refused or lost) marks the node down; from then on none of
-them sends it anything — the sampler's split leaves it out, its priority updates are dropped,
-``run.progress``, ``params.push`` and ``run.stop`` skip it — and their connections to it are
-dropped (their unanswered calls fail at once). A background thread re-probes each down node
-(a fresh connection and ``replay.total`` every ``probe_every_s``, each bounded by
-``probe_timeout_s``) and re-admits it the moment it answers (a node restarted on its address,
-a host back from a pause)::
+the progress poll, the run's end) share one :class:`NodeHealth`, and so do their deadlines:
 
-    health = NodeHealth(addresses, token, probe_timeout_s=5.0)
+* **heartbeats** — a thread per node sends ``ping`` (answered on the node's loop, never queued
+  behind a sample the rate limiter holds) every ``timeout_s / 4`` on a connection of its own; a
+  node that has answered nothing for ``timeout_s`` is marked down, whatever the learner's calls
+  are waiting for (a sample may legitimately wait ``replay.timeout_s`` on the node's rate
+  limiter: its own deadline would be two timeouts, this one is one);
+* **calls** — a call that times out (``timeout_s``), or whose connection is refused or lost,
+  marks the node down at once.
+
+Whichever notices first marks it down, once; from then on none of them sends it anything — the
+sampler's split leaves it out, its priority updates are dropped, ``run.progress``,
+``params.push`` and ``run.stop`` skip it, a call to it fails at once (``check_up``) instead of
+reconnecting to a silent host — and their connections to it are dropped (their unanswered calls
+fail at once). A background thread re-probes each down node (a fresh connection and
+``replay.total`` every ``probe_every_s``, each bounded by ``probe_timeout_s``) and re-admits it
+the moment it answers (a node restarted on its address, a host back from a pause); its
+heartbeats resume then.
+
+The heartbeats also measure what the default timeout rests on: each node's slowest reply
+(``rtt_max_s``, logged at :meth:`close`)::
+
+    health = NodeHealth(addresses, token, timeout_s=15.0)
     health.on_change(sampler.node_changed)      # called (index, up) from the marking thread
-    if not health.is_down(i): ...               # send to node i
+    health.start_heartbeats()
+    health.check_up(i)                          # raises ServiceUnavailable if node i is down
     health.mark_down(i, exc)                    # a call to node i timed out / was refused
     health.lost()                               # nodes down now: {address: why}
     health.close()
@@ -37,22 +51,39 @@ class NodeHealth:
     """Up/down state of the shard nodes ``addresses`` (index = position), shared by the learner's
     sampler, publisher and poll (see the module docstring)."""
 
-    def __init__(self, addresses: Sequence[str], token: str | None, *, probe_every_s: float = 1.0,
-                 probe_timeout_s: float = 5.0, loop: str = "auto"):  # fmt: skip
+    def __init__(self, addresses: Sequence[str], token: str | None, *, timeout_s: float = 15.0,
+                 probe_every_s: float = 1.0, probe_timeout_s: float | None = None, loop: str = "auto"):  # fmt: skip
         self.addresses = [str(a) for a in addresses]
         self.token, self.loop = token, loop
-        self.probe_every_s, self.probe_timeout_s = float(probe_every_s), float(probe_timeout_s)
+        self.timeout_s = float(timeout_s)  # silence (heartbeats) or a call's wait that marks a node down
+        self.heartbeat_every_s = self.timeout_s / 4
+        self.probe_every_s = float(probe_every_s)
+        self.probe_timeout_s = float(min(5.0, self.timeout_s) if probe_timeout_s is None else probe_timeout_s)
         self._lock = threading.Lock()
         self._down: dict[int, tuple[float, str]] = {}  # index -> (wall-clock time marked down, why)
         self.downs = [0] * len(self.addresses)  # times each node was marked down
+        self.beats = [0] * len(self.addresses)  # heartbeat replies from each node
+        self.rtt_max_s = [0.0] * len(self.addresses)  # each node's slowest heartbeat reply
         self._listeners: list[Callable[[int, bool], None]] = []
         self._wake = threading.Event()
+        self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._beaters: list[threading.Thread] = []
+        self._beat_clients: list = []  # the heartbeats' connections (close() drops them: no ping outlives it)
 
     # ----------------------------------------------------------------- state
     def is_down(self, i: int) -> bool:
         return i in self._down
+
+    def check_up(self, i: int) -> None:
+        """Raise :class:`~gearflow.transport.client.ServiceUnavailable` if node ``i`` is marked
+        down: a call to it fails now, instead of reconnecting to a host that does not answer."""
+        down = self._down.get(i)
+        if down is not None:
+            from gearflow.transport.client import ServiceUnavailable
+
+            raise ServiceUnavailable(f"shard node {self.addresses[i]} is marked down ({down[1]})")
 
     def live(self) -> list[int]:
         return [i for i in range(len(self.addresses)) if i not in self._down]
@@ -99,6 +130,52 @@ class NodeHealth:
             except Exception as exc:  # noqa: BLE001 - one listener's error must not stop the others
                 log.debug("node health listener: %s", exc)
 
+    # ----------------------------------------------------------------- heartbeats
+    def start_heartbeats(self) -> None:
+        """A heartbeat thread per node (once): from now on a node silent ``timeout_s`` is marked down."""
+        with self._lock:
+            if self._beaters or self._closed:
+                return
+            for i in range(len(self.addresses)):
+                t = threading.Thread(target=self._beat, args=(i,), name=f"gearflow-heartbeat-{i}", daemon=True)
+                t.start()
+                self._beaters.append(t)
+
+    def _beat(self, i: int) -> None:
+        """Node ``i``'s heartbeats: ``ping`` every ``heartbeat_every_s``, each waited for until
+        ``timeout_s`` after the last reply; past that the node is marked down."""
+        from gearflow.transport.client import Client, RequestTimeout, ServiceUnavailable
+
+        client = Client(self.addresses[i], self.token, timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s,
+                        loop=self.loop)  # fmt: skip
+        self._beat_clients.append(client)
+        heard = time.monotonic()  # the last reply (or when watching began)
+        try:
+            while not self._stop.is_set():
+                if i in self._down:  # the probe re-admits it; the heartbeats start afresh then
+                    client.drop()
+                    self._stop.wait(self.probe_every_s)
+                    heard = time.monotonic()
+                    continue
+                sent = time.monotonic()
+                try:
+                    client.call("ping", timeout_s=max(0.05, heard + self.timeout_s - sent))
+                except (RequestTimeout, ServiceUnavailable) as exc:
+                    if self._stop.is_set():
+                        return
+                    silent = time.monotonic() - heard
+                    if isinstance(exc, ServiceUnavailable) or silent >= self.timeout_s:
+                        self.mark_down(i, f"no heartbeat reply from {self.addresses[i]} in {silent:.1f} s"
+                                          if silent >= self.timeout_s else str(exc))  # fmt: skip
+                    continue
+                now = time.monotonic()
+                heard = now
+                self.beats[i] += 1
+                self.rtt_max_s[i] = max(self.rtt_max_s[i], now - sent)
+                self._stop.wait(max(0.0, sent + self.heartbeat_every_s - now))
+        finally:
+            client.close()
+
     # ----------------------------------------------------------------- probing
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -134,6 +211,15 @@ class NodeHealth:
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.probe_timeout_s + 2)
+        for c in list(self._beat_clients):
+            c.drop()  # a ping waiting for its reply fails now
+        for t in self._beaters:
+            t.join(timeout=self.timeout_s + 2)
+        if self._beaters:
+            log.info("shard node heartbeats (every %.1f s; a node silent %.1f s is marked down): %s", self.heartbeat_every_s,
+                     self.timeout_s, ", ".join(f"{a} {n} replies, slowest {r * 1e3:.0f} ms" for a, n, r
+                                               in zip(self.addresses, self.beats, self.rtt_max_s)))  # fmt: skip

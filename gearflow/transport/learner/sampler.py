@@ -192,6 +192,8 @@ class RemoteSampler:
     def _submit(self, i: int, op: str, meta: dict | None = None, bufs: Sequence[Any] = (), timeout_s: float | None = None):
         """Send a request to shard ``i``; returns ``(tag, future)``: the tags of one shard's requests
         rise in the order the shard handles them (one connection: in order)."""
+        if self.health is not None:  # a node marked down: fail now, not after reconnecting to a silent host
+            self.health.check_up(i)
         with self._tags:  # stats() may come from another thread than sample() (the learner's metrics)
             fut = self._clients[i].submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
             self._sent[i] += 1
@@ -256,15 +258,15 @@ class RemoteSampler:
         lets it go (``wait=False``: None when it does not now), each request carrying its shard's
         insert limit (``pace``)."""
         n = len(self._clients)
-        live = self._live()
-        if not live:
-            raise ServiceUnavailable(f"every shard node is down ({', '.join(c.address_text for c in self._clients)})")
         # every update sent before this round: its reply (and the totals it left) before the split
         self._updates.collect(block=n > 1, read=self._read_update)
         if self._stale and n > 1:
             self._refresh_totals()
         if not self._pace_wait(batch_size, timeout_s, wait):
             return None
+        live = self._live()  # after those waits: a node marked down meanwhile is not asked
+        if not live:
+            raise ServiceUnavailable(f"every shard node is down ({', '.join(c.address_text for c in self._clients)})")
         if n == 1:
             q, split = np.ones(1), [batch_size]
         else:

@@ -16,9 +16,9 @@ table, parameter store and launcher would go::
   reads the rows with one-sided RDMA READs.
 * ``params`` — :class:`PushedParams`: ``publish`` sends the weights to every node
   (``params.push``), whose actors load them from the node's parameter store.
-* ``poll`` — ``run.progress`` of each node (at most every 0.25 s): episodes and counters, with the
-  actor's index in the run, folded into the learner's :class:`~gearflow.learner.Progress`; the
-  run's env steps are the sum of the nodes'.
+* ``poll`` — ``run.progress`` of each node (at most every 0.25 s; a node that says ``more``, a page
+  of its backlog, at once): episodes and counters, with the actor's index in the run, folded into
+  the learner's :class:`~gearflow.learner.Progress`; the run's env steps are the sum of the nodes'.
 * ``health`` — a :class:`~gearflow.transport.learner.health.NodeHealth` the four share: a node
   whose call times out (``transport.node_timeout_s``) or is refused is marked down at once for
   all of them (nothing waits on it again), re-probed in the background and re-admitted when it
@@ -49,6 +49,7 @@ log = logging.getLogger("gearflow.runner")
 __all__ = ["PushedParams", "RemoteShards", "ShardsUnavailable", "TolerantSampler"]
 
 POLL_S = 0.25
+NODE_TIMEOUT_S = 15.0  # transport.node_timeout_s's default (and what 0 means): gearflow/config.py says why
 
 
 class ShardsUnavailable(GearflowError, TimeoutError):
@@ -185,13 +186,13 @@ class RemoteShards:
             token = resolve_token(config_token(t)).decode()
         except ValueError as exc:
             raise ConfigError(f"transport.shards: {exc}") from None
-        # a node's reply: how long before it is marked down (transport.node_timeout_s; 0: as before)
-        self.timeout_s = float(t.get("node_timeout_s", 0) or 0) or max(30.0, float(cfg.replay.timeout_s))
+        # a node's silence, or a call's wait, before it is marked down (transport.node_timeout_s; 0: the default)
+        self.timeout_s = float(t.get("node_timeout_s", 0) or 0) or NODE_TIMEOUT_S
         self.choice = choose_transport(str(t.kind))
         self.publisher = publisher
         self.clients: list = []
         self.sampler = None
-        self.health = NodeHealth(self.addresses, token, probe_timeout_s=min(5.0, self.timeout_s), loop=str(t.loop))
+        self.health = NodeHealth(self.addresses, token, timeout_s=self.timeout_s, loop=str(t.loop))
         try:
             self.clients = [Client(a, token, timeout_s=self.timeout_s, loop=str(t.loop)) for a in self.addresses]
             for c in self.clients:  # one clear line for an unreachable node, before anything else
@@ -223,6 +224,7 @@ class RemoteShards:
             raise
         self.params = PushedParams(self.clients, self.timeout_s, self.health)
         self.health.on_change(lambda i, up: None if up else self.clients[i].drop())
+        self.health.start_heartbeats()
         self.sampler = TolerantSampler(self.sampler, patience_s=max(120.0, 4 * float(cfg.replay.timeout_s)),
                                        health=self.health)  # fmt: skip
         n = len(self.clients)
@@ -275,6 +277,8 @@ class RemoteShards:
             if meta.get("lost"):
                 log.warning("shard node %s: %d reports dropped before this learner read them", c.address_text, meta["lost"])
             self._cursors[i] = int(meta["cursor"])
+            if meta.get("more"):  # a page of a backlog (a learner started late): the next one at once
+                self._next_poll = 0.0
             self._steps[i] = int(meta["env_steps"])
             if not self.publisher:  # another learner publishes: the nodes know the latest version
                 self.params.version = max(self.params.version, int(meta.get("weights_version", 0)))

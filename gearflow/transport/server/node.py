@@ -13,6 +13,9 @@ handlers over the exported segment; TCP: none), the remote actors'
 * ``run.progress`` — what the node's actors reported since ``cursor`` (``relay.since``: episodes,
   counters, errors, with the actor's index in the *run*), the node's env steps, and whether the
   node is stopping. A learner polls it; several learners (data-parallel) each keep their own cursor.
+  A reply is a page that fits the envelope the caller accepts (``Connection.peer_limits``: a node
+  whose actors ran unthrottled before any learner polled holds ~100,000 reports, 230 KB a 4,096
+  of them); ``"more": true`` says the next page is ready (the learner asks again at once).
 * ``run.stop`` — the run is over: ``on_stop(reason)`` (the node stops its actors and exits).
 
     server = NodeService(table, store, template, relay=relay, on_stop=node.stopped_by, ...)
@@ -21,6 +24,7 @@ handlers over the exported segment; TCP: none), the remote actors'
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -37,6 +41,20 @@ from gearflow.transport.service import ANY_ROLE
 log = logging.getLogger("gearflow.serve")
 
 __all__ = ["NodeService"]
+
+PAGE_SLACK = 1024  # bytes of a run.progress envelope left to its op name and buffer list
+
+
+def _json_len(x) -> int:
+    """Bytes of ``x`` in a frame's envelope (``framing.encode``'s JSON)."""
+    return len(json.dumps(x, separators=(",", ":"), allow_nan=False))
+
+
+def _cut(msg: dict, room: int) -> dict:
+    """A report alone too big for a page (a long error text): its strings cut to fit ``room``."""
+    limit = max(16, room // (6 * max(1, len(msg))))  # JSON escapes take ≤ 6 B a character
+    return {k: (v[:limit] + f" [cut: {len(v)} characters]" if isinstance(v, str) and len(v) > limit else v)
+            for k, v in msg.items()}  # fmt: skip
 
 
 class NodeService:
@@ -67,7 +85,7 @@ class NodeService:
         self.data_path = self.transport.serve(self.shard)  # beside TCP (rdma: one-sided READs, rdma.*), or None
         log.info("shard transport: %s (%s)", self.transport.transport, self.transport.reason)
         s.register(RPC.PARAMS_PUSH, self._params_push)  # the learners' (the default role)
-        s.register(RPC.RUN_PROGRESS, self._progress, inline=True, roles=ANY_ROLE)
+        s.register(RPC.RUN_PROGRESS, self._progress, inline=True, with_connection=True, roles=ANY_ROLE)
         s.register(RPC.RUN_STOP, self._stop, with_connection=True)
 
     @property
@@ -104,15 +122,31 @@ class NodeService:
         self.params.publish(state, version=version)
         return {"version": version, "applied": True}, []
 
-    def _progress(self, meta: dict, bufs):
+    def _progress(self, meta: dict, bufs, conn):
         cursor = meta.get("cursor", 0)
         if type(cursor) is not int or cursor < 0:
             raise ValueError(f"run.progress: cursor must be an int ≥ 0, got {cursor!r}")
         items, nxt, lost = self.relay.since(cursor)
-        return {"messages": items, "cursor": nxt, "lost": lost, "env_steps": self.env_steps(),
-                "actors": self.num_actors, "ladder_offset": self.ladder_offset,
-                "weights_version": self.params.latest_version(), "epoch": self.epoch,
-                "stopping": self.stop_event.is_set()}, []  # fmt: skip
+        reply = {"messages": [], "cursor": nxt, "lost": lost, "env_steps": self.env_steps(),
+                 "actors": self.num_actors, "ladder_offset": self.ladder_offset,
+                 "weights_version": self.params.latest_version(), "epoch": self.epoch,
+                 "stopping": self.stop_event.is_set(), "more": False}  # fmt: skip
+        # the page: as many reports as fit the caller's envelope (the reply's other fields and the
+        # envelope's own keys leave PAGE_SLACK); always one at least, cut if it alone does not fit
+        room = conn.peer_limits.max_meta_bytes - PAGE_SLACK - _json_len(reply)
+        page = []
+        for m in items:
+            n = _json_len(m) + 1
+            if n > room:
+                if not page:
+                    page.append(_cut(m, room))
+                break
+            page.append(m)
+            room -= n
+        if len(page) < len(items):
+            reply["cursor"], reply["more"] = nxt - (len(items) - len(page)), True
+        reply["messages"] = page
+        return reply, []
 
     def _stop(self, meta: dict, bufs, conn):
         reason = meta.get("reason")
