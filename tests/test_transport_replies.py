@@ -24,7 +24,7 @@ TOKEN = "replies-test-secret-0123"
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """A real shard node (``gearflow serve``'s ShardNode) in this process, its actors not started."""
-    from gearflow.launchers.serve import ShardNode
+    from gearflow.topology.shard_node import ShardNode
 
     monkeypatch.setenv("GEARFLOW_TOKEN", TOKEN)
     n = ShardNode(load_config(CONFIG, [*TINY, "actor.num_actors=1", f"run.dir={tmp_path / 'node'}"]))
