@@ -13,13 +13,12 @@ import re
 import signal
 
 from tests.helpers_hosts import gearflow_on, hosts_tests, serve_on
-from tests.test_node_pacing import MAX_STEPS, assert_caught_up
+from tests.test_node_pacing import MAX_STEPS, PACED, assert_caught_up
 
 pytestmark = hosts_tests
 
 PORT = 7000
-COMMON = ["replay.samples_per_insert=8", "replay.error_buffer=2000", "replay.timeout_s=15", "actor.ladder_total=2",
-          "run.log_every_s=0.5"]  # fmt: skip
+COMMON = [*PACED, "run.log_every_s=0.5"]
 STEPS = re.compile(r"shard \S+: (\d+) env steps")
 
 
@@ -40,8 +39,9 @@ def _kill_node(host, node) -> None:
 
 
 def test_a_restarted_node_on_its_own_host_catches_up_and_no_actor_dies(make_hosts, tmp_path):
-    """By the end the nodes' env steps are within 2× of each other over the run (less node 0's
-    steps while node 1 was down: the learner sampled it alone) and since the restart; no actor
+    """By the end neither node made less than half of the other's env steps over the run (node
+    0's less its steps while node 1 was down: the learner sampled it alone), node 1 at least half
+    of node 0's since the restart; no actor
     died of the rate limiter or paused on it; the learner reaches its step limit, rc 0."""
     hosts = make_hosts(3, subnet="10.231.4.0/24")
     nodes = [serve_on(hosts[i], tmp_path / f"n{i}", PORT, f"actor.ladder_offset={i}", *COMMON) for i in range(2)]

@@ -435,13 +435,16 @@ class _RecordingDevice:
     def close(self):
         pass
 
-    def update(self, slots, prios):
-        self.updates.append((np.asarray(slots).tolist(), np.asarray(prios).tolist()))
+    def update_keys(self, keys, prios):
+        self.updates.append((np.asarray(keys).tolist(), np.asarray(prios).tolist()))
+        return len(keys)
 
 
 def test_device_table_update_skips_keys_it_no_longer_holds(storage_factory):
-    """Mutant: the device table's update without its `held` filter (the device tests update
-    live keys only). An evicted key is skipped on the device path as on the CPU one."""
+    """Mutant: the device table's host-array update counting every key handed in. The keys go to
+    the device as they are (its mark_updates kernel skips evicted keys: test_native's
+    update_by_key case), and the count returned is of the keys the table still holds, as on the
+    CPU path."""
     st = storage_factory(SPEC, P=1, S=8, R=8)
     sel = make_selector("prioritized", 8, seed=0)
     dev = _RecordingDevice(st, sel)
@@ -454,7 +457,7 @@ def test_device_table_update_skips_keys_it_no_longer_holds(storage_factory):
     t.scan()
     assert t.size == 2
     assert t.update_priorities(np.array([0, 3, 1, 2]), np.array([5.0, 6.0, 7.0, 8.0])) == 2
-    assert dev.updates == [([3, 2], [6.0, 8.0])]
+    assert dev.updates == [([0, 3, 1, 2], [5.0, 6.0, 7.0, 8.0])]
     t.close()
 
 

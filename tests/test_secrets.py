@@ -97,6 +97,9 @@ def test_the_token_stays_out_of_ps_the_run_directory_and_the_wire(tmp_path):
     token_file.write_text(SECRET + "\n")
     token_file.chmod(0o600)
     run_dir = tmp_path / "run"
+    # the run's only actor is the remote one: the run cannot end before it joined (a local actor
+    # reached 6000 steps before the remote one's process had started, once the learner ran at ~600
+    # updates/s)
     # the learner's CONFIG file holds the secret (transport.token: what redaction must keep out of
     # the run directory and the run.join reply); the actor reads it from a 0600 file; the
     # environment has none
@@ -107,7 +110,8 @@ def test_the_token_stays_out_of_ps_the_run_directory_and_the_wire(tmp_path):
     config.chmod(0o600)
     log = tmp_path / "train.err"
     learner = subprocess.Popen([sys.executable, "-m", "gearflow", "train", str(config), *TINY, "run.progress=log",
-                                f"run.dir={run_dir}", "actor.remote_actors=1", "run.max_env_steps=6000"],
+                                f"run.dir={run_dir}", "actor.num_actors=1", "actor.remote_actors=1",
+                                "run.max_env_steps=6000"],
                                stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=_env())  # fmt: skip
     relay = None
     actor = None
