@@ -50,8 +50,11 @@
 #      vs pinned cudaMemcpy, aligned and unaligned rows, rows at several work-item sizes; the
 #      device sample and write-back at 10^6 and 10^7 vs the CPU selector's; Table(device="cuda")
 #      end to end, rows verified), into bench_cuda.jsonl.
-#   6. learner benchmark (40 s): gearflow bench learner --device cuda --json, into
-#      bench_learner.jsonl ("skipped: no learner bench" where the suite is not registered).
+#   6. learner benchmark (40 s): gearflow bench learner --device cuda --json --seconds 0.6
+#      --budget-s (the step's limit less 8 s: the do-nothing loop first, then pong_apex,
+#      halfcheetah_dpg, mat_2m, gato_80m, each an equal share of what is left; a config past its
+#      share is cut to one round and its eager form), into bench_learner.jsonl ("skipped: no
+#      learner bench" where the suite is not registered).
 #   7-10. the replay pairs (launch/e2e_check.py, learner on cuda, actors on the CPU, fp32, 5,000
 #      items before learning): pong_apex with replay.device=cpu then cuda; halfcheetah_dpg (12
 #      actors) the same; each stops after --steady-s of steady updates (a progress line every
@@ -133,7 +136,8 @@ step() {  # step NAME LIMIT COMMAND...: run under min(LIMIT, what the budget has
   echo "gpu_check: $name (limit ${limit}s, $((SECONDS - START))s elapsed)"
   printf '\n===== %s: %s (limit %ss, %s)\n' "$name" "$*" "$limit" "$(date -Is)" >>"$LOG"
   t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?  # SIGTERM: a run stops cleanly
+  # GPU_CHECK_STEP_S: the limit the step got (a step that budgets itself reads it)
+  GPU_CHECK_STEP_S=$limit timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?  # SIGTERM: a run stops cleanly
   local status=ok
   if [ "$rc" != 0 ]; then
     status=failed

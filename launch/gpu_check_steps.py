@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run from a checkout: gearflow need not be insta
 
 CUDA_TESTS = ["tests/test_native.py", "tests/test_device_replay.py"]
 PAIR_TARGETS = {"pong_apex": 1.2, "halfcheetah_dpg": 1.0}  # replay cuda / replay cpu, steady updates/s
+LEARNER_PHASE_S = 0.6  # gearflow bench learner --seconds in the GPU call: 3 rounds of 0.2 s per phase
 ALLOWED_SKIPS = ("needs 2 GPUs",)  # an H200 machine has one
 
 
@@ -200,7 +201,13 @@ def learner_bench(args) -> int:
         print("gpu_check: learner bench skipped: no learner bench (gearflow bench has no 'learner' suite)", flush=True)
         result(status="skipped", reason="no learner bench")
         return 0
-    cmd = [sys.executable, "-m", "gearflow", "bench", "learner", "--device", "cuda", "--json", *args.pytest_args]
+    # the bench budgets itself within the step's limit (GPU_CHECK_STEP_S, set by gpu_check.sh's
+    # step) less 8 s for two interpreters' start-up and torch's CUDA context: a config past its
+    # share is cut short, one not started in time skipped, the lines so far kept
+    limit = float(os.environ.get("GPU_CHECK_STEP_S", 0) or 0)
+    budget = ["--seconds", str(LEARNER_PHASE_S), "--budget-s", str(max(limit - 8, 1))] if limit else []
+    cmd = [sys.executable, "-m", "gearflow", "bench", "learner", "--device", "cuda", "--json", *budget,
+           *args.pytest_args]  # fmt: skip
     lines = 0
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT) as proc:
         out = open(args.out, "a", encoding="utf-8") if args.out else None  # noqa: SIM115 - closed below

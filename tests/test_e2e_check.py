@@ -82,6 +82,36 @@ def test_learner_bench_step_skips_cleanly_where_the_suite_is_not_registered(tmp_
     assert row["status"] == "skipped" and row["reason"] == "no learner bench" and not out.exists()
 
 
+def test_learner_bench_step_budgets_the_bench_within_its_limit(tmp_path, monkeypatch):
+    """gpu_check.sh's step hands its limit on (GPU_CHECK_STEP_S): the bench gets short phases and
+    a budget 8 s under it (a limit of 40 s: --budget-s 32), so a slow config is cut, not the step."""
+    import io
+    import subprocess
+
+    steps = _steps_module()
+    seen = []
+
+    class Proc:
+        def __init__(self, cmd, **_):
+            seen.append(cmd)
+            self.stdout, self.returncode = io.StringIO('{"bench": "learner"}\n'), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    monkeypatch.setenv("GPU_CHECK_STEP_S", "40")
+    assert steps.main(["learner-bench", "--jsonl", str(tmp_path / "r.jsonl")]) == 0
+    cmd = seen[0]
+    assert cmd[cmd.index("--budget-s") + 1] == "32.0" and cmd[cmd.index("--seconds") + 1] == str(steps.LEARNER_PHASE_S)
+    monkeypatch.delenv("GPU_CHECK_STEP_S")
+    steps.main(["learner-bench", "--jsonl", str(tmp_path / "r.jsonl")])
+    assert "--budget-s" not in seen[1]  # run by hand: the bench's own defaults
+
+
 def test_replay_pairs_step_reports_the_ratio_against_the_target(tmp_path):
     steps = _steps_module()
     jsonl = tmp_path / "r.jsonl"

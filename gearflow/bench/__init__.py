@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="learner: seconds of each timed phase (default 2 on cpu, 1 on cuda, x --scale)",
     )
     parser.add_argument(
+        "--budget-s", type=float, default=0.0,
+        help="learner: the whole run's seconds (0: unbounded): each config gets an equal share of what is "
+        "left, its later rounds and its graph form are cut where the share is spent, and configs not "
+        "started in time are named skipped (launch/gpu_check.sh's step has a limit)",
+    )
+    parser.add_argument(
         "--run-dir", default="", help="actors: run directory of the learner workload (default runs/bench-actors-<time>)"
     )
     from gearflow.bench import cluster  # its options (numpy only at import)

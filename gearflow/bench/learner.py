@@ -31,8 +31,13 @@ update) against a bare loop taking the same batches off a queue and calling the 
 floor; here ``ratio`` > 1 is slower), and ``loop_wall_us_per_update``.
 
 ``--seconds`` (default 2 on ``cpu``, 1 on ``cuda``, × ``--scale``) is each timed phase; the default
-``--device cuda`` run (four configs, both forms, both tables) is sized for ~60-90 s on an H200
-(``launch/gpu_check.sh`` calls ``gearflow bench learner --device cuda --json``). Lines are ``record``'s JSON
+``--device cuda`` run (four configs, both forms, both tables) is sized for ~60-90 s on an H200.
+``--budget-s B`` bounds the whole run: each config (in order: the reference agents first, gato_80m
+last) gets an equal share of what is left; where its share is spent, its later rounds (after the
+first) and its graph form are cut, and a config that cannot start is named skipped on stderr and
+in the exit code's place stays 0 (``launch/gpu_check.sh`` calls ``gearflow bench learner --device
+cuda --json --seconds 0.6 --budget-s`` its step's limit less 5 s; the do-nothing loop goes first
+there, being cheap and the same on every machine). Lines are ``record``'s JSON
 (``gearflow/bench/__init__.py``); ``--json`` prints only them.
 """
 
@@ -380,12 +385,13 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
 
 def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, seed: int = 0,
                  matmul: float | None = None, rounds: int = 0, forms: tuple | None = None,
-                 replays: tuple | None = None) -> None:  # fmt: skip
+                 replays: tuple | None = None, deadline: float | None = None) -> None:  # fmt: skip
     """Every figure of one config (see the module docstring): per form of the learn step (eager;
     on CUDA also ``learner.graph``), the floor and the loop over each table measured in ``rounds``
     alternating slices of ``seconds / rounds`` (0: one a half second, at least 3), medians reported:
     on a shared machine the load moves within seconds, and both see the same moves. ``forms``
-    (graph or not) and ``replays`` (the tables' devices) default to the device's."""
+    (graph or not) and ``replays`` (the tables' devices) default to the device's. Past ``deadline``
+    (``time.perf_counter()``), no further round after the first and no further form (said on stderr)."""
     rounds = rounds or max(3, round(seconds / 0.5))
     from gearflow.agent import make_agent
     from gearflow.config import load_config
@@ -411,6 +417,8 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
         batches = [_on_device(tables["cpu"].sample(B), device) for _ in range(3)]
         tokens = float(np.mean([_tokens(b) for b in batches]))
         for graph in forms or ((False,) if device.type == "cpu" else (False, True)):
+            if graph and _past(deadline, f"{name}: its learner.graph form"):
+                break
             agent = first if not graph else make_agent(cfg, spec, device)
             agent.setup_learner()
             flops = learn_flops(agent, batches[0]) if not graph else None
@@ -420,7 +428,9 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
                 agent.learn = GraphedLearn(agent, device)
             form = f"{name}/graph" if graph else name
             floors, loops = [], {r: [] for r in tables}
-            for _ in range(rounds):
+            for i in range(rounds):
+                if i and _past(deadline, f"{form}: rounds {i + 1}-{rounds}"):
+                    break
                 floors.append(learn_floor(agent, batches, device, seconds / rounds))
                 for r, table in tables.items():
                     loops[r].append(loop_rate(cfg, agent, table, device, seconds / rounds))
@@ -451,6 +461,14 @@ def bench_config(path: Path, device: torch.device, seconds: float, emit: Emit, s
             table.close()
 
 
+def _past(deadline: float | None, what: str) -> bool:
+    """Whether the budget's ``deadline`` has passed (said on stderr: ``what`` is cut)."""
+    if deadline is None or time.perf_counter() < deadline:
+        return False
+    print(f"bench learner: budget spent: {what} cut", file=sys.stderr, flush=True)
+    return True
+
+
 def run(args, wanted: list[str], emit: Emit) -> int:
     """``gearflow bench learner``: every config's figures, then the do-nothing loop's."""
     device = torch.device(args.device)
@@ -459,25 +477,41 @@ def run(args, wanted: list[str], emit: Emit) -> int:
     names = [c for c in str(getattr(args, "config", "") or "").split(",") if c]
     names = names or list(CPU_CONFIGS if device.type == "cpu" else CUDA_CONFIGS)
     seconds = float(getattr(args, "seconds", 0) or 0) or (2.0 if device.type == "cpu" else 1.0) * float(args.scale)
+    budget = float(getattr(args, "budget_s", 0) or 0)
+    end = time.perf_counter() + budget if budget > 0 else None
+    noop_first = end is not None and (not wanted or "noop" in wanted)
+    if noop_first:  # cheap and the same on any machine: not left to whatever the configs leave
+        _noop(seconds, args.seed, emit)
     matmul = None
     if device.type == "cuda":
         matmul = matmul_tflops(device, seconds / 2)
         emit(record("learner", "matmul", "bf16_matmul_tflops", matmul, "TFLOP/s"))
     failed = 0
-    for name in names:
-        path = config_path(name)
-        if wanted and _name(path) not in wanted:
-            continue
+    paths = [config_path(name) for name in names]
+    paths = [p for p in paths if not wanted or _name(p) in wanted]
+    for i, path in enumerate(paths):
+        deadline = None
+        if end is not None:
+            left = end - time.perf_counter()
+            if left <= 0:
+                print(f"bench learner: budget spent: skipped {', '.join(_name(p) for p in paths[i:])}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                break
+            deadline = time.perf_counter() + left / (len(paths) - i)
         try:  # one config's failure (a GPU out of memory, a capture torch refuses) leaves the others' figures
-            bench_config(path, device, seconds, emit, seed=args.seed, matmul=matmul)
+            bench_config(path, device, seconds, emit, seed=args.seed, matmul=matmul, deadline=deadline)
         except Exception as exc:  # noqa: BLE001 (said, counted in the exit code)
             failed += 1
             print(f"bench learner: {_name(path)} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             traceback.print_exc(file=sys.stderr)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not wanted or "noop" in wanted:
-        noop = noop_loop(seconds, seed=args.seed)
-        emit(record("learner", "noop", "loop_cpu_us_per_update", noop["cpu_us"], "µs", noop["bare_cpu_us"]))
-        emit(record("learner", "noop", "loop_wall_us_per_update", noop["wall_us"], "µs"))
+    if not noop_first and (not wanted or "noop" in wanted):
+        _noop(seconds, args.seed, emit)
     return 1 if failed else 0
+
+
+def _noop(seconds: float, seed: int, emit: Emit) -> None:
+    noop = noop_loop(seconds, seed=seed)
+    emit(record("learner", "noop", "loop_cpu_us_per_update", noop["cpu_us"], "µs", noop["bare_cpu_us"]))
+    emit(record("learner", "noop", "loop_wall_us_per_update", noop["wall_us"], "µs"))
