@@ -100,3 +100,38 @@ def test_a_slowed_sample_overlaps_the_learn_step_and_its_wait_is_counted():
     finally:
         table.close()
         store.close()
+
+
+def test_device_priorities_reach_a_device_table_with_a_device_side_wait_only(monkeypatch):
+    """A CUDA learner's priorities to a CUDA table: the sampling side's stream waits for the
+    learner's event (the table's stream then waits for that stream), never the host; to a host
+    table the pinned copy is waited for on the host. Stand-ins for the CUDA event and stream: no
+    GPU here (tests/test_device_replay.py's CUDA tests run the real ones)."""
+    from gearflow.learner.access import PriorityWriteBack
+
+    log = []
+
+    class Event:
+        def synchronize(self):
+            log.append("host wait")
+
+    class Stream:
+        def wait_event(self, event):
+            log.append("device wait")
+
+    class Table:
+        def __init__(self, device):
+            self.device = device
+
+        def update_priorities(self, keys, priorities):
+            log.append("update")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    keys, prios = torch.arange(4), torch.ones(4)
+    wb = PriorityWriteBack(Table("cuda"))
+    wb.pending.append((keys, prios, Event(), None))  # as put() queues a CUDA tensor for a device table
+    assert wb.apply() == 1 and log == ["device wait", "update"]
+    log.clear()
+    wb = PriorityWriteBack(Table("cpu"))
+    wb.pending.append((keys, prios, Event(), prios))  # put()'s pinned copy for a host table
+    assert wb.apply() == 1 and log == ["host wait", "update"]

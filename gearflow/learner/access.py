@@ -15,7 +15,9 @@ are::
                                          event, then applies them (the learner's thread never does)
     CUDA, a device table (replay.device=cuda)
                                          queued as the device tensors they are, with an event; the
-                                         table takes them as they are (issue 46: applied on the device)
+                                         sampling thread's stream waits for the event (on the device),
+                                         the table takes them as they are (issue 46: its stream waits
+                                         for that stream; no host wait anywhere)
 
 ::
 
@@ -40,7 +42,9 @@ __all__ = ["PriorityWriteBack", "ReplayAccess"]
 class PriorityWriteBack:
     """Priority updates queued by the learner's thread and applied by the sampling side; see the
     module docstring. ``put`` never blocks; ``apply`` (under the :class:`ReplayAccess` lock) applies
-    every queued update in order, waiting for a device copy's event where there is one."""
+    every queued update in order, waiting for a device copy's event where there is one: on the
+    host for a host table (it reads the pinned copy), on the device for a device table (its
+    stream waits for this thread's current stream, which waits for the learner's event)."""
 
     def __init__(self, table: Any):
         self.table = table
@@ -73,8 +77,11 @@ class PriorityWriteBack:
         pending = self.pending
         while pending:
             keys, priorities, event, pinned = pending.popleft()
-            if event is not None:
-                event.synchronize()  # the sampling side waits, never the learner
+            if event is not None and pinned is None:  # device priorities to a device table: no host wait;
+                # this thread's stream waits for the learner's event, the table's stream for this one
+                torch.cuda.current_stream(priorities.device).wait_event(event)
+            elif event is not None:
+                event.synchronize()  # the pinned copy read by a host table: the sampling side waits, never the learner
             try:
                 self.table.update_priorities(keys, priorities)
             finally:
