@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from gearflow.bench.learner import filled_table
@@ -135,3 +136,42 @@ def test_device_priorities_reach_a_device_table_with_a_device_side_wait_only(mon
     wb = PriorityWriteBack(Table("cpu"))
     wb.pending.append((keys, prios, Event(), prios))  # put()'s pinned copy for a host table
     assert wb.apply() == 1 and log == ["host wait", "update"]
+
+
+def test_batches_ahead_wake_the_drawing_side_once_per_refill_and_lose_none():
+    """The prefetcher's hand-over (BatchesAhead): every batch arrives once, in order, and the
+    drawing side is woken about once per depth // 2 batches taken (a queue woken per batch woke it
+    for every one: the GIL handed over each update), not more; a get with none there waits for
+    the next put, and times out with queue.Empty."""
+    import queue
+
+    from gearflow.learner.batches import BatchesAhead
+
+    depth, n = 8, 400
+    ahead, wakes, stop = BatchesAhead(depth), [0], threading.Event()
+
+    def draw():
+        i = 0
+        while i < n and not stop.is_set():
+            if ahead.full():
+                if ahead.wait_for_room(5.0):
+                    wakes[0] += 1
+                continue
+            ahead.put(i)
+            i += 1
+
+    t = threading.Thread(target=draw, daemon=True)
+    t.start()
+    got = []
+    for _ in range(n):  # a learner slower than the drawing side (which then waits for room)
+        got.append(ahead.get(timeout=30))
+        time.sleep(0.0002)
+    stop.set()
+    t.join(timeout=30)
+    assert got == list(range(n))
+    assert wakes[0] <= n / (depth // 2) + 2, wakes[0]
+    with pytest.raises(queue.Empty):
+        ahead.get(timeout=0.01)
+    later = threading.Timer(0.05, ahead.put, args=("late",))
+    later.start()
+    assert ahead.get(timeout=30) == "late"

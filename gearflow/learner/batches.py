@@ -5,6 +5,7 @@ priority write-backs before each draw: :mod:`gearflow.learner.access`) and
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -15,6 +16,54 @@ from gearflow.learner.progress import Progress
 from gearflow.replay.protocols import SamplerLike
 
 _BACKOFF = (1e-4, 5e-3)  # seconds between asks while the rate limiter holds a sample (doubling)
+
+
+class BatchesAhead:
+    """The batches drawn ahead, ``depth`` at most, handed over in refills: the drawing thread is
+    woken once at most ``depth // 2`` are left and then draws until ``depth`` are there, so the
+    learner's thread and it meet (a wake-up, the GIL handed over) about once per ``depth / 2``
+    batches rather than once per batch. ``get`` never blocks while a batch is there; ``put``
+    never blocks."""
+
+    def __init__(self, depth: int):
+        self.depth, self.low = int(depth), int(depth) // 2
+        self.items: collections.deque = collections.deque()
+        self.refill = threading.Event()  # set: the drawing side should fill up
+        self.refill.set()
+        self._ready = threading.Condition()  # the learner waits on it when there is none
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def full(self) -> bool:
+        return len(self.items) >= self.depth
+
+    def put(self, batch: Any) -> None:
+        self.items.append(batch)
+        with self._ready:
+            self._ready.notify()
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """The drawing side, once full: sleep until a refill is due (or ``timeout``)."""
+        self.refill.clear()
+        if len(self.items) > self.low:  # a get after the clear sets it again: no refill missed
+            return self.refill.wait(timeout)
+        return True
+
+    def get(self, timeout: float) -> Any:
+        """The oldest batch; ``queue.Empty`` after ``timeout`` without one."""
+        items = self.items
+        try:
+            batch = items.popleft()
+        except IndexError:
+            with self._ready:
+                self.refill.set()
+                if not self._ready.wait_for(lambda: items, timeout):
+                    raise queue.Empty from None
+                batch = items.popleft()  # one consumer: still there
+        if len(items) <= self.low and not self.refill.is_set():
+            self.refill.set()
+        return batch
 
 
 class Prefetcher:
@@ -36,7 +85,7 @@ class Prefetcher:
             self.access.sampler_applies = True  # this thread applies the write-backs, before each draw
         self._can_sample = getattr(table, "can_sample", None)  # a local table: asked without waiting
         self.ring = getattr(self.access, "ring", None)  # a CUDA learner: batches ahead on its device
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.ahead = BatchesAhead(depth)
         self.stop = stop
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
@@ -62,7 +111,11 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             delay = _BACKOFF[0]
+            ahead = self.ahead
             while not self.stop.is_set():
+                if ahead.full():  # until a refill is due (the learner took half of them)
+                    ahead.wait_for_room(0.2)
+                    continue
                 batch = self._draw()
                 if batch is None:  # the rate limiter: wait without the lock, then ask again
                     self.stop.wait(delay)
@@ -71,19 +124,15 @@ class Prefetcher:
                 delay = _BACKOFF[0]
                 if self.ring is not None:  # into a free device slot, on the ring's stream
                     batch = self.ring.put(batch, self.stop)
-                while batch is not None and not self.stop.is_set():
-                    try:
-                        self.queue.put(batch, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
+                if batch is not None:
+                    ahead.put(batch)
         except BaseException as exc:  # surfaced in the learner thread
             self.error = exc
 
     def get(self, timeout: float) -> Any:
         if self.error is not None:
             raise self.error
-        return self.queue.get(timeout=timeout)
+        return self.ahead.get(timeout)
 
     def next_batch(self):
         """The next batch, or None after waiting 0.5 s (the wait counts once learning began)."""
