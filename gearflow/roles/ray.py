@@ -14,8 +14,8 @@ between a node's actors and its shard, TCP — or RDMA — between shards and le
             (torch.distributed; rank 0 publishes and checkpoints), transport.shards = the
             shards' addresses, num_gpus=cluster.learner_gpus
 
-The ``ray`` plan's three roles are this module's, made by the one builder
-(:meth:`~gearflow.topology.build.Builder.ray_shards` and the two after it) and driven by
+The ``ray`` plan's three roles are this module's, made on the driver
+(:func:`~gearflow.topology.cluster.ray_shards` and the two after it) and driven by
 :func:`~gearflow.topology.run.run_plan` like any plan's: :class:`RayShards` (Ray itself, the run's
 registry, the placement and the shard roles), :class:`RayActorGroups` and :class:`RayLearners`
 (whose ``wait`` is the run: the learners' summaries, then the nodes', one summary). What runs
@@ -131,10 +131,12 @@ class RayShards(Part):
         self.lost: set[int] = set()  # nodes whose host is gone (nothing to stop there)
         self._lost_ids: set[str] = set()
         self.summaries: list[dict] = []
+        self.node_configs: list[str] = []  # each node's config (YAML), as placed: its actor group's too
 
     def place(self, node_cls: type, configs: list[str]) -> None:
         """Join or start Ray, place every role, start the shard roles (``node_cls``: the shard
         node they run; ``configs``: each node's config, YAML) and wait until they serve."""
+        self.node_configs = list(configs)
         ray = self.ray = require_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -280,48 +280,6 @@ class Builder:
         self.roles.add(ShardServiceRole(server))
         return server
 
-    # ------------------------------------------------------------------ a cluster (launcher=ray)
-    def cluster(self):
-        """Every role of a cluster plan (``launcher=ray``: :data:`~gearflow.topology.plan.CLUSTERS`), in
-        the plan's order, each made by the method of its name from the roles made before it (by
-        name); the last one's ``wait()`` is the run (:func:`~gearflow.topology.run.drive`). Returns it."""
-        built: dict = {}
-        for name in self.plan.roles:
-            built[name] = getattr(self, name)(built)
-        return built[self.plan.roles[-1]]
-
-    def ray_shards(self, built: dict):
-        """The ``ray_shards`` role: Ray, the placement of every role, the shard nodes (each a ``shard``
-        plan, :class:`~gearflow.topology.shard_node.ShardNode`, on its node)."""
-        from gearflow.config import to_yaml
-        from gearflow.roles.ray import RayShards, driver_config
-        from gearflow.topology.plan import shard_node_config
-        from gearflow.topology.shard_node import ShardNode
-
-        cfg = self.cfg = driver_config(self.cfg)  # run.dir made and absolute, the run's secret
-        shards = self.roles.add(RayShards(cfg))
-        self._node_configs = [to_yaml(shard_node_config(cfg, i)) for i in range(int(cfg.cluster.shards))]
-        shards.place(ShardNode, self._node_configs)
-        return shards
-
-    def ray_actor_groups(self, built: dict):
-        """The ``ray_actor_groups`` role: each node's actor processes, pinned to its shard's node."""
-        from gearflow.roles.ray import RayActorGroups
-
-        return self.roles.add(RayActorGroups(built["ray_shards"], self._node_configs))
-
-    def ray_learners(self, built: dict):
-        """The ``ray_learners`` role: the data-parallel learners (each a ``shards`` plan run by
-        :class:`~gearflow.topology.learn.Runner`) over the nodes' addresses."""
-        from gearflow.config import to_yaml
-        from gearflow.roles.ray import RayLearners
-        from gearflow.topology.learn import Runner
-        from gearflow.topology.plan import learner_config
-
-        cfg = self.cfg
-        return self.roles.add(RayLearners(built["ray_shards"], Runner, lambda r, addresses, dist: to_yaml(
-            learner_config(cfg, r, addresses, dist))))  # fmt: skip
-
     # ------------------------------------------------------------------ the dry run
     def dry_run(self) -> dict:
         """The ``dry_run`` role: the memory plan on the meta device (nothing started, no segment)."""

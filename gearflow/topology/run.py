@@ -57,13 +57,15 @@ def run_plan(cfg: DictConfig, plan: RunPlan, *, resume: bool = False, stop: thre
 
 def drive(cfg: DictConfig, plan: RunPlan, *, on_started: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """A cluster plan (``ray``): this process drives roles that run elsewhere. The builder makes
-    them in the plan's order (placed and started on the cluster: :meth:`Builder.cluster`); the run
+    them in the plan's order (placed and started on the cluster: :func:`~gearflow.topology.cluster.build_cluster`); the run
     is the last one's ``wait()`` (the learners', which returns the run's summary); then every role
     is stopped and closed, last built first, also after a failure. ``on_started(handles)``: called
     once every role runs, with each role's handles by its ``key`` (tests kill a role there)."""
     roles = Lifecycle()
     try:
-        last = Builder(cfg, plan, roles, tag="").cluster()
+        from gearflow.topology.cluster import build_cluster
+
+        last = build_cluster(Builder(cfg, plan, roles, tag=""))
         roles.start()
         if on_started is not None:
             on_started({r.key: r.handles for r in roles if hasattr(r, "handles")})
