@@ -36,26 +36,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gearflow.bench.common import valid_rows
 from gearflow.errors import GearflowError
 
 __all__ = ["measure"]
-
-
-def _chunk(spec, n: int, num_actions: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """``n`` steps of the stored rows of ``spec`` (one frame of a stacked column): uint8 noise,
-    integers in ``[0, num_actions)`` (valid actions), floats in ``[0, 1)`` (valid discounts), bools False."""
-    out = {}
-    for col in spec:
-        shape = (n, *col.row_shape)
-        if col.dtype == np.uint8:
-            out[col.name] = rng.integers(0, 255, shape, dtype=np.uint8)
-        elif col.dtype == np.bool_:
-            out[col.name] = np.zeros(shape, dtype=bool)
-        elif np.issubdtype(col.dtype, np.integer):
-            out[col.name] = rng.integers(0, max(1, num_actions), shape).astype(col.dtype)
-        else:
-            out[col.name] = rng.random(shape).astype(col.dtype)
-    return out
 
 
 def _item_steps(cfg, kind) -> tuple[int, int]:
@@ -124,7 +108,7 @@ def _replay_figures(cfg, agent, num_actions: int, seconds: float, quick: bool, s
     table = prioritized_table(spec.to_dict(), 1, S, kind, seed)
     try:
         writer = Writer(table.storage, [0])
-        chunk = _chunk(table.storage.spec, 64, num_actions, rng)
+        chunk = valid_rows(table.storage.spec, 64, num_actions, rng)
         _write(writer, chunk, S // 64, length, period, rng, after=table.scan)  # a first lap: pages fault in
         calls, t0 = 0, time.perf_counter()
         while calls < 8 or time.perf_counter() - t0 < seconds:
@@ -225,7 +209,7 @@ def _transport_figures(cfg, agent, num_actions: int, seconds: float, seed: int, 
     try:
         addr = ("127.0.0.1", shard.port)
         w = ShippingWriter(addr, num_streams=E, token=tb.TOKEN)
-        chunk = _chunk(w.storage.spec, 64, num_actions, rng)
+        chunk = valid_rows(w.storage.spec, 64, num_actions, rng)
         step_bytes = sum(v[0].nbytes for v in chunk.values())
         _write(w, chunk, S // 64 // 4, length, period, rng, streams=range(E))  # warm-up, and items to sample
         w.flush()

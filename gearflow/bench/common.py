@@ -1,4 +1,5 @@
-"""What the replay benchmarks share: random steps for a spec, a prioritized table whose batches
+"""What the benchmarks share: random steps for a spec, rows an agent can learn from (valid_rows: the
+learner and cluster benchmarks), a prioritized table whose batches
 go to one reused buffer (as the floors' do), and the slice-copy floor of an insert."""
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ def random_steps(spec: TableSpec, n: int, rng: np.random.Generator) -> dict[str,
             out[c.name] = np.zeros((n, *c.shape), dtype=bool)
         else:
             out[c.name] = rng.standard_normal((n, *c.shape)).astype(c.dtype)
+    return out
+
+
+def valid_rows(spec, n: int, num_actions: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``n`` stored rows of ``spec`` an agent can learn from: uint8 noise, integers in
+    ``[0, num_actions)`` (valid actions), floats in ``[0, 1)`` (valid discounts, actions in a unit
+    box), bools False (the learner and cluster benchmarks fill their tables with them)."""
+    out = {}
+    for col in spec:
+        shape = (n, *col.row_shape)
+        if col.dtype == np.uint8:
+            out[col.name] = rng.integers(0, 255, shape, dtype=np.uint8)
+        elif col.dtype == np.bool_:
+            out[col.name] = np.zeros(shape, dtype=bool)
+        elif np.issubdtype(col.dtype, np.integer):
+            out[col.name] = rng.integers(0, max(1, num_actions), shape).astype(col.dtype)
+        else:
+            out[col.name] = rng.random(shape).astype(col.dtype)
     return out
 
 

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from gearflow.bench import record
+from gearflow.bench.common import valid_rows
 from gearflow.errors import GearflowError
 
 __all__ = ["CPU_CONFIGS", "CUDA_CONFIGS", "NullAgent", "filled_table", "run"]
@@ -79,23 +80,6 @@ def _item_steps(cfg, kind) -> tuple[int, int]:
         return int(kind.length), int(kind.period)
     raise GearflowError(f"bench learner fills transition and sequence items; agent {cfg.agent.name} samples "
                         f"{type(kind).__name__} items")  # fmt: skip
-
-
-def _rows(spec, n: int, num_actions: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """``n`` stored rows of ``spec``: uint8 noise, integers in ``[0, num_actions)`` (valid actions),
-    floats in ``[0, 1)`` (valid discounts and actions in a unit box), bools False."""
-    out = {}
-    for col in spec:
-        shape = (n, *col.row_shape)
-        if col.dtype == np.uint8:
-            out[col.name] = rng.integers(0, 255, shape, dtype=np.uint8)
-        elif col.dtype == np.bool_:
-            out[col.name] = np.zeros(shape, dtype=bool)
-        elif np.issubdtype(col.dtype, np.integer):
-            out[col.name] = rng.integers(0, max(1, num_actions), shape).astype(col.dtype)
-        else:
-            out[col.name] = rng.random(shape).astype(col.dtype)
-    return out
 
 
 def filled_table(cfg, agent, *, device: str = "cpu", steps_per_partition: int = 4096, partitions: int = 2,
@@ -123,7 +107,7 @@ def filled_table(cfg, agent, *, device: str = "cpu", steps_per_partition: int = 
     try:
         writer = Writer(table.storage, list(range(geom.num_partitions)))
         num_actions = int(getattr(agent, "num_actions", 0) or 1)
-        rows = _rows(table.storage.spec, 64, num_actions, rng)
+        rows = valid_rows(table.storage.spec, 64, num_actions, rng)
         for _ in range(S // 64):
             for s in range(geom.num_partitions):
                 first = writer.extend(rows, stream=s)
