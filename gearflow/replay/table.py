@@ -221,29 +221,9 @@ class Table(TableIngest):
             return
         self._active += 1
         try:
-            self._wait_until_ready(batch_size, timeout_s)
+            _wait_until_ready(self, batch_size, timeout_s)
         finally:
             self._active -= 1
-
-    def _wait_until_ready(self, batch_size: int, timeout_s: float | None) -> None:
-        lim = self.rate_limiter
-        total = lambda: int(self.storage.counters[:, PUBLISHED].sum())  # noqa: E731
-        timeout_s = self.sample_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        delay = 1e-4
-        while True:
-            if self._closed:  # close() in another thread: it waits for this call to leave
-                self._refuse_closed(f"closed while a sample of {batch_size} waited for the rate limiter")
-            self.scan()
-            if self.can_sample(batch_size):
-                return
-            if time.monotonic() > deadline:
-                raise RateLimiterTimeout(
-                    f"sample of {batch_size} blocked for {timeout_s:.1f} s: "
-                    + lim.why_blocked(self.size, total(), self.samples, batch_size)
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, MAX_BACKOFF_S)
 
     def sample(self, batch_size: int, timeout_s: float | None = None) -> Sample:
         """Draw a batch with the selector; blocks while the rate limiter says so.
@@ -449,3 +429,24 @@ class Table(TableIngest):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wait_until_ready(table: Table, batch_size: int, timeout_s: float | None) -> None:
+    """:meth:`Table.wait_until_ready`'s wait: scan, ask the rate limiter, back off (doubling, at most
+    ``MAX_BACKOFF_S``) until it allows the sample, the table closes or ``timeout_s`` passes."""
+    lim = table.rate_limiter
+    timeout_s = table.sample_timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    delay = 1e-4
+    while True:
+        if table._closed:  # close() in another thread: it waits for this call to leave
+            table._refuse_closed(f"closed while a sample of {batch_size} waited for the rate limiter")
+        table.scan()
+        if table.can_sample(batch_size):
+            return
+        if time.monotonic() > deadline:
+            total = int(table.storage.counters[:, PUBLISHED].sum())
+            raise RateLimiterTimeout(f"sample of {batch_size} blocked for {timeout_s:.1f} s: "
+                                     + lim.why_blocked(table.size, total, table.samples, batch_size))  # fmt: skip
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
