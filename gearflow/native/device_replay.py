@@ -87,14 +87,14 @@ import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
-from gearflow.native.cuda_backend import check_device, dptr, is_device_array
+from gearflow.native.cuda_backend import dptr, is_device_array
 from gearflow.native.device_buffers import (
     BufferSets,
     DeviceBuffers,
     DeviceDraw,
-    RawStream,
     torch_stream,
 )
+from gearflow.native.device_inputs import WriteBackInputs
 from gearflow.native.gather import CudaGather, transition_rows
 from gearflow.native.hostmem import MappedArea, register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
@@ -328,8 +328,7 @@ class DeviceReplay:
         with cp.cuda.Device(device_id):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._on = _OnDevice(cp, device_id, self.stream)
-            self._caller_done = cp.cuda.Event(disable_timing=True)  # a write-back's inputs are ready
-            self._caller = RawStream(0)
+            self._inputs = WriteBackInputs(cp, device_id, self.stream, self._consumer_stream)
             with self.stream:
                 self._masses = cp.zeros(N, dtype=cp.float64)
                 self._sums = cp.zeros(self._NC, dtype=cp.float64)
@@ -362,11 +361,8 @@ class DeviceReplay:
         self.buffer_sets = BufferSets(cp, device_id, self._on, self.stream, kind, storage.spec, self._consumer_stream)
         self._queue: deque[DeviceBuffers] = deque()  # batches drawn ahead, oldest first
         self._tag = 0  # write-back number (winner tags: tag << 32 | entry)
-        self._keep: deque = deque()  # (event, inputs) of write-backs whose inputs the stream may still read
-        self._free_events: list = []  # their events, reused
         self._seen = (0, 0)  # priorities applied / refused as of the last status read
         self._invalid_rounds = 0
-        self._ext_stream = None  # torch's view of self.stream (record_stream of write-back inputs)
         self._take_over(selector)
 
     # ------------------------------------------------------------------ mirror of the table's ingest
@@ -508,8 +504,8 @@ class DeviceReplay:
         items are ignored; a repeated key takes its last priority. Returns the entries handed in."""
         on_device = is_device_array(keys) or is_device_array(priorities)
         if on_device:
-            k_ptr, K, _, k_keep = self._device_input(keys, "keys", (np.int64,))
-            p_ptr, n, p_dtype, p_keep = self._device_input(priorities, "priorities", (np.float32, np.float64))
+            k_ptr, K, _, k_keep = self._inputs.pointer(keys, "keys", (np.int64,))
+            p_ptr, n, p_dtype, p_keep = self._inputs.pointer(priorities, "priorities", (np.float32, np.float64))
         else:
             k_host = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
             p_host = np.asarray(priorities).reshape(-1)
@@ -524,7 +520,7 @@ class DeviceReplay:
         with self._lock, self._on:
             self._flush()  # a key ingested since the last draw is on the device before it is looked up
             if on_device:
-                self._wait_for_caller()
+                self._inputs.wait_for_caller()
             else:  # an upload from pageable memory (waits for the stream): the host path, not the learner's
                 k_dev, p_dev = cp.asarray(k_host), cp.asarray(np.ascontiguousarray(p_host))
                 k_ptr, p_ptr, k_keep, p_keep = dptr(k_dev), dptr(p_dev), k_dev, p_dev
@@ -537,63 +533,8 @@ class DeviceReplay:
             self._select.update_by_key(self._desc_ptr, k_ptr, p_ptr, K, p_dtype == np.float32, self._tag << 32,
                                        self._alpha(), dptr(self._scratch), dptr(self._masses), self._N,
                                        dptr(self._sums) if self.prioritized else None, self._NC)  # fmt: skip
-            self._keep_alive(k_keep, p_keep)
+            self._inputs.keep_alive(k_keep, p_keep)
         return K
-
-    def _device_input(self, x: Any, name: str, dtypes: tuple) -> tuple[int, int, np.dtype, Any]:
-        """(device pointer, length, dtype, what to keep alive) of a 1-D contiguous device array on this device."""
-        if type(x).__module__.startswith("torch"):
-            if not x.is_cuda:
-                raise ValueError(f"{name} and the other argument must both be CUDA tensors or both host arrays")
-            if x.device.index != self.device_id:
-                raise ValueError(f"{name} is on {x.device}, the replay on cuda:{self.device_id}")
-            x = x.detach().reshape(-1)  # a view where it can be; otherwise a copy queued on torch's stream
-            if x.dtype.is_floating_point and x.element_size() < 4:  # bf16 / fp16 priorities
-                x = x.float()
-            x = x.contiguous()
-            dtype = np.dtype(str(x.dtype).removeprefix("torch."))
-            ptr, n = x.data_ptr(), x.numel()
-        else:
-            if not is_device_array(x):
-                raise ValueError(f"{name} and the other argument must both be device arrays or both host arrays")
-            a = check_device(x, name, ndim=1)
-            ptr, n, dtype = a.ptr, a.shape[0], a.dtype
-        if dtype not in [np.dtype(d) for d in dtypes]:
-            raise ValueError(f"{name} must be {' or '.join(str(np.dtype(d)) for d in dtypes)}, got {dtype}")
-        return ptr, n, dtype, x
-
-    def _wait_for_caller(self) -> None:  # inside self._on
-        """The replay stream waits (device-side) for the work queued so far on torch's current
-        stream: a write-back's device inputs are written there."""
-        ptr = self._consumer_stream()
-        if ptr is not None:
-            self._caller.ptr = ptr
-            self._caller_done.record(self._caller)
-            self.stream.wait_event(self._caller_done)
-
-    def _keep_alive(self, *inputs: Any) -> None:  # inside self._on
-        """Write-back inputs stay allocated until the replay stream has read them: torch tensors
-        through ``record_stream`` on torch's view of the stream (no host wait); other arrays are
-        held until an event after them has passed (checked at the next write-backs)."""
-        rest = []
-        for x in inputs:
-            if type(x).__module__.startswith("torch") and x.is_cuda:
-                x.record_stream(self._torch_stream())
-            else:
-                rest.append(x)
-        while self._keep and self._keep[0][0].done:
-            self._free_events.append(self._keep.popleft()[0])
-        if rest:
-            event = self._free_events.pop() if self._free_events else self.cupy.cuda.Event(disable_timing=True)
-            event.record(self.stream)
-            self._keep.append((event, rest))
-
-    def _torch_stream(self) -> Any:
-        if self._ext_stream is None:
-            import torch
-
-            self._ext_stream = torch.cuda.ExternalStream(self.stream.ptr, device=self.device_id)
-        return self._ext_stream
 
     # ------------------------------------------------------------------ sampling
     def next_batch(self, batch_size: int, num_live: int, num_buffers: int) -> DeviceBuffers:
@@ -722,7 +663,7 @@ class DeviceReplay:
             self._queue.clear()
             with self.cupy.cuda.Device(self.device_id):
                 self.stream.synchronize()
-                self._keep.clear()
+                self._inputs.clear()
                 self.buffer_sets.clear()
                 for area, _ in self._staging:
                     area.close()
