@@ -204,7 +204,7 @@ def learner_bench(args) -> int:
     # the bench budgets itself within the step's limit (GPU_CHECK_STEP_S, set by gpu_check.sh's
     # step) less 8 s for two interpreters' start-up and torch's CUDA context: a config past its
     # share is cut short, one not started in time skipped, the lines so far kept
-    limit = float(os.environ.get("GPU_CHECK_STEP_S", 0) or 0)
+    limit = float(os.environ.get("GPU_CHECK_STEP_S") or 0)
     budget = ["--seconds", str(LEARNER_PHASE_S), "--budget-s", str(max(limit - 8, 1))] if limit else []
     cmd = [sys.executable, "-m", "gearflow", "bench", "learner", "--device", "cuda", "--json", *budget,
            *args.pytest_args]  # fmt: skip

@@ -959,18 +959,25 @@ def test_emulated_impossible_slots_are_redrawn_never_returned(emulated_table, ki
     ImpossibleSelect.bad_rounds = 0
 
 
+def _eight_items(table) -> Recorder:
+    """Partition 0 of ``table`` (S=16, R=8) filled: 16 steps, seqs 0..7 one item per step 8..15,
+    in slots 0..7, scanned in."""
+    rec = Recorder(table.storage, [0])
+    for t in range(16):
+        rec.append(0)
+        if t >= 8:
+            rec.item(0, 1)
+    table.scan()
+    return rec
+
+
 def check_redraw_keeps_the_records_of_the_rows_not_redrawn(table, device, to_cpu=lambda s: s):
     """The keys invariant on the device path: a torn row is redrawn after a scan that laps the
     record ring, so new items take the slots that other rows of the batch still hold. Those rows
     keep the key they were drawn with, and their rows are that item's (stamp-checked per row).
     ``table``: uniform, transitions, P=1, S=16, R=8, over ``device`` (an OverwritingDeviceReplay)."""
     kind = table.kind
-    rec = Recorder(table.storage, [0])
-    for t in range(16):
-        rec.append(0)
-        if t >= 8:
-            rec.item(0, 1)  # seqs 0..7: one item per step 8..15, in slots 0..7
-    table.scan()
+    rec = _eight_items(table)
     assert table.size == 8
     drawn = []
     gather_and_finish = device._gather_and_finish
@@ -1004,12 +1011,7 @@ def test_emulated_a_torn_row_of_a_batch_drawn_ahead_evicts_its_item_not_the_slot
     new item (seq 8) into that slot. The torn row is redrawn and its item's eviction must not
     evict the new one that holds the slot now (nothing stored is lost)."""
     table, device = emulated_table("uniform", KINDS["transition"], P=1, S=16, R=8, num_buffers=2)
-    rec = Recorder(table.storage, [0])
-    for t in range(16):
-        rec.append(0)
-        if t >= 8:
-            rec.item(0, 1)  # seqs 0..7: one item per step 8..15, in slots 0..7
-    table.scan()
+    rec = _eight_items(table)
     gathers = []
 
     def lap_during_the_batch_drawn_ahead():

@@ -20,53 +20,34 @@ import pytest
 
 from gearflow.config import load_config, save_config
 from gearflow.run.private import config_token, redacted
+from tests.helpers_relay import LoopbackRelay
 from tests.test_remote_actors import _finish, _wait_for
 from tests.test_train import CONFIG, ROOT, TINY
 
 SECRET = "s3cret-that-must-not-leak-4242"
 
 
-class _Relay:
+class _Relay(LoopbackRelay):
     """A TCP relay on loopback to ``upstream``: records every byte the upstream sends back."""
 
     def __init__(self, upstream: tuple[str, int]):
-        self.upstream, self.received = upstream, bytearray()
-        self.lock = threading.Lock()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.received, self.lock = bytearray(), threading.Lock()
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.server.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
-
-    def _pump(self, src, dst, record: bool) -> None:
+    def pump(self, src, dst, direction: str, state=None) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if record:
+                if direction == "s2c":
                     with self.lock:
                         self.received += data
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.server.close()
+            self.shut(src, dst)
 
 
 def _env() -> dict:

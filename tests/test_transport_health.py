@@ -4,7 +4,6 @@ down fails at once instead of reconnecting to a silent host; the probe re-admits
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -13,36 +12,24 @@ import pytest
 from gearflow.transport.client import ServiceUnavailable
 from gearflow.transport.learner.health import NodeHealth
 from gearflow.transport.service import Service
+from tests.helpers_relay import LoopbackRelay
 
 TOKEN = "health-test-secret-0123"
 
 
-class BlackHole:
-    """A TCP relay to ``port`` that can go silent: while :meth:`silence` holds, every byte either
+class BlackHole(LoopbackRelay):
+    """A TCP relay to ``port`` that can go silent: while :attr:`silent` is set, every byte either
     way is read and dropped and new connections are accepted into the same silence (a host whose
-    link is down: no RST, no reply); :meth:`resume` forwards again (for new connections)."""
+    link is down: no RST, no reply); cleared, it forwards again (for new connections)."""
 
     def __init__(self, port: int):
-        self.target = port
         self.silent = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.target))
-            self.socks += [down, up]
-            gen = self.silent.is_set()  # a connection made in the silence stays silent
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(a, b, gen), daemon=True).start()
+    def connected(self) -> bool:
+        return self.silent.is_set()  # a connection made in the silence stays silent
 
-    def _pump(self, src, dst, born_silent: bool) -> None:
+    def pump(self, src, dst, direction: str, born_silent: bool) -> None:
         while True:
             try:
                 chunk = src.recv(1 << 16)
@@ -56,11 +43,6 @@ class BlackHole:
                 dst.sendall(chunk)
             except OSError:
                 return
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            s.close()
 
 
 @pytest.fixture

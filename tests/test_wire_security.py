@@ -34,6 +34,7 @@ from gearflow.transport.auth import AuthorizationError, IntegrityMismatch
 from gearflow.transport.client import Client, ServiceUnavailable
 from gearflow.transport.framing import HEADER
 from gearflow.transport.service import ANY_ROLE, Service
+from tests.helpers_relay import LoopbackRelay
 from tests.test_train import CONFIG, TINY
 
 TOKEN = "wire-security-secret-0123"
@@ -54,34 +55,22 @@ def _recv_exact(sock, n: int) -> bytes | None:
     return bytes(out)
 
 
-class Relay:
+class Relay(LoopbackRelay):
     """A TCP relay on loopback that does not know the secret: it forwards whole frames, and
     ``tamper(direction, index, frame) -> [frames]`` may drop, duplicate, reorder, rewrite or add
     some. ``direction`` is ``"c2s"`` or ``"s2c"``; ``index`` counts that direction's frames (c2s 0
     is AUTH; s2c 0 and 1 are CHALLENGE and AUTH_OK). After the handshake each frame ends with
     the integrity trailer when the ends use integrity (``trailer``)."""
 
+    HANDSHAKE = {"c2s": 1, "s2c": 2}  # each direction's frames before the first with a trailer
+
     def __init__(self, port: int, tamper=None, trailer: bool = True):
-        self.target, self.tamper, self.trailer = port, tamper or (lambda d, i, f: [f]), trailer
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.socks: list[socket.socket] = []
+        self.tamper, self.trailer = tamper or (lambda d, i, f: [f]), trailer
         self.frames = {"c2s": [], "s2c": []}  # what the relay saw, for tests that replay it later
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.target))
-            self.socks += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, "c2s", 1), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, "s2c", 2), daemon=True).start()
-
-    def _pump(self, src, dst, direction: str, handshake: int) -> None:
-        i = 0
+    def pump(self, src, dst, direction: str, state=None) -> None:
+        i, handshake = 0, self.HANDSHAKE[direction]
         while True:
             head = _recv_exact(src, HEADER.size)
             if head is None:
@@ -97,16 +86,7 @@ class Relay:
             except OSError:
                 break
             i += 1
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            s.close()
+        self.shut(src, dst)
 
 
 def _frame(op: str, meta: dict, kind: int = 4, rid: int = 99, trailer: bytes = b"") -> bytes:
