@@ -52,6 +52,20 @@ typedef long long i64;
 #define GF_CHUNK (GF_THREADS * GF_PER_THREAD)
 #define GF_DBL_MAX 1.7976931348623157e308
 
+// The largest of every thread's v over the block (sh: GF_THREADS doubles of shared memory),
+// returned to every thread; every thread of the block must call it.
+__device__ __forceinline__ double gf_block_max(double* sh, double v)
+{
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int half = GF_THREADS / 2; half > 0; half >>= 1) {
+        if (t < half) sh[t] = sh[t + half] > sh[t] ? sh[t + half] : sh[t];
+        __syncthreads();
+    }
+    return sh[0];
+}
+
 // Sum of masses[first : first + GF_PER_THREAD] (0 past N), added in index order.
 __device__ __forceinline__ double gf_thread_sum(const double* __restrict__ masses, i64 N, i64 first)
 {
@@ -274,13 +288,7 @@ importance_weights(const double* __restrict__ probabilities, i64 B, double num_l
         const double w = pow(num_live * probabilities[i], -beta);
         top = w > top ? w : top;
     }
-    sh[t] = top;
-    __syncthreads();
-    for (int half = GF_THREADS / 2; half > 0; half >>= 1) {
-        if (t < half) sh[t] = sh[t + half] > sh[t] ? sh[t + half] : sh[t];
-        __syncthreads();
-    }
-    const double mx = sh[0];
+    const double mx = gf_block_max(sh, top);
     for (i64 i = t; i < B; i += GF_THREADS) {
         weights[i] = (float)(pow(num_live * probabilities[i], -beta) / mx);
     }
@@ -471,13 +479,7 @@ finish_batch(const gf_replay* __restrict__ st, const gf_draw* __restrict__ d, i6
         const double w = valid && prob > 0.0 ? pow(num_live * prob, -beta) : 0.0;
         top = w > top ? w : top;
     }
-    sh[t] = top;
-    __syncthreads();
-    for (int half = GF_THREADS / 2; half > 0; half >>= 1) {
-        if (t < half) sh[t] = sh[t + half] > sh[t] ? sh[t + half] : sh[t];
-        __syncthreads();
-    }
-    const double mx = sh[0];
+    const double mx = gf_block_max(sh, top);
     for (i64 b = t; b < B; b += GF_THREADS) {
         const double prob = d->probs[b];
         const double w = d->flags[b] & 1 || !(prob > 0.0) ? 0.0 : pow(num_live * prob, -beta);
