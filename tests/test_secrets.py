@@ -117,7 +117,8 @@ def test_the_token_stays_out_of_ps_the_run_directory_and_the_wire(tmp_path):
     # the joiner got its place and the run's config, never the secret
     with relay.lock:
         wire = bytes(relay.received)
-    assert b"run.join" in wire and b"partitions" in wire  # the relay saw the join reply
+    # the relay saw the join reply (its partitions and the run's config: only the learner sends them)
+    assert b"run.join" in wire and b"partitions" in wire and b'"config"' in wire
     assert SECRET.encode() not in wire
     # every file of the run directory: no secret; the directories 0700, the files 0600
     files = [p for p in run_dir.rglob("*") if p.is_file()]
