@@ -315,7 +315,7 @@ class TransportConfig:
     """File holding the shared secret (mode 0600: one readable by others is refused); used when
     ``transport.token`` is empty."""
     integrity: bool = True
-    """Every frame after the handshake carries a MAC (Poly1305, keys per connection and frame) and a
+    """Every frame after the handshake carries a MAC (NH-Poly1305, keys per connection and frame) and a
     sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
     closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
     frames are unprotected after the login (a benchmark on a trusted network)."""

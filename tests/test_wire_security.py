@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import socket
@@ -32,7 +33,7 @@ from gearflow.transport import auth, integrity
 from gearflow.transport.actor import RemoteParams
 from gearflow.transport.auth import AuthorizationError, IntegrityMismatch
 from gearflow.transport.client import Client, ServiceUnavailable
-from gearflow.transport.framing import HEADER
+from gearflow.transport.framing import HEADER, VERSION
 from gearflow.transport.service import ANY_ROLE, Service
 from tests.helpers_relay import LoopbackRelay
 from tests.test_train import CONFIG, TINY
@@ -92,7 +93,7 @@ class Relay(LoopbackRelay):
 def _frame(op: str, meta: dict, kind: int = 4, rid: int = 99, trailer: bytes = b"") -> bytes:
     """A well-formed frame made by someone without the keys (a guessed or zero trailer)."""
     env = json.dumps({"op": op, "meta": meta, "bufs": []}).encode()
-    return HEADER.pack(b"GFLW", 2, kind, rid, len(env), 0, 0) + env + trailer
+    return HEADER.pack(b"GFLW", VERSION, kind, rid, len(env), 0, 0) + env + trailer
 
 
 def _flip_last_buffer_byte(frame: bytes) -> bytes:
@@ -661,15 +662,95 @@ def test_a_place_stays_bound_to_the_actor_name_that_first_joined_it(make_table):
 # ----------------------------------------------------------------- the MAC itself, and rows marked torn
 def test_one_time_keys_and_tags_are_rfc_8439s():
     """The frame's one-time key is RFC 8439 §2.6.2's ``poly1305_key_gen`` (ChaCha20 block 0 under
-    nonce ``0⁴ | seq``), and the MAC its §2.5.2 Poly1305: both known-answer vectors."""
+    nonce ``0⁴ | seq``), and the Poly1305 its §2.5.2 Poly1305: both known-answer vectors."""
     mac = integrity.Sealer(bytes(range(0x80, 0xA0)))
     mac.seq = int.from_bytes(bytes(range(8)), "little")  # the vector's nonce: 00 00 00 00 | 00 01 .. 07
     mac.begin()
     assert mac._otk.raw.hex() == "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646"
     key = bytes.fromhex("85d6be7857556d337f4452fe42d506a80103808afb0db2fd4abff6af4149f51b")
     assert mac._lib.EVP_MAC_init(mac._ctx, key, 32, None) == 1
-    mac.update(b"Cryptographic Forum Research Group")
-    assert mac.final().hex() == "a8061dc1305136c6c22b8baf0c0127a9"
+    msg = b"Cryptographic Forum Research Group"
+    assert mac._lib.EVP_MAC_update(mac._ctx, msg, len(msg)) == 1
+    assert mac._lib.EVP_MAC_final(mac._ctx, mac._out, ctypes.byref(mac._outlen), 16) == 1
+    assert mac._out.raw.hex() == "a8061dc1305136c6c22b8baf0c0127a9"
+
+
+def _nh_reference(key: bytes, msg: bytes) -> bytes:
+    """NH-Poly1305's Poly1305 input, in plain Python from its definition (integrity.py): per 1 KiB
+    chunk (the last zero-padded to 16 bytes), four Toeplitz passes of NH over 16-byte units,
+    four little-endian u64; then the message length."""
+    k = struct.unpack(f"<{len(key) // 4}I", key)
+    out = b""
+    for lo in range(0, len(msg), 1024):
+        c = msg[lo:lo + 1024]
+        c += bytes(-len(c) % 16)
+        w = struct.unpack(f"<{len(c) // 4}I", c)
+        sums = [0, 0, 0, 0]
+        for i in range(len(w) // 4):
+            m0, m1, m2, m3 = w[4 * i:4 * i + 4]
+            for p in range(4):
+                kk = k[4 * i + 4 * p:4 * i + 4 * p + 4]
+                sums[p] += ((m0 + kk[0]) % 2**32) * ((m2 + kk[2]) % 2**32) + ((m1 + kk[1]) % 2**32) * ((m3 + kk[3]) % 2**32)
+        out += struct.pack("<4Q", *(x % 2**64 for x in sums))
+    return out + struct.pack("<Q", len(msg))
+
+
+@pytest.mark.parametrize("nh", ["c-simd", "c-scalar", "numpy"])
+def test_the_tag_is_poly1305_over_nh_of_the_frame_by_its_definition(nh):
+    """The frame tag is Poly1305 (the frame's one-time key) over NH of each 1 KiB chunk and the
+    length: the C pass (AVX2 where the CPU has it, and the scalar one), and numpy's where ``_mac.c``
+    is not built, each against a plain-Python NH from the definition; whole chunks, a short last
+    one, an empty frame, and bytes fed in odd pieces."""
+    from gearflow.transport import _mac
+
+    if nh.startswith("c") and not hasattr(_mac, "NH"):
+        pytest.skip("_mac.c is not built here")
+    rng = np.random.default_rng(7)
+    for size in (0, 5, 16, 1024, 3 * 1024 + 100, 40_000):
+        msg = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        mac = integrity.Sealer(bytes(range(32)))
+        if nh == "c-scalar":
+            mac._nh = _mac.NH(mac._nh_key(), integrity._UPDATE_ADDRESS, mac._ctx, simd=False)
+        elif nh == "numpy":
+            mac._nh = integrity._NumpyNH(mac._nh_key(), mac._lib, mac._ctx)
+        mac.begin()
+        for lo in range(0, size, 777):  # pieces across the chunk edges
+            mac.update(msg[lo:lo + 777])
+        got = mac.final()
+        want = integrity.Sealer(bytes(range(32)))
+        want.begin()  # the same one-time key; its Poly1305 fed the reference NH by hand
+        ref = _nh_reference(want._nh_key(), msg)
+        assert want._lib.EVP_MAC_update(want._ctx, ref, len(ref)) == 1
+        assert want._lib.EVP_MAC_final(want._ctx, want._out, ctypes.byref(want._outlen), 16) == 1
+        assert got == want._out.raw, (nh, size)
+
+
+def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(monkeypatch):
+    """``seal_async(..., started=True)`` returns only once the MAC thread has its spans (uvloop's
+    ``writelines`` keeps the GIL while it writes: a MAC thread not yet started then waits for the
+    whole write), and the tag is the tag of the bytes."""
+    import threading
+
+    seen = []
+    real = integrity._Mac.update_spans
+
+    def recording_update(self, spans):
+        seen.append(threading.get_ident())
+        return real(self, spans)
+
+    monkeypatch.setattr(integrity._Mac, "update_spans", recording_update)
+    for f in [integrity.mac_pool().submit(time.sleep, 0.01) for _ in range(8)]:  # its threads started and idle
+        f.result()
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8)
+    mac, done = integrity.Sealer(bytes(32)), threading.Event()
+    mac.begin()
+    mac.seal_async([data], lambda err: done.set(), started=True)
+    assert seen and seen[0] != threading.get_ident()  # the MAC thread had begun before seal_async returned
+    done.wait()
+    ref = integrity.Sealer(bytes(32))
+    ref.begin()
+    ref.update(data)
+    assert mac.final() == ref.final()
 
 
 def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monkeypatch):

@@ -13,85 +13,407 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef int (*update_fn)(void *ctx, const unsigned char *data, size_t n);
+
+/* A span list's addresses and sizes (buffer views held until spans_release). */
+typedef struct {
+    Py_ssize_t n, nviews;
+    const unsigned char **addr;
+    size_t *len;
+    Py_buffer *views;
+    PyObject *seq;
+} Spans;
+
+static void spans_release(Spans *sp) {
+    for (Py_ssize_t i = 0; i < sp->nviews; i++)
+        PyBuffer_Release(&sp->views[i]);
+    PyMem_Free(sp->addr);
+    PyMem_Free(sp->len);
+    PyMem_Free(sp->views);
+    Py_XDECREF(sp->seq);
+}
+
+static int spans_parse(PyObject *spans, Spans *sp) {
+    memset(sp, 0, sizeof(*sp));
+    sp->seq = PySequence_Fast(spans, "update_spans: spans must be a list");
+    if (sp->seq == NULL)
+        return -1;
+    Py_ssize_t n = sp->n = PySequence_Fast_GET_SIZE(sp->seq);
+    PyObject **items = PySequence_Fast_ITEMS(sp->seq);
+    sp->addr = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*sp->addr));
+    sp->len = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*sp->len));
+    sp->views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (sp->addr == NULL || sp->len == NULL || sp->views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = items[i];
+        if (PyTuple_CheckExact(s) && PyTuple_GET_SIZE(s) == 2) {
+            unsigned long long a = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(s, 0));
+            Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(s, 1));
+            if (PyErr_Occurred())
+                return -1;
+            if (m < 0 || (m > 0 && a == 0)) {
+                PyErr_Format(PyExc_ValueError, "update_spans: span %zd is (%llu, %zd)", i, a, m);
+                return -1;
+            }
+            sp->addr[i] = (const unsigned char *)(uintptr_t)a;
+            sp->len[i] = (size_t)m;
+        } else {
+            if (PyObject_GetBuffer(s, &sp->views[sp->nviews], PyBUF_SIMPLE) < 0)
+                return -1;
+            sp->addr[i] = sp->views[sp->nviews].buf;
+            sp->len[i] = (size_t)sp->views[sp->nviews].len;
+            sp->nviews++;
+        }
+    }
+    return 0;
+}
 
 static PyObject *update_spans(PyObject *self, PyObject *args) {
     unsigned long long fn_addr, ctx_addr;
     PyObject *spans;
+    Spans sp;
+    int failed_at = -1;
     if (!PyArg_ParseTuple(args, "KKO", &fn_addr, &ctx_addr, &spans))
         return NULL;
     if (fn_addr == 0 || ctx_addr == 0) {
         PyErr_SetString(PyExc_ValueError, "update_spans: a null function or context");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(spans, "update_spans: spans must be a list");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const unsigned char **addr = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*addr));
-    size_t *len = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*len));
-    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
-    Py_ssize_t nviews = 0, i;
-    int failed_at = -1;
-    if (addr == NULL || len == NULL || views == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (i = 0; i < n; i++) {
-        PyObject *s = items[i];
-        if (PyTuple_CheckExact(s) && PyTuple_GET_SIZE(s) == 2) {
-            unsigned long long a = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(s, 0));
-            Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(s, 1));
-            if (PyErr_Occurred())
-                goto done;
-            if (m < 0 || (m > 0 && a == 0)) {
-                PyErr_Format(PyExc_ValueError, "update_spans: span %zd is (%llu, %zd)", i, a, m);
-                goto done;
-            }
-            addr[i] = (const unsigned char *)(uintptr_t)a;
-            len[i] = (size_t)m;
-        } else {
-            if (PyObject_GetBuffer(s, &views[nviews], PyBUF_SIMPLE) < 0)
-                goto done;
-            addr[i] = views[nviews].buf;
-            len[i] = (size_t)views[nviews].len;
-            nviews++;
-        }
-    }
-    {
+    if (spans_parse(spans, &sp) == 0) {
         update_fn fn = (update_fn)(uintptr_t)fn_addr;
         void *ctx = (void *)(uintptr_t)ctx_addr;
         Py_BEGIN_ALLOW_THREADS
-        for (i = 0; i < n; i++) {
-            if (len[i] && fn(ctx, addr[i], len[i]) != 1) {
+        for (Py_ssize_t i = 0; i < sp.n; i++) {
+            if (sp.len[i] && fn(ctx, sp.addr[i], sp.len[i]) != 1) {
                 failed_at = (int)i;
                 break;
             }
         }
         Py_END_ALLOW_THREADS
+        if (failed_at >= 0)
+            PyErr_Format(PyExc_ValueError, "update_spans: the MAC update of span %d failed", failed_at);
     }
-    if (failed_at >= 0)
-        PyErr_Format(PyExc_ValueError, "update_spans: the MAC update of span %d failed", failed_at);
-done:
-    for (i = 0; i < nviews; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(addr);
-    PyMem_Free(len);
-    PyMem_Free(views);
-    Py_DECREF(seq);
+    spans_release(&sp);
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ NH (the frame MAC's bulk pass)
+ *
+ * NH as Adiantum's NHPoly1305 has it (Crowley & Biggers 2018; Linux crypto/nh_generic.c): a
+ * message chunk of up to NH_CHUNK bytes in 16-byte units (m0..m3, little-endian u32), four
+ * passes with the key shifted four words each (Toeplitz), each pass
+ *     sum_p += (u32)(m0 + k[4i+4p+0]) * (u32)(m2 + k[4i+4p+2])
+ *            + (u32)(m1 + k[4i+4p+1]) * (u32)(m3 + k[4i+4p+3])       (products and sums mod 2^64)
+ * -> 32 bytes (sum_0..sum_3, little-endian u64) per chunk. A last chunk shorter than NH_CHUNK is
+ * zero-padded to a whole unit. The outputs go to fn(ctx, ...) (EVP_MAC_update of the frame's
+ * Poly1305) in batches; finish() adds the message's length (LE u64). integrity.py says why the
+ * composition is a MAC; its numpy reference computes the same bytes.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define NH_CHUNK 1024
+#define NH_UNITS (NH_CHUNK / 16)
+#define NH_KEY_WORDS (NH_CHUNK / 4 + 12)
+#define NH_OUT 32
+#define NH_BATCH 128 /* outputs per Poly1305 update: 4 KiB */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define NH_X86 1
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    PyObject_HEAD
+    uint32_t key[NH_KEY_WORDS];
+#ifdef NH_X86
+    uint32_t ka[4][NH_CHUNK / 32][8]; /* each pass's key, permuted as the AVX2 pass pairs words */
+#endif
+    update_fn fn;
+    void *ctx;
+    uint8_t part[NH_CHUNK];
+    size_t npart;
+    uint8_t out[NH_BATCH * NH_OUT];
+    size_t nout;
+    uint64_t total;
+    int failed;
+    int simd; /* the AVX2 pass (where the CPU has it and the caller did not ask for the scalar one) */
+} NHObject;
+
+static int nh_avx2_ok = 0;
+
+static inline uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline void put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void nh_units(const uint32_t *key, const uint8_t *m, size_t units, uint8_t out[NH_OUT]) {
+    uint64_t s[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < units; i++) {
+        uint32_t m0 = le32(m + 16 * i), m1 = le32(m + 16 * i + 4), m2 = le32(m + 16 * i + 8), m3 = le32(m + 16 * i + 12);
+        const uint32_t *k = key + 4 * i;
+        for (int p = 0; p < 4; p++)
+            s[p] += (uint64_t)(uint32_t)(m0 + k[4 * p]) * (uint32_t)(m2 + k[4 * p + 2]) +
+                    (uint64_t)(uint32_t)(m1 + k[4 * p + 1]) * (uint32_t)(m3 + k[4 * p + 3]);
+    }
+    for (int p = 0; p < 4; p++)
+        put64(out + 8 * p, s[p]);
+}
+
+#ifdef NH_X86
+#define NH_SHUF _MM_SHUFFLE(3, 1, 2, 0) /* a unit's words m0 m1 m2 m3 -> m0 m2 m1 m3: the pairs in 64-bit lanes */
+
+__attribute__((target("avx2"))) static void nh_prepare_avx2(NHObject *o) {
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < NH_CHUNK / 32; j++) {
+            __m256i k = _mm256_loadu_si256((const __m256i *)(o->key + 8 * j + 4 * p));
+            _mm256_storeu_si256((__m256i *)o->ka[p][j], _mm256_shuffle_epi32(k, NH_SHUF));
+        }
+}
+
+/* a whole chunk, 32 bytes (two units) a step: (m + k) permuted is perm(m) + perm(k), so the message
+ * is permuted once a step and the key once per session; each pass is an add, a shift, one 32x32->64
+ * multiply of four lanes (t0*t2, t1*t3 of each unit) and an accumulate */
+__attribute__((target("avx2"))) static void nh_chunk_avx2(const NHObject *o, const uint8_t *m, uint8_t out[NH_OUT]) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, t;
+#define NH_PASS(acc, p)                                                                   \
+    t = _mm256_add_epi32(x, _mm256_loadu_si256((const __m256i *)o->ka[p][j]));           \
+    acc = _mm256_add_epi64(acc, _mm256_mul_epu32(t, _mm256_srli_epi64(t, 32)));
+    for (int j = 0; j < NH_CHUNK / 32; j++) {
+        __m256i x = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(m + 32 * j)), NH_SHUF);
+        NH_PASS(s0, 0)
+        NH_PASS(s1, 1)
+        NH_PASS(s2, 2)
+        NH_PASS(s3, 3)
+    }
+#undef NH_PASS
+    __m256i s[4] = {s0, s1, s2, s3};
+    uint64_t a[4];
+    for (int p = 0; p < 4; p++) {
+        _mm256_storeu_si256((__m256i *)a, s[p]);
+        put64(out + 8 * p, a[0] + a[1] + a[2] + a[3]);
+    }
+}
+#endif
+
+static void nh_chunk(const NHObject *o, const uint8_t *m, uint8_t out[NH_OUT]) {
+#ifdef NH_X86
+    if (o->simd) {
+        nh_chunk_avx2(o, m, out);
+        return;
+    }
+#endif
+    nh_units(o->key, m, NH_UNITS, out);
+}
+
+static void nh_flush(NHObject *o) {
+    if (o->nout && !o->failed && o->fn(o->ctx, o->out, o->nout * NH_OUT) != 1)
+        o->failed = 1;
+    o->nout = 0;
+}
+
+static inline uint8_t *nh_slot(NHObject *o) {
+    if (o->nout == NH_BATCH)
+        nh_flush(o);
+    return o->out + NH_OUT * o->nout++;
+}
+
+/* called without the GIL */
+static void nh_feed(NHObject *o, const uint8_t *data, size_t n) {
+    o->total += n;
+    if (o->npart) {
+        size_t take = NH_CHUNK - o->npart < n ? NH_CHUNK - o->npart : n;
+        memcpy(o->part + o->npart, data, take);
+        o->npart += take;
+        data += take;
+        n -= take;
+        if (o->npart < NH_CHUNK)
+            return;
+        nh_chunk(o, o->part, nh_slot(o));
+        o->npart = 0;
+    }
+    for (; n >= NH_CHUNK; data += NH_CHUNK, n -= NH_CHUNK)
+        nh_chunk(o, data, nh_slot(o));
+    if (n) {
+        memcpy(o->part, data, n);
+        o->npart = n;
+    }
+}
+
+static int nh_init(NHObject *o, PyObject *args, PyObject *kw) {
+    Py_buffer key;
+    unsigned long long fn_addr, ctx_addr;
+    int simd = 1;
+    static char *names[] = {"key", "fn", "ctx", "simd", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*KK|p", names, &key, &fn_addr, &ctx_addr, &simd))
+        return -1;
+    if (key.len != NH_KEY_WORDS * 4 || fn_addr == 0 || ctx_addr == 0) {
+        PyErr_Format(PyExc_ValueError, "NH(key, fn, ctx): a %d-byte key and non-null fn, ctx (got %zd bytes)",
+                     NH_KEY_WORDS * 4, key.len);
+        PyBuffer_Release(&key);
+        return -1;
+    }
+    for (int i = 0; i < NH_KEY_WORDS; i++)
+        o->key[i] = le32((const uint8_t *)key.buf + 4 * i);
+    PyBuffer_Release(&key);
+    o->simd = simd && nh_avx2_ok;
+#ifdef NH_X86
+    if (o->simd)
+        nh_prepare_avx2(o);
+#endif
+    o->fn = (update_fn)(uintptr_t)fn_addr;
+    o->ctx = (void *)(uintptr_t)ctx_addr;
+    o->npart = o->nout = 0;
+    o->total = 0;
+    o->failed = 0;
+    return 0;
+}
+
+static PyObject *nh_failed(NHObject *o) {
+    o->failed = 0;
+    PyErr_SetString(PyExc_ValueError, "NH: the Poly1305 update of its outputs failed");
+    return NULL;
+}
+
+static PyObject *nh_reset(NHObject *o, PyObject *unused) {
+    o->npart = o->nout = 0;
+    o->total = 0;
+    o->failed = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *nh_update(NHObject *o, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    nh_feed(o, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (o->failed)
+        return nh_failed(o);
+    Py_RETURN_NONE;
+}
+
+static PyObject *nh_update_at(NHObject *o, PyObject *args) {
+    unsigned long long a;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "Kn", &a, &n))
+        return NULL;
+    if (n < 0 || (n > 0 && a == 0)) {
+        PyErr_Format(PyExc_ValueError, "NH.update_at(%llu, %zd): a null address or a negative size", a, n);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    nh_feed(o, (const uint8_t *)(uintptr_t)a, (size_t)n);
+    Py_END_ALLOW_THREADS
+    if (o->failed)
+        return nh_failed(o);
+    Py_RETURN_NONE;
+}
+
+static PyObject *nh_finish(NHObject *o, PyObject *unused) {
+    uint8_t len[8];
+    Py_BEGIN_ALLOW_THREADS
+    if (o->npart) {
+        size_t padded = (o->npart + 15) & ~(size_t)15;
+        memset(o->part + o->npart, 0, padded - o->npart);
+        nh_units(o->key, o->part, padded / 16, nh_slot(o));
+    }
+    nh_flush(o);
+    put64(len, o->total);
+    if (!o->failed && o->fn(o->ctx, len, 8) != 1)
+        o->failed = 1;
+    o->npart = 0;
+    o->total = 0;
+    Py_END_ALLOW_THREADS
+    if (o->failed)
+        return nh_failed(o);
+    Py_RETURN_NONE;
+}
+
+static PyObject *nh_spans(NHObject *o, PyObject *spans) {
+    Spans sp;
+    if (spans_parse(spans, &sp) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < sp.n; i++)
+            if (sp.len[i])
+                nh_feed(o, sp.addr[i], sp.len[i]);
+        Py_END_ALLOW_THREADS
+    }
+    spans_release(&sp);
+    if (PyErr_Occurred())
+        return NULL;
+    if (o->failed)
+        return nh_failed(o);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef nh_methods[] = {
+    {"reset", (PyCFunction)nh_reset, METH_NOARGS, "reset(): start a message (drops what was fed, unfinished)."},
+    {"update", (PyCFunction)nh_update, METH_O, "update(buffer): feed a bytes-like object, without the GIL."},
+    {"update_at", (PyCFunction)nh_update_at, METH_VARARGS, "update_at(address, nbytes): feed memory the caller keeps alive."},
+    {"update_spans", (PyCFunction)nh_spans, METH_O,
+     "update_spans(spans): feed each (address, nbytes) tuple or bytes-like object, in order, without the GIL."},
+    {"finish", (PyCFunction)nh_finish, METH_NOARGS,
+     "finish(): the last chunk and the length to the Poly1305 context; ready for the next message."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject NHType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gearflow.transport._mac.NH",
+    .tp_basicsize = sizeof(NHObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "NH(key, fn, ctx, simd=True): NH of a message's chunks into fn(ctx, data, n) (the frame's Poly1305); "
+              "simd=False: the scalar pass (the same bytes).",
+    .tp_methods = nh_methods,
+    .tp_init = (initproc)nh_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static PyObject *avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(nh_avx2_ok); }
+
 static PyMethodDef methods[] = {
     {"update_spans", update_spans, METH_VARARGS,
      "update_spans(fn, ctx, spans): fn(ctx, data, n) for each span, in order, without the GIL."},
+    {"avx2", avx2, METH_NOARGS, "avx2(): whether NH runs its AVX2 pass on this CPU."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mac", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__mac(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__mac(void) {
+#ifdef NH_X86
+    __builtin_cpu_init();
+    nh_avx2_ok = __builtin_cpu_supports("avx2");
+#endif
+    if (PyType_Ready(&NHType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&NHType);
+    if (PyModule_AddObject(m, "NH", (PyObject *)&NHType) < 0) {
+        Py_DECREF(&NHType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "NH_CHUNK", NH_CHUNK) < 0 || PyModule_AddIntConstant(m, "NH_KEY_BYTES", NH_KEY_WORDS * 4) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -77,7 +77,7 @@ __all__ = [
 ]  # fmt: skip
 
 MAGIC = b"GFLW"
-VERSION = 2  # 2: frames after the handshake may carry an integrity trailer
+VERSION = 3  # 2: frames after the handshake may carry an integrity trailer; 3: its tag is NH-Poly1305
 HEADER = struct.Struct("<4sHHQIIQ")  # magic, version, kind, request id, envelope, buffers, buffer bytes
 ALIGN = 64  # each buffer starts at a multiple of this many bytes in the buffer block
 
@@ -523,7 +523,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
                 # a big frame: its bytes go to the socket now and a MAC thread reads them meanwhile
                 # (both only read them); its trailer, and any frame after it, once the MAC is done
                 self._mac_job = job = [more, on_sent]
-                self.sealer.seal_async(macs, functools.partial(self._mac_done, job))
+                self.sealer.seal_async(macs, functools.partial(self._mac_done, job), started=True)
                 t.writelines(parts)
                 return
             self.sealer.update_spans(macs)

@@ -1,31 +1,62 @@
-"""Per-frame integrity after the handshake: Poly1305 under a one-time key per frame (ChaCha20 of
+"""Per-frame integrity after the handshake: NH-Poly1305 under a one-time key per frame (ChaCha20 of
 a session key per direction and the frame's sequence number), over every byte of the frame.
 
 Each frame after ``AUTH_OK`` carries a 24-byte trailer after its buffer block::
 
     trailer  "<Q16s"   sequence number (this direction's frame count, from 0), tag
 
-``tag = Poly1305(otk(seq), header | envelope | buffer block)``: the frame's bytes exactly as
-they are on the wire (padding included), under the frame's one-time key ``otk(seq)``: the first
-32 bytes of ChaCha20's keystream under the direction's key with counter 0 and nonce ``0⁴ | seq``
-(little-endian, 8 B) — RFC 8439's ``poly1305_key_gen``, as ChaCha20-Poly1305 makes its MAC key,
-here with the frame in clear (integrity, not confidentiality: that is TLS's job). The receiver counts the
-frames it has accepted; a trailer whose sequence number is not the next one (a replayed,
-reordered or dropped frame) or whose tag does not verify (an injected or altered frame) is
-an :class:`IntegrityError`, raised before the frame is handed to anyone: its connection is
-closed. The keys (:func:`session_keys`) are HKDF-SHA256 over the role's secret, salted with
-both nonces of the handshake, one per direction, so a recorded frame of one connection or
-direction verifies nowhere else.
+``tag = Poly1305(otk(seq), NH_K(c_1) | NH_K(c_2) | ... | NH_K(c_k) | le64(len))`` where
+``c_1 .. c_k`` are the frame's bytes exactly as they are on the wire (header | envelope | buffer
+block, padding included) cut into 1 KiB chunks (the last one shorter, zero-padded to a multiple of
+16 bytes), ``len`` their count, and
 
-Both run in OpenSSL's libcrypto (the one Python's ``ssl`` module links), through its
-``EVP_MAC`` / ``EVP_CIPHER`` APIs (OpenSSL ≥ 3). Chosen by measurement (14.5 MB, one core,
-AVX-512 with IFMA): Poly1305 11.8–12.6 GB/s, AES-128-GMAC 8.0 (the MAC this module used first),
-keyed BLAKE3 (the ``blake3`` package, parallel by construction) 4.6 on one thread and no faster
-on two of a loaded 2-core box, HMAC-SHA256 1.1, keyed ``hashlib.blake2b`` 0.9. The MAC is one
-pass over the bytes on each side, the whole cost of integrity: a tree MAC buys nothing a
-pipelined Poly1305 does not, and costs more CPU per byte. A one-time key is never used twice:
-each direction of each connection has its own session key and counts its own frames, and a
-frame MACed again (a torn frame's reseal, below) finalises one tag only.
+* ``otk(seq)``: the frame's one-time key, the first 32 bytes of ChaCha20's keystream under the
+  direction's key with counter 0 and nonce ``0⁴ | seq`` (little-endian, 8 B) — RFC 8439's
+  ``poly1305_key_gen``, as ChaCha20-Poly1305 makes its MAC key, here with the frame in clear
+  (integrity, not confidentiality: that is TLS's job);
+* ``NH_K``: Adiantum's NH (Crowley & Biggers, "Adiantum", ToSC 2018; Linux's
+  ``crypto/nh_generic.c``): each 16-byte unit ``i`` of a chunk (four little-endian u32 ``m0..m3``)
+  adds, for each pass ``p`` of four, ``(m0 + K[4i+4p]) · (m2 + K[4i+4p+2]) + (m1 + K[4i+4p+1]) ·
+  (m3 + K[4i+4p+3])`` (additions mod 2³², products and sums mod 2⁶⁴) to that pass's sum: 32 bytes
+  (four little-endian u64) per chunk. ``K``: 1,072 bytes of ChaCha20's keystream under the direction's
+  key and the nonce ``b"nhky" | 0⁸`` (a nonce no frame uses), one per direction and connection.
+
+The receiver counts the frames it has accepted; a trailer whose sequence number is not the next one
+(a replayed, reordered or dropped frame) or whose tag does not verify (an injected or altered frame)
+is an :class:`IntegrityError`, raised before the frame is handed to anyone: its connection is
+closed. The keys (:func:`session_keys`) are HKDF-SHA256 over the role's secret, salted with both
+nonces of the handshake, one per direction, so a recorded frame of one connection or direction
+verifies nowhere else.
+
+Why it is a MAC (the Wegman–Carter argument, as for Poly1305 alone and for Adiantum's hash). The
+sender finalises one tag per one-time key (per sequence number), and ``(r, s) = otk(seq)`` is
+pseudorandom and independent of every other frame's and of ``K``; every tag the attacker sees is
+masked by its own ``s``, so the tags say nothing about ``K`` or any ``r``. To forge frame ``seq`` the
+attacker needs ``M' ≠ M`` (``M`` the frame the sender tagged under that key, if any) with
+``Poly1305_r(H(M')) + s = t'`` for a tag ``t'`` of its choice: a collision or a chosen difference of
+``x ↦ Poly1305_r(x)`` on ``H(M') ≠ H(M)``, probability ≤ ``8⌈L/16⌉ / 2¹⁰⁶`` (Poly1305's bound for an
+input of ``L`` bytes), or ``H(M') = H(M)``. ``H`` (the Poly1305 input above) is injective on lengths
+(the length is its last block) and, for two frames of one length, differs unless NH collides on
+some chunk pair of equal length: NH with four Toeplitz-shifted passes is 2⁻¹²⁸-almost-universal on
+equal-length inputs (NH is 2⁻³²-almost-universal per pass: Black et al., UMAC, CRYPTO 1999; the
+Toeplitz iteration: Krovetz, and Adiantum's analysis), with ``K`` uniform and unseen. A 14.5 MB
+sample reply is ~454 KB of Poly1305 input: a forgery succeeds with probability below 2⁻⁸⁸ a try
+(Poly1305 over the raw 14.5 MB: 2⁻⁸³), and each failed try closes the connection.
+
+Why NH first (chosen by measurement, 14.5 MB, one core): Poly1305 runs at 11.8–12.6 GB/s where
+the CPU has AVX-512 IFMA and at 5.0 where it has only AVX2; NH reads the bytes at 16–17 GB/s
+through Poly1305 (``_mac.c``'s AVX2 pass, 20–24 GB/s alone) and leaves Poly1305 1/32 of them, on
+either CPU. AES-128-GMAC ran at 8.0 (6.3 on AVX2), keyed BLAKE3 (the ``blake3`` package, parallel
+by construction) 4.6 on one thread and no faster on two of a loaded 2-core box, HMAC-SHA256 1.1,
+keyed ``hashlib.blake2b`` 0.9. ChaCha20 and Poly1305 run in OpenSSL's libcrypto (the one Python's
+``ssl`` module links), through its ``EVP_MAC`` / ``EVP_CIPHER`` APIs (OpenSSL ≥ 3); NH in
+``_mac.c`` (``_mac.NH``: AVX2 where the CPU has it, a scalar pass that gives the same bytes, the
+GIL released), or in numpy where ``_mac.c`` is not built (:class:`_NumpyNH`, ~0.9 GB/s; the same
+bytes: ``tests/test_wire_security.py`` checks all three against NH written from its definition).
+A one-time key is never used twice: each direction of each connection has its own session key
+and counts its own frames, and a frame MACed again (a torn frame's reseal, below) finalises one
+tag only. Frame format version 3 (:data:`~gearflow.transport.framing.VERSION`) is this MAC; a peer
+of version 2 (Poly1305 over the raw bytes) is refused at its first frame, by name.
 
 Off the critical path (MAC threads). A frame of at least :data:`MAC_THREAD_BYTES` (1 MiB) is
 MACed in a MAC thread (:func:`mac_pool`, 2–4 per process) while the thread that moves its bytes
@@ -37,9 +68,13 @@ and a MAC thread follows it, woken once :data:`FEED_BYTES` have landed, taking e
 has landed in one call each time; at the block's end the loop waits for it (the tail of the last
 piece), then checks the trailer before the frame is delivered. The MAC input, the key and the
 check are exactly those of a frame MACed inline (smaller frames are): what changes is which
-thread computes it, and when. The sender's span list (~520 rows of a sample reply) goes to
-libcrypto in one call with the GIL released (``_mac.c``, built by setup.py; a ctypes call per
-span where it is not built).
+thread computes it, and when. The sender's span list (~520 rows of a sample reply) goes to NH
+in one call with the GIL released (``_mac.c``, built by setup.py). A sender whose socket write
+keeps the GIL (uvloop's ``writelines`` writes what the socket takes before it returns) starts the
+MAC thread first and writes once that thread holds the spans (``seal_async(..., started=True)``):
+the MAC then runs beside the write instead of after it (measured on the shard, median of ~290
+rounds: the MAC began 0.1 ms after the frame was handed over instead of 2.6 ms, once the write had
+returned).
 
 Rows marked torn (the one exception to "every byte"). A shard sends a sample reply's wide
 rows straight out of its shared-memory segment (:mod:`gearflow.transport.server.wire`), where a
@@ -110,8 +145,11 @@ __all__ = ["MAC_THREAD_BYTES", "RESEAL_PASSES", "TAG_BYTES", "TRAILER", "BlockMa
 
 TRAILER = struct.Struct("<Q16s")  # sequence number, tag
 TAG_BYTES = 16
-ALGORITHM = "poly1305, chacha20 one-time keys (rfc 8439)"
+ALGORITHM = "nh-poly1305 (nh as adiantum's), chacha20 one-time keys (rfc 8439)"
 KEY_BYTES = 32
+NH_CHUNK = 1024  # NH's message chunk: 32 bytes of NH output per 1 KiB to Poly1305
+NH_KEY_BYTES = NH_CHUNK + 48  # 268 words: 256 for a chunk, 12 more for the three shifted passes
+_NH_NONCE = b"nhky" + bytes(8)  # ChaCha20 nonce of the NH key (frames' nonces start with 0⁴)
 _ZERO_KEY = bytes(32)
 RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
 MAC_THREAD_BYTES = 1 << 20  # frames with at least this many buffer bytes are MACed in a MAC thread, beside the socket
@@ -202,7 +240,84 @@ def require():
     return lib
 
 
-_UPDATE_ADDRESS = 0  # EVP_MAC_update's address, for _mac.update_spans
+_UPDATE_ADDRESS = 0  # EVP_MAC_update's address, for _mac.NH
+
+
+def _nh(key: bytes, lib, ctx: int):
+    """The NH pass of one direction, feeding the Poly1305 context ``ctx``: ``_mac.NH`` (C, AVX2
+    where the CPU has it, the GIL released) where it is built, else :class:`_NumpyNH`."""
+    global _UPDATE_ADDRESS
+    if not _UPDATE_ADDRESS:
+        _UPDATE_ADDRESS = ctypes.cast(lib.EVP_MAC_update, ctypes.c_void_p).value
+    if _native is not None and hasattr(_native, "NH"):
+        return _native.NH(key, _UPDATE_ADDRESS, ctx)
+    return _NumpyNH(key, lib, ctx)
+
+
+class _NumpyNH:
+    """NH in numpy, for where ``_mac.c`` is not built: the bytes ``_mac.NH`` feeds Poly1305, at
+    ~1 GB/s (``tests/test_wire_security.py`` checks both against a plain-Python NH)."""
+
+    BLOCK = 256  # chunks per numpy pass (bounds the temporaries: ~2 MiB)
+
+    def __init__(self, key: bytes, lib, ctx: int):
+        k = np.frombuffer(key, "<u4").astype(np.uint32)
+        self._keys = [k[4 * p:4 * p + NH_CHUNK // 4].reshape(-1, 4) for p in range(4)]
+        self._lib, self._ctx = lib, ctx
+        self.reset()
+
+    def reset(self) -> None:
+        self._part = b""
+        self._total = 0
+
+    def update(self, part) -> None:
+        self._feed(np.frombuffer(part, np.uint8) if not isinstance(part, np.ndarray) else part.reshape(-1).view(np.uint8))
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        if nbytes:
+            self._feed(np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), np.uint8))
+
+    def update_spans(self, spans: list) -> None:
+        for s in spans:
+            if type(s) is tuple:
+                self.update_at(*s)
+            else:
+                self.update(s)
+
+    def _feed(self, m: np.ndarray) -> None:
+        self._total += m.size
+        if self._part:
+            take = min(NH_CHUNK - len(self._part), m.size)
+            self._part += m[:take].tobytes()
+            m = m[take:]
+            if len(self._part) < NH_CHUNK:
+                return
+            self._emit(np.frombuffer(self._part, np.uint8))
+            self._part = b""
+        whole = m.size // NH_CHUNK * NH_CHUNK
+        for lo in range(0, whole, self.BLOCK * NH_CHUNK):
+            self._emit(m[lo:min(whole, lo + self.BLOCK * NH_CHUNK)])
+        if m.size > whole:
+            self._part = m[whole:].tobytes()
+
+    def _emit(self, m: np.ndarray, units: int = NH_CHUNK // 16) -> None:
+        w = np.ascontiguousarray(m).view("<u4").reshape(-1, units, 4)
+        out = np.empty((w.shape[0], 4), "<u8")
+        for p, k in enumerate(self._keys):
+            t = (w + k[:units]).astype(np.uint64)  # u32 sums wrap; u64 products and sums wrap
+            out[:, p] = (t[..., 0] * t[..., 2] + t[..., 1] * t[..., 3]).sum(axis=1, dtype=np.uint64)
+        b = out.tobytes()
+        if self._lib.EVP_MAC_update(self._ctx, b, len(b)) != 1:
+            raise IntegrityError("EVP_MAC_update failed")
+
+    def finish(self) -> None:
+        if self._part:
+            n = len(self._part)
+            self._emit(np.frombuffer(self._part + bytes(-n % 16), np.uint8), -(-n // 16))
+        b = struct.pack("<Q", self._total)
+        if self._lib.EVP_MAC_update(self._ctx, b, 8) != 1:
+            raise IntegrityError("EVP_MAC_update failed")
+        self.reset()
 
 
 def _address(part) -> tuple[int, int]:
@@ -229,13 +344,20 @@ class _Mac:
         self._otklen = ctypes.c_int()
         self._out = ctypes.create_string_buffer(TAG_BYTES)
         self._outlen = ctypes.c_size_t()
+        self._nh = _nh(self._nh_key(), lib, self._ctx)  # the bulk pass: NH of each 1 KiB chunk into the Poly1305
         self.seq = 0
         self.thread_bytes = MAC_THREAD_BYTES  # frames this big are MACed in a MAC thread (seal_async, block_mac)
         self.piece_bytes = PIECE_BYTES  # a receiver's recv size while its MAC thread follows a block
         self._block_mac: BlockMac | None = None
-        global _UPDATE_ADDRESS
-        if not _UPDATE_ADDRESS:
-            _UPDATE_ADDRESS = ctypes.cast(lib.EVP_MAC_update, ctypes.c_void_p).value
+
+    def _nh_key(self) -> bytes:
+        """This direction's NH key: ChaCha20's keystream under its session key and the nonce
+        ``b"nhky" | 0⁸`` (no frame's one-time key uses that nonce: theirs start with 0⁴)."""
+        lib, out, n = self._lib, ctypes.create_string_buffer(NH_KEY_BYTES), ctypes.c_int()
+        if (lib.EVP_EncryptInit_ex(self._kctx, None, None, None, bytes(4) + _NH_NONCE) != 1
+                or lib.EVP_EncryptUpdate(self._kctx, out, ctypes.byref(n), bytes(NH_KEY_BYTES), NH_KEY_BYTES) != 1):  # fmt: skip
+            raise IntegrityError("deriving the NH key failed")
+        return out.raw
 
     def begin(self) -> int:
         """Start the MAC of the next frame; returns its sequence number."""
@@ -255,32 +377,24 @@ class _Mac:
                 or lib.EVP_EncryptUpdate(self._kctx, self._otk, ctypes.byref(self._otklen), _ZERO_KEY, 32) != 1
                 or lib.EVP_MAC_init(self._ctx, self._otk, 32, None) != 1):  # fmt: skip
             raise IntegrityError("deriving the frame's one-time key failed")
+        self._nh.reset()
 
     def update(self, part) -> None:
-        if isinstance(part, bytes):
-            if part:
-                self._lib.EVP_MAC_update(self._ctx, part, len(part))
-            return
-        addr, n = _address(part)
-        if n:
-            self._lib.EVP_MAC_update(self._ctx, addr, n)
+        self._nh.update(part)
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        """:meth:`update` with ``nbytes`` at ``address`` (memory the caller keeps alive), without the GIL."""
+        self._nh.update_at(address, nbytes)
 
     def update_spans(self, spans: list) -> None:
         """:meth:`update` with each of ``spans``: an ``(address, nbytes)`` pair (memory the caller
         keeps alive: a segment row's address, computed without a Python object per row) or a
         bytes-like part. One call into C for them all, the GIL released throughout (``_mac.c``),
-        where it is built; else a ctypes call per span."""
-        if _native is not None:
-            _native.update_spans(_UPDATE_ADDRESS, self._ctx, spans)
-            return
-        upd, ctx = self._lib.EVP_MAC_update, self._ctx
-        for s in spans:
-            if type(s) is not tuple:
-                s = (s, len(s)) if isinstance(s, bytes) else _address(s)
-            if s[1]:
-                upd(ctx, s[0], s[1])
+        where it is built; else numpy's NH (:class:`_NumpyNH`: the same bytes, ~1 GB/s)."""
+        self._nh.update_spans(spans)
 
     def final(self) -> bytes:
+        self._nh.finish()
         if self._lib.EVP_MAC_final(self._ctx, self._out, ctypes.byref(self._outlen), TAG_BYTES) != 1:
             raise IntegrityError("EVP_MAC_final failed")
         return self._out.raw
@@ -306,20 +420,28 @@ class Sealer(_Mac):
         parts.append(self.trailer())
         return parts
 
-    def seal_async(self, spans: list, done: Callable[[BaseException | None], None]) -> None:
+    def seal_async(self, spans: list, done: Callable[[BaseException | None], None], started: bool = False) -> None:
         """MAC ``spans`` into the frame begun in a MAC thread (:func:`mac_pool`); ``done(error)``
         is called there once they are all read (``error``: None, or what the MAC raised). Until
-        then nothing else may use this sealer, and the spans' bytes must stay as they are."""
+        then nothing else may use this sealer, and the spans' bytes must stay as they are.
+        ``started``: return once the MAC thread holds the spans (it then runs without the GIL) —
+        for a caller about to write them in a call that keeps the GIL (uvloop's ``writelines``:
+        otherwise the MAC thread could not start until that write returned)."""
+        go = threading.Event() if started else None
 
         def job() -> None:
             err = None
             try:
+                if go is not None:  # the caller waits for the GIL, which update_spans releases once it parsed the spans
+                    go.set()
                 self.update_spans(spans)
             except BaseException as exc:  # noqa: BLE001 - handed to done(): the caller closes its connection
                 err = exc
             done(err)
 
         mac_pool().submit(job)
+        if go is not None:
+            go.wait()
 
     def trailer(self) -> bytes:
         return TRAILER.pack(self.seq - 1, self.final())
@@ -426,8 +548,7 @@ class BlockMac:
                 self._cv.notify_all()
 
     def _update(self, block: np.ndarray, lo: int, hi: int) -> None:
-        if self._mac._lib.EVP_MAC_update(self._mac._ctx, self._base + lo, hi - lo) != 1:
-            raise IntegrityError("EVP_MAC_update failed")
+        self._mac.update_at(self._base + lo, hi - lo)
 
     def finish(self) -> None:
         """Wait until the whole block is MACed; raises :class:`IntegrityError` if the MAC failed."""
