@@ -94,18 +94,17 @@ from gearflow.native.device_buffers import (
     DeviceDraw,
     torch_stream,
 )
+from gearflow.native.device_ingest import IngestQueue
 from gearflow.native.device_inputs import WriteBackInputs
 from gearflow.native.gather import CudaGather, transition_rows
-from gearflow.native.hostmem import MappedArea, register_storage
+from gearflow.native.hostmem import register_storage
 from gearflow.native.protocol import DEVICE_SELECTORS
 from gearflow.native.select import REPLAY_FIELDS, CudaSelect, descriptor, num_chunks
 
 log = logging.getLogger(__name__)
 
 REPLAY_DEVICES = ("auto", "cpu", "cuda")
-FLUSH_AT = 1 << 20  # queued ingest entries applied to the device without waiting for a draw
 MAX_INVALID_ROUNDS = 8  # redraws of impossible slots in a row before the sample raises
-STAGING_AREAS = 8  # ingest staging areas in flight before a flush waits for the oldest
 RESERVE = 0  # gearflow.replay.storage's RESERVE counter field (checked against it by the tests)
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -350,13 +349,14 @@ class DeviceReplay:
                 "prio_status": self._prio_status, "counters": counters, "N": N, "NC": self._NC, "P": self._P,
                 "R": self._R, "counter_fields": storage.counters.shape[1], "reserve_field": RESERVE,
                 "trusted_steps": storage.trusted_steps})  # fmt: skip
-            self._staging: deque[tuple[MappedArea, Any]] = deque()  # (area, event after its apply_ingest)
         self._desc_ptr = dptr(self._desc)
+        vectors = [(dptr(self._masses), dptr(self._sums), N, self._NC)]
+        if self.prioritized:
+            vectors.append((dptr(self._live), dptr(self._live_sums), N, self._NC))
+        self._ingest = IngestQueue(cp, self._select, self._desc_ptr, vectors, self._alpha, self._lock, self._on)
         # the torn rule's bound (finish_batch): an item is intact while its first step is >= RESERVE - this
         self._S_trust = storage.trusted_steps
         self.columns = DeviceColumns.of(cp, self._gather, storage, self._reg)  # what the kind's gather_on_device reads
-        self._pending: list[tuple[np.ndarray, np.ndarray, tuple | None]] = []  # (slots, priorities, records)
-        self._pending_n = 0
         # the buffer sets and their consumers' releases (gearflow/native/device_buffers.py)
         self.buffer_sets = BufferSets(cp, device_id, self._on, self.stream, kind, storage.spec, self._consumer_stream)
         self._queue: deque[DeviceBuffers] = deque()  # batches drawn ahead, oldest first
@@ -366,77 +366,23 @@ class DeviceReplay:
         self._take_over(selector)
 
     # ------------------------------------------------------------------ mirror of the table's ingest
-    # The table reports ingest/evict per partition; those calls are queued on the host and applied
-    # in one kernel (entries de-duplicated on the host, read in place from mapped host memory)
-    # before the next draw, so a scan over many partitions costs a few launches and no upload.
+    # queued on the host, applied in one kernel before the next draw (gearflow/native/device_ingest.py)
     def _alpha(self) -> float:
         return float(self.selector.alpha) if self.prioritized else -1.0  # -1: masses are 1 (uniform)
-
-    def _queue_entries(self, slots: np.ndarray, priorities: np.ndarray, records: tuple | None) -> None:
-        if len(slots):  # copies: the caller may reuse its arrays before the queue is applied
-            records = None if records is None else tuple(np.array(r) for r in records)
-            with self._lock:
-                self._pending.append((np.array(slots, dtype=np.int64), np.array(priorities, dtype=np.float64), records))
-                self._pending_n += len(slots)
-                if self._pending_n >= FLUSH_AT:  # a table that fills for long before its first sample
-                    self.flush()
 
     def insert(self, slots: np.ndarray, priorities: np.ndarray, starts: np.ndarray, seqs: np.ndarray,
                lengths: np.ndarray) -> None:  # fmt: skip
         """Items ingested into ``slots`` (host int64) with their raw priorities and records."""
-        self._queue_entries(slots, priorities, (starts, seqs, lengths))
+        self._ingest.put(slots, priorities, (starts, seqs, lengths))
 
     def remove(self, slots: np.ndarray) -> None:
         """Items evicted: their mass and liveness become 0 (their records stay until the slot is reused)."""
-        self._queue_entries(slots, np.zeros(len(slots)), None)
+        self._ingest.put(slots, np.zeros(len(slots)), None)
 
     def flush(self) -> None:
         """Apply the queued ingest/evictions now (queued on the stream; every draw and write-back
         applies them first anyway)."""
-        with self._lock, self._on:
-            self._flush()
-
-    def _staging_area(self, nbytes: int) -> tuple[MappedArea, Any]:  # inside self._lock and self._on
-        """A staging area no queued kernel reads any more (its apply_ingest's event passed), at
-        least ``nbytes``, and its event: a few reused in turn (made once each); the oldest is
-        waited for only when :data:`STAGING_AREAS` flushes are in flight (no sample in between)."""
-        if self._staging and (self._staging[0][1].done or len(self._staging) >= STAGING_AREAS):
-            area, event = self._staging.popleft()
-            if not event.done:
-                event.synchronize()
-            area.ensure(nbytes)
-            return area, event
-        return MappedArea(self.cupy, max(nbytes, 4096)), self.cupy.cuda.Event(disable_timing=True)
-
-    def _flush(self) -> bool:  # inside self._lock and self._on
-        """Pack the queued entries, the last per slot, into a staging area (int64 [6, n]: select.py
-        INGEST_ROWS, read in place by the kernel) and queue apply_ingest + the chunk re-sums;
-        False when nothing was queued."""
-        if not self._pending:
-            return False
-        pending, self._pending, self._pending_n = self._pending, [], 0
-        slots = np.concatenate([s for s, _, _ in pending])
-        n = slots.size
-        _, first_reversed = np.unique(slots[::-1], return_index=True)
-        last = np.sort(n - 1 - first_reversed)  # each slot's last entry, in the table's order
-        k = last.size
-        area, event = self._staging_area(6 * 8 * k)
-        entries = area.host[: 6 * 8 * k].view(np.int64).reshape(6, k)
-        entries[0] = slots[last]
-        entries[1] = np.concatenate([p for _, p, _ in pending])[last].view(np.int64)
-        live = np.concatenate([np.full(s.size, r is not None) for s, _, r in pending])[last]
-        entries[5] = live
-        for row, i in ((2, 0), (3, 1), (4, 2)):  # start, seq, length (0 for an eviction: not written)
-            col = np.concatenate([np.zeros(s.size, np.int64) if r is None else np.asarray(r[i], np.int64)
-                                  for s, _, r in pending])  # fmt: skip
-            entries[row] = col[last]
-        vectors = [(dptr(self._masses), dptr(self._sums), self._N, self._NC)]
-        if self.prioritized:
-            vectors.append((dptr(self._live), dptr(self._live_sums), self._N, self._NC))
-        self._select.apply_ingest(self._desc_ptr, area.device_ptr, k, self._alpha(), tuple(vectors))
-        event.record(self.stream)
-        self._staging.append((area, event))
-        return True
+        self._ingest.flush()
 
     def _take_over(self, selector: Any) -> None:
         """Live slots and (prioritized) masses of a selector that already holds items (a restored
@@ -466,7 +412,7 @@ class DeviceReplay:
         Batches drawn ahead are dropped (they were drawn from the state before)."""
         cp = self.cupy
         with self._lock, self._on:
-            self._pending, self._pending_n = [], 0  # superseded by the state loaded here
+            self._ingest.drop()  # superseded by the state loaded here
             self._drop_queue()
             mask = cp.asarray(np.ascontiguousarray(live, dtype=np.float64))
             self._masses *= mask
@@ -481,7 +427,7 @@ class DeviceReplay:
         """Host copy of the mass vector (float64[N], p ** alpha; a checkpoint's priorities): queued
         ingest applied, then one wait for the stream."""
         with self._lock, self._on:
-            self._flush()
+            self._ingest.apply()
             self.stream.synchronize()
             return self.cupy.asnumpy(self._masses)
 
@@ -518,7 +464,7 @@ class DeviceReplay:
             return 0
         cp = self.cupy
         with self._lock, self._on:
-            self._flush()  # a key ingested since the last draw is on the device before it is looked up
+            self._ingest.apply()  # a key ingested since the last draw is on the device before it is looked up
             if on_device:
                 self._inputs.wait_for_caller()
             else:  # an upload from pageable memory (waits for the stream): the host path, not the learner's
@@ -548,7 +494,7 @@ class DeviceReplay:
             if self._queue and self._queue[0].batch_size != batch_size:
                 self._drop_queue()
             with self._on:
-                self._flush()  # every draw below sees the table's last scan
+                self._ingest.apply()  # every draw below sees the table's last scan
                 while len(self._queue) < 1 + self.ahead:
                     self._enqueue(self.buffer_sets.next(batch_size, num_buffers + self.ahead), num_live)
             out = self._queue.popleft()
@@ -626,7 +572,7 @@ class DeviceReplay:
             raise ValueError("cannot sample from an empty table")
         cp = self.cupy
         with self._lock, self._on:
-            self._flush()
+            self._ingest.apply()
             rows = cp.asarray(np.ascontiguousarray(positions, dtype=np.int64))
             self._counter += 1
             self._select.draw_items(self._desc_ptr, dptr(out.desc), len(positions), rows=dptr(rows),
@@ -659,15 +605,13 @@ class DeviceReplay:
         if self._reg.closed:
             return
         with self._lock:
-            self._pending, self._pending_n = [], 0
+            self._ingest.drop()
             self._queue.clear()
             with self.cupy.cuda.Device(self.device_id):
                 self.stream.synchronize()
                 self._inputs.clear()
                 self.buffer_sets.clear()
-                for area, _ in self._staging:
-                    area.close()
-                self._staging.clear()
+                self._ingest.close()
                 self._reg.close()
 
     def __repr__(self) -> str:
