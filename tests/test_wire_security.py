@@ -755,7 +755,7 @@ def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(
 
 def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monkeypatch):
     """``update_spans`` (rows by address, bytes, memoryviews, arrays; ``_mac.c`` in one call where
-    it is built, a ctypes call per span where not) tags exactly the bytes the spans name."""
+    it is built, numpy's NH where not) tags exactly the bytes the spans name."""
     rows = np.random.default_rng(0).integers(0, 255, (6, 3000), dtype=np.uint8)
     base = rows.__array_interface__["data"][0]
     spans = [b"head", (base + 3000, 3000), memoryview(rows[4]), (base, 0), rows[2], b"", (base + 5 * 3000, 1000)]
@@ -769,7 +769,7 @@ def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monk
 
     want = tag(lambda m: m.update(flat))
     assert tag(lambda m: m.update_spans(spans)) == want
-    monkeypatch.setattr(integrity, "_native", None)  # the ctypes path
+    monkeypatch.setattr(integrity, "_native", None)  # numpy's NH
     assert tag(lambda m: m.update_spans(spans)) == want
 
 

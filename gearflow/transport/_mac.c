@@ -1,12 +1,12 @@
-/* The frame MAC's one call per frame (gearflow/transport/integrity.py).
+/* The frame MAC's bulk pass (gearflow/transport/integrity.py): NH over a frame's bytes, its outputs
+ * fed to the frame's Poly1305 (libcrypto's EVP_MAC_update, whose address integrity.py takes from the
+ * libcrypto Python's ssl module loaded), with the GIL released.
  *
- * update_spans(fn, ctx, spans): calls fn(ctx, data, nbytes) -- libcrypto's EVP_MAC_update, whose
- * address integrity.py takes from the libcrypto Python's ssl module loaded -- once per span of
- * `spans`, in order, with the GIL released around the whole loop. A span is an (address, nbytes)
- * tuple (memory the caller keeps alive: rows of a shared-memory segment) or an object with the
- * buffer protocol (bytes, a C-contiguous memoryview or numpy array). A sample reply of 256 rows
- * is ~520 spans: one Python call and one GIL hand-off instead of ~520 of each, so a MAC thread
- * runs beside the loop thread that writes the same bytes without waiting on it for the GIL.
+ * NH(key, fn, ctx, simd=True).update_spans(spans) takes a frame's spans in one call: a span is an
+ * (address, nbytes) tuple (memory the caller keeps alive: rows of a shared-memory segment) or an
+ * object with the buffer protocol (bytes, a C-contiguous memoryview or numpy array). A sample reply
+ * of 256 rows is ~520 spans: one Python call and one GIL hand-off instead of ~520 of each, so a MAC
+ * thread runs beside the loop thread that writes the same bytes without waiting on it for the GIL.
  *
  * No OpenSSL header is needed: fn is int (*)(void *ctx, const unsigned char *data, size_t n),
  * EVP_MAC_update's signature (OpenSSL >= 3), returning 1 on success.
@@ -73,37 +73,6 @@ static int spans_parse(PyObject *spans, Spans *sp) {
         }
     }
     return 0;
-}
-
-static PyObject *update_spans(PyObject *self, PyObject *args) {
-    unsigned long long fn_addr, ctx_addr;
-    PyObject *spans;
-    Spans sp;
-    int failed_at = -1;
-    if (!PyArg_ParseTuple(args, "KKO", &fn_addr, &ctx_addr, &spans))
-        return NULL;
-    if (fn_addr == 0 || ctx_addr == 0) {
-        PyErr_SetString(PyExc_ValueError, "update_spans: a null function or context");
-        return NULL;
-    }
-    if (spans_parse(spans, &sp) == 0) {
-        update_fn fn = (update_fn)(uintptr_t)fn_addr;
-        void *ctx = (void *)(uintptr_t)ctx_addr;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < sp.n; i++) {
-            if (sp.len[i] && fn(ctx, sp.addr[i], sp.len[i]) != 1) {
-                failed_at = (int)i;
-                break;
-            }
-        }
-        Py_END_ALLOW_THREADS
-        if (failed_at >= 0)
-            PyErr_Format(PyExc_ValueError, "update_spans: the MAC update of span %d failed", failed_at);
-    }
-    spans_release(&sp);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ NH (the frame MAC's bulk pass)
@@ -387,8 +356,6 @@ static PyTypeObject NHType = {
 static PyObject *avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(nh_avx2_ok); }
 
 static PyMethodDef methods[] = {
-    {"update_spans", update_spans, METH_VARARGS,
-     "update_spans(fn, ctx, spans): fn(ctx, data, n) for each span, in order, without the GIL."},
     {"avx2", avx2, METH_NOARGS, "avx2(): whether NH runs its AVX2 pass on this CPU."},
     {NULL, NULL, 0, NULL},
 };

@@ -134,7 +134,7 @@ from gearflow.transport.framing import FrameError
 # the MAC rule of torn rows (also integrity.masked_frame)
 from gearflow.transport.torn_marks import marks_of, masked_frame
 
-try:  # the spans of a frame in one call without the GIL (setup.py builds it; else a ctypes call per span)
+try:  # NH without the GIL, a frame's spans in one call (setup.py builds it; else numpy's NH)
     from gearflow.transport import _mac as _native
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
@@ -318,12 +318,6 @@ class _NumpyNH:
         if self._lib.EVP_MAC_update(self._ctx, b, 8) != 1:
             raise IntegrityError("EVP_MAC_update failed")
         self.reset()
-
-
-def _address(part) -> tuple[int, int]:
-    """(address, nbytes) of a bytes-like part (bytes, memoryview, numpy array), without a copy."""
-    a = part if type(part) is np.ndarray and part.flags.c_contiguous else np.frombuffer(part, dtype=np.uint8)
-    return a.__array_interface__["data"][0], a.nbytes
 
 
 class _Mac:

@@ -15,7 +15,7 @@ than a plain one; compare phases, not rates, and take rates from the plain bench
 
 A phase counts every call of the functions it names; ``items`` is what a call moves (MAC update
 calls for ``mac``, bytes for ``recv``), so ``mac.items`` per round is the number of
-``EVP_MAC_update`` calls a frame costs. Phases that nest (``send`` holds the sender's inline
+NH update calls a frame costs (each takes its spans in one call). Phases that nest (``send`` holds the sender's inline
 ``mac``) are each timed whole.
 """
 
@@ -48,7 +48,7 @@ def _recv_bytes(args, kwargs) -> int:
 PHASES: dict[str, list[tuple[str, str, Callable]]] = {
     "handler": [("gearflow.transport.server.shard", "ShardService._sample", _one)],  # draw + reply buffers
     "send": [("gearflow.transport.framing", "FramedProtocol.send", _one)],  # a frame handed to the socket
-    "mac": [  # MAC update calls (EVP_MAC_update)
+    "mac": [  # MAC update calls (NH, feeding Poly1305)
         ("gearflow.transport.integrity", "_Mac.update", _one),
         ("gearflow.transport.integrity", "_Mac.update_spans", _spans_count),
         ("gearflow.transport.integrity", "BlockMac._update", _one),  # a receiving MAC thread's call
