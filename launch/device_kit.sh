@@ -10,9 +10,10 @@
 # kit holds what it lacks:
 #   KIT/wheels/   cp312 manylinux x86_64 wheels, pinned: envpool, optree, gymnasium,
 #                 omegaconf, dm-env, farama-notifications (pip download --only-binary, --no-deps)
-#   KIT/native/   the C modules (gearflow/replay/_hotpath.c, agents/_r2d2_decode.c) built for
-#                 CPython 3.12 with pyenv's 3.12 headers (KIT_PYTHON), copied into the tree
-#                 there (without them the replay falls back to numpy)
+#   KIT/native/   the C modules (gearflow/replay/_hotpath.c, agents/_r2d2_decode.c,
+#                 gearflow/transport/_mac.c) built for CPython 3.12 with pyenv's 3.12 headers
+#                 (KIT_PYTHON), copied into the tree there (without them the replay falls back to
+#                 numpy, and the frame MAC's NH to numpy's ~0.9 GB/s)
 #   KIT/envpool_assets/   ENVPOOL_ASSETS_PATH: the few asset files the checks need (Pong's ROM,
 #                 HalfCheetah-v4's MuJoCo XML for the halfcheetah_dpg replay pair; envpool-assets
 #                 is 62 MB) from this machine's envpool-assets install
@@ -36,7 +37,7 @@ WHEELS=(envpool==1.2.5 optree==0.20.0 gymnasium==1.4.0 omegaconf==2.4.0 dm-env==
 
 say() { echo "device_kit: $*"; }
 rm -rf "$KIT/wheels" "$KIT/native" "$KIT/envpool_assets" "$KIT/build"
-mkdir -p "$KIT/wheels" "$KIT/native/gearflow/replay" "$KIT/native/agents" "$KIT/envpool_assets" "$KIT/build"
+mkdir -p "$KIT/wheels" "$KIT/native/gearflow/replay" "$KIT/native/gearflow/transport" "$KIT/native/agents" "$KIT/envpool_assets" "$KIT/build"
 
 # 1. wheels: binary only, for CPython 3.12 on manylinux x86_64, no dependencies resolved here
 #    (the device has numpy, PyYAML and the rest; --no-deps there too).
@@ -60,8 +61,9 @@ build() {  # build SOURCE MODULE_PATH EXTRA_FLAGS...
 }
 build gearflow/replay/_hotpath.c gearflow/replay/_hotpath
 build agents/_r2d2_decode.c agents/_r2d2_decode -fopenmp-simd
+build gearflow/transport/_mac.c gearflow/transport/_mac
 # the newest glibc symbol they need (the device's glibc must have it)
-GLIBC="$(objdump -T "$KIT"/native/agents/*.so "$KIT"/native/gearflow/replay/*.so 2>/dev/null \
+GLIBC="$(objdump -T "$KIT"/native/agents/*.so "$KIT"/native/gearflow/replay/*.so "$KIT"/native/gearflow/transport/*.so 2>/dev/null \
   | grep -o 'GLIBC_[0-9.]*' | sort -t. -k2 -n -u | tail -1 || true)"
 say "C modules need ${GLIBC:-an unknown glibc}"
 
@@ -95,7 +97,7 @@ fi
 #    every log and JSON goes (the device tool's $OUT; any folder elsewhere). Without pip there,
 #    the wheels are unzipped into the same folder (a wheel is a zip; these need no install step).
 cat >"$KIT/COMMAND" <<EOF
-K=$KIT; S=/tmp/gearflow-kit-site; { python3 -m pip install -q --no-index --no-deps --target \$S \$K/wheels/*.whl || python3 -c "import glob, sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob(sys.argv[2] + '/*.whl')]" \$S \$K/wheels; } && cp \$K/native/agents/*.so agents/ && cp \$K/native/gearflow/replay/*.so gearflow/replay/ && PYTHONPATH=\$PWD:\$S PYTHON=python3 ENVPOOL_ASSETS_PATH=\$(realpath \$K/envpool_assets) bash launch/gpu_check.sh --out "\${OUT:-gpu_check_out}"
+K=$KIT; S=/tmp/gearflow-kit-site; { python3 -m pip install -q --no-index --no-deps --target \$S \$K/wheels/*.whl || python3 -c "import glob, sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob(sys.argv[2] + '/*.whl')]" \$S \$K/wheels; } && cp \$K/native/agents/*.so agents/ && cp \$K/native/gearflow/replay/*.so gearflow/replay/ && cp \$K/native/gearflow/transport/*.so gearflow/transport/ && PYTHONPATH=\$PWD:\$S PYTHON=python3 ENVPOOL_ASSETS_PATH=\$(realpath \$K/envpool_assets) bash launch/gpu_check.sh --out "\${OUT:-gpu_check_out}"
 EOF
 say "device command (from the repository root; carry $KIT):"
 cat "$KIT/COMMAND"

@@ -90,7 +90,7 @@ def prerequisites(args) -> int:
         if _import(result, name, failed=why) is None:
             missing.append(f"{name} does not import ({why[0][:300]}); the device kit has the wheels the H200 "
                            "lacks (launch/device_kit.sh)")
-    for name in ("gearflow.replay._hotpath", "agents._r2d2_decode"):  # the numpy / TorchScript paths otherwise
+    for name in ("gearflow.replay._hotpath", "agents._r2d2_decode", "gearflow.transport._mac"):  # numpy / TorchScript otherwise
         _import(result, name, required=False)
     why = []
     if _import(result, "envpool", failed=why) is not None:
