@@ -726,31 +726,50 @@ def test_the_tag_is_poly1305_over_nh_of_the_frame_by_its_definition(nh):
 
 
 def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(monkeypatch):
-    """``seal_async(..., started=True)`` returns only once the MAC thread has its spans (uvloop's
-    ``writelines`` keeps the GIL while it writes: a MAC thread not yet started then waits for the
-    whole write), and the tag is the tag of the bytes."""
+    """``seal_async(..., started=True)`` returns only once the MAC job has begun in its thread
+    (uvloop's ``writelines`` keeps the GIL while it writes: a MAC thread not yet started then waits
+    for the whole write), and the tag is the tag of the bytes."""
     import threading
 
-    seen = []
-    real = integrity._Mac.update_spans
-
-    def recording_update(self, spans):
-        seen.append(threading.get_ident())
-        return real(self, spans)
-
-    monkeypatch.setattr(integrity._Mac, "update_spans", recording_update)
-    for f in [integrity.mac_pool().submit(time.sleep, 0.01) for _ in range(8)]:  # its threads started and idle
+    pool, began = integrity.mac_pool(), []
+    for f in [pool.submit(time.sleep, 0.01) for _ in range(8)]:  # its threads started and idle
         f.result()
+
+    class Recording:  # the pool, noting the thread each job begins in before it runs
+        def submit(self, fn):
+            return pool.submit(lambda: (began.append(threading.get_ident()), fn()))
+
+    monkeypatch.setattr(integrity, "mac_pool", Recording)
     data = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8)
     mac, done = integrity.Sealer(bytes(32)), threading.Event()
     mac.begin()
     mac.seal_async([data], lambda err: done.set(), started=True)
-    assert seen and seen[0] != threading.get_ident()  # the MAC thread had begun before seal_async returned
+    assert began and began[0] != threading.get_ident()  # the MAC job had begun before seal_async returned
     done.wait()
     ref = integrity.Sealer(bytes(32))
     ref.begin()
     ref.update(data)
     assert mac.final() == ref.final()
+
+
+def test_the_c_nh_refuses_a_bad_key_or_callback_and_an_uninitialised_object():
+    """``_mac.NH``'s bad inputs are a ValueError naming them, never a crash: a key of another
+    length, a null function or context, an object made without its key (nothing to feed)."""
+    from gearflow.transport import _mac
+
+    if not hasattr(_mac, "NH"):
+        pytest.skip("_mac.c is not built here")
+    mac = integrity.Sealer(bytes(32))
+    key = mac._nh_key()
+    for args, what in [((key[:-4], integrity._UPDATE_ADDRESS, mac._ctx), "1072-byte key"),
+                       ((key, 0, mac._ctx), "non-null fn"), ((key, integrity._UPDATE_ADDRESS, 0), "non-null fn, ctx")]:  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            _mac.NH(*args)
+    bare = _mac.NH.__new__(_mac.NH)
+    for call in (lambda: bare.update(bytes(2048)), lambda: bare.update_at(0, 0), lambda: bare.update_spans([b"x"]),
+                 bare.finish):  # fmt: skip
+        with pytest.raises(ValueError, match="not initialised"):
+            call()
 
 
 def test_the_span_mac_is_the_mac_of_the_bytes_with_and_without_the_c_helper(monkeypatch):

@@ -87,9 +87,6 @@ static int spans_parse(PyObject *spans, Spans *sp) {
  * Poly1305) in batches; finish() adds the message's length (LE u64). integrity.py says why the
  * composition is a MAC; its numpy reference computes the same bytes.
  */
-#include <stdint.h>
-#include <string.h>
-
 #define NH_CHUNK 1024
 #define NH_UNITS (NH_CHUNK / 16)
 #define NH_KEY_WORDS (NH_CHUNK / 4 + 12)
@@ -251,6 +248,13 @@ static int nh_init(NHObject *o, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static int nh_unready(NHObject *o) {  /* made by NH.__new__ alone: no key, no Poly1305 to feed */
+    if (o->fn != NULL)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "NH: not initialised (NH(key, fn, ctx) makes one)");
+    return 1;
+}
+
 static PyObject *nh_failed(NHObject *o) {
     o->failed = 0;
     PyErr_SetString(PyExc_ValueError, "NH: the Poly1305 update of its outputs failed");
@@ -266,6 +270,8 @@ static PyObject *nh_reset(NHObject *o, PyObject *unused) {
 
 static PyObject *nh_update(NHObject *o, PyObject *arg) {
     Py_buffer b;
+    if (nh_unready(o))
+        return NULL;
     if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -279,6 +285,8 @@ static PyObject *nh_update(NHObject *o, PyObject *arg) {
 
 static PyObject *nh_update_at(NHObject *o, PyObject *args) {
     unsigned long long a;
+    if (nh_unready(o))
+        return NULL;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "Kn", &a, &n))
         return NULL;
@@ -296,6 +304,8 @@ static PyObject *nh_update_at(NHObject *o, PyObject *args) {
 
 static PyObject *nh_finish(NHObject *o, PyObject *unused) {
     uint8_t len[8];
+    if (nh_unready(o))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (o->npart) {
         size_t padded = (o->npart + 15) & ~(size_t)15;
@@ -316,6 +326,8 @@ static PyObject *nh_finish(NHObject *o, PyObject *unused) {
 
 static PyObject *nh_spans(NHObject *o, PyObject *spans) {
     Spans sp;
+    if (nh_unready(o))
+        return NULL;
     if (spans_parse(spans, &sp) == 0) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < sp.n; i++)

@@ -10,7 +10,7 @@ One frame::
     buffers  the raw bytes of each array, C order, each starting at a multiple of
              ALIGN bytes from the start of the buffer block (zero padding between)
     trailer  after the handshake, with transport.integrity on: 24 bytes "<Q16s",
-             the direction's sequence number and the Poly1305 tag of every byte above
+             the direction's sequence number and the NH-Poly1305 tag of every byte above
              (:mod:`gearflow.transport.integrity`; checked before the frame is delivered);
              a frame whose meta says ``"torn": true`` ends with a uint8 buffer of marks, and
              its tag leaves out the marked rows (the rows a writer may have changed while
