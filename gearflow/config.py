@@ -188,7 +188,11 @@ class LearnerConfig:
     device: str = "auto"
     """Device the learner trains on: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``."""
     prefetch: int = 2
-    """Batches sampled ahead in the background (≥ 1)."""
+    """Batches sampled ahead in the background (≥ 1). The thread refills once half are taken, and
+    over a local table with a prioritized or uniform selector draws a refill's ``prefetch -
+    prefetch // 2`` batches in one table call (one lock, scan and gather for all of them: on a
+    CPU learner with a ~1 ms update, 16 ran DQN CartPole's loop at ~0.90 of its learn step, 4 at
+    ~0.83)."""
     publish_every: int = 10
     """Learner updates between weight publications to the actors."""
     bf16: bool = False

@@ -33,6 +33,11 @@ class Recording:
         self.drawn.append({k: v.clone() for k, v in batch.data.items()})
         return batch
 
+    def sample_batches(self, batch_size, count, timeout_s=None, ring=None):  # a refill's draw (prefetch 3: 2)
+        batches = self._table.sample_batches(batch_size, count, timeout_s, ring)
+        self.drawn.extend({k: v.clone() for k, v in batch.data.items()} for batch in batches)
+        return batches
+
     def __getattr__(self, name):
         return getattr(self._table, name)
 
@@ -85,7 +90,7 @@ def learn_through_a_ring(device: str, slots: int = 2):
 @pytest.mark.parametrize("slots", [2, 3])
 def test_the_learner_reads_each_batch_as_drawn_and_slots_wait_for_their_release(slots):
     drawn, learned, ring = learn_through_a_ring("cpu", slots)
-    assert len(learned) == UPDATES and ring.filled >= UPDATES
+    assert len(learned) == UPDATES and ring.filled >= UPDATES and len(drawn) >= UPDATES
     for want, got in zip(drawn, learned):  # in order, each exactly what the table gathered
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert sum(s is not None for s in ring.slots) == slots  # static sets, all used, made once

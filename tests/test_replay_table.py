@@ -452,6 +452,19 @@ def test_torn_items_are_resampled_prioritized(make_table):
     assert s.weights.max() == 1.0
 
 
+def test_torn_items_of_a_grouped_draw_are_resampled_per_batch(make_table):
+    """sample_batches: the torn rows of any of its batches are redrawn; each batch's weights
+    keep their own maximum (reweighed per batch of 8, not over the 24 rows)."""
+    kind = KINDS["transition"]
+    table, rec = _torn_setup(make_table, "prioritized", kind)
+    batches = table.sample_batches(8, 3)
+    assert table.torn > 0 and len(batches) == 3
+    for s in batches:
+        keys = check_batch(s, rec, table.kind, 1, 8)
+        assert all(rec.items[(0, k)][0] >= 6 for k in keys.tolist())
+        assert s.weights.max() == 1.0
+
+
 def _weights_by_priority(sample, rec):
     """{priority: [weights of the batch's items with that priority]}"""
     out: dict[float, list[float]] = {}

@@ -13,9 +13,12 @@ from typing import Any
 
 from gearflow.learner.access import ReplayAccess
 from gearflow.learner.progress import Progress
+from gearflow.replay.host_batch import BufferRing
 from gearflow.replay.protocols import SamplerLike
 
 _BACKOFF = (1e-4, 5e-3)  # seconds between asks while the rate limiter holds a sample (doubling)
+GROUP_SETS = 4  # buffer sets of a Prefetcher's refill draws: the one drawn into, the queue's
+# (≤ depth // 2 batches: ≤ 2 sets) and the learner's batch's, and one to spare
 
 
 class BatchesAhead:
@@ -71,6 +74,11 @@ class Prefetcher:
     learner's priority write-backs before each draw (``lock`` a :class:`ReplayAccess`, the
     learner's ``lock``; a plain lock: none to apply).
 
+    A refill's ``depth - depth // 2`` batches are one draw where the table allows it (:attr:`group`:
+    a local host table whose selector draws with replacement; ``Table.sample_batches`` into
+    :attr:`group_ring`, ``GROUP_SETS`` sets in turn): one lock, scan and gather, and the GIL handed
+    across about once, for all of them.
+
     The lock is held only for the table's own critical sections: the write-backs and a draw,
     never across a rate-limiter wait (a local table is asked :meth:`~gearflow.replay.Table.can_sample`
     under the lock and waited for outside it) and never by the learn step, which only queues its
@@ -86,46 +94,62 @@ class Prefetcher:
         self._can_sample = getattr(table, "can_sample", None)  # a local table: asked without waiting
         self.ring = getattr(self.access, "ring", None)  # a CUDA learner: batches ahead on its device
         self.ahead = BatchesAhead(depth)
+        # a refill in one draw: a local host table whose selector draws several batches a call
+        # (prioritized, uniform) gets the depth - depth // 2 batches of a refill in one call (one
+        # lock, one scan, one gather: the Python and GIL hand-offs of one batch), into sets of
+        # its own: GROUP_SETS of them, a batch valid until GROUP_SETS - 1 refills later
+        selector = getattr(table, "selector", None)
+        grouped = self._can_sample is not None and getattr(table, "device", "cpu") == "cpu" and \
+            hasattr(table, "sample_batches") and getattr(selector, "draws_groups", False)  # fmt: skip
+        self.group = depth - self.ahead.low if grouped else 1
+        self.group_ring = BufferRing(GROUP_SETS, getattr(table, "pin_memory", False)) if self.group > 1 else None
         self.stop = stop
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
         self.thread.start()
 
-    def _draw(self):
-        """The write-backs applied, then a batch; None while the rate limiter holds it."""
-        if self.ring is not None:  # the table's buffer set about to be reused: copied out of first
-            self.ring.before_draw(getattr(self.table, "num_buffers", 1))
+    def _draw(self) -> list | None:
+        """The write-backs applied, then a refill's batches (:attr:`group` of them where the
+        rate limiter allows them all, else one); None while the rate limiter holds a batch."""
+        B, K = self.batch_size, self.group
+        if self.ring is not None:  # the buffer sets about to be reused: copied out of first (the
+            # batches since a set's last use: the table's num_buffers - 1, a group ring's K a set)
+            sets = getattr(self.table, "num_buffers", 1)
+            self.ring.before_draw(sets if K == 1 else min(sets, (GROUP_SETS - 1) * K + 1))
         with self.lock:
             if self.access is not None:
                 self.access.writeback.apply()
             if self._can_sample is None:  # a remote sampler waits in its own call
                 try:
-                    return self.table.sample(self.batch_size, timeout_s=0.2)
+                    return [self.table.sample(B, timeout_s=0.2)]
                 except TimeoutError:
                     return None
             self.table.scan()
-            if not self._can_sample(self.batch_size):
+            if K > 1 and self._can_sample(K * B):
+                return self.table.sample_batches(B, K, ring=self.group_ring)
+            if not self._can_sample(B):
                 return None
-            return self.table.sample(self.batch_size)
+            return [self.table.sample(B)]  # the table's own sets: a ring's size never changes
 
     def _run(self) -> None:
         try:
             delay = _BACKOFF[0]
-            ahead = self.ahead
+            ahead, room = self.ahead, self.ahead.depth - self.group
             while not self.stop.is_set():
-                if ahead.full():  # until a refill is due (the learner took half of them)
+                if len(ahead) > room:  # until a refill is due (the learner took half of them)
                     ahead.wait_for_room(0.2)
                     continue
-                batch = self._draw()
-                if batch is None:  # the rate limiter: wait without the lock, then ask again
+                batches = self._draw()
+                if batches is None:  # the rate limiter: wait without the lock, then ask again
                     self.stop.wait(delay)
                     delay = min(2 * delay, _BACKOFF[1])
                     continue
                 delay = _BACKOFF[0]
-                if self.ring is not None:  # into a free device slot, on the ring's stream
-                    batch = self.ring.put(batch, self.stop)
-                if batch is not None:
-                    ahead.put(batch)
+                for batch in batches:
+                    if self.ring is not None:  # into a free device slot, on the ring's stream
+                        batch = self.ring.put(batch, self.stop)
+                    if batch is not None:
+                        ahead.put(batch)
         except BaseException as exc:  # surfaced in the learner thread
             self.error = exc
 

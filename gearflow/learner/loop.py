@@ -253,8 +253,9 @@ class Learner:
         last_log, last_steps, last_updates, metrics = time.monotonic(), self.env_steps(), p.updates, {}
         last_samples, last_tokens = p.samples, p.tokens
         # data-parallel: a batch this rank holds while another rank has none; it stays valid (the
-        # table keeps learner.prefetch + 2 buffer sets: the queue's, the prefetch thread's, and
-        # the one the learner holds, which is this one until it is learned)
+        # table keeps learner.prefetch + 2 buffer sets, a prefetcher drawing refills GROUP_SETS:
+        # the queue's, the prefetch thread's, and the one the learner holds, which is this one
+        # until it is learned)
         pending, next_check = None, 0.0
         while True:
             if self.parallel is None:

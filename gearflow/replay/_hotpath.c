@@ -18,14 +18,18 @@
  *
  *   sample_proportional(levels, fanout, uniforms: float64[B], count, beta,
  *                       slots: int64[B], probs: float64[B], weights: float32[B])
+ *                       [, group])
  *       stratified proportional draw (target b = (b + u_b) * total / B), its
- *       probabilities m/total and IS weights (count * P)^-beta / max.
+ *       probabilities m/total and IS weights (count * P)^-beta / max; with group,
+ *       B / group independent batches of group rows, each stratified and
+ *       normalised on its own. The GIL is released for B >= 256 (the tree is
+ *       only read; its writers hold the table's lock, as the caller does).
  *   window_rows(parts, starts: int64[B], lengths: int64[B], S, T, rows: int64[B, T]) -> padded
  *       rows p*S + (start + min(j, length-1)) % S of each window; returns whether
  *       any window is shorter than T.
  *
  * Everything is one pass over the batch with no allocation beyond a (B,)
- * scratch, no GIL release (calls take microseconds); the numpy versions in
+ * scratch, no GIL release (calls take microseconds) but in a large draw; the numpy versions in
  * selectors.py and items.py stay as the reference and the fallback.
  *
  * The actor side (issue #16), each with its numpy reference in Python:
@@ -37,6 +41,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_LEVELS 64
@@ -101,8 +106,10 @@ static int get_levels(PyObject *tuple, Levels *lv) {
  * Every child block of a level is prefetched before any is read, so the cache
  * misses of the large lower levels overlap instead of queueing. */
 static int descend(const Levels *lv, Py_ssize_t fanout, const double *targets, int64_t *node, Py_ssize_t B) {
-    double *rest = (double *)PyMem_Malloc(B * sizeof(double) + 1);  /* (B,) mass still to skip */
-    if (rest == NULL) { PyErr_NoMemory(); return -1; }
+    /* malloc, not PyMem_Malloc: sample_proportional calls this without the GIL; -1 (no
+     * Python error set) when out of memory, the caller raises MemoryError with the GIL */
+    double *rest = (double *)malloc(B * sizeof(double) + 1);  /* (B,) mass still to skip */
+    if (rest == NULL) return -1;
     for (Py_ssize_t b = 0; b < B; b++) { rest[b] = targets[b]; node[b] = 0; }
     for (int d = 1; d < lv->n; d++) {
         const double *level = lv->data[d];
@@ -127,7 +134,7 @@ static int descend(const Levels *lv, Py_ssize_t fanout, const double *targets, i
             node[b] = node[b] * fanout + choice;
         }
     }
-    PyMem_Free(rest);
+    free(rest);
     return 0;
 }
 
@@ -144,7 +151,7 @@ static PyObject *sumtree_find(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "targets (float64) and out (int64) must have the same length");
         goto done;
     }
-    if (descend(&lv, fanout, (const double *)tb.buf, (int64_t *)ob.buf, B) < 0) goto done;
+    if (descend(&lv, fanout, (const double *)tb.buf, (int64_t *)ob.buf, B) < 0) { PyErr_NoMemory(); goto done; }
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -155,43 +162,70 @@ done_bufs:
     return result;
 }
 
+/* The draw itself, without the GIL for a large batch: the tree is only read (its writers hold
+ * the table's lock, as the caller does), and a sampling thread's descent then runs beside the
+ * learner's Python instead of holding it up. Rows [g*group, (g+1)*group) are one stratified
+ * batch each (targets ((b mod group) + u_b) * total / group) with its own IS-weight maximum:
+ * `groups` independent batches drawn in one call. Returns -1 when out of memory. */
+static int draw_proportional(const Levels *lv, Py_ssize_t fanout, const double *u, Py_ssize_t B,
+                             Py_ssize_t group, Py_ssize_t count, double beta, int64_t *slots,
+                             double *probs, float *weights) {
+    double *targets = (double *)malloc(B * sizeof(double) + 1);
+    if (targets == NULL) return -1;
+    const double total = lv->data[0][0];
+    const double width = total / (double)group;
+    for (Py_ssize_t b = 0; b < B; b++) targets[b] = ((double)(b % group) + u[b]) * width;  /* stratified */
+    if (descend(lv, fanout, targets, slots, B) < 0) { free(targets); return -1; }
+    const double *leaves = lv->data[lv->n - 1];
+    for (Py_ssize_t g = 0; g < B; g += group) {
+        double wmax = 0.0;
+        for (Py_ssize_t b = g; b < g + group; b++) {
+            probs[b] = leaves[slots[b]] / total;
+            targets[b] = pow((double)count * probs[b], -beta);  /* reuse as unnormalised weights */
+            if (targets[b] > wmax) wmax = targets[b];
+        }
+        for (Py_ssize_t b = g; b < g + group; b++) weights[b] = (float)(targets[b] / wmax);
+    }
+    free(targets);
+    return 0;
+}
+
+#define NOGIL_DRAW 256  /* rows from which a draw releases the GIL (below, the hand-off costs more) */
+
 static PyObject *sample_proportional(PyObject *self, PyObject *args) {
     PyObject *levels_obj;
-    Py_ssize_t fanout, count;
+    Py_ssize_t fanout, count, group = 0;
     double beta;
     Py_buffer ub, sb, pb, wb;
-    if (!PyArg_ParseTuple(args, "Ony*ndw*w*w*", &levels_obj, &fanout, &ub, &count, &beta, &sb, &pb, &wb))
+    if (!PyArg_ParseTuple(args, "Ony*ndw*w*w*|n", &levels_obj, &fanout, &ub, &count, &beta, &sb, &pb, &wb, &group))
         return NULL;
     Levels lv;
     PyObject *result = NULL;
-    double *targets = NULL;
     if (get_levels(levels_obj, &lv) < 0) goto done_bufs;
     Py_ssize_t B = ub.len / 8;
     if (B < 1 || sb.len / 8 != B || pb.len / 8 != B || wb.len / 4 != B) {
         PyErr_SetString(PyExc_ValueError, "uniforms, slots, probs (8-byte) and weights (float32) need one length");
         goto done;
     }
-    const double total = lv.data[0][0];
-    const double *u = (const double *)ub.buf;
-    int64_t *slots = (int64_t *)sb.buf;
-    double *probs = (double *)pb.buf;
-    float *weights = (float *)wb.buf;
-    targets = (double *)PyMem_Malloc(B * sizeof(double));
-    if (targets == NULL) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t b = 0; b < B; b++) targets[b] = ((double)b + u[b]) * (total / (double)B);  /* stratified */
-    if (descend(&lv, fanout, targets, slots, B) < 0) goto done;
-    const double *leaves = lv.data[lv.n - 1];
-    double wmax = 0.0;
-    for (Py_ssize_t b = 0; b < B; b++) {
-        probs[b] = leaves[slots[b]] / total;
-        targets[b] = pow((double)count * probs[b], -beta);  /* reuse as unnormalised weights */
-        if (targets[b] > wmax) wmax = targets[b];
+    if (group == 0) group = B;
+    if (group < 1 || B % group != 0) {
+        PyErr_Format(PyExc_ValueError, "group must divide the %zd rows (one stratified batch each), got %zd", B, group);
+        goto done;
     }
-    for (Py_ssize_t b = 0; b < B; b++) weights[b] = (float)(targets[b] / wmax);
+    int rc;
+    if (B >= NOGIL_DRAW) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = draw_proportional(&lv, fanout, (const double *)ub.buf, B, group, count, beta, (int64_t *)sb.buf,
+                               (double *)pb.buf, (float *)wb.buf);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = draw_proportional(&lv, fanout, (const double *)ub.buf, B, group, count, beta, (int64_t *)sb.buf,
+                               (double *)pb.buf, (float *)wb.buf);
+    }
+    if (rc < 0) { PyErr_NoMemory(); goto done; }
     result = Py_None;
     Py_INCREF(result);
 done:
-    if (targets) PyMem_Free(targets);
     release_levels(&lv);
 done_bufs:
     PyBuffer_Release(&ub);
@@ -1411,7 +1445,7 @@ static PyMethodDef methods[] = {
     {"find", sumtree_find, METH_VARARGS, "find(levels, fanout, targets, out): leaf of each target"},
     {"set", sumtree_set, METH_VARARGS, "set(levels, fanout, indices, values): set leaves, recompute ancestors"},
     {"sample_proportional", sample_proportional, METH_VARARGS,
-     "sample_proportional(levels, fanout, uniforms, count, beta, slots, probs, weights)"},
+     "sample_proportional(levels, fanout, uniforms, count, beta, slots, probs, weights, group=B)"},
     {"window_rows", window_rows, METH_VARARGS, "window_rows(parts, starts, lengths, S, T, rows) -> padded"},
     {"take_rows", take_rows, METH_VARARGS, "take_rows(src, k, idx, out): out = src[idx].T with prefetching"},
     {"set_priorities", set_priorities, METH_VARARGS,

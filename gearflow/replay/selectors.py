@@ -297,20 +297,36 @@ class Selector:
     def scan_done(self, count: int, leaves_changed: int) -> None:
         """After a fused scan: the live count it left, and how many leaves it changed."""
 
-    def reweigh(self, masses: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def reweigh(self, masses: np.ndarray, group: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
         """Probabilities and importance weights of a batch whose rows came from several draws
         (a table's torn-row redraws), from each row's mass at its draw (``probability * total``)
-        against the selector as it is now; None where a draw's weights need no change."""
+        against the selector as it is now; None where a draw's weights need no change.
+        ``group``: rows drawn by ``sample(groups=)``, weighted per consecutive ``group`` rows."""
         return None
 
-    def sample(self, batch_size: int) -> Selection:
-        """Pick ``batch_size`` live slots."""
-        batch_size = operator.index(batch_size)
+    draws_groups = False  # sample(groups=) > 1: several independent batches in one draw
+
+    def sample(self, batch_size: int, groups: int = 1) -> Selection:
+        """Pick ``batch_size`` live slots; with ``groups`` > 1 (selectors that draw with
+        replacement from a distribution: :attr:`draws_groups`), ``groups`` independent batches
+        of ``batch_size`` in one call, one after the other in the Selection, each drawn and
+        weighted as a call of its own would draw and weight it (a refill of several batches
+        at the cost of one call)."""
+        batch_size, groups = operator.index(batch_size), operator.index(groups)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1, got {groups}")
         if self._count == 0:
             raise ValueError(f"cannot sample from {type(self).__name__}: it is empty")
-        return self._sample(batch_size)
+        if groups == 1:
+            return self._sample(batch_size)
+        if not self.draws_groups:
+            raise ValueError(f"{type(self).__name__} draws one batch a call (groups={groups})")
+        return self._sample_groups(batch_size, groups)
+
+    def _sample_groups(self, batch_size: int, groups: int) -> Selection:
+        raise NotImplementedError
 
     def state_dict(self) -> StateDict:
         """Copy of everything that determines future samples, RNG state included.
@@ -415,7 +431,12 @@ class UniformSelector(Selector):
             total=float(self._count),
         )
 
-    def reweigh(self, masses):
+    draws_groups = True
+
+    def _sample_groups(self, batch_size: int, groups: int) -> Selection:
+        return self._sample(batch_size * groups)  # independent draws: any split is a batch's
+
+    def reweigh(self, masses, group: int = 0):
         return np.full(len(masses), 1.0 / self._count), np.ones(len(masses), dtype=np.float32)
 
 
@@ -666,7 +687,15 @@ class PrioritizedSelector(Selector):
     def _forget(self, slots: np.ndarray) -> None:
         self.tree.set(slots, 0.0)
 
-    def _sample(self, batch_size: int) -> Selection:
+    draws_groups = True
+
+    def _sample_groups(self, batch_size: int, groups: int) -> Selection:
+        return self._sample(batch_size * groups, batch_size)
+
+    def _sample(self, batch_size: int, group: int = 0) -> Selection:
+        """``batch_size`` rows; ``group`` (a divisor of it): each run of ``group`` rows its own
+        stratified batch with its own weight maximum (0: one batch)."""
+        group = group or batch_size
         total = self.tree.total
         if total <= 0:
             # Reverb's AllZeroPrioritiesResultsInUniformSampling: a learner whose TD errors all
@@ -684,25 +713,27 @@ class PrioritizedSelector(Selector):
             weights32 = np.empty(batch_size, dtype=np.float32)
             _hotpath.sample_proportional(
                 self.tree.levels, self.tree.fanout, uniforms, self._count, self.beta,
-                slots, probabilities, weights32,
+                slots, probabilities, weights32, group,
             )  # fmt: skip
             return Selection(slots, probabilities, weights32, total)
-        strata = np.arange(batch_size) + uniforms  # (B,)
-        slots = self.tree.find(strata * (total / batch_size))
+        strata = np.arange(batch_size) % group + uniforms  # (B,): each group its own strata
+        slots = self.tree.find(strata * (total / group))
         probabilities = self.tree.leaves[slots] / total  # (B,)
-        weights = (self._count * probabilities) ** -self.beta
-        weights /= weights.max()
-        return Selection(slots, probabilities, weights.astype(np.float32), total)
+        weights = ((self._count * probabilities) ** -self.beta).reshape(-1, group)
+        weights /= weights.max(axis=1, keepdims=True)
+        return Selection(slots, probabilities, weights.reshape(-1).astype(np.float32), total)
 
-    def reweigh(self, masses):
-        """P(i) = m_i / total and w_i = (N P(i)) ** -beta / max over the batch, with the total
-        and N of now: one normalisation for every row, whichever draw it came from (None when
-        every mass is 0 now: the rows keep their draws' uniform probabilities)."""
+    def reweigh(self, masses, group: int = 0):
+        """P(i) = m_i / total and w_i = (N P(i)) ** -beta / max over the batch (each ``group``
+        rows: over its group), with the total and N of now: one normalisation for every row,
+        whichever draw it came from (None when every mass is 0 now: the rows keep their draws'
+        uniform probabilities)."""
         if self.tree.total <= 0:
             return None
         probabilities = np.asarray(masses, dtype=np.float64) / self.tree.total
-        weights = (self._count * probabilities) ** -self.beta
-        return probabilities, (weights / weights.max()).astype(np.float32)
+        weights = ((self._count * probabilities) ** -self.beta).reshape(-1, group or len(probabilities))
+        weights /= weights.max(axis=1, keepdims=True)
+        return probabilities, weights.reshape(-1).astype(np.float32)
 
     def state_dict(self) -> StateDict:
         state = super().state_dict()

@@ -54,6 +54,7 @@ from gearflow.replay.host_batch import (  # re-exported
     GatherThreads,
     HostGather,
     Sample,
+    split_sample,
 )
 from gearflow.replay.ingest import TableIngest
 from gearflow.replay.inserts import InsertLimit
@@ -230,61 +231,57 @@ class Table(TableIngest):
         :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
         return self.draw(batch_size, timeout_s)[0]
 
+    def sample_batches(self, batch_size: int, count: int, timeout_s: float | None = None,
+                       ring: BufferRing | None = None) -> list[Sample]:  # fmt: skip
+        """``count`` batches of ``batch_size`` in one draw (a host table; a selector that
+        :attr:`~gearflow.replay.selectors.Selector.draws_groups`): each drawn and weighted as its
+        own :meth:`sample` would be, gathered into one buffer set of ``ring`` (default the
+        table's; a ring is remade when its batch size changes: give each size its own) and
+        returned as views of it (:func:`split_sample`). The rate limiter is asked for all
+        ``count × batch_size`` items. One call's Python and GIL hand-offs for ``count``
+        batches (Reverb's ``flexible_batch_size``)."""
+        whole = self.draw(batch_size, timeout_s, None, ring, count)[0]
+        return split_sample(whole, self.batches.ring if ring is None else ring, batch_size, count)
+
     def draw(self, batch_size: int, timeout_s: float | None = None, tensors: dict | None = None,
-             ring: BufferRing | None = None):
+             ring: BufferRing | None = None, groups: int = 1):  # fmt: skip
         """:meth:`sample`, returning ``(sample, slots, records)`` (records as :meth:`records`
         gives them; slots and records None on a device table); ``tensors`` (default every
         column's): the storage columns gathered into the batch, the others left for the
         caller to read by :meth:`rows_of` (and to check afterwards with :meth:`overwritten`).
         The shard service's sample replies use it. ``ring``: the buffer sets to draw into
-        (default the table's own)."""
+        (default the table's own); ``groups``: that many batches in one (:meth:`sample_batches`)."""
         if self._closed:
             self._refuse_closed(f"cannot sample {batch_size}")
         self._active += 1
         try:
-            return self._draw_open(batch_size, timeout_s, tensors, ring)
+            return self._draw_open(batch_size, timeout_s, tensors, ring, groups)
         finally:
             self._active -= 1
 
-    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None, ring: BufferRing | None = None):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+    def _draw_open(self, batch_size: int, timeout_s: float | None, tensors: dict | None, ring: BufferRing | None = None,
+                   groups: int = 1):  # fmt: skip
+        """A draw of ``groups`` batches of ``batch_size`` (one Sample of them all, in order)."""
+        if batch_size < 1 or groups < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}" if groups >= 1 else f"count must be ≥ 1, got {groups}")
+        if groups > 1 and (self._device is not None or not self.selector.draws_groups):
+            where = "a device table" if self._device is not None else f"a {self.selector.name} selector"
+            raise ValueError(f"{groups} batches in one draw: {where} draws one batch a call")
+        group, batch_size = batch_size, batch_size * groups
         self.scan()
         self.wait_until_ready(batch_size, timeout_s)
         if self._device is not None:
             if tensors is not None:
                 raise ValueError("a device table gathers every column on the GPU")
             return sample_on_device(self, self._device, batch_size, timeout_s), None, None
-        sel = self.selector.sample(batch_size)
+        sel = self.selector.sample(group, groups)
         slots, probs, weights = sel.slots, sel.probabilities, sel.weights
         out = self.batches.next(batch_size, ring)  # the table's own sets, or the caller's ring
         rec = _take_records(self._slot_rec, slots)  # (3, B): start, seq, length
         self._gather(slots, rec, out, tensors=tensors)
         bad = self._torn(slots, rec)
-        deadline, masses, newly, rounds = None, None, bad, RedrawRounds(bad.size)
-        while bad.size:
-            # steps overwritten while we copied: evict those items, draw replacements (as many
-            # rows a round as ``rounds`` says: a slowed sampler must win some rounds)
-            if newly.size:
-                deadline = self.evict_torn(slots[newly], deadline, timeout_s, "they could be gathered")
-            if masses is None and sel.total is not None:
-                masses = probs * sel.total  # each row's mass at its draw
-            part, rest = rounds.take(bad)
-            fresh = self.selector.sample(part.size)
-            slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
-            slots[part], probs[part], weights[part] = fresh.slots, fresh.probabilities, fresh.weights
-            if masses is not None and fresh.total is not None:
-                masses[part] = fresh.probabilities * fresh.total
-                # one normalisation for the whole batch, against the table as it is now
-                probs, weights = self.selector.reweigh(masses) or (probs, weights)
-            # only the redrawn rows get records: the scan above may have ingested new items
-            # into slots that other rows still hold, and those rows keep the records (and so
-            # the keys) of the items they gathered
-            rec[:, part] = _take_records(self._slot_rec, fresh.slots)
-            self._gather(slots, rec, out, only=part, tensors=tensors)
-            newly = part[self._torn(slots[part], rec[:, part])]
-            rounds.lost(part.size, newly.size)
-            bad = np.concatenate([newly, rest])
+        if bad.size:  # steps overwritten while we copied
+            slots, probs, weights = _redraw_torn(self, sel, bad, rec, out, timeout_s, tensors, group)
         self.note_sampled(batch_size)
         keys = self.keys_of(slots, rec)
         sample = Sample(
@@ -429,6 +426,40 @@ class Table(TableIngest):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _redraw_torn(table: Table, sel, bad: np.ndarray, rec: np.ndarray, out: dict, timeout_s: float | None,
+                 tensors: dict | None, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The rows ``bad`` of a draw (``sel``, records ``rec``, gathered into ``out``) were overwritten
+    while they were copied: evict those items, draw replacements and gather them, in rounds until
+    none is torn (:meth:`Table.evict_torn` gives up after the sample timeout). Returns the slots,
+    probabilities and weights of the batch as it then is (``rec`` and ``out`` changed in place)."""
+    slots, probs, weights = sel.slots, sel.probabilities, sel.weights
+    deadline, masses, newly, rounds = None, None, bad, RedrawRounds(bad.size)
+    while bad.size:
+        # steps overwritten while we copied: evict those items, draw replacements (as many
+        # rows a round as ``rounds`` says: a slowed sampler must win some rounds)
+        if newly.size:
+            deadline = table.evict_torn(slots[newly], deadline, timeout_s, "they could be gathered")
+        if masses is None and sel.total is not None:
+            masses = probs * sel.total  # each row's mass at its draw
+        part, rest = rounds.take(bad)
+        fresh = table.selector.sample(part.size)
+        slots, probs, weights = slots.copy(), probs.copy(), weights.copy()
+        slots[part], probs[part], weights[part] = fresh.slots, fresh.probabilities, fresh.weights
+        if masses is not None and fresh.total is not None:
+            masses[part] = fresh.probabilities * fresh.total
+            # one normalisation for each batch of ``group`` rows, against the table as it is now
+            probs, weights = table.selector.reweigh(masses, group) or (probs, weights)
+        # only the redrawn rows get records: the scan above may have ingested new items
+        # into slots that other rows still hold, and those rows keep the records (and so
+        # the keys) of the items they gathered
+        rec[:, part] = table.records(fresh.slots)
+        table._gather(slots, rec, out, only=part, tensors=tensors)
+        newly = part[table._torn(slots[part], rec[:, part])]
+        rounds.lost(part.size, newly.size)
+        bad = np.concatenate([newly, rest])
+    return slots, probs, weights
 
 
 def _wait_until_ready(table: Table, batch_size: int, timeout_s: float | None) -> None:
