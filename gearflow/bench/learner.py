@@ -316,12 +316,15 @@ def matmul_tflops(device: torch.device, seconds: float, n: int = 8192) -> float:
 
 def noop_loop(seconds: float, seed: int = 0) -> dict:
     """The loop's own cost: ``Learner.run`` with :class:`NullAgent` over a filled table of
-    ``cartpole_apex``'s (batch 128, prefetch 4, publishing every 10) against a bare loop taking
-    batches off a queue a thread fills by sampling the same table and calling the same agent
-    (the learner thread's CPU µs per update; the sampler sets both loops' pace)."""
+    ``cartpole_apex``'s (batch 128, prefetch 16: refills of 8 in one draw, publishing every 10)
+    against a bare loop taking batches off a queue a thread fills by sampling the same table the
+    same way and calling the same agent (the learner thread's CPU µs per update; the sampler sets
+    both loops' pace)."""
     from gearflow.agent import make_agent
     from gearflow.config import load_config
     from gearflow.envs import EnvSpec
+    from gearflow.learner.batches import GROUP_SETS
+    from gearflow.replay.host_batch import BufferRing
 
     cfg = load_config(str(config_path("cartpole_apex")), ["learner.device=cpu", f"run.seed={seed}"])
     spec = EnvSpec(obs_shape=(4,), obs_dtype=np.dtype(np.float32), num_actions=2)
@@ -336,15 +339,17 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
         q: queue.Queue = queue.Queue(maxsize=prefetch)
         stop = threading.Event()
 
-        def feed():  # the same sampling, nothing else: no lock, no write-backs
+        refill, ring = prefetch - prefetch // 2, BufferRing(GROUP_SETS)
+
+        def feed():  # the same sampling (a refill a draw, as the Prefetcher), nothing else: no lock, no write-backs
             while not stop.is_set():
-                batch = table.sample(B)
-                while not stop.is_set():
-                    try:
-                        q.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
+                for batch in table.sample_batches(B, refill, ring=ring):
+                    while not stop.is_set():
+                        try:
+                            q.put(batch, timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
