@@ -192,7 +192,9 @@ class LearnerConfig:
     over a local table with a prioritized or uniform selector draws a refill's ``prefetch -
     prefetch // 2`` batches in one table call (one lock, scan and gather for all of them: on a
     CPU learner with a ~1 ms update, 16 ran DQN CartPole's loop at ~0.90 of its learn step, 4 at
-    ~0.83)."""
+    ~0.83). Host memory for batches: 4 sets of a refill's batches
+    (``gearflow.learner.batches.GROUP_SETS``) beside the table's ``prefetch + 2`` single-batch
+    sets (made only if the rate limiter holds a refill back)."""
     publish_every: int = 10
     """Learner updates between weight publications to the actors."""
     bf16: bool = False
