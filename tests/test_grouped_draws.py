@@ -161,3 +161,94 @@ def test_a_redrawn_grouped_batch_is_reweighed_per_group(tree_impl):
     raw = (4 * probs) ** -1.0
     np.testing.assert_allclose(weights, np.concatenate([raw[:3] / raw[:3].max(), raw[3:] / raw[3:].max()]), rtol=1e-6)
     np.testing.assert_allclose(selector.reweigh(masses)[1], raw / raw.max(), rtol=1e-6)  # one batch of 6
+
+
+def test_a_rings_views_follow_its_sets_when_it_is_remade():
+    """``BufferRing.parts`` views the set it is given: after the ring is remade for another batch
+    size (its old sets dropped, their ids free for reuse), the views are of the new sets."""
+    from gearflow.replay.host_batch import BufferRing
+
+    ring = BufferRing(2)
+    for rows in (64, 96, 64, 128):  # remade at every change
+        layout = {"obs": ((rows, 4), torch.float32)}
+        for _ in range(3):
+            buf = ring.take(layout, rows)
+            parts = ring.parts(buf, 32)
+            assert len(parts) == rows // 32
+            for i, part in enumerate(parts):
+                assert part["obs"].data_ptr() == buf["obs"][32 * i].data_ptr()
+
+
+def test_the_prefetcher_asks_the_table_whether_it_draws_groups(monkeypatch):
+    """A FIFO table (its draws are not independent batches) is drawn batch by batch at any depth."""
+    cfg = load_config("configs/cartpole_apex.yaml", ["learner.device=cpu", "replay.selector=fifo"])
+    from gearflow.agent import make_agent
+
+    table = filled_table(cfg, make_agent(cfg, CARTPOLE, torch.device("cpu")), steps_per_partition=1024)
+    stop = threading.Event()
+    try:
+        assert not table.draws_groups
+        with pytest.raises(ValueError, match="fifo selector draws one batch a call"):
+            table.sample_batches(16, 2)
+        pre = Prefetcher(table, ReplayAccess(table), 16, 8, stop)
+        try:
+            assert pre.group == 1 and pre.get(timeout=30).keys.shape == (16,)
+        finally:
+            stop.set()
+            pre.close()
+    finally:
+        table.close()
+
+
+def test_a_large_c_draw_lets_other_threads_run_and_a_small_one_does_not():
+    """``_hotpath.sample_proportional`` releases the GIL for draws of ≥ 256 rows only. A thread
+    that runs only while this one gives the GIL up (the switch interval set to 100 s: no forced
+    switch; the C call made on ready arrays, no numpy call between) counts: it advances during a
+    large draw, never during small ones."""
+    import sys
+    import time
+
+    from gearflow.replay import selectors
+
+    C = selectors._hotpath
+    if C is None:
+        pytest.skip("the C sum tree was not built (no compiler at install time)")
+    n = 1 << 20
+    selector = make_selector("prioritized", n, seed=5, alpha=1.0)
+    fill(selector, np.arange(n), np.random.default_rng(5).uniform(0.1, 1.0, n))
+    tree = selector.tree
+
+    def arrays(rows):
+        u = np.random.default_rng(rows).random(rows)
+        return u, np.empty(rows, np.int64), np.empty(rows), np.empty(rows, np.float32)
+
+    small, large = arrays(255), arrays(1 << 16)
+    count, stop, started = [0], threading.Event(), threading.Event()
+
+    def other():
+        started.set()
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # gives the GIL back at once: it runs only where this test's thread lets it
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    started.wait()
+    sys.setswitchinterval(100.0)
+    try:
+        before = count[0]
+        for _ in range(200):
+            C.sample_proportional(tree.levels, tree.fanout, small[0], n, 0.4, *small[1:])
+        during_small = count[0] - before
+        for _ in range(50):  # until the other thread ran during one (each call ~10 ms)
+            before = count[0]
+            C.sample_proportional(tree.levels, tree.fanout, large[0], n, 0.4, *large[1:], 1 << 12)
+            if count[0] > before:
+                break
+        during_large = count[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert during_small == 0 and during_large > 0

@@ -323,7 +323,7 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
     from gearflow.agent import make_agent
     from gearflow.config import load_config
     from gearflow.envs import EnvSpec
-    from gearflow.learner.batches import GROUP_SETS
+    from gearflow.learner.batches import GROUP_SETS, refill_size
     from gearflow.replay.host_batch import BufferRing
 
     cfg = load_config(str(config_path("cartpole_apex")), ["learner.device=cpu", f"run.seed={seed}"])
@@ -339,7 +339,7 @@ def noop_loop(seconds: float, seed: int = 0) -> dict:
         q: queue.Queue = queue.Queue(maxsize=prefetch)
         stop = threading.Event()
 
-        refill, ring = prefetch - prefetch // 2, BufferRing(GROUP_SETS)
+        refill, ring = refill_size(prefetch), BufferRing(GROUP_SETS)
 
         def feed():  # the same sampling (a refill a draw, as the Prefetcher), nothing else: no lock, no write-backs
             while not stop.is_set():

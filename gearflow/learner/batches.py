@@ -21,6 +21,11 @@ GROUP_SETS = 4  # buffer sets of a Prefetcher's refill draws: the one drawn into
 # (≤ depth // 2 batches: ≤ 2 sets) and the learner's batch's, and one to spare
 
 
+def refill_size(depth: int) -> int:
+    """Batches a refill of a ``depth``-deep :class:`BatchesAhead` draws (it refills at ``depth // 2``)."""
+    return int(depth) - int(depth) // 2
+
+
 class BatchesAhead:
     """The batches drawn ahead, ``depth`` at most, handed over in refills: the drawing thread is
     woken once at most ``depth // 2`` are left and then draws until ``depth`` are there, so the
@@ -30,6 +35,7 @@ class BatchesAhead:
 
     def __init__(self, depth: int):
         self.depth, self.low = int(depth), int(depth) // 2
+        self.batches_a_refill = refill_size(self.depth)  # depth - low
         self.items: collections.deque = collections.deque()
         self.refill = threading.Event()  # set: the drawing side should fill up
         self.refill.set()
@@ -94,14 +100,12 @@ class Prefetcher:
         self._can_sample = getattr(table, "can_sample", None)  # a local table: asked without waiting
         self.ring = getattr(self.access, "ring", None)  # a CUDA learner: batches ahead on its device
         self.ahead = BatchesAhead(depth)
-        # a refill in one draw: a local host table whose selector draws several batches a call
-        # (prioritized, uniform) gets the depth - depth // 2 batches of a refill in one call (one
-        # lock, one scan, one gather: the Python and GIL hand-offs of one batch), into sets of
-        # its own: GROUP_SETS of them, a batch valid until GROUP_SETS - 1 refills later
-        selector = getattr(table, "selector", None)
-        grouped = self._can_sample is not None and getattr(table, "device", "cpu") == "cpu" and \
-            hasattr(table, "sample_batches") and getattr(selector, "draws_groups", False)  # fmt: skip
-        self.group = depth - self.ahead.low if grouped else 1
+        # a refill in one draw: a local table that draws several batches a call (Table.draws_groups:
+        # a host table, a prioritized or uniform selector) gets a refill's batches in one call (one
+        # lock, one scan, one gather: the Python and GIL hand-offs of one batch), into sets of its
+        # own: GROUP_SETS of them, a batch valid until GROUP_SETS - 1 refills later
+        grouped = self._can_sample is not None and getattr(table, "draws_groups", False)
+        self.group = self.ahead.batches_a_refill if grouped else 1
         self.group_ring = BufferRing(GROUP_SETS, getattr(table, "pin_memory", False)) if self.group > 1 else None
         self.stop = stop
         self.error: BaseException | None = None

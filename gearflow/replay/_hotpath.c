@@ -29,7 +29,8 @@
  *       any window is shorter than T.
  *
  * Everything is one pass over the batch with no allocation beyond a (B,)
- * scratch, no GIL release (calls take microseconds) but in a large draw; the numpy versions in
+ * scratch and no GIL release (calls take microseconds; a draw of >= 256 rows
+ * excepted, see above); the numpy versions in
  * selectors.py and items.py stay as the reference and the fallback.
  *
  * The actor side (issue #16), each with its numpy reference in Python:
@@ -212,16 +213,10 @@ static PyObject *sample_proportional(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "group must divide the %zd rows (one stratified batch each), got %zd", B, group);
         goto done;
     }
-    int rc;
-    if (B >= NOGIL_DRAW) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = draw_proportional(&lv, fanout, (const double *)ub.buf, B, group, count, beta, (int64_t *)sb.buf,
+    PyThreadState *released = B >= NOGIL_DRAW ? PyEval_SaveThread() : NULL;
+    int rc = draw_proportional(&lv, fanout, (const double *)ub.buf, B, group, count, beta, (int64_t *)sb.buf,
                                (double *)pb.buf, (float *)wb.buf);
-        Py_END_ALLOW_THREADS
-    } else {
-        rc = draw_proportional(&lv, fanout, (const double *)ub.buf, B, group, count, beta, (int64_t *)sb.buf,
-                               (double *)pb.buf, (float *)wb.buf);
-    }
+    if (released != NULL) PyEval_RestoreThread(released);
     if (rc < 0) { PyErr_NoMemory(); goto done; }
     result = Py_None;
     Py_INCREF(result);

@@ -70,7 +70,7 @@ class BufferRing:
     def __init__(self, num: int, pin_memory: bool = False):
         self.num, self.pin_memory = int(num), pin_memory
         self.batch, self.sets, self.next = -1, [], 0
-        self._parts: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}  # (set, part size) -> views
+        self._parts: dict[tuple[int, int], tuple[dict, list]] = {}  # (id(set), part size) -> (set, its views)
 
     def take(self, layout: dict | None, batch_size: int) -> dict[str, torch.Tensor]:
         """The next set for a batch of ``batch_size`` (``layout``: name → (shape, dtype), read
@@ -87,11 +87,11 @@ class BufferRing:
         """``buf`` (one of this ring's sets) as consecutive batches of ``size`` rows: views made
         once per set (a view costs ~1 µs of Python; a refill of 8 batches of 6 columns, 48)."""
         key = (id(buf), size)
-        views = self._parts.get(key)
-        if views is None:
+        hit = self._parts.get(key)
+        if hit is None or hit[0] is not buf:  # (an id is only unique among live objects)
             split = {k: v.split(size) for k, v in buf.items()}
-            views = self._parts[key] = [{k: v[i] for k, v in split.items()} for i in range(self.batch // size)]
-        return views
+            hit = self._parts[key] = (buf, [{k: v[i] for k, v in split.items()} for i in range(self.batch // size)])
+        return hit[1]
 
     @property
     def nbytes(self) -> int:

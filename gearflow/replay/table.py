@@ -231,10 +231,15 @@ class Table(TableIngest):
         :class:`TableClosed` once the table is closed (a blocked sample is woken with it)."""
         return self.draw(batch_size, timeout_s)[0]
 
+    @property
+    def draws_groups(self) -> bool:
+        """Whether :meth:`sample_batches` draws several batches in one call here: a host table
+        whose selector :attr:`~gearflow.replay.selectors.Selector.draws_groups`."""
+        return self._device is None and self.selector.draws_groups
+
     def sample_batches(self, batch_size: int, count: int, timeout_s: float | None = None,
                        ring: BufferRing | None = None) -> list[Sample]:  # fmt: skip
-        """``count`` batches of ``batch_size`` in one draw (a host table; a selector that
-        :attr:`~gearflow.replay.selectors.Selector.draws_groups`): each drawn and weighted as its
+        """``count`` batches of ``batch_size`` in one draw (where :attr:`draws_groups`): each drawn and weighted as its
         own :meth:`sample` would be, gathered into one buffer set of ``ring`` (default the
         table's; a ring is remade when its batch size changes: give each size its own) and
         returned as views of it (:func:`split_sample`). The rate limiter is asked for all
@@ -264,7 +269,7 @@ class Table(TableIngest):
         """A draw of ``groups`` batches of ``batch_size`` (one Sample of them all, in order)."""
         if batch_size < 1 or groups < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}" if groups >= 1 else f"count must be ≥ 1, got {groups}")
-        if groups > 1 and (self._device is not None or not self.selector.draws_groups):
+        if groups > 1 and not self.draws_groups:
             where = "a device table" if self._device is not None else f"a {self.selector.name} selector"
             raise ValueError(f"{groups} batches in one draw: {where} draws one batch a call")
         group, batch_size = batch_size, batch_size * groups
