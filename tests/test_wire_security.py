@@ -33,7 +33,7 @@ from gearflow.transport import auth, integrity
 from gearflow.transport.actor import RemoteParams
 from gearflow.transport.auth import AuthorizationError, IntegrityMismatch
 from gearflow.transport.client import Client, ServiceUnavailable
-from gearflow.transport.framing import HEADER, VERSION
+from gearflow.transport.framing import HEADER, VERSION, FramedProtocol
 from gearflow.transport.service import ANY_ROLE, Service
 from tests.helpers_relay import LoopbackRelay
 from tests.test_train import CONFIG, TINY
@@ -281,11 +281,15 @@ def big_service():
     svc.stop()
 
 
-def test_big_frames_are_maced_beside_the_socket_and_still_checked(big_service, caplog):
+@pytest.mark.parametrize("wire_threads", [True, False], ids=["wire-threads", "loop"])
+def test_big_frames_are_maced_beside_the_socket_and_still_checked(big_service, caplog, monkeypatch, wire_threads):
     """Big and small frames pipelined on one connection arrive whole and in order (a small reply
     sent while a big one's MAC runs goes after its trailer); one changed byte in the middle of a
-    big reply, or of a big request, closes the connection and the request is not applied."""
+    big reply, or of a big request, closes the connection and the request is not applied — with
+    the client reading big blocks in its wire thread (MACed as they land), and through the loop
+    with a MAC thread following (TLS's way, and a build without ``_mac.c``)."""
     svc, big, applied = big_service
+    monkeypatch.setattr(FramedProtocol, "wire_threads", wire_threads)
     caplog.set_level(logging.WARNING)
     with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=20) as c:
         ops = ["big.get", "small.get", "small.get", "big.get", "big.get", "small.get"]
@@ -293,7 +297,10 @@ def test_big_frames_are_maced_beside_the_socket_and_still_checked(big_service, c
         for i, (op, f) in enumerate(zip(ops, futs)):
             meta, (arr,) = c.result(f, op, 20)
             assert meta == {"i": i} and np.array_equal(arr, big if op == "big.get" else np.arange(8)), op
-        assert c._proto.reader.opener._block_mac is not None  # the big replies went through a MAC thread
+        if wire_threads:  # the big replies' blocks were read (and MACed) by the client's wire thread
+            assert c._proto._wire.received == 3 and c._proto.reader.opener._block_mac is None
+        else:  # through a MAC thread beside the loop
+            assert not c._proto._wire and c._proto.reader.opener._block_mac is not None
         c.call("big.put", {}, [big])
         assert applied == [float(big.sum())]
     middle = HEADER.size + 200 + big.nbytes // 2  # inside the block, past the first MAC thread's piece
@@ -551,6 +558,7 @@ def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
             for i in range(3):
                 meta, (back,) = c.call("echo", {"i": i}, [data])
                 assert meta == {"i": i} and np.array_equal(back, data)
+            assert c._proto._wire is False  # TLS decrypts in the loop: no wire thread reads the raw socket
         # an on-path listener sees neither the frames nor what they carry
         seen = bytearray()
         listener = socket.create_server(("127.0.0.1", 0))

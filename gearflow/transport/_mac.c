@@ -8,14 +8,20 @@
  * of 256 rows is ~520 spans: one Python call and one GIL hand-off instead of ~520 of each, so a MAC
  * thread runs beside the loop thread that writes the same bytes without waiting on it for the GIL.
  *
+ * recv_into(fd, buffer, nh=None, piece) reads a frame's big block from a socket in pieces without the
+ * GIL, each piece fed to nh as it lands (a client's wire thread: transport/wire_io.py).
+ *
  * No OpenSSL header is needed: fn is int (*)(void *ctx, const unsigned char *data, size_t n),
  * EVP_MAC_update's signature (OpenSSL >= 3), returning 1 on success.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 typedef int (*update_fn)(void *ctx, const unsigned char *data, size_t n);
 
@@ -365,10 +371,101 @@ static PyTypeObject NHType = {
     .tp_new = PyType_GenericNew,
 };
 
+
+/* ------------------------------------------------------------------ a big frame's block from the socket, MACed as it lands
+ *
+ * recv_into(fd, buffer, nh=None, piece=262144): fill buffer from a non-blocking socket without the
+ * GIL, piece by piece, each piece fed to nh (the frame's NH) just after the kernel copied it in: the
+ * MAC reads it from this core's cache, never from memory again, and no Python call or MAC thread
+ * wakes per piece. The connection's wire thread runs it (transport/wire_io.py) on a duplicate of the
+ * socket (shutdown() on it from another thread ends the call with an OSError).
+ */
+static int wire_wait(int fd, short events) {
+    struct pollfd p = {fd, events, 0};
+    for (;;) {
+        int r = poll(&p, 1, -1);
+        if (r > 0)
+            return (p.revents & (POLLERR | POLLNVAL)) && !(p.revents & events) ? -1 : 0;
+        if (r < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+static NHObject *wire_nh(PyObject *nh);
+
+static PyObject *recv_into(PyObject *self, PyObject *args, PyObject *kw) {
+    int fd;
+    PyObject *nh_arg = Py_None;
+    Py_buffer b;
+    Py_ssize_t piece = 256 << 10;
+    static char *names[] = {"fd", "buffer", "nh", "piece", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iw*|On", names, &fd, &b, &nh_arg, &piece))
+        return NULL;
+    if (piece < 4096) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "recv_into: piece must be >= 4096 bytes, got %zd", piece);
+        return NULL;
+    }
+    NHObject *nh = wire_nh(nh_arg);
+    if (nh == NULL && nh_arg != Py_None) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    int err = 0, eof = 0;
+    size_t got = 0, n = (size_t)b.len;
+    uint8_t *p = b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < n) {
+        size_t want = n - got < (size_t)piece ? n - got : (size_t)piece;
+        ssize_t r = recv(fd, p + got, want, MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && wire_wait(fd, POLLIN) == 0)
+                continue;
+            err = errno ? errno : ECONNRESET;
+            break;
+        }
+        if (r == 0) {
+            eof = 1;
+            break;
+        }
+        if (nh != NULL)  /* the MAC reads the piece the kernel just wrote, in this core's cache */
+            nh_feed(nh, p + got, (size_t)r);
+        got += (size_t)r;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (eof)
+        return PyErr_Format(PyExc_ConnectionResetError, "recv_into: the peer closed the connection %zu bytes into %zu", got, n);
+    if (nh != NULL && nh->failed)
+        return nh_failed(nh);
+    Py_RETURN_NONE;
+}
+
+static NHObject *wire_nh(PyObject *nh) {
+    if (nh == Py_None)
+        return NULL;
+    if (!PyObject_TypeCheck(nh, &NHType)) {
+        PyErr_Format(PyExc_TypeError, "nh must be a _mac.NH or None, got %.80s", Py_TYPE(nh)->tp_name);
+        return NULL;
+    }
+    if (nh_unready((NHObject *)nh))
+        return NULL;
+    return (NHObject *)nh;
+}
+
 static PyObject *avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(nh_avx2_ok); }
 
 static PyMethodDef methods[] = {
     {"avx2", avx2, METH_NOARGS, "avx2(): whether NH runs its AVX2 pass on this CPU."},
+    {"recv_into", (PyCFunction)(void (*)(void))recv_into, METH_VARARGS | METH_KEYWORDS,
+     "recv_into(fd, buffer, nh=None, piece=262144): fill buffer from the non-blocking socket fd without the GIL; nh: "
+     "each piece MACed as it lands. ConnectionResetError at the peer's end of stream, OSError on a socket error."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -152,6 +152,7 @@ class _ClientProtocol(FramedProtocol):
                 c2s, s2c = auth.frame_keys(cred.secret, self.script, self.server_nonce, self.nonce)
                 self.reader.opener, self.sealer = frames_mac.Opener(s2c), frames_mac.Sealer(c2s)
             self.reader.kinds = frozenset({REPLY, ERROR})
+            self.read_blocks_in_wire_thread()  # a big reply's block: read and MACed by a wire thread
             if not self.ready.done():
                 self.ready.set_result(True)
         elif rid == 0 or rid not in self.pending:  # a connection-level error (auth, limits, framing)

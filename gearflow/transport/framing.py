@@ -25,7 +25,10 @@ allocated. A violation raises :class:`FrameError` naming the problem.
 Receiving (:class:`FrameReader`, an ``asyncio.BufferedProtocol`` helper): small
 frames are read into one reused staging buffer and parsed out of it; a large buffer
 block is read straight into its destination (``alloc(nbytes)``, a pooled buffer on
-the service side), so uvloop's ``recv_into`` fills it without an intermediate copy.
+the service side), so uvloop's ``recv_into`` fills it without an intermediate copy; a
+protocol that calls :meth:`FramedProtocol.read_blocks_in_wire_thread` (the client) has a big
+block read by its connection's wire thread instead (:mod:`gearflow.transport.wire_io`: MACed as
+it lands, the loop's reading paused meanwhile).
 Sending (:func:`encode`): a list ``[header + envelope, buf0, pad, buf1, ...]`` of
 bytes and ``memoryview`` s of the arrays themselves (a :class:`Chunks` buffer: its pieces,
 say rows of a shared-memory column), for ``transport.writelines``
@@ -52,6 +55,7 @@ import numpy as np
 
 from gearflow.errors import GearflowError
 from gearflow.transport.torn_marks import marks_of, masked_frame
+from gearflow.transport.wire_io import WIRE_BYTES, WireIO
 
 __all__ = [
     "ALIGN",
@@ -316,6 +320,10 @@ class FrameReader:
         self._maced = 0  # bytes of the frame's buffer block the opener has taken (as they arrive: cache-hot)
         self._bmac = None  # a big block's MAC, in a MAC thread following the bytes (integrity.BlockMac)
         self._head_bytes: list = []  # with an opener: the frame's header and envelope (a torn frame's re-MAC)
+        # wire(view, nh, trailer): the protocol's wire thread reads the rest of a big block (and its
+        # trailer) without the loop, MACed as it lands; it calls wire_landed() back in the loop
+        self.wire: Callable | None = None
+        self._wired = False  # this frame's block goes through the wire thread
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
 
@@ -360,6 +368,23 @@ class FrameReader:
             self.failed = True
             raise
 
+    def wire_landed(self, trailer: bytearray | None) -> None:
+        """The wire thread filled the block (MACed it, with an opener) and read ``trailer``: the
+        frame is checked and delivered as one read through the loop would be (raises
+        :class:`FrameError`). The staging buffer is empty: nothing was read past the trailer."""
+        if self.failed or not self._wired:
+            return
+        self._wired = False
+        self._filled = self._maced = self._block.nbytes
+        if trailer is not None:
+            self._view[:_TRAILER_BYTES] = trailer
+            self._lo, self._hi = 0, _TRAILER_BYTES
+        try:
+            self._parse()
+        except FrameError:
+            self.failed = True
+            raise
+
     def resume(self) -> None:
         """Parse the frames staged while :attr:`hold` was set (raises :class:`FrameError`)."""
         self.hold = False
@@ -395,7 +420,9 @@ class FrameReader:
                 self._lo += meta_len
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
-                if self.opener is not None and buf_bytes >= self.opener.thread_bytes:
+                self._wired = (self.wire is not None and buf_bytes >= WIRE_BYTES
+                               and (self.opener is None or self.opener.native_nh is not None))  # fmt: skip
+                if self.opener is not None and buf_bytes >= self.opener.thread_bytes and not self._wired:
                     self._bmac = self.opener.block_mac(self._block)
                 continue
             need = self._block.nbytes - self._filled
@@ -408,6 +435,13 @@ class FrameReader:
                 if self._bmac is not None and take:
                     self._bmac.landed(self._filled)
                 self._lo = self._hi = 0
+                if self._wired:  # by the wire thread: the bytes staged so far are MACed here, first
+                    nh, trailer = None, None
+                    if self.opener is not None:
+                        self.opener.update(self._block[:self._filled])
+                        self._maced, nh, trailer = self._filled, self.opener.native_nh, bytearray(_TRAILER_BYTES)
+                    self.wire(memoryview(self._block)[self._filled:], nh, trailer)
+                    return
                 self._direct = True
                 return
             if self.opener is not None:  # the trailer: checked before anyone sees the frame
@@ -455,6 +489,7 @@ class FrameReader:
         arrays = [np.frombuffer(block, dtype=dt, count=math.prod(shape), offset=off).reshape(shape)
                   if math.prod(shape) else np.empty(shape, dtype=dt) for dt, shape, off in layout]  # fmt: skip
         self._head = self._env = self._block = None
+        self._wired = False
         self.frames += 1
         self.on_frame(kind, rid, op, meta, arrays, block)
 
@@ -479,12 +514,54 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
         self._mac_job: list | None = None  # [more, on_sent] of a frame whose MAC runs in a MAC thread
         self._backlog: list[tuple] = []  # frames sent meanwhile: written after its trailer, in order
+        self._wire: WireIO | None | bool = None  # the connection's wire threads (False: none here), made on first use
         self.closed = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
         self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=0, low=0)
+
+    wire_threads = True  # a big block is read by a wire thread where the protocol asks and the transport allows
+
+    def wire_io(self) -> WireIO | None:
+        """This connection's wire threads, or None (TLS, no ``_mac.c``, ``wire_threads`` off, closed)."""
+        if self._wire is None:
+            self._wire = (self.wire_threads and not self.closed and WireIO.of(self.transport)) or False
+        return self._wire or None
+
+    def read_blocks_in_wire_thread(self) -> None:
+        """From now on a big buffer block is read by the wire thread (:meth:`FrameReader.wire`),
+        the loop's reading paused meanwhile: for a protocol that pauses its reading for nothing else."""
+        if self.wire_io() is not None:
+            self.reader.wire = self._wire_read
+
+    def _wire_read(self, view: memoryview, nh, trailer: bytearray | None) -> None:
+        self.transport.pause_reading()
+        self._wire.recv(view, nh, trailer, functools.partial(self._to_loop, self._wire_landed, trailer))
+
+    def _to_loop(self, then: Callable, *args) -> None:
+        """In a MAC or wire thread: hand its result back to the loop."""
+        try:
+            self._loop.call_soon_threadsafe(then, *args)
+        except RuntimeError:  # the loop is closed: its connections are gone
+            pass
+
+    def _wire_landed(self, trailer: bytearray | None, error: BaseException | None) -> None:
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
+            return
+        if error is not None:
+            logging.getLogger(__name__).info("transport: receiving a frame failed (%s); closing the connection", error)
+            t.abort()
+            return
+        try:
+            self.reader.wire_landed(trailer)
+        except FrameError as exc:
+            self.frame_error(exc)
+            return
+        if not (self.closed or t.is_closing()):
+            t.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -523,7 +600,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
                 # a big frame: its bytes go to the socket now and a MAC thread reads them meanwhile
                 # (both only read them); its trailer, and any frame after it, once the MAC is done
                 self._mac_job = job = [more, on_sent]
-                self.sealer.seal_async(macs, functools.partial(self._mac_done, job), started=True)
+                self.sealer.seal_async(macs, functools.partial(self._to_loop, self._sealed, job), started=True)
                 t.writelines(parts)
                 return
             self.sealer.update_spans(macs)
@@ -539,13 +616,6 @@ class FramedProtocol(asyncio.BufferedProtocol):
             on_sent()
         else:
             self._unsent.append(on_sent)
-
-    def _mac_done(self, job: list, error: BaseException | None) -> None:
-        """In the MAC thread: hand the finished frame back to the loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._sealed, job, error)
-        except RuntimeError:  # the loop is closed: its connections are gone
-            pass
 
     def _sealed(self, job: list, error: BaseException | None) -> None:
         """A big frame's MAC is done (in the loop): its trailer goes out, its ``on_sent`` waits for
@@ -587,6 +657,8 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._wire:
+            self._wire.close()  # a wire thread still moving a frame stops with an error
         self._run_unsent()  # the transport holds no reference to the buffers any more
 
 

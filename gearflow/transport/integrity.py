@@ -63,10 +63,13 @@ MACed in a MAC thread (:func:`mac_pool`, 2–4 per process) while the thread tha
 moves them: the sender hands the whole frame to the socket at once and the MAC thread reads the
 same bytes meanwhile (both only read them; the sender's frame, its trailer and every later frame
 on that connection are written in order: a frame sent while a MAC runs waits behind its trailer),
-then writes the trailer; the receiver's loop reads the frame's buffer block straight into place
-and a MAC thread follows it, woken once :data:`FEED_BYTES` have landed, taking everything that
-has landed in one call each time; at the block's end the loop waits for it (the tail of the last
-piece), then checks the trailer before the frame is delivered. The MAC input, the key and the
+then writes the trailer. A client reads a big block in its connection's wire thread
+(:mod:`gearflow.transport.wire_io`): each 256 KiB ``recv`` is fed to this direction's NH
+(:attr:`Opener.native_nh`) as it lands, without the GIL, then the trailer is read and the loop
+checks it. Elsewhere (a service, TLS, no ``_mac.c``) the loop reads the frame's buffer block
+straight into place and a MAC thread follows it, woken once :data:`FEED_BYTES` have landed,
+taking everything that has landed in one call each time; at the block's end the loop waits for
+it (the tail of the last piece), then checks the trailer before the frame is delivered. The MAC input, the key and the
 check are exactly those of a frame MACed inline (smaller frames are): what changes is which
 thread computes it, and when. The sender's span list (~520 rows of a sample reply) goes to NH
 in one call with the GIL released (``_mac.c``, built by setup.py). A sender whose socket write
@@ -386,6 +389,12 @@ class _Mac:
         bytes-like part. One call into C for them all, the GIL released throughout (``_mac.c``),
         where it is built; else numpy's NH (:class:`_NumpyNH`: the same bytes, ~1 GB/s)."""
         self._nh.update_spans(spans)
+
+    @property
+    def native_nh(self):
+        """The ``_mac.NH`` this direction feeds (a wire thread may feed it without the GIL while
+        nothing else uses this MAC), or None where ``_mac.c`` is not built (numpy's NH)."""
+        return None if isinstance(self._nh, _NumpyNH) else self._nh
 
     def final(self) -> bytes:
         self._nh.finish()
