@@ -14,7 +14,7 @@ than a plain one; compare phases, not rates, and take rates from the plain bench
     prof.uninstall()
 
 A phase counts every call of the functions it names; ``items`` is what a call moves (MAC update
-calls for ``mac``, bytes for ``recv``), so ``mac.items`` per round is the number of
+calls for ``mac``, bytes for ``recv`` and ``wire_recv``), so ``mac.items`` per round is the number of
 NH update calls a frame costs (each takes its spans in one call). Phases that nest (``send`` holds the sender's inline
 ``mac``) are each timed whole.
 """
@@ -43,6 +43,10 @@ def _recv_bytes(args, kwargs) -> int:
     return int(args[1]) if len(args) > 1 else 0
 
 
+def _view_bytes(args, kwargs) -> int:
+    return memoryview(args[1]).nbytes if len(args) > 1 else 0
+
+
 # phase: [(module, qualified name, items of one call)]: what is timed (functions that do not exist
 # in this version are skipped, so one profile reads old and new code alike)
 PHASES: dict[str, list[tuple[str, str, Callable]]] = {
@@ -55,6 +59,8 @@ PHASES: dict[str, list[tuple[str, str, Callable]]] = {
     ],
     "mac_wait": [("gearflow.transport.integrity", "BlockMac.finish", _one)],  # the receiver waits for its MAC thread
     "recv": [("gearflow.transport.framing", "FrameReader.buffer_updated", _recv_bytes)],  # bytes landed, parsed
+    # a big block read (and MACed as it lands) by the connection's wire thread: one call a block
+    "wire_recv": [("gearflow.transport.wire_io", "WireIO._recv_job", _view_bytes)],
     "check": [("gearflow.transport.integrity", "Opener.check", _one)],  # a frame's trailer checked
     "unmark": [("gearflow.transport.framing", "FrameReader._unmark", _one)],  # receiver: a torn frame's re-MAC
     "tail": [("gearflow.transport.service", "_ServerProtocol._tail", _one)],  # marks filled, trailer sent
