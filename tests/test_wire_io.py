@@ -20,12 +20,17 @@ BIG = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: over wire_io.WIRE_BYTES
 pytestmark = pytest.mark.skipif(not wire_io.available(), reason="_mac.c is not built here")
 
 
-@pytest.fixture
-def service():
-    svc = Service(token=TOKEN, name="wire")
+def _service(integrity: bool = True) -> Service:
+    svc = Service(token=TOKEN, name="wire", integrity=integrity)
     svc.register("big.get", lambda meta, bufs: ({"i": meta.get("i")}, [BIG]), roles=ANY_ROLE)
     svc.register("small.get", lambda meta, bufs: ({"i": meta.get("i")}, [np.arange(8)]), roles=ANY_ROLE, inline=True)
     svc.start()
+    return svc
+
+
+@pytest.fixture
+def service():
+    svc = _service()
     yield svc
     svc.stop()
 
@@ -72,18 +77,11 @@ def _wire_threads() -> list[threading.Thread]:
 
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["integrity", "plain"])
-def test_big_replies_are_read_by_the_wire_thread_in_order_with_small_ones(service, integrity):
+def test_big_replies_are_read_by_the_wire_thread_in_order_with_small_ones(integrity):
     """Big and small replies pipelined on one connection arrive whole and in order, the big ones'
     blocks read by the client's wire thread (MACed as they land, with integrity) and the small
     ones through the loop; the loop reads again after each big one."""
-    if not integrity:
-        service.stop()
-        svc = Service(token=TOKEN, name="wire", integrity=False)
-        svc.register("big.get", lambda meta, bufs: ({"i": meta.get("i")}, [BIG]), roles=ANY_ROLE)
-        svc.register("small.get", lambda meta, bufs: ({"i": meta.get("i")}, [np.arange(8)]), roles=ANY_ROLE, inline=True)
-        svc.start()
-    else:
-        svc = service
+    svc = _service(integrity)
     try:
         with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=20, integrity=integrity) as c:
             ops = ["big.get", "small.get", "big.get", "big.get", "small.get", "small.get", "big.get"]
@@ -93,8 +91,7 @@ def test_big_replies_are_read_by_the_wire_thread_in_order_with_small_ones(servic
                 assert meta == {"i": i} and np.array_equal(arr, BIG if op == "big.get" else np.arange(8)), op
             assert c._proto._wire.received == 4
     finally:
-        if not integrity:
-            svc.stop()
+        svc.stop()
 
 
 @pytest.mark.parametrize("close,end", [(True, None), (False, "drop"), (False, "close")],
