@@ -12,9 +12,10 @@ on the learner of ``gearflow bench transport --workloads sample`` (2 cores): its
 round 4.3–4.7 → 3.7–3.8 ms with integrity on, the same 2.3 ms with it off.
 
 Only reading: the same thread *sending* a big reply (``sendmsg`` of the rows, the MAC beside it or
-inline) was measured slower than uvloop's ``writelines`` on the shard (0.85 against 0.95 of the raw
-socket with integrity off, 0.51–0.53 against 0.55–0.59 on): the shard's loop is the loopback's busier
-side and the hand-offs to a thread cost it more than they free. See ``docs/architecture.md``.
+inline) was measured no faster than uvloop's ``writelines`` on the shard, mostly slower (up to 0.85
+against 0.95 of the raw socket with integrity off, 0.51–0.53 against 0.55–0.59 on): the shard's loop
+is the loopback's busier side and the hand-offs to a thread cost it what they free.
+``gearflow/transport/README.md`` (issue 47) has the runs; ``docs/architecture.md`` the design.
 
 The wire thread owns a duplicate of the connection's socket (so the loop closing its own never
 frees a descriptor the thread is using); :meth:`WireIO.close` shuts it down (a read waiting on a
