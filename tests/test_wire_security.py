@@ -708,13 +708,15 @@ def test_the_tag_is_poly1305_over_nh_of_the_frame_by_its_definition(nh):
     """The frame tag is Poly1305 (the frame's one-time key) over NH of each 1 KiB chunk and the
     length: the C pass (AVX2 where the CPU has it, and the scalar one), and numpy's where ``_mac.c``
     is not built, each against a plain-Python NH from the definition; whole chunks, a short last
-    one, an empty frame, and bytes fed in odd pieces."""
+    one, an empty frame, and bytes fed in odd pieces, in pieces of many chunks (the C pass takes
+    a run of whole chunks a call, up to its output batch of 128) and all at once."""
     from gearflow.transport import _mac
 
     if nh.startswith("c") and not hasattr(_mac, "NH"):
         pytest.skip("_mac.c is not built here")
     rng = np.random.default_rng(7)
-    for size in (0, 5, 16, 1024, 3 * 1024 + 100, 40_000):
+    for size, piece in ((0, 777), (5, 777), (16, 777), (1024, 777), (3 * 1024 + 100, 777), (40_000, 777),
+                        (40_000, 5_000), (300 * 1024 + 100, 70_001), (300 * 1024 + 100, 1 << 20)):  # fmt: skip
         msg = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         mac = integrity.Sealer(bytes(range(32)))
         if nh == "c-scalar":
@@ -722,15 +724,15 @@ def test_the_tag_is_poly1305_over_nh_of_the_frame_by_its_definition(nh):
         elif nh == "numpy":
             mac._nh = integrity._NumpyNH(mac._nh_key(), mac._lib, mac._ctx)
         mac.begin()
-        for lo in range(0, size, 777):  # pieces across the chunk edges
-            mac.update(msg[lo:lo + 777])
+        for lo in range(0, size, piece):  # pieces across the chunk edges
+            mac.update(msg[lo:lo + piece])
         got = mac.final()
         want = integrity.Sealer(bytes(range(32)))
         want.begin()  # the same one-time key; its Poly1305 fed the reference NH by hand
         ref = _nh_reference(want._nh_key(), msg)
         assert want._lib.EVP_MAC_update(want._ctx, ref, len(ref)) == 1
         assert want._lib.EVP_MAC_final(want._ctx, want._out, ctypes.byref(want._outlen), 16) == 1
-        assert got == want._out.raw, (nh, size)
+        assert got == want._out.raw, (nh, size, piece)
 
 
 def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(monkeypatch):

@@ -159,36 +159,42 @@ __attribute__((target("avx2"))) static void nh_prepare_avx2(NHObject *o) {
 /* a whole chunk, 32 bytes (two units) a step: (m + k) permuted is perm(m) + perm(k), so the message
  * is permuted once a step and the key once per session; each pass is an add, a shift, one 32x32->64
  * multiply of four lanes (t0*t2, t1*t3 of each unit) and an accumulate */
-__attribute__((target("avx2"))) static void nh_chunk_avx2(const NHObject *o, const uint8_t *m, uint8_t out[NH_OUT]) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, t;
+__attribute__((target("avx2"))) static void nh_chunks_avx2(const NHObject *o, const uint8_t *m, size_t chunks,
+                                                             uint8_t *out) {
+    const uint32_t(*ka)[NH_CHUNK / 32][8] = o->ka;
+    for (size_t c = 0; c < chunks; c++, m += NH_CHUNK, out += NH_OUT) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, t;
 #define NH_PASS(acc, p)                                                                   \
-    t = _mm256_add_epi32(x, _mm256_loadu_si256((const __m256i *)o->ka[p][j]));           \
+    t = _mm256_add_epi32(x, _mm256_loadu_si256((const __m256i *)ka[p][j]));              \
     acc = _mm256_add_epi64(acc, _mm256_mul_epu32(t, _mm256_srli_epi64(t, 32)));
-    for (int j = 0; j < NH_CHUNK / 32; j++) {
-        __m256i x = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(m + 32 * j)), NH_SHUF);
-        NH_PASS(s0, 0)
-        NH_PASS(s1, 1)
-        NH_PASS(s2, 2)
-        NH_PASS(s3, 3)
-    }
+        for (int j = 0; j < NH_CHUNK / 32; j++) {
+            __m256i x = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(m + 32 * j)), NH_SHUF);
+            NH_PASS(s0, 0)
+            NH_PASS(s1, 1)
+            NH_PASS(s2, 2)
+            NH_PASS(s3, 3)
+        }
 #undef NH_PASS
-    __m256i s[4] = {s0, s1, s2, s3};
-    uint64_t a[4];
-    for (int p = 0; p < 4; p++) {
-        _mm256_storeu_si256((__m256i *)a, s[p]);
-        put64(out + 8 * p, a[0] + a[1] + a[2] + a[3]);
+        __m256i s[4] = {s0, s1, s2, s3};
+        for (int p = 0; p < 4; p++) {  /* the lanes' sum, little-endian (x86) */
+            __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s[p]), _mm256_extracti128_si256(s[p], 1));
+            uint64_t v = (uint64_t)_mm_cvtsi128_si64(h) + (uint64_t)_mm_extract_epi64(h, 1);
+            memcpy(out + 8 * p, &v, 8);
+        }
     }
 }
 #endif
 
-static void nh_chunk(const NHObject *o, const uint8_t *m, uint8_t out[NH_OUT]) {
+/* `chunks` whole chunks of m, their outputs to out (room for them all) */
+static void nh_chunks(const NHObject *o, const uint8_t *m, size_t chunks, uint8_t *out) {
 #ifdef NH_X86
     if (o->simd) {
-        nh_chunk_avx2(o, m, out);
+        nh_chunks_avx2(o, m, chunks, out);
         return;
     }
 #endif
-    nh_units(o->key, m, NH_UNITS, out);
+    for (size_t c = 0; c < chunks; c++)
+        nh_units(o->key, m + c * NH_CHUNK, NH_UNITS, out + c * NH_OUT);
 }
 
 static void nh_flush(NHObject *o) {
@@ -214,11 +220,18 @@ static void nh_feed(NHObject *o, const uint8_t *data, size_t n) {
         n -= take;
         if (o->npart < NH_CHUNK)
             return;
-        nh_chunk(o, o->part, nh_slot(o));
+        nh_chunks(o, o->part, 1, nh_slot(o));
         o->npart = 0;
     }
-    for (; n >= NH_CHUNK; data += NH_CHUNK, n -= NH_CHUNK)
-        nh_chunk(o, data, nh_slot(o));
+    while (n >= NH_CHUNK) {  /* as many whole chunks a call as the output batch has room for */
+        if (o->nout == NH_BATCH)
+            nh_flush(o);
+        size_t k = n / NH_CHUNK < NH_BATCH - o->nout ? n / NH_CHUNK : NH_BATCH - o->nout;
+        nh_chunks(o, data, k, o->out + NH_OUT * o->nout);
+        o->nout += k;
+        data += k * NH_CHUNK;
+        n -= k * NH_CHUNK;
+    }
     if (n) {
         memcpy(o->part, data, n);
         o->npart = n;
