@@ -44,8 +44,10 @@ sample reply is ~454 KB of Poly1305 input: a forgery succeeds with probability b
 (Poly1305 over the raw 14.5 MB: 2⁻⁸³), and each failed try closes the connection.
 
 Why NH first (chosen by measurement, 14.5 MB, one core): Poly1305 runs at 11.8–12.6 GB/s where
-the CPU has AVX-512 IFMA and at 5.0 where it has only AVX2; NH reads the bytes at 16–17 GB/s
-through Poly1305 (``_mac.c``'s AVX2 pass, 20–24 GB/s alone) and leaves Poly1305 1/32 of them, on
+the CPU has AVX-512 IFMA and at 5.0 where it has only AVX2; NH reads the bytes at 21 GB/s
+through Poly1305 from cache, 11.7 over a sample's rows from memory (``_mac.c``'s AVX2 pass, 22–24
+GB/s alone; an AVX-512 pass ran no faster on this Zen 4 CPU, whose 512-bit operations are two 256-bit
+ones) and leaves Poly1305 1/32 of them, on
 either CPU. AES-128-GMAC ran at 8.0 (6.3 on AVX2), keyed BLAKE3 (the ``blake3`` package, parallel
 by construction) 4.6 on one thread and no faster on two of a loaded 2-core box, HMAC-SHA256 1.1,
 keyed ``hashlib.blake2b`` 0.9. ChaCha20 and Poly1305 run in OpenSSL's libcrypto (the one Python's
