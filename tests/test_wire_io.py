@@ -4,7 +4,10 @@ a thread of the connection's own, and what it does when the peer stops half-way.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from gearflow.transport.service import ANY_ROLE, Service
 from tests.helpers_relay import LoopbackRelay
 
 TOKEN = "wire-io-test-token"
+ROOT = Path(__file__).resolve().parent.parent
 BIG = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: over wire_io.WIRE_BYTES
 
 pytestmark = pytest.mark.skipif(not wire_io.available(), reason="_mac.c is not built here")
@@ -123,3 +127,40 @@ def test_a_reply_cut_half_way_fails_the_call_and_frees_the_wire_thread(service, 
         c.close()
         relay.close()
     assert _fds() <= fds + 2  # (the relay's listener may linger a moment; the client's duplicate does not)
+
+
+def test_a_wire_thread_waiting_on_a_silent_peer_does_not_hold_up_the_exit(service):
+    """A process whose client is left open while its wire thread waits on a silent peer mid-block
+    exits when its main thread ends (the wire thread is a daemon: an executor's thread, joined at
+    exit, would hang it as long as the peer stays silent)."""
+    relay = _Cut(service.port, budget=1 << 20, close=False)
+    code = (
+        "import sys\n"
+        "from gearflow.transport.client import Client\n"
+        f"c = Client(('127.0.0.1', {relay.port}), {TOKEN!r}, timeout_s=600)\n"
+        "c.call('small.get', {'i': 0})\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"  # the relay armed: the big reply stops half-way
+        "fut = c.submit('big.get', {'i': 1})\n"
+        "sys.stdin.readline()\n"  # the cut reached: the wire thread waits on the silent peer
+        "import threading, time\n"
+        "while not any(t.name == 'gearflow-wire' for t in threading.enumerate()):\n"
+        "    time.sleep(0.01)\n"  # the client has read the reply's header and handed the block over
+        "print('leaving', fut.done(), flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        relay.armed.set()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert relay.cut.wait(60)
+        proc.stdin.write("leave\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "leaving False"
+        assert proc.wait(timeout=120) == 0  # a hang here is the bug (the peer stays silent for good)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        relay.close()

@@ -30,8 +30,8 @@ transport decrypts in the loop (:meth:`WireIO.of` gives None there), as does a b
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -68,7 +68,7 @@ class WireIO:
 
     def __init__(self, fd: int):
         self._sock = socket.socket(fileno=os.dup(fd))
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue | None = None
         self._lock = threading.Lock()
         self.closed = False
         self.received = 0  # blocks read
@@ -79,14 +79,18 @@ class WireIO:
         what cut it short: the connection is then unusable). Nothing else may read the socket
         meanwhile (the caller pauses its loop's reading)."""
         with self._lock:
-            if self.closed:
-                err: BaseException | None = ConnectionResetError("the connection's wire thread is closed")
-            else:
-                if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gearflow-wire")
-                self._pool.submit(self._recv_job, view, nh, trailer, done)
+            if not self.closed:
+                if self._jobs is None:  # a daemon thread: one blocked on a silent peer never holds up the exit
+                    self._jobs = queue.SimpleQueue()
+                    threading.Thread(target=self._run, name="gearflow-wire", daemon=True).start()
+                self._jobs.put((view, nh, trailer, done))
                 return
-        done(err)
+        done(ConnectionResetError("the connection's wire thread is closed"))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._recv_job(*job)
+        self._sock.close()  # after the last read: the descriptor is never reused under it
 
     def _recv_job(self, view: memoryview, nh, trailer: bytearray | None, done: Callable) -> None:
         err = None
@@ -107,17 +111,12 @@ class WireIO:
             if self.closed:
                 return
             self.closed = True
-            pool, self._pool = self._pool, None
+            jobs = self._jobs
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if pool is None:
+        if jobs is None:
             self._sock.close()
-            return
-
-        def finish() -> None:  # after the thread's last call: the descriptor is never reused under it
-            pool.shutdown(wait=True)
-            self._sock.close()
-
-        threading.Thread(target=finish, name="gearflow-wire-close", daemon=True).start()
+        else:
+            jobs.put(None)  # the thread closes the socket once it is done
