@@ -514,7 +514,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self._unsent: list[Callable[[], None]] = []  # run when the write buffer drains
         self._mac_job: list | None = None  # [more, on_sent] of a frame whose MAC runs in a MAC thread
         self._backlog: list[tuple] = []  # frames sent meanwhile: written after its trailer, in order
-        self._wire: WireIO | None | bool = None  # the connection's wire threads (False: none here), made on first use
+        self._wire: WireIO | None | bool = None  # the connection's wire thread (False: none here), made on first use
         self.closed = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -525,7 +525,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
     wire_threads = True  # a big block is read by a wire thread where the protocol asks and the transport allows
 
     def wire_io(self) -> WireIO | None:
-        """This connection's wire threads, or None (TLS, no ``_mac.c``, ``wire_threads`` off, closed)."""
+        """This connection's wire thread, or None (TLS, no ``_mac.c``, ``wire_threads`` off, closed)."""
         if self._wire is None:
             self._wire = (self.wire_threads and not self.closed and WireIO.of(self.transport)) or False
         return self._wire or None
