@@ -362,3 +362,21 @@ def test_a_shard_empty_at_the_start_joins_the_split_once_it_has_items(tables):
     finally:
         for s in services:
             s.stop()
+
+
+def test_one_shard_weighs_its_draws_with_the_learners_beta(world):
+    """Over one shard the batch is the shard's own draw: its IS weights follow the ``beta`` the
+    learner set on ``sampler.selector`` (sent with every request, so with no round requested
+    ahead the next batch has it), not the shard's own."""
+    shards, _, _ = world("prioritized", alpha=ALPHA, beta=0.4)
+    sampler = sampler_of(shards[:1], prefetch=0)
+    try:
+        for beta in (0.0, 1.0, 0.5):
+            sampler.selector.beta = beta
+            batch = sampler.sample(64)
+            p = batch.probabilities.numpy().astype(np.float64)
+            assert np.ptp(p) > 0  # unequal priorities: beta shows in the weights
+            want = (p.min() / p) ** beta  # (N P)^-beta over its max in the batch
+            np.testing.assert_allclose(batch.weights.numpy(), want, rtol=1e-5)
+    finally:
+        sampler.close()

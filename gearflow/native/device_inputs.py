@@ -1,5 +1,5 @@
-"""A priority write-back's device inputs, for :class:`~gearflow.native.device_replay.DeviceReplay`:
-checked where they are (:meth:`WriteBackInputs.pointer`), waited for on the device
+"""A priority write-back's inputs, for :class:`~gearflow.native.device_replay.DeviceReplay`:
+device or host arrays, checked where they are (:meth:`WriteBackInputs.prepare`, :meth:`~WriteBackInputs.pointer`), waited for on the device
 (:meth:`~WriteBackInputs.wait_for_caller`: the replay stream waits for the caller's stream, the
 host never), and kept allocated until the replay stream has read them
 (:meth:`~WriteBackInputs.keep_alive`: torch tensors through ``record_stream``, other arrays
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gearflow.native.cuda_backend import check_device, is_device_array
+from gearflow.native.cuda_backend import check_device, dptr, is_device_array
 from gearflow.native.device_buffers import RawStream
 
 __all__ = ["WriteBackInputs"]
@@ -30,6 +30,35 @@ class WriteBackInputs:
         self._keep: deque = deque()  # (event, inputs) of write-backs whose inputs the stream may still read
         self._free_events: list = []  # their events, reused
         self._ext_stream = None  # torch's view of the stream (record_stream of write-back inputs)
+
+    def prepare(self, keys: Any, priorities: Any) -> tuple[int, bool, Callable[[], tuple[int, int, tuple]]]:
+        """A write-back's keys (int64) and priorities (float32 or float64), checked where they are:
+        ``(entries, priorities are float32, stage)``; ``stage()``, called on the replay's device
+        in the replay's order, makes them readable by the stream and returns (keys pointer,
+        priorities pointer, what to :meth:`keep_alive`). Device arrays (CUDA torch tensors, CuPy
+        arrays) are read where they are once the stream waited for the caller's stream (no host
+        sync); host arrays are uploaded (from pageable memory: a wait for the stream, the host
+        path, not the learner's). ValueError: other lengths, dtypes, devices, or a mix."""
+        if is_device_array(keys) or is_device_array(priorities):
+            k_ptr, K, _, k_keep = self.pointer(keys, "keys", (np.int64,))
+            p_ptr, n, p_dtype, p_keep = self.pointer(priorities, "priorities", (np.float32, np.float64))
+
+            def stage() -> tuple[int, int, tuple]:
+                self.wait_for_caller()
+                return k_ptr, p_ptr, (k_keep, p_keep)
+        else:
+            k_host = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+            p_host = np.asarray(priorities).reshape(-1)
+            if p_host.dtype not in (np.float32, np.float64):
+                p_host = p_host.astype(np.float64)
+            K, n, p_dtype = k_host.size, p_host.size, p_host.dtype
+
+            def stage() -> tuple[int, int, tuple]:
+                k_dev, p_dev = self.cupy.asarray(k_host), self.cupy.asarray(np.ascontiguousarray(p_host))
+                return dptr(k_dev), dptr(p_dev), (k_dev, p_dev)
+        if K != n:
+            raise ValueError(f"{K} keys but {n} priorities")
+        return K, p_dtype == np.float32, stage
 
     def pointer(self, x: Any, name: str, dtypes: tuple) -> tuple[int, int, np.dtype, Any]:
         """(device pointer, length, dtype, what to keep alive) of a 1-D contiguous device array on this device."""

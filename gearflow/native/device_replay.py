@@ -87,7 +87,7 @@ import numpy as np
 
 from gearflow.errors import ConfigError, MissingDependencyError
 from gearflow.native import probe_cuda, probe_cupy, require_cupy
-from gearflow.native.cuda_backend import dptr, is_device_array
+from gearflow.native.cuda_backend import dptr
 from gearflow.native.device_buffers import (
     BufferSets,
     DeviceBuffers,
@@ -278,6 +278,18 @@ class DeviceColumns:
                                    dst.reshape(B, steps, K, -1), num_rows=self.num_partitions * S)  # fmt: skip
 
 
+def _mirror(cp: Any, N: int, NC: int, prioritized: bool) -> dict[str, Any]:
+    """The device mirror of a table's per-slot state (the replay descriptor's arrays), zeroed on
+    CuPy's current stream: masses and their chunk sums, liveness and its sums (uniform: the masses
+    themselves, 1 per live slot), each slot's item record (start, seq -1: none, length), the
+    write-back winners, the write-back status (priorities applied, refused: running counts)."""
+    masses, sums = cp.zeros(N, dtype=cp.float64), cp.zeros(NC, dtype=cp.float64)
+    live = (cp.zeros(N, dtype=cp.float64), cp.zeros(NC, dtype=cp.float64)) if prioritized else (masses, sums)
+    return {"masses": masses, "sums": sums, "live": live[0], "live_sums": live[1], "start": cp.zeros(N, dtype=cp.int64),
+            "seq": cp.full(N, -1, dtype=cp.int64), "length": cp.zeros(N, dtype=cp.int32),
+            "winner": cp.zeros(N, dtype=cp.uint64), "prio_status": cp.zeros(2, dtype=cp.uint64)}  # fmt: skip
+
+
 class DeviceReplay:
     """The GPU side of a table: device priority vector + records, zero-copy gather, seqlock check.
 
@@ -329,26 +341,16 @@ class DeviceReplay:
             self._on = _OnDevice(cp, device_id, self.stream)
             self._inputs = WriteBackInputs(cp, device_id, self.stream, self._consumer_stream)
             with self.stream:
-                self._masses = cp.zeros(N, dtype=cp.float64)
-                self._sums = cp.zeros(self._NC, dtype=cp.float64)
-                if self.prioritized:
-                    self._live, self._live_sums = cp.zeros(N, dtype=cp.float64), cp.zeros(self._NC, dtype=cp.float64)
-                else:  # uniform: the masses are 1 per live slot already
-                    self._live, self._live_sums = self._masses, self._sums
-                self._start = cp.zeros(N, dtype=cp.int64)
-                self._seq = cp.full(N, -1, dtype=cp.int64)
-                self._length = cp.zeros(N, dtype=cp.int32)
-                self._winner = cp.zeros(N, dtype=cp.uint64)
-                self._prio_status = cp.zeros(2, dtype=cp.uint64)  # priorities applied, refused (running)
+                m = _mirror(cp, N, self._NC, self.prioritized)
                 self._scratch = cp.zeros(1024, dtype=cp.int64)  # a write-back's slots
+            self._arrays = m  # what the descriptor points at: alive as long as it is
+            self._masses, self._sums, self._live, self._live_sums = m["masses"], m["sums"], m["live"], m["live_sums"]
+            self._start, self._seq, self._length, self._winner = m["start"], m["seq"], m["length"], m["winner"]
             self._reg = register_storage(cp, storage)  # last: nothing to undo if an allocation failed
             counters = self._reg.device_pointer(storage.counters.ctypes.data - storage.header.ctypes.data)
-            self._desc = descriptor(cp, REPLAY_FIELDS, {
-                "masses": self._masses, "sums": self._sums, "live": self._live, "live_sums": self._live_sums,
-                "start": self._start, "seq": self._seq, "length": self._length, "winner": self._winner,
-                "prio_status": self._prio_status, "counters": counters, "N": N, "NC": self._NC, "P": self._P,
-                "R": self._R, "counter_fields": storage.counters.shape[1], "reserve_field": RESERVE,
-                "trusted_steps": storage.trusted_steps})  # fmt: skip
+            self._desc = descriptor(cp, REPLAY_FIELDS, {**m, "counters": counters, "N": N, "NC": self._NC, "P": self._P,
+                                                        "R": self._R, "counter_fields": storage.counters.shape[1],
+                                                        "reserve_field": RESERVE, "trusted_steps": storage.trusted_steps})  # fmt: skip
         self._desc_ptr = dptr(self._desc)
         vectors = [(dptr(self._masses), dptr(self._sums), N, self._NC)]
         if self.prioritized:
@@ -448,38 +450,23 @@ class DeviceReplay:
         raised (ValueError) by the sample that returns it.
         Host arrays (checked by the table first) are uploaded. Keys of evicted
         items are ignored; a repeated key takes its last priority. Returns the entries handed in."""
-        on_device = is_device_array(keys) or is_device_array(priorities)
-        if on_device:
-            k_ptr, K, _, k_keep = self._inputs.pointer(keys, "keys", (np.int64,))
-            p_ptr, n, p_dtype, p_keep = self._inputs.pointer(priorities, "priorities", (np.float32, np.float64))
-        else:
-            k_host = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-            p_host = np.asarray(priorities).reshape(-1)
-            if p_host.dtype not in (np.float32, np.float64):
-                p_host = p_host.astype(np.float64)
-            K, n, p_dtype = k_host.size, p_host.size, p_host.dtype
-        if K != n:
-            raise ValueError(f"{K} keys but {n} priorities")
+        K, f32, stage = self._inputs.prepare(keys, priorities)  # checked (ValueError) before anything is queued
         if K == 0:
             return 0
         cp = self.cupy
         with self._lock, self._on:
             self._ingest.apply()  # a key ingested since the last draw is on the device before it is looked up
-            if on_device:
-                self._inputs.wait_for_caller()
-            else:  # an upload from pageable memory (waits for the stream): the host path, not the learner's
-                k_dev, p_dev = cp.asarray(k_host), cp.asarray(np.ascontiguousarray(p_host))
-                k_ptr, p_ptr, k_keep, p_keep = dptr(k_dev), dptr(p_dev), k_dev, p_dev
+            k_ptr, p_ptr, keep = stage()
             if self._scratch.shape[0] < K:
                 self._scratch = cp.zeros(max(K, 2 * self._scratch.shape[0]), dtype=cp.int64)
             self._tag += 1
             if self._tag >= 2**31:  # the tags would reach the winners of long ago: start over
                 self._winner[...] = 0
                 self._tag = 1
-            self._select.update_by_key(self._desc_ptr, k_ptr, p_ptr, K, p_dtype == np.float32, self._tag << 32,
+            self._select.update_by_key(self._desc_ptr, k_ptr, p_ptr, K, f32, self._tag << 32,
                                        self._alpha(), dptr(self._scratch), dptr(self._masses), self._N,
                                        dptr(self._sums) if self.prioritized else None, self._NC)  # fmt: skip
-            self._inputs.keep_alive(k_keep, p_keep)
+            self._inputs.keep_alive(*keep)
         return K
 
     # ------------------------------------------------------------------ sampling

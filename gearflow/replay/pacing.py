@@ -116,6 +116,10 @@ class GlobalPacing:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
+    def paces(self, live=None) -> list[dict[str, int]]:
+        """Each node's :meth:`insert_limits` as the ``pace`` its next request carries."""
+        return [{"pace": int(x)} for x in self.insert_limits(live).tolist()]
+
     def insert_limits(self, live=None) -> np.ndarray:
         """Each node's insert limit (int64, in the node's own count since its table started):
         what it has inserted plus its credit — room of the union handed to it and not used yet.

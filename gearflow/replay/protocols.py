@@ -86,6 +86,10 @@ class SelectorInfo:
         self.name, self.importance_sampled = name, bool(importance_sampled)
         self.beta: float | None = None
 
+    def request_fields(self) -> dict[str, float]:
+        """What a request for a batch carries of it: ``{"beta": beta}``, or nothing (each shard's own)."""
+        return {} if self.beta is None else {"beta": float(self.beta)}
+
     def __repr__(self) -> str:
         return f"SelectorInfo({self.name!r}, importance_sampled={self.importance_sampled}, beta={self.beta})"
 

@@ -215,8 +215,7 @@ class RemoteSampler:
             return [{} for _ in self._clients]
         live = self._live()
         with self._tags:
-            limits = self._pacing.insert_limits(live if len(live) < len(self._clients) else None)
-        return [{"pace": int(x)} for x in limits.tolist()]
+            return self._pacing.paces(live)
 
     def _refresh_totals(self) -> None:
         """Every shard's total and count now (``replay.total``: the shard scans, draws nothing)."""
@@ -273,9 +272,7 @@ class RemoteSampler:
             with self._tags:
                 t = np.maximum(self._totals, 0.0)  # a copy
             q, split = split_round(t, live, batch_size, self._rng)
-        meta = {"timeout_s": timeout_s}
-        if self.selector.beta is not None:
-            meta["beta"] = float(self.selector.beta)
+        meta = {"timeout_s": timeout_s, **self.selector.request_fields()}
         paces = self._paces()
         parts = []
         for i in live:
@@ -334,9 +331,7 @@ class RemoteSampler:
         """A reply whose ``torn`` marks are set, mended by fresh draws from its shard
         (:meth:`BatchAssembly.mend`); ``self.torn`` counts the items redrawn."""
         i = reply[0]
-        m = {"timeout_s": timeout_s, **self._paces()[i]}  # a request without a pace unpaces the shard
-        if self.selector.beta is not None:
-            m["beta"] = float(self.selector.beta)
+        m = {"timeout_s": timeout_s, **self.selector.request_fields(), **self._paces()[i]}  # no pace: unpaced
 
         def redraw(n: int) -> tuple[dict, list]:
             self.torn += n
