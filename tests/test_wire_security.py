@@ -736,15 +736,11 @@ def test_the_tag_is_poly1305_over_nh_of_the_frame_by_its_definition(nh):
 
 
 def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(monkeypatch):
-    """Without ``_mac.c``'s own MAC threads (a build without them, numpy's NH): ``seal_async(...,
-    started=True)`` returns only once the MAC job has begun in a pool thread (uvloop's
-    ``writelines`` keeps the GIL while it writes: a MAC thread not yet started then waits for the
-    whole write), and the tag is the tag of the bytes."""
+    """``seal_async(..., started=True)`` returns only once the MAC job has begun in its thread
+    (uvloop's ``writelines`` keeps the GIL while it writes: a MAC thread not yet started then waits
+    for the whole write), and the tag is the tag of the bytes."""
     import threading
 
-    from gearflow.transport import _mac
-
-    monkeypatch.delattr(_mac, "mac_async", raising=False)
     pool, began = integrity.mac_pool(), []
     for f in [pool.submit(time.sleep, 0.01) for _ in range(8)]:  # its threads started and idle
         f.result()
@@ -764,130 +760,6 @@ def test_a_big_frames_mac_thread_holds_its_spans_before_the_socket_write_starts(
     ref.begin()
     ref.update(data)
     assert mac.final() == ref.final()
-
-
-def _mac_async_or_skip():
-    from gearflow.transport import _mac
-
-    if not hasattr(_mac, "mac_async"):
-        pytest.skip("_mac.c is not built here")
-    return _mac
-
-
-def _tag_of(spans) -> bytes:
-    ref = integrity.Sealer(bytes(32))
-    ref.begin()
-    ref.update_spans(spans)
-    return ref.final()
-
-
-def test_a_big_frame_is_maced_in_c_threads_and_the_caller_waits_for_none():
-    """Where ``_mac.c`` is built, ``seal_async`` queues the spans to one of its own MAC threads
-    (pthreads: no GIL needed to start) and returns: the sender's loop thread, about to write the
-    frame in a call that keeps the GIL, waits for no thread. Shown with every MAC thread busy (their
-    ``done`` callbacks held): the call returns, the frame is MACed once one is free. ``done`` runs
-    once, in a MAC thread, with None; the tag is the tag of the bytes."""
-    _mac = _mac_async_or_skip()
-    rng = np.random.default_rng(3)
-    data = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
-    release, held, calls = threading.Event(), [], []
-
-    def hold(err):
-        held.append(err)
-        release.wait()
-
-    busy = [integrity.Sealer(bytes(32)) for _ in range(4)]  # at most 4 MAC threads: every one held
-    for m in busy:
-        m.begin()
-        m.seal_async([b"x" * 100], hold)
-    mac = integrity.Sealer(bytes(32))
-    mac.begin()
-    done = threading.Event()
-    mac.seal_async([b"head", (data.ctypes.data, data.size), data[:5000]],
-                   lambda err: (calls.append((err, threading.get_ident())), done.set()))  # fmt: skip
-    assert not done.is_set()  # returned with no thread free to take it
-    release.set()
-    assert done.wait(30)
-    assert calls == [(None, calls[0][1])] and calls[0][1] != threading.get_ident()
-    assert mac.final() == _tag_of([b"head", data, data[:5000]])
-    assert held == [None] * 4
-
-
-def test_the_c_mac_threads_tag_every_kind_of_span_and_report_bad_input_at_once(monkeypatch):
-    """``_mac.mac_async`` tags what ``update_spans`` tags (rows by address, bytes, arrays, empty
-    spans, sizes across chunk edges), a ``done`` that raises is reported (``sys.unraisablehook``)
-    and does not stop its thread (the next job completes), and bad input is an error at the call,
-    with ``done`` never called."""
-    import sys
-
-    _mac = _mac_async_or_skip()
-    rng = np.random.default_rng(4)
-    big = rng.integers(0, 256, 1 << 22, dtype=np.uint8)
-    for trial in range(20):
-        spans = [b"h" * int(rng.integers(1, 100))]
-        for _ in range(int(rng.integers(1, 40))):
-            o, n = int(rng.integers(0, big.size - 70000)), int(rng.integers(0, 70000))
-            spans.append((big.ctypes.data + o, n) if trial % 2 else big[o:o + n])
-        mac, done = integrity.Sealer(bytes(32)), threading.Event()
-        mac.begin()
-        mac.seal_async(spans, lambda err: done.set() if err is None else None)
-        assert done.wait(30)
-        assert mac.final() == _tag_of(spans), trial
-
-    def boom(err):
-        raise RuntimeError("a done callback's own bug")
-
-    reported, unraisable = threading.Event(), []
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: (unraisable.append(u.exc_value), reported.set()))
-    mac = integrity.Sealer(bytes(32))
-    mac.begin()
-    mac.seal_async([b"a" * 5000], boom)
-    assert reported.wait(30) and "own bug" in str(unraisable[0])
-    after = threading.Event()
-    mac2 = integrity.Sealer(bytes(32))
-    mac2.begin()
-    for _ in range(4):  # more jobs than threads: the one whose done raised takes one too
-        mac2.restart()
-        after.clear()
-        mac2.seal_async([b"b" * 5000], lambda err: after.set())
-        assert after.wait(30)
-    nh = mac2.native_nh
-    with pytest.raises(TypeError, match="_mac.NH"):
-        _mac.mac_async(None, [b"x"], lambda err: None)
-    with pytest.raises(TypeError, match="callable"):
-        _mac.mac_async(nh, [b"x"], "not callable")
-    never = []
-    with pytest.raises(ValueError, match="span 1"):
-        _mac.mac_async(nh, [b"x", (0, 5)], never.append)
-    with pytest.raises(TypeError):
-        _mac.mac_async(nh, [b"x", 7], never.append)
-    assert never == []
-
-
-def test_a_forked_child_macs_in_c_threads_of_its_own():
-    """A child forked after the parent's MAC threads started has none of them: its first big
-    frame starts its own (it would wait forever for the parent's), and tags the same bytes."""
-    import os
-
-    _mac_async_or_skip()
-    data = np.random.default_rng(5).integers(0, 256, 2 << 20, dtype=np.uint8)
-    mac, done = integrity.Sealer(bytes(32)), threading.Event()
-    mac.begin()
-    mac.seal_async([data], lambda err: done.set())
-    assert done.wait(30)  # the parent's threads run
-    want = mac.final()
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only with the right tag
-        ok = 1
-        try:
-            child, ev = integrity.Sealer(bytes(32)), threading.Event()
-            child.begin()
-            child.seal_async([data], lambda err: ev.set())
-            ok = 0 if ev.wait(30) and child.final() == want else 1
-        finally:
-            os._exit(ok)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_the_c_nh_refuses_a_bad_key_or_callback_and_an_uninitialised_object():

@@ -11,26 +11,17 @@
  * recv_into(fd, buffer, nh=None, piece) reads a frame's big block from a socket in pieces without the
  * GIL, each piece fed to nh as it lands (a client's wire thread: transport/wire_io.py).
  *
- * mac_async(nh, spans, done) MACs a big frame's spans in one of this module's own MAC threads (plain
- * pthreads, not Python threads): the caller returns as soon as the spans are parsed, and the thread
- * needs no GIL to start, only to call done(error) at the end (a sender: transport/integrity.py's
- * Sealer.seal_async). A Python MAC thread needed the GIL to start its job, so the sender's loop
- * thread had to wait until it had (it writes the frame next, in a call that keeps the GIL).
- *
  * No OpenSSL header is needed: fn is int (*)(void *ctx, const unsigned char *data, size_t n),
  * EVP_MAC_update's signature (OpenSSL >= 3), returning 1 on success.
  */
-#define _GNU_SOURCE /* pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <poll.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 typedef int (*update_fn)(void *ctx, const unsigned char *data, size_t n);
 
@@ -481,134 +472,10 @@ static NHObject *wire_nh(PyObject *nh) {
     return (NHObject *)nh;
 }
 
-/* ------------------------------------------------------------------ MAC threads of our own
- *
- * mac_async(nh, spans, done): the spans parsed (their buffer views held) and queued with the GIL;
- * one of MAC_WORKERS pthreads feeds them to nh without the GIL, then takes the GIL to call
- * done(None) (or done(ValueError) when the Poly1305 update failed) and to drop the job's references.
- * Nothing else may use nh until done is called (the caller's rule, as for a Python MAC thread).
- */
-typedef struct MacJob {
-    struct MacJob *next;
-    NHObject *nh;
-    PyObject *done;
-    Spans sp;
-} MacJob;
-
-static pthread_mutex_t mac_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t mac_cv = PTHREAD_COND_INITIALIZER;
-static MacJob *mac_head, *mac_tail;
-static int mac_workers, mac_idle; /* started in this process; waiting for a job */
-
-static void *mac_worker(void *unused) {
-    pthread_setname_np(pthread_self(), "gearflow-cmac"); /* what /proc/<pid>/task/<tid>/comm shows */
-    for (;;) {
-        pthread_mutex_lock(&mac_mu);
-        mac_idle++;
-        while (mac_head == NULL)
-            pthread_cond_wait(&mac_cv, &mac_mu);
-        mac_idle--;
-        MacJob *j = mac_head;
-        mac_head = j->next;
-        if (mac_head == NULL)
-            mac_tail = NULL;
-        pthread_mutex_unlock(&mac_mu);
-        for (Py_ssize_t i = 0; i < j->sp.n; i++)
-            if (j->sp.len[i])
-                nh_feed(j->nh, j->sp.addr[i], j->sp.len[i]);
-        PyGILState_STATE g = PyGILState_Ensure();
-        PyObject *err = Py_None;
-        Py_INCREF(err);
-        if (j->nh->failed) {
-            j->nh->failed = 0;
-            Py_DECREF(err);
-            err = PyObject_CallFunction(PyExc_ValueError, "s", "NH: the Poly1305 update of its outputs failed");
-        }
-        PyObject *r = err ? PyObject_CallOneArg(j->done, err) : NULL;
-        if (r == NULL)
-            PyErr_WriteUnraisable(j->done);
-        Py_XDECREF(r);
-        Py_XDECREF(err);
-        spans_release(&j->sp);
-        Py_DECREF(j->nh);
-        Py_DECREF(j->done);
-        PyMem_Free(j);
-        PyGILState_Release(g);
-    }
-    return NULL;
-}
-
-static void mac_after_fork(void) {  /* a forked child has none of the parent's threads, nor its jobs */
-    pthread_mutex_init(&mac_mu, NULL);
-    pthread_cond_init(&mac_cv, NULL);
-    mac_head = mac_tail = NULL;
-    mac_workers = mac_idle = 0;
-}
-
-static int mac_max_workers(void) {  /* as integrity.mac_pool: 2 to 4, by cores */
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 2 ? 2 : n > 4 ? 4 : (int)n;
-}
-
-static PyObject *mac_async(PyObject *self, PyObject *args) {
-    PyObject *nh_arg, *spans, *done;
-    if (!PyArg_ParseTuple(args, "OOO", &nh_arg, &spans, &done))
-        return NULL;
-    NHObject *nh = wire_nh(nh_arg);
-    if (nh == NULL)
-        return nh_arg == Py_None ? PyErr_Format(PyExc_TypeError, "mac_async: nh must be a _mac.NH") : NULL;
-    if (!PyCallable_Check(done))
-        return PyErr_Format(PyExc_TypeError, "mac_async: done must be callable, got %.80s", Py_TYPE(done)->tp_name);
-    MacJob *j = PyMem_Calloc(1, sizeof(MacJob));
-    if (j == NULL)
-        return PyErr_NoMemory();
-    if (spans_parse(spans, &j->sp) < 0) {
-        spans_release(&j->sp);
-        PyMem_Free(j);
-        return NULL;
-    }
-    Py_INCREF(nh);
-    Py_INCREF(done);
-    j->nh = nh;
-    j->done = done;
-    pthread_mutex_lock(&mac_mu);
-    /* a thread more when none waits for a job (2 at first, up to mac_max_workers) */
-    int want = mac_workers < 2 || (mac_idle == 0 && mac_workers < mac_max_workers());
-    if (mac_tail)
-        mac_tail->next = j;
-    else
-        mac_head = j;
-    mac_tail = j;
-    pthread_cond_signal(&mac_cv);
-    pthread_mutex_unlock(&mac_mu);
-    while (want) {
-        pthread_t t;
-        pthread_attr_t a;
-        pthread_attr_init(&a);
-        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &a, mac_worker, NULL);
-        pthread_attr_destroy(&a);
-        pthread_mutex_lock(&mac_mu);
-        if (rc == 0)
-            mac_workers++;
-        want = rc == 0 && mac_workers < 2;
-        int none = mac_workers == 0;
-        pthread_mutex_unlock(&mac_mu);
-        if (none) {  /* no thread will ever take the job: fail now (it stays queued for a later thread) */
-            errno = rc;
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-    }
-    Py_RETURN_NONE;
-}
-
 static PyObject *avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(nh_avx2_ok); }
 
 static PyMethodDef methods[] = {
     {"avx2", avx2, METH_NOARGS, "avx2(): whether NH runs its AVX2 pass on this CPU."},
-    {"mac_async", mac_async, METH_VARARGS,
-     "mac_async(nh, spans, done): feed spans to nh in one of this module's MAC threads (no GIL needed to start); "
-     "done(None), or done(ValueError) if the Poly1305 update failed, is called there with the GIL. Returns at once."},
     {"recv_into", (PyCFunction)(void (*)(void))recv_into, METH_VARARGS | METH_KEYWORDS,
      "recv_into(fd, buffer, nh=None, piece=262144): fill buffer from the non-blocking socket fd without the GIL; nh: "
      "each piece MACed as it lands. ConnectionResetError at the peer's end of stream, OSError on a socket error."},
@@ -624,7 +491,6 @@ PyMODINIT_FUNC PyInit__mac(void) {
 #endif
     if (PyType_Ready(&NHType) < 0)
         return NULL;
-    pthread_atfork(NULL, NULL, mac_after_fork);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -430,18 +430,12 @@ class Sealer(_Mac):
         return parts
 
     def seal_async(self, spans: list, done: Callable[[BaseException | None], None], started: bool = False) -> None:
-        """MAC ``spans`` into the frame begun in a MAC thread; ``done(error)`` is called there once
-        they are all read (``error``: None, or what the MAC raised). Until then nothing else may
-        use this sealer, and the spans' bytes must stay as they are. Where ``_mac.c`` is built the
-        thread is one of its own (``_mac.mac_async``: a pthread that needs no GIL to start, so this
-        returns once the spans are parsed); else one of :func:`mac_pool`'s, and ``started``: return
-        once it holds the spans (it then runs without the GIL) — for a caller about to write them
-        in a call that keeps the GIL (uvloop's ``writelines``: otherwise the MAC thread could not
-        start until that write returned)."""
-        nh = self.native_nh
-        if nh is not None and hasattr(_native, "mac_async"):  # _mac.c's own MAC threads: no GIL to start, no wait
-            _native.mac_async(nh, spans, done)
-            return
+        """MAC ``spans`` into the frame begun in a MAC thread (:func:`mac_pool`); ``done(error)``
+        is called there once they are all read (``error``: None, or what the MAC raised). Until
+        then nothing else may use this sealer, and the spans' bytes must stay as they are.
+        ``started``: return once the MAC thread holds the spans (it then runs without the GIL) —
+        for a caller about to write them in a call that keeps the GIL (uvloop's ``writelines``:
+        otherwise the MAC thread could not start until that write returned)."""
         go = threading.Event() if started else None
 
         def job() -> None:

@@ -57,8 +57,6 @@ PHASES: dict[str, list[tuple[str, str, Callable]]] = {
         ("gearflow.transport.integrity", "_Mac.update_spans", _spans_count),
         ("gearflow.transport.integrity", "BlockMac._update", _one),  # a receiving MAC thread's call
     ],
-    # a sender's big frame handed to _mac.c's MAC threads (their CPU: thread[gearflow-cmac])
-    "mac_submit": [("gearflow.transport.integrity", "Sealer.seal_async", _spans_count)],
     "mac_wait": [("gearflow.transport.integrity", "BlockMac.finish", _one)],  # the receiver waits for its MAC thread
     "recv": [("gearflow.transport.framing", "FrameReader.buffer_updated", _recv_bytes)],  # bytes landed, parsed
     # a big block read (and MACed as it lands) by the connection's wire thread: one call a block
@@ -74,8 +72,7 @@ PHASES: dict[str, list[tuple[str, str, Callable]]] = {
 
 def thread_cpu_ns() -> dict[str, int]:
     """CPU time (ns, on a CPU since the thread started) of every live thread of this process, by
-    Python thread name (for a thread Python did not start, its ``comm``: ``gearflow-cmac`` for
-    ``_mac.c``'s MAC threads; ``tid:<n>`` without one)."""
+    Python thread name (``tid:<n>`` for threads Python did not start)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, int] = {}
     for tid in os.listdir("/proc/self/task"):
@@ -84,13 +81,7 @@ def thread_cpu_ns() -> dict[str, int]:
                 ns = int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             continue
-        name = names.get(int(tid))
-        if name is None:  # a thread Python did not start (_mac.c's MAC threads): its own name, if any
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip() or f"tid:{tid}"
-            except OSError:
-                name = f"tid:{tid}"
+        name = names.get(int(tid), f"tid:{tid}")
         out[name] = out.get(name, 0) + ns
     return out
 
