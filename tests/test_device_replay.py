@@ -771,6 +771,27 @@ def _waits_on(ops, stream_ptr):
             if what == f"wait for an event recorded on stream 0x{stream_ptr:x}" and st == "stream"]  # fmt: skip
 
 
+@needs_emulation
+def test_emulated_a_device_write_back_reads_its_inputs_only_after_the_callers_stream(emulated_table):
+    """A write-back's device keys and priorities are written on the caller's stream (torch's): the
+    replay stream waits for it (an event, device-side) before the write-back's first kernel reads
+    them, and the host waits for nothing. Host arrays are uploaded instead: no wait on the caller."""
+    kind = KINDS["transition"]
+    table, device = emulated_table("prioritized", kind)
+    _fill(table, kind)
+    s = table.sample(8)
+    s.release(SIDE)
+    TRACE.reset()
+    assert table.update_priorities(DeviceOnly(s.keys.numpy()), DeviceOnly(np.ones(8))) == 8
+    ops = _ops_of(device)
+    reads = next(i for i, (what, _, _) in enumerate(ops) if what == "kernel mark_updates")
+    assert _waits_on(ops[:reads], CONSUMER) and ops[reads][2] == "stream", ops
+    assert not TRACE.syncs
+    TRACE.reset()
+    assert table.update_priorities(s.keys.numpy(), np.ones(8)) == 8
+    assert not _waits_on(_ops_of(device), CONSUMER) and "kernel mark_updates" in [w for w, _, _ in _ops_of(device)]
+
+
 def _first_write(ops):
     """The first kernel that writes a buffer set: the draw (its rows), then the gathers."""
     return next(i for i, (what, _, _) in enumerate(ops) if what in ("kernel draw_items",) or what.startswith("kernel gather_"))

@@ -1,5 +1,6 @@
 """A priority write-back's inputs, for :class:`~gearflow.native.device_replay.DeviceReplay`:
-device or host arrays, checked where they are (:meth:`WriteBackInputs.prepare`, :meth:`~WriteBackInputs.pointer`), waited for on the device
+device or host arrays, checked where they are (:meth:`WriteBackInputs.prepare`,
+:meth:`~WriteBackInputs.pointer`), device ones waited for on the device
 (:meth:`~WriteBackInputs.wait_for_caller`: the replay stream waits for the caller's stream, the
 host never), and kept allocated until the replay stream has read them
 (:meth:`~WriteBackInputs.keep_alive`: torch tensors through ``record_stream``, other arrays

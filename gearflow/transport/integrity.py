@@ -54,7 +54,8 @@ keyed ``hashlib.blake2b`` 0.9; POLYVAL (RFC 8452, AES-GCM-SIV's hash) with 512-b
 and one reduction per 32–64 blocks 21–25 from cache and 11–12 over rows from memory, NH 21–23 and
 10 in the same runs: not worth a new frame format. What a pass costs a 2-core round is its
 second read of the bytes more than its arithmetic (with NH's loop compiled out of both ends the
-bench's ``integrity_cost`` is 0.11; with two of its four passes, 0.27 against 0.28). ChaCha20 and Poly1305 run in OpenSSL's libcrypto (the one Python's
+bench's ``integrity_cost`` is 0.11; with two of its four passes, 0.27 against 0.28).
+ChaCha20 and Poly1305 run in OpenSSL's libcrypto (the one Python's
 ``ssl`` module links), through its ``EVP_MAC`` / ``EVP_CIPHER`` APIs (OpenSSL ≥ 3); NH in
 ``_mac.c`` (``_mac.NH``: AVX2 where the CPU has it, a scalar pass that gives the same bytes, the
 GIL released), or in numpy where ``_mac.c`` is not built (:class:`_NumpyNH`, ~0.9 GB/s; the same

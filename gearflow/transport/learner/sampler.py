@@ -331,7 +331,7 @@ class RemoteSampler:
         """A reply whose ``torn`` marks are set, mended by fresh draws from its shard
         (:meth:`BatchAssembly.mend`); ``self.torn`` counts the items redrawn."""
         i = reply[0]
-        m = {"timeout_s": timeout_s, **self.selector.request_fields(), **self._paces()[i]}  # no pace: unpaced
+        m = {"timeout_s": timeout_s, **self.selector.request_fields(), **self._paces()[i]}  # no pace unpaces the shard
 
         def redraw(n: int) -> tuple[dict, list]:
             self.torn += n
