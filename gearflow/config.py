@@ -325,6 +325,12 @@ class TransportConfig:
     sequence number, checked before it is acted on: an altered, injected, replayed or dropped frame
     closes the connection. Both ends must agree (a mismatch is refused at the handshake). false:
     frames are unprotected after the login (a benchmark on a trusted network)."""
+    row_digests: bool = True
+    """With ``integrity``: a learner asks its shards to MAC a sample reply's wide rows (observations)
+    by their digests, which a shard keeps from a row's first draw to its overwrite, so a row drawn
+    again is not read again for the MAC (``gearflow/transport/server/row_digests.py``). false: the
+    MAC reads every row at every send — ~0.04 cheaper where nearly every draw is a row's first
+    (far fewer samples than inserts), ~0.12 dearer where rows are drawn again (2-core figures)."""
     tls: str = ""
     """Mutual TLS (confidentiality): a directory with ``ca.pem``, ``node.pem``, ``node.key`` from
     ``gearflow tls init DIR``; every end of the run needs one from the same CA. Empty: no TLS

@@ -12,8 +12,11 @@ own process on loopback, :mod:`gearflow.transport.bench` does the measuring):
   the same bytes per request, with ``transport.integrity`` on (the default: every frame
   MACed), off (rows straight out of the segment), and off with the rows gathered into the
   batch buffers before sending (``wire_min_row_bytes=None``), in the same rounds;
-  ``integrity_cost``: 1 − on/off (the median of the rounds' ratios); and over mutual TLS
-  (``transport.tls``, integrity on) where the ``openssl`` command can make the certificates.
+  ``integrity_cost``: 1 − on/off (the median of the rounds' ratios; on: the MAC over the rows'
+  digests the shard keeps, :mod:`gearflow.transport.server.row_digests`), ``integrity_cost[fresh_rows]``
+  (every draw's row digests computed afresh: every row drawn for the first time) and
+  ``integrity_cost[rows_maced]`` (no row digests: the MAC reads the rows at every send); and over
+  mutual TLS (``transport.tls``, integrity on) where the ``openssl`` command can make the certificates.
 * ``latency`` — request latency of a sample, p50/p99, at batch 32 and 256, with the raw
   socket's round trip of the same bytes.
 * ``--profile`` — instead of the workloads: where one ``sample`` round's time goes, integrity on and
@@ -95,6 +98,8 @@ def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
         rec("sample", f"GB_per_s[batch={r['batch']},integrity=false,gathered]", r["gathered_gb_per_s"], "GB/s",
             r["raw_socket_gb_per_s"])  # fmt: skip
         rec("sample", f"integrity_cost[batch={r['batch']}]", r["integrity_cost"], "fraction")
+        rec("sample", f"integrity_cost[batch={r['batch']},fresh_rows]", r["integrity_cost_fresh_rows"], "fraction")
+        rec("sample", f"integrity_cost[batch={r['batch']},rows_maced]", r["integrity_cost_rows_maced"], "fraction")
         if "tls_gb_per_s" in r:
             rec("sample", f"GB_per_s[batch={r['batch']},tls]", r["tls_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
     if "latency" in todo:

@@ -104,7 +104,7 @@ static int spans_parse(PyObject *spans, Spans *sp) {
 #include <immintrin.h>
 #endif
 
-typedef struct {
+typedef struct NHObject {
     PyObject_HEAD
     uint32_t key[NH_KEY_WORDS];
 #ifdef NH_X86
@@ -119,9 +119,17 @@ typedef struct {
     uint64_t total;
     int failed;
     int simd; /* the AVX2 pass (where the CPU has it and the caller did not ask for the scalar one) */
+    /* a frame with row digests (set_rows): the block's row regions go to `rows` (NH under the row
+     * key, cut at each row's start), each row's outputs into this NH as its bytes */
+    struct NHObject *rows;
+    int64_t *plan; /* (start, end, row_bytes) triples, offsets in the block, ascending */
+    size_t nplan, seg;
+    uint64_t pos; /* block bytes fed since set_rows */
 } NHObject;
 
 static int nh_avx2_ok = 0;
+static PyTypeObject NHType;
+struct NHObject;
 
 static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -156,34 +164,64 @@ __attribute__((target("avx2"))) static void nh_prepare_avx2(NHObject *o) {
         }
 }
 
-/* a whole chunk, 32 bytes (two units) a step: (m + k) permuted is perm(m) + perm(k), so the message
- * is permuted once a step and the key once per session; each pass is an add, a shift, one 32x32->64
- * multiply of four lanes (t0*t2, t1*t3 of each unit) and an accumulate */
-__attribute__((target("avx2"))) static void nh_chunks_avx2(const NHObject *o, const uint8_t *m, size_t chunks,
-                                                             uint8_t *out) {
+/* NH of `units` 16-byte units of m (a whole chunk, or a message's or a row's short last one,
+ * zero-padded to a whole unit), 32 bytes (two units) a step: (m + k) permuted is perm(m) + perm(k), so
+ * the message is permuted once a step and the key once per session; each pass is an add, a shift,
+ * one 32x32->64 multiply of four lanes (t0*t2, t1*t3 of each unit) and an accumulate; an odd last
+ * unit goes through the scalar pass (the same bytes) */
+__attribute__((target("avx2"), always_inline)) static inline void nh_pass_avx2(const NHObject *o, const uint8_t *m,
+                                                                              size_t units, uint8_t *out) {
     const uint32_t(*ka)[NH_CHUNK / 32][8] = o->ka;
-    for (size_t c = 0; c < chunks; c++, m += NH_CHUNK, out += NH_OUT) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, t;
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, t;
 #define NH_PASS(acc, p)                                                                   \
     t = _mm256_add_epi32(x, _mm256_loadu_si256((const __m256i *)ka[p][j]));              \
     acc = _mm256_add_epi64(acc, _mm256_mul_epu32(t, _mm256_srli_epi64(t, 32)));
-        for (int j = 0; j < NH_CHUNK / 32; j++) {
-            __m256i x = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(m + 32 * j)), NH_SHUF);
-            NH_PASS(s0, 0)
-            NH_PASS(s1, 1)
-            NH_PASS(s2, 2)
-            NH_PASS(s3, 3)
-        }
+    for (size_t j = 0; j < units / 2; j++) {
+        __m256i x = _mm256_shuffle_epi32(_mm256_loadu_si256((const __m256i *)(m + 32 * j)), NH_SHUF);
+        NH_PASS(s0, 0)
+        NH_PASS(s1, 1)
+        NH_PASS(s2, 2)
+        NH_PASS(s3, 3)
+    }
 #undef NH_PASS
-        __m256i s[4] = {s0, s1, s2, s3};
-        for (int p = 0; p < 4; p++) {  /* the lanes' sum, little-endian (x86) */
-            __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s[p]), _mm256_extracti128_si256(s[p], 1));
-            uint64_t v = (uint64_t)_mm_cvtsi128_si64(h) + (uint64_t)_mm_extract_epi64(h, 1);
-            memcpy(out + 8 * p, &v, 8);
-        }
+    __m256i s[4] = {s0, s1, s2, s3};
+    uint8_t last[NH_OUT];
+    if (units & 1)
+        nh_units(o->key + 4 * (units - 1), m + 16 * (units - 1), 1, last);
+    for (int p = 0; p < 4; p++) {
+        __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s[p]), _mm256_extracti128_si256(s[p], 1));
+        uint64_t v = (uint64_t)_mm_cvtsi128_si64(h) + (uint64_t)_mm_extract_epi64(h, 1), w = 0;
+        if (units & 1)
+            memcpy(&w, last + 8 * p, 8);
+        v += w;
+        memcpy(out + 8 * p, &v, 8);
     }
 }
+
+/* `chunks` whole chunks, their outputs to out */
+__attribute__((target("avx2"))) static void nh_chunks_avx2(const NHObject *o, const uint8_t *m, size_t chunks,
+                                                             uint8_t *out) {
+    for (size_t c = 0; c < chunks; c++, m += NH_CHUNK, out += NH_OUT)
+        nh_pass_avx2(o, m, NH_UNITS, out);
+}
+
+/* a short chunk */
+__attribute__((target("avx2"))) static void nh_part_avx2(const NHObject *o, const uint8_t *m, size_t units,
+                                                           uint8_t *out) {
+    nh_pass_avx2(o, m, units, out);
+}
 #endif
+
+/* a short chunk: `units` whole units of m (zero-padded by the caller) */
+static void nh_part(const NHObject *o, const uint8_t *m, size_t units, uint8_t *out) {
+#ifdef NH_X86
+    if (o->simd) {
+        nh_part_avx2(o, m, units, out);
+        return;
+    }
+#endif
+    nh_units(o->key, m, units, out);
+}
 
 /* `chunks` whole chunks of m, their outputs to out (room for them all) */
 static void nh_chunks(const NHObject *o, const uint8_t *m, size_t chunks, uint8_t *out) {
@@ -210,7 +248,7 @@ static inline uint8_t *nh_slot(NHObject *o) {
 }
 
 /* called without the GIL */
-static void nh_feed(NHObject *o, const uint8_t *data, size_t n) {
+static void nh_feed_plain(NHObject *o, const uint8_t *data, size_t n) {
     o->total += n;
     if (o->npart) {
         size_t take = NH_CHUNK - o->npart < n ? NH_CHUNK - o->npart : n;
@@ -238,6 +276,53 @@ static void nh_feed(NHObject *o, const uint8_t *data, size_t n) {
     }
 }
 
+/* a row's last chunk (zero-padded to a whole unit) and every output so far to fn: the row is done */
+static void nh_end_row(NHObject *o) {
+    if (o->npart) {
+        size_t padded = (o->npart + 15) & ~(size_t)15;
+        memset(o->part + o->npart, 0, padded - o->npart);
+        nh_part(o, o->part, padded / 16, nh_slot(o));
+        o->npart = 0;
+    }
+    nh_flush(o);
+}
+
+/* a row NH's outputs, as bytes of the frame's NH (its fn while it serves a frame: set_rows) */
+static int nh_sink(void *ctx, const unsigned char *data, size_t n) {
+    nh_feed_plain((NHObject *)ctx, data, n);
+    return 1;
+}
+
+/* called without the GIL: the frame's bytes, routed by the plan when the frame has row digests */
+static void nh_feed(NHObject *o, const uint8_t *data, size_t n) {
+    if (o->nplan == 0) {
+        nh_feed_plain(o, data, n);
+        return;
+    }
+    while (n) {
+        while (o->seg < o->nplan && o->pos >= (uint64_t)o->plan[3 * o->seg + 1])
+            o->seg++;
+        size_t take = n;
+        if (o->seg == o->nplan || o->pos < (uint64_t)o->plan[3 * o->seg]) {  /* bytes outside the rows: as they are */
+            if (o->seg < o->nplan && (uint64_t)o->plan[3 * o->seg] - o->pos < take)
+                take = (size_t)((uint64_t)o->plan[3 * o->seg] - o->pos);
+            nh_feed_plain(o, data, take);
+        } else {  /* a row's bytes to the row NH; its outputs follow into this NH at the row's end */
+            uint64_t rb = (uint64_t)o->plan[3 * o->seg + 2], off = (o->pos - (uint64_t)o->plan[3 * o->seg]) % rb;
+            if (rb - off < take)
+                take = (size_t)(rb - off);
+            nh_feed_plain(o->rows, data, take);
+            if (off + take == rb)
+                nh_end_row(o->rows);
+        }
+        o->pos += take;
+        data += take;
+        n -= take;
+    }
+}
+
+static void nh_clear_rows(NHObject *o);
+
 static int nh_init(NHObject *o, PyObject *args, PyObject *kw) {
     Py_buffer key;
     unsigned long long fn_addr, ctx_addr;
@@ -264,6 +349,7 @@ static int nh_init(NHObject *o, PyObject *args, PyObject *kw) {
     o->npart = o->nout = 0;
     o->total = 0;
     o->failed = 0;
+    nh_clear_rows(o);
     return 0;
 }
 
@@ -280,11 +366,111 @@ static PyObject *nh_failed(NHObject *o) {
     return NULL;
 }
 
+static void nh_clear_rows(NHObject *o) {  /* the frame's plan ends: its bytes are plain again */
+    PyMem_RawFree(o->plan);
+    o->plan = NULL;
+    o->nplan = o->seg = 0;
+    o->pos = 0;
+    if (o->rows != NULL)
+        o->rows->npart = o->rows->nout = 0;
+}
+
 static PyObject *nh_reset(NHObject *o, PyObject *unused) {
     o->npart = o->nout = 0;
     o->total = 0;
     o->failed = 0;
+    nh_clear_rows(o);
     Py_RETURN_NONE;
+}
+
+/* set_rows(rows, plan): the frame's block (fed from now on) has row regions: plan is int64 (k, 3),
+ * (start, end, row_bytes) in the block, ascending, each a whole number of rows; their bytes go to
+ * `rows` (an NH under the row key) row by row, each row's outputs into this NH in their place */
+static PyObject *nh_set_rows(NHObject *o, PyObject *args) {
+    PyObject *rows;
+    Py_buffer b;
+    if (nh_unready(o) || !PyArg_ParseTuple(args, "O!y*", &NHType, &rows, &b))
+        return NULL;
+    NHObject *r = (NHObject *)rows;
+    const int64_t *t = b.buf;
+    size_t k = (size_t)b.len / (3 * sizeof(int64_t));
+    const char *bad = NULL;
+    if (r == o || nh_unready(r))
+        bad = "rows must be another, initialised NH";
+    else if (b.len % (3 * sizeof(int64_t)) != 0 || k == 0)
+        bad = "plan must be a non-empty int64 array of (start, end, row_bytes) triples";
+    for (size_t i = 0; bad == NULL && i < k; i++)
+        if (t[3 * i] < (i ? t[3 * i - 2] : 0) || t[3 * i + 1] <= t[3 * i] || t[3 * i + 2] <= 0 ||
+            (t[3 * i + 1] - t[3 * i]) % t[3 * i + 2] != 0)
+            bad = "plan's regions must ascend, not overlap, and each hold a whole number of rows";
+    int64_t *plan = bad ? NULL : PyMem_RawMalloc((size_t)b.len);
+    if (plan != NULL)
+        memcpy(plan, t, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (bad != NULL) {
+        PyErr_Format(PyExc_ValueError, "NH.set_rows: %s", bad);
+        return NULL;
+    }
+    if (plan == NULL)
+        return PyErr_NoMemory();
+    nh_clear_rows(o);
+    Py_INCREF(rows);
+    Py_XSETREF(o->rows, r);
+    r->fn = nh_sink;
+    r->ctx = o;
+    r->npart = r->nout = 0;
+    o->plan = plan;
+    o->nplan = k;
+    Py_RETURN_NONE;
+}
+
+/* digest_rows(addresses, row_bytes, outs): the row digest of each row (row_bytes at each of
+ * addresses, int64) written at outs (int64: room for ceil(row_bytes / 1024) * 32 bytes each) —
+ * the bytes a frame's NH takes in a row's place (set_rows); memory the caller keeps alive */
+static PyObject *nh_digest_rows(NHObject *o, PyObject *args) {
+    Py_buffer a, w;
+    Py_ssize_t rb;
+    if (nh_unready(o) || !PyArg_ParseTuple(args, "y*ny*", &a, &rb, &w))
+        return NULL;
+    size_t n = (size_t)a.len / sizeof(int64_t);
+    if (rb <= 0 || a.len % sizeof(int64_t) || w.len != a.len) {
+        PyBuffer_Release(&a);
+        PyBuffer_Release(&w);
+        PyErr_Format(PyExc_ValueError, "NH.digest_rows: int64 addresses and outs of one length and row_bytes > 0 (got %zd)", rb);
+        return NULL;
+    }
+    const int64_t *src = a.buf, *dst = w.buf;
+    for (size_t i = 0; i < n; i++)
+        if (src[i] == 0 || dst[i] == 0) {
+            PyBuffer_Release(&a);
+            PyBuffer_Release(&w);
+            PyErr_Format(PyExc_ValueError, "NH.digest_rows: a null address (row %zu)", i);
+            return NULL;
+        }
+    size_t whole = (size_t)rb / NH_CHUNK, rest = (size_t)rb % NH_CHUNK;
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t last[NH_CHUNK];
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *m = (const uint8_t *)(uintptr_t)src[i];
+        uint8_t *out = (uint8_t *)(uintptr_t)dst[i];
+        nh_chunks(o, m, whole, out);
+        if (rest) {
+            size_t padded = (rest + 15) & ~(size_t)15;
+            memcpy(last, m + whole * NH_CHUNK, rest);
+            memset(last + rest, 0, padded - rest);
+            nh_part(o, last, padded / 16, out + whole * NH_OUT);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&w);
+    Py_RETURN_NONE;
+}
+
+static void nh_dealloc(NHObject *o) {
+    PyMem_RawFree(o->plan);
+    Py_XDECREF(o->rows);
+    Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
 static PyObject *nh_update(NHObject *o, PyObject *arg) {
@@ -329,7 +515,7 @@ static PyObject *nh_finish(NHObject *o, PyObject *unused) {
     if (o->npart) {
         size_t padded = (o->npart + 15) & ~(size_t)15;
         memset(o->part + o->npart, 0, padded - o->npart);
-        nh_units(o->key, o->part, padded / 16, nh_slot(o));
+        nh_part(o, o->part, padded / 16, nh_slot(o));
     }
     nh_flush(o);
     put64(len, o->total);
@@ -368,6 +554,12 @@ static PyMethodDef nh_methods[] = {
     {"update_at", (PyCFunction)nh_update_at, METH_VARARGS, "update_at(address, nbytes): feed memory the caller keeps alive."},
     {"update_spans", (PyCFunction)nh_spans, METH_O,
      "update_spans(spans): feed each (address, nbytes) tuple or bytes-like object, in order, without the GIL."},
+    {"set_rows", (PyCFunction)nh_set_rows, METH_VARARGS,
+     "set_rows(rows, plan): the frame's block fed from now on has row regions (int64 (start, end, row_bytes) triples): "
+     "their rows go to the NH rows, each row's outputs into this one; until reset()."},
+    {"digest_rows", (PyCFunction)nh_digest_rows, METH_VARARGS,
+     "digest_rows(addresses, row_bytes, outs): each row's NH outputs (ceil(row_bytes / 1024) * 32 bytes) at outs, "
+     "without the GIL."},
     {"finish", (PyCFunction)nh_finish, METH_NOARGS,
      "finish(): the last chunk and the length to the Poly1305 context; ready for the next message."},
     {NULL, NULL, 0, NULL},
@@ -381,6 +573,7 @@ static PyTypeObject NHType = {
               "simd=False: the scalar pass (the same bytes).",
     .tp_methods = nh_methods,
     .tp_init = (initproc)nh_init,
+    .tp_dealloc = (destructor)nh_dealloc,
     .tp_new = PyType_GenericNew,
 };
 

@@ -59,12 +59,14 @@ __all__ = [
     "configure",
     "credential",
     "default_integrity",
+    "default_row_digests",
     "default_tls",
     "frame_keys",
     "new_nonce",
     "resolve_token",
     "server_mac",
     "set_default_integrity",
+    "set_default_row_digests",
     "set_default_tls",
 ]  # fmt: skip
 
@@ -124,9 +126,30 @@ def default_tls() -> str:
     return env if env is not None else _tls_default
 
 
+ROW_DIGESTS_ENV = "GEARFLOW_ROW_DIGESTS"
+_row_digests_default = True
+
+
+def set_default_row_digests(on: bool) -> None:
+    """Whether a ``Client`` asks for sample replies MACed by row digests (``transport.row_digests``);
+    also ``$GEARFLOW_ROW_DIGESTS`` for the processes this one starts."""
+    global _row_digests_default
+    _row_digests_default = bool(on)
+    os.environ[ROW_DIGESTS_ENV] = "1" if on else "0"
+
+
+def default_row_digests() -> bool:
+    env = os.environ.get(ROW_DIGESTS_ENV)
+    if env is not None and env.strip().lower() in ("0", "false", "1", "true"):
+        return env.strip().lower() in ("1", "true")
+    return _row_digests_default
+
+
 def configure(transport) -> None:
-    """This process's defaults from a config's ``transport`` section: ``integrity`` and ``tls``."""
+    """This process's defaults from a config's ``transport`` section: ``integrity``, ``row_digests``
+    and ``tls``."""
     set_default_integrity(bool(transport.get("integrity", True)))
+    set_default_row_digests(bool(transport.get("row_digests", True)))
     set_default_tls(str(transport.get("tls", "") or ""))
 
 

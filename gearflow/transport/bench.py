@@ -72,10 +72,11 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
 
 
 def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True,
-                 tls: str = "", profile: bool = False) -> None:  # fmt: skip
+                 tls: str = "", profile: bool = False, keep_digests: bool = True) -> None:  # fmt: skip
     """Child process: a table and its shard service; sends the port, serves until told to stop
     (``"stop"``); with ``profile``, its phases are counted (``"profile"``: sends them and starts
-    counting afresh)."""
+    counting afresh); ``keep_digests=False``: its replies' row digests are computed at every
+    draw (the cost when every drawn row is drawn for the first time)."""
     from gearflow.transport.auth import set_default_integrity, set_default_tls
 
     set_default_integrity(integrity)
@@ -87,6 +88,7 @@ def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, co
         prof = PhaseProfile().install()
     table = _table(spec, P, S, selector)
     shard = ShardService(table, token=TOKEN, wire_min_row_bytes=wire)
+    shard.wire.keep_digests = keep_digests
     conn.send(shard.start())
     try:
         while conn.recv() == "profile":
@@ -102,14 +104,14 @@ class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
     def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024,
-                 integrity: bool = True, tls: str = "", profile: bool = False):  # fmt: skip
+                 integrity: bool = True, tls: str = "", profile: bool = False, keep_digests: bool = True):  # fmt: skip
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.integrity = integrity
-        self.proc = ctx.Process(target=_serve_shard, args=(spec, P, S, selector, wire, child, integrity, tls, profile),
-                                daemon=True)  # fmt: skip
+        self.proc = ctx.Process(target=_serve_shard, daemon=True,
+                                args=(spec, P, S, selector, wire, child, integrity, tls, profile, keep_digests))  # fmt: skip
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
@@ -234,11 +236,12 @@ def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
 
 
 def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls: str = "",
-                 profile: bool = False) -> ShardProcess:  # fmt: skip
+                 profile: bool = False, keep_digests: bool = True) -> ShardProcess:  # fmt: skip
     """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
-    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls, profile=profile)
+    shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls, profile=profile,
+                         keep_digests=keep_digests)  # fmt: skip
     w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity, tls=tls), num_streams=4, token=TOKEN)
     k = items // 4
     rng = np.random.default_rng(0)
@@ -253,9 +256,13 @@ def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls:
 
 def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int = 4096, rounds: int = 5) -> dict:
     """RemoteSampler batches against the raw socket moving the same bytes, in ``rounds``
-    alternating slices; the ratio is the median of the per-round ratios. Three shards in the same
-    rounds: integrity on (the default), off, both with rows out of the segment, and off and
-    gathered (``wire_min_row_bytes=None``): ``ratio``, ``ratio_no_integrity``, ``ratio_gathered``."""
+    alternating slices; the ratio is the median of the per-round ratios. Shards in the same
+    rounds: integrity on (the default: the MAC over the rows' kept digests), off, both with rows
+    out of the segment, and off and gathered (``wire_min_row_bytes=None``): ``ratio``,
+    ``ratio_no_integrity``, ``ratio_gathered``; integrity on with every draw's row digests
+    computed afresh (the cost when every row drawn is drawn for the first time: ``ratio_fresh_rows``,
+    ``integrity_cost_fresh_rows``) and with no row digests (the MAC reads the rows at every send:
+    ``ratio_rows_maced``, ``integrity_cost_rows_maced``); and over TLS where ``openssl`` is installed."""
     import shutil
     import tempfile
 
@@ -263,29 +270,33 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
     raw = _RawServer()
     c = None
     tls_dir = None
-    variants = [(1024, True, ""), (1024, False, ""), (None, False, "")]
+    # (wire_min_row_bytes, integrity, tls, the shard keeps row digests, the learner asks for them)
+    variants = [(1024, True, "", True, True), (1024, False, "", True, True), (None, False, "", True, True),
+                (1024, True, "", False, True), (1024, True, "", True, False)]  # fmt: skip
     if shutil.which("openssl"):  # and over mutual TLS (integrity on too: the default with transport.tls)
         from gearflow.transport.tls import init
 
         tls_dir = tempfile.mkdtemp(prefix="gearflow-bench-tls-")
         init(tls_dir)
-        variants.append((1024, True, tls_dir))
+        variants.append((1024, True, tls_dir, True, True))
     try:
-        for wire, integrity, tls in variants:
-            shards.append(_atari_shard(obs, items, wire, integrity, tls))
+        for wire, integrity, tls, keep, digests in variants:
+            shards.append(_atari_shard(obs, items, wire, integrity, tls, keep_digests=keep))
             client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity, tls=tls)
+            client.row_digests = client.row_digests and digests
             samplers.append(RemoteSampler([client], token=TOKEN, prefetch=LEARNER_PREFETCH))
         b0 = samplers[0].sample(batch)  # as a learner samples: LEARNER_PREFETCH rounds ahead
         for sm in samplers[1:]:
             sm.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
-        remote, plain, gathered, floor, tls_rates = [], [], [], [], []
+        remote, plain, gathered, floor, fresh, maced, tls_rates = [], [], [], [], [], [], []
         for r in range(rounds):
             paths = [(remote, lambda: samplers[0].sample(batch)), (plain, lambda: samplers[1].sample(batch)),
-                     (gathered, lambda: samplers[2].sample(batch)), (floor, lambda: call(nbytes))]  # fmt: skip
+                     (gathered, lambda: samplers[2].sample(batch)), (floor, lambda: call(nbytes)),
+                     (fresh, lambda: samplers[3].sample(batch)), (maced, lambda: samplers[4].sample(batch))]  # fmt: skip
             if tls_dir:
-                paths.append((tls_rates, lambda: samplers[3].sample(batch)))
+                paths.append((tls_rates, lambda: samplers[5].sample(batch)))
             k = r % len(paths)
             for out, fn in paths[k:] + paths[:k]:
                 t = call_times(fn, seconds / rounds)
@@ -305,14 +316,17 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
         tls_out = {"tls_gb_per_s": float(np.median(tls_rates)) * nbytes / 1e9,
                    "ratio_tls": float(np.median(np.array(tls_rates) / np.array(floor)))}  # fmt: skip
     r, p, g, f = (float(np.median(x)) for x in (remote, plain, gathered, floor))
-    remote, plain, gathered, floor = (np.array(x) for x in (remote, plain, gathered, floor))
+    remote, plain, gathered, floor, fresh, maced = (np.array(x) for x in (remote, plain, gathered, floor, fresh, maced))
     return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,
             "remote_batches_per_s": r, "remote_gb_per_s": r * nbytes / 1e9, "raw_socket_batches_per_s": f,
             "raw_socket_gb_per_s": f * nbytes / 1e9, "no_integrity_gb_per_s": p * nbytes / 1e9,
             "gathered_gb_per_s": g * nbytes / 1e9,
             "ratio": float(np.median(remote / floor)), "ratio_no_integrity": float(np.median(plain / floor)),
             "ratio_gathered": float(np.median(gathered / floor)),
-            "integrity_cost": float(np.median(1 - remote / plain)), **tls_out}  # fmt: skip
+            "integrity_cost": float(np.median(1 - remote / plain)),
+            "ratio_fresh_rows": float(np.median(fresh / floor)), "integrity_cost_fresh_rows": float(np.median(1 - fresh / plain)),
+            "ratio_rows_maced": float(np.median(maced / floor)), "integrity_cost_rows_maced": float(np.median(1 - maced / plain)),
+            **tls_out}  # fmt: skip
 
 
 def _thread_kind(name: str) -> str:

@@ -150,7 +150,8 @@ class _ClientProtocol(FramedProtocol):
                     f"the service at {client.address_text} did not prove it holds the secret"))
             if client.integrity:  # every later frame, both ways, carries a MAC and a sequence number
                 c2s, s2c = auth.frame_keys(cred.secret, self.script, self.server_nonce, self.nonce)
-                self.reader.opener, self.sealer = frames_mac.Opener(s2c), frames_mac.Sealer(c2s)
+                rows = frames_mac.row_key(cred.secret) if client.row_digests else None  # replies with row digests
+                self.reader.opener, self.sealer = frames_mac.Opener(s2c, rows), frames_mac.Sealer(c2s)
             self.reader.kinds = frozenset({REPLY, ERROR})
             self.read_blocks_in_wire_thread()  # a big reply's block: read and MACed by a wire thread
             if not self.ready.done():
@@ -207,6 +208,8 @@ class Client:
         self.integrity = auth.default_integrity() if integrity is None else bool(integrity)
         if self.integrity:
             frames_mac.require()
+        # a sample reply's MAC may take its wide rows' digests (the shard keeps them: not read again a send)
+        self.row_digests = self.integrity and auth.default_row_digests() and frames_mac.rows_available()
         self.tls = auth.default_tls() if tls is None else str(tls or "")
         self._ssl = None
         if self.tls:  # mutual TLS: frames go through the loop's TLS transport (see _write)

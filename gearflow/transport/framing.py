@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import GearflowError
-from gearflow.transport.torn_marks import marks_of, masked_frame
+from gearflow.transport.torn_marks import marks_of, masked_frame, row_plan
 from gearflow.transport.wire_io import WIRE_BYTES, WireIO
 
 __all__ = [
@@ -146,13 +146,17 @@ class Chunks:
     ``shape``: the pieces' bytes must add up to its size. The receiver sees one array.
     ``addresses`` (optional, one int per piece): where each piece's bytes start, for the frame
     MAC (:meth:`~gearflow.transport.integrity.Sealer.update_spans`) without a lookup per piece.
+    ``digests`` (optional, uint8): what the frame MAC takes in the buffer's place — its rows'
+    digests, in order (a reply whose meta lists it in ``digested``: :mod:`~gearflow.transport.torn_marks`);
+    ``fill()`` (optional) completes them, in the frame's MAC thread before the MAC reads them.
     """
 
-    __slots__ = ("addresses", "dtype", "nbytes", "ndim", "parts", "shape")
+    __slots__ = ("addresses", "digests", "dtype", "fill", "nbytes", "ndim", "parts", "shape")
 
-    def __init__(self, dtype: Any, shape: Sequence[int], parts: list, addresses: list | None = None):
+    def __init__(self, dtype: Any, shape: Sequence[int], parts: list, addresses: list | None = None,
+                 digests: np.ndarray | None = None, fill: Callable[[], None] | None = None):  # fmt: skip
         self.dtype, self.shape, self.parts = np.dtype(dtype), tuple(int(n) for n in shape), parts
-        self.addresses = addresses
+        self.addresses, self.digests, self.fill = addresses, digests, fill
         self.ndim = len(self.shape)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         got = sum(p.nbytes for p in parts)
@@ -160,6 +164,17 @@ class Chunks:
             raise ValueError(f"pieces of {got} bytes for a {self.dtype.name}{list(self.shape)} buffer of {self.nbytes}")
         if self.dtype.name not in DTYPES:
             raise FrameError(f"buffer dtype {self.dtype} is not allowed (allowed: {', '.join(DTYPES)})")
+
+
+class Fill:
+    """An entry of :func:`encode`'s ``spans`` that is no bytes: ``fn()`` completes the spans after
+    it (a reply's row digests), run in the frame's MAC thread before the MAC reads them
+    (:meth:`FramedProtocol.send`)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
 
 
 def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequence[Any] = (),
@@ -195,7 +210,13 @@ def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequ
                 spans.append(parts[-1])
         if type(a) is Chunks:
             parts.extend(a.parts)
-            if spans is not None:
+            if spans is None:
+                pass
+            elif a.digests is not None:  # the MAC takes its rows' digests in its place
+                if a.fill is not None:  # (completed in the MAC thread, beside the send)
+                    spans.append(Fill(a.fill))
+                spans.append(a.digests)
+            else:
                 spans.extend(zip(a.addresses, (p.nbytes for p in a.parts)) if a.addresses is not None else a.parts)
         elif a.nbytes:
             parts.append(memoryview(a.reshape(-1)).cast("B"))
@@ -206,15 +227,19 @@ def encode(kind: int, request_id: int, op: str, meta: dict | None, buffers: Sequ
 
 
 def frame_buffers(buffers: Sequence[Any]) -> list[tuple]:
-    """``(padding, pieces, nbytes, rows)`` of each buffer as :func:`encode` lays it out (``rows``:
-    its leading dimension, None for a scalar): what
+    """``(padding, pieces, nbytes, rows)`` of each buffer as :func:`encode` lays it out for the MAC
+    (``rows``: its leading dimension, None for a scalar; a :class:`Chunks` with ``digests``: those): what
     :func:`~gearflow.transport.torn_marks.masked_frame` takes on the sending side."""
     out, pos = [], 0
     for b in buffers:
         a = b if type(b) is Chunks else as_array(b)
         pad = _align(pos) - pos
-        pieces = a.parts if type(a) is Chunks else ([memoryview(a.reshape(-1)).cast("B")] if a.nbytes else [])
-        out.append((_ZEROS[:pad], pieces, a.nbytes, a.shape[0] if a.ndim else None))
+        if type(a) is Chunks and a.digests is not None:  # as the MAC takes it: its rows' digests
+            pieces, nbytes = [memoryview(a.digests)], a.digests.nbytes
+        else:
+            pieces = a.parts if type(a) is Chunks else ([memoryview(a.reshape(-1)).cast("B")] if a.nbytes else [])
+            nbytes = a.nbytes
+        out.append((_ZEROS[:pad], pieces, nbytes, a.shape[0] if a.ndim else None))
         pos += pad + a.nbytes
     return out
 
@@ -320,6 +345,7 @@ class FrameReader:
         self._maced = 0  # bytes of the frame's buffer block the opener has taken (as they arrive: cache-hot)
         self._bmac = None  # a big block's MAC, in a MAC thread following the bytes (integrity.BlockMac)
         self._head_bytes: list = []  # with an opener: the frame's header and envelope (a torn frame's re-MAC)
+        self._rows = None  # with an opener: the frame's row regions when its MAC takes row digests (torn_marks.row_plan)
         # wire(view, nh, trailer): the protocol's wire thread reads the rest of a big block (and its
         # trailer) without the loop, MACed as it lands; it calls wire_landed() back in the loop
         self.wire: Callable | None = None
@@ -417,6 +443,7 @@ class FrameReader:
                 if self.opener is not None:
                     self._head_bytes.append(bytes(self._view[self._lo:self._lo + meta_len]))
                     self.opener.update(self._head_bytes[1])
+                    self._rows = self._row_plan()
                 self._lo += meta_len
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
@@ -462,6 +489,18 @@ class FrameReader:
             if self._lo == self._hi:
                 self._lo = self._hi = 0
 
+    def _row_plan(self):
+        """A frame with row digests: its block's row regions, fed from now on to the opener's row
+        NH (whichever thread feeds the block); None for any other frame."""
+        _, meta, layout = self._env
+        try:
+            plan = row_plan(meta, layout)
+        except ValueError as exc:
+            raise FrameError(f"malformed frame: {exc}") from None
+        if plan is not None:
+            self.opener.set_rows(plan)
+        return plan
+
     def _unmark(self) -> None:
         """A frame with torn marks, some set: its MAC again, without the marked rows (the rule of
         :func:`~gearflow.transport.torn_marks.masked_frame`; the marks are checked with the rest)."""
@@ -470,13 +509,17 @@ class FrameReader:
         if n is None:
             return
         block, pieces, pos = self._block, [], 0
-        for dt, shape, off in layout:
-            nbytes = math.prod(shape) * dt.itemsize
-            pieces.append((block[pos:off], [block[off:off + nbytes]], nbytes, shape[0] if shape else None))
-            pos = off + nbytes
-        marks = block[layout[-1][2]:pos]
+        marks = block[layout[-1][2]:]
         if not marks.any():
             return
+        rows = {int(start): int(rb) for start, _, rb in self._rows} if self._rows is not None else {}
+        for dt, shape, off in layout:
+            nbytes = math.prod(shape) * dt.itemsize
+            data = block[off:off + nbytes]
+            if off in rows and nbytes:  # its rows' digests, as the MAC took them
+                data = self.opener.row_nh.digests(data, rows[off])
+            pieces.append((block[pos:off], [data], data.nbytes, shape[0] if shape else None))
+            pos = off + nbytes
         self.opener.restart()
         for p in masked_frame(self._head_bytes, pieces, marks):
             self.opener.update(p)
@@ -596,11 +639,16 @@ class FramedProtocol(asyncio.BufferedProtocol):
                 self.sealer.begin()
             self._sealing = more
             macs = parts if spans is None else spans
-            if sum(s[1] if type(s) is tuple else len(s) for s in macs) >= self.sealer.thread_bytes:
-                # a big frame: its bytes go to the socket now and a MAC thread reads them meanwhile
-                # (both only read them); its trailer, and any frame after it, once the MAC is done
+            fills = [m.fn for m in macs if type(m) is Fill] if spans is not None else ()
+            if fills:
+                macs = [m for m in macs if type(m) is not Fill]
+            if fills or sum(s[1] if type(s) is tuple else len(s) for s in macs) >= self.sealer.thread_bytes:
+                # a big frame (or one whose MAC input is completed first): its bytes go to the socket
+                # now and a MAC thread reads them meanwhile (both only read them); its trailer, and
+                # any frame after it, once the MAC is done
                 self._mac_job = job = [more, on_sent]
-                self.sealer.seal_async(macs, functools.partial(self._to_loop, self._sealed, job), started=True)
+                self.sealer.seal_async(macs, functools.partial(self._to_loop, self._sealed, job), started=True,
+                                       before=fills)  # fmt: skip
                 t.writelines(parts)
                 return
             self.sealer.update_spans(macs)

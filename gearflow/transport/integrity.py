@@ -120,6 +120,47 @@ pass; an item newly marked meanwhile means another pass (at most :data:`RESEAL_P
 item is marked: the frame then MACs only bytes that never change, the gathered columns). Only the
 last pass's tag is finalised and sent: one tag per one-time key.
 
+Row digests (a sample reply's wide rows MACed by their digests, which the shard keeps). A learner
+whose ``replay.sample`` asks for them (``"row_digests": true``: ``Client.row_digests``, set where
+integrity is on, ``transport.row_digests`` too, and ``_mac.c`` built) gets a reply
+whose meta lists ``"digested": [[i, b], ...]`` — buffers ``i`` made of rows of ``b`` bytes (the
+shard's wide columns) — and whose MAC input is the frame as above with each such buffer's bytes
+replaced by its rows' digests, in order::
+
+    D(row) = NH_R(c_1) | NH_R(c_2) | ... | NH_R(c_m)    (32 bytes per 1 KiB of the row)
+
+``c_1 .. c_m``: the row's bytes cut into 1 KiB chunks *from the row's start* (the last one shorter,
+zero-padded to a multiple of 16 bytes); ``NH_R``: NH as above under the row key ``R``
+(:func:`row_key`: 1,072 bytes of HKDF-SHA256 of the connection's secret — the same on every
+connection of that secret, never sent). The receiver computes ``D`` as the rows land, whichever
+thread feeds the block (``_mac.NH.set_rows``: the block's row regions go to the row NH, whose
+outputs go into the frame's NH in the rows' place; :class:`RowNH`). The shard keeps each storage
+row's digest once computed (:mod:`gearflow.transport.server.row_digests`) and feeds the kept
+digests: a row drawn again is not read again for the MAC — the sender's pass over cold rows was
+~0.17 of the raw socket's rate of the ~0.30 integrity cost (``gearflow/transport/README.md``).
+A row not kept yet is digested in the frame's MAC thread while the kernel sends it, as the frame
+was MACed before. With torn marks an item's digests are left out as its rows were
+(:func:`masked_frame` over the digests; a digested buffer holds a whole number of rows per item).
+
+Why it is still a MAC. Let ``V(M)`` be the MAC input of frame ``M``: its header and envelope as
+they are, its other buffers' bytes, its digested buffers' digests. The tag is the MAC above over
+``V(M)``, so a forgery of frame ``seq`` needs a forgery of that MAC on ``V`` (the bounds above, for
+an input ~1/32 as long) or ``M' ≠ M`` with ``V(M') = V(M)``. ``V`` holds the header and envelope
+verbatim and they fix its layout: an ``M'`` with another header or envelope (another ``digested``
+list included) has another ``V``; with the same, ``M'`` differs from ``M`` only in rows of digested
+buffers, and ``V(M') = V(M)`` needs ``D(row') = D(row)`` for rows of one length — an NH collision
+under ``R`` on a chunk pair, ≤ 2⁻¹²⁸ (four-pass NH, as above), ``R`` being uniform to the attacker:
+it is only ever used inside MAC inputs whose every tag is masked by its own one-time ``s``. One
+``R`` for every connection of a secret and for the secret's life is UMAC's setting (one NH key for
+all messages, a fresh mask per message). Whoever holds the secret can derive ``R`` — and can
+already derive every session key of that secret (the nonces are in clear) and forge at will.
+What keeping digests adds is only a way to fail: a shard that sent a digest that is not its row's
+(a bug, a row changed behind the shard's back) fails the learner's check, and the connection
+closes; a wrong row is never accepted. A kept digest belongs to the write of its row it was
+computed for (the row's step, by its partition's ``COMMIT`` counter, which never moves back); one
+computed while a writer overwrote its row, or kept for a step since overwritten, is only sent for
+items the reply's marks leave out (the seqlock argument above).
+
     seal, opener = Sealer(key_out), Opener(key_in)
     parts = seal.seal(encode(REQUEST, 1, "replay.stats", {}))   # + trailer
 """
@@ -149,8 +190,9 @@ try:  # NH without the GIL, a frame's spans in one call (setup.py builds it; els
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
-__all__ = ["MAC_THREAD_BYTES", "RESEAL_PASSES", "TAG_BYTES", "TRAILER", "BlockMac", "IntegrityError", "Opener",
-           "Sealer", "available", "hkdf", "mac_pool", "marks_of", "masked_frame", "require", "session_keys"]  # fmt: skip
+__all__ = ["MAC_THREAD_BYTES", "RESEAL_PASSES", "TAG_BYTES", "TRAILER", "BlockMac", "IntegrityError", "Opener", "RowNH",
+           "Sealer", "available", "digest_bytes", "hkdf", "mac_pool", "marks_of", "masked_frame", "require", "row_key",
+           "rows_available", "session_keys"]  # fmt: skip
 
 
 TRAILER = struct.Struct("<Q16s")  # sequence number, tag
@@ -159,6 +201,7 @@ ALGORITHM = "nh-poly1305 (nh as adiantum's), chacha20 one-time keys (rfc 8439)"
 KEY_BYTES = 32
 NH_CHUNK = 1024  # NH's message chunk: 32 bytes of NH output per 1 KiB to Poly1305
 NH_KEY_BYTES = NH_CHUNK + 48  # 268 words: 256 for a chunk, 12 more for the three shifted passes
+NH_OUT = 32  # NH's output per chunk (four u64 sums)
 _NH_NONCE = b"nhky" + bytes(8)  # ChaCha20 nonce of the NH key (frames' nonces start with 0⁴)
 _ZERO_KEY = bytes(32)
 RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
@@ -186,6 +229,52 @@ def session_keys(secret: bytes, transcript: bytes, server_nonce: str, client_non
     okm = hkdf(secret, bytes.fromhex(server_nonce) + bytes.fromhex(client_nonce),
                b"gearflow-frame-keys-v3|" + transcript, 2 * KEY_BYTES)  # fmt: skip
     return okm[:KEY_BYTES], okm[KEY_BYTES:]
+
+
+def row_key(secret: bytes) -> bytes:
+    """The NH key of row digests (one per secret, the same on every connection that proved it):
+    HKDF-SHA256 of the secret, never sent; a shard keeps the digests of its rows under it."""
+    return hkdf(secret, b"gearflow-row-digests", b"nh-key-v1", NH_KEY_BYTES)
+
+
+def digest_bytes(row_bytes: int) -> int:
+    """A row digest's size: NH's 32 bytes per 1 KiB chunk of the row (the last one shorter)."""
+    return -(-int(row_bytes) // NH_CHUNK) * NH_OUT
+
+
+def rows_available() -> bool:
+    """Whether this process can take frames with row digests (``_mac.c`` built, with ``set_rows``)."""
+    return _native is not None and hasattr(_native.NH, "set_rows") and available()
+
+
+class RowNH:
+    """NH under a :func:`row_key`: :meth:`digest_rows` writes row digests (a shard's, kept with its
+    rows), :meth:`digests` those of a buffer's rows; an :class:`Opener` feeds a frame's rows
+    through it (``_mac.NH.set_rows``). ``_mac.c`` only (:func:`rows_available`)."""
+
+    def __init__(self, key: bytes):
+        lib = require()
+        if not rows_available():
+            raise MissingDependencyError("row digests need gearflow's _mac extension (pip install -e . builds it)")
+        self._box = ctypes.create_string_buffer(8)  # fn's ctx until set_rows points it at a frame's NH
+        self.nh = _native.NH(key, ctypes.cast(lib.EVP_MAC_update, ctypes.c_void_p).value, ctypes.addressof(self._box))
+
+    def digest_rows(self, addresses: np.ndarray, row_bytes: int, outs: np.ndarray) -> None:
+        """The digest of the ``row_bytes`` at each of ``addresses`` (int64) written at ``outs``
+        (int64): memory the caller keeps alive; without the GIL."""
+        self.nh.digest_rows(np.ascontiguousarray(addresses, np.int64), int(row_bytes),
+                            np.ascontiguousarray(outs, np.int64))  # fmt: skip
+
+    def digests(self, buf: np.ndarray, row_bytes: int) -> np.ndarray:
+        """The digests of every row of ``buf`` (C-contiguous, a whole number of rows), in order."""
+        flat = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+        n, d = flat.nbytes // row_bytes, digest_bytes(row_bytes)
+        out = np.empty(n * d, np.uint8)
+        if n:
+            base, at = flat.__array_interface__["data"][0], out.__array_interface__["data"][0]
+            ramp = np.arange(n, dtype=np.int64)
+            self.digest_rows(base + ramp * row_bytes, row_bytes, at + ramp * d)
+        return out
 
 
 # ----------------------------------------------------------------- libcrypto: EVP_MAC (Poly1305), EVP_CIPHER (ChaCha20)
@@ -334,9 +423,10 @@ class _Mac:
     """One direction's MAC: a ChaCha20 context keyed once with the session key (it makes each
     frame's one-time key) and a Poly1305 context keyed per frame with that."""
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, row_key: bytes | None = None):
         if len(key) != KEY_BYTES:
             raise ValueError(f"a session key has {KEY_BYTES} bytes, got {len(key)}")
+        self.row_key = row_key  # frames with row digests (:func:`row_key` of the connection's secret)
         self._lib = lib = require()
         self._ctx = lib.EVP_MAC_CTX_new(_poly)
         self._kctx = lib.EVP_CIPHER_CTX_new()
@@ -430,13 +520,15 @@ class Sealer(_Mac):
         parts.append(self.trailer())
         return parts
 
-    def seal_async(self, spans: list, done: Callable[[BaseException | None], None], started: bool = False) -> None:
+    def seal_async(self, spans: list, done: Callable[[BaseException | None], None], started: bool = False,
+                   before=()) -> None:  # fmt: skip
         """MAC ``spans`` into the frame begun in a MAC thread (:func:`mac_pool`); ``done(error)``
         is called there once they are all read (``error``: None, or what the MAC raised). Until
         then nothing else may use this sealer, and the spans' bytes must stay as they are.
         ``started``: return once the MAC thread holds the spans (it then runs without the GIL) —
         for a caller about to write them in a call that keeps the GIL (uvloop's ``writelines``:
-        otherwise the MAC thread could not start until that write returned)."""
+        otherwise the MAC thread could not start until that write returned). ``before``: callables
+        the MAC thread runs first (they complete spans: a reply's row digests)."""
         go = threading.Event() if started else None
 
         def job() -> None:
@@ -444,6 +536,8 @@ class Sealer(_Mac):
             try:
                 if go is not None:  # the caller waits for the GIL, which update_spans releases once it parsed the spans
                     go.set()
+                for fn in before:
+                    fn()
                 self.update_spans(spans)
             except BaseException as exc:  # noqa: BLE001 - handed to done(): the caller closes its connection
                 err = exc
@@ -469,6 +563,24 @@ class Opener(_Mac):
             self._block_mac = BlockMac(self)
         self._block_mac.start(block)
         return self._block_mac
+
+    @property
+    def row_nh(self) -> RowNH | None:
+        """NH under this connection's row key (None: no row key, or no ``_mac.c``)."""
+        rows = getattr(self, "_row_nh", False)
+        if rows is False:
+            rows = self._row_nh = RowNH(self.row_key) if self.row_key is not None and rows_available() else None
+        return rows
+
+    def set_rows(self, plan: np.ndarray) -> None:
+        """The frame begun has row digests: its block (fed from now on, by any path) has the row
+        regions ``plan`` (int64 ``(start, end, row_bytes)`` triples); each row is fed to this
+        connection's :class:`RowNH` and its digest takes its place in the MAC input."""
+        rows = self.row_nh
+        if rows is None or self.native_nh is None:
+            raise IntegrityError("a frame with row digests, where this connection has no row key or no _mac.c: "
+                                 "it never asks for them")  # fmt: skip
+        self._nh.set_rows(rows.nh, np.ascontiguousarray(plan, np.int64))
 
     def check(self, trailer) -> None:
         seq, tag = TRAILER.unpack(bytes(trailer))

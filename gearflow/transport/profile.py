@@ -51,6 +51,7 @@ def _view_bytes(args, kwargs) -> int:
 # in this version are skipped, so one profile reads old and new code alike)
 PHASES: dict[str, list[tuple[str, str, Callable]]] = {
     "handler": [("gearflow.transport.server.shard", "ShardService._sample", _one)],  # draw + reply buffers
+    "digests": [("gearflow.transport.server.row_digests", "RowDigests.of", _one)],  # a buffer's kept row digests
     "send": [("gearflow.transport.framing", "FramedProtocol.send", _one)],  # a frame handed to the socket
     "mac": [  # MAC update calls (NH, feeding Poly1305)
         ("gearflow.transport.integrity", "_Mac.update", _one),

@@ -110,6 +110,7 @@ class Connection:
     def __init__(self, peer: str):
         self.id, self.peer = next(self._ids), peer
         self.role, self.actor_name = "", ""  # set by the handshake, before any handler runs
+        self.row_key: bytes | None = None  # with integrity: the key of row digests (integrity.row_key)
         self.peer_limits = FrameLimits()  # what the client accepts in a frame (announced at the handshake)
         self.state: dict[str, Any] = {}
         self.closed = False
@@ -236,6 +237,7 @@ class _ServerProtocol(FramedProtocol):
         if svc.integrity:
             c2s, s2c = auth.frame_keys(secret, script, self.nonce, cn)
             self.reader.opener, self.sealer = frames_mac.Opener(c2s), frames_mac.Sealer(s2c)
+            self.conn.row_key = frames_mac.row_key(secret)  # a sample reply's row digests (asked for)
         self.wakeup = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._serve())
 

@@ -194,8 +194,11 @@ class RemoteSampler:
         rise in the order the shard handles them (one connection: in order)."""
         if self.health is not None:  # a node marked down: fail now, not after reconnecting to a silent host
             self.health.check_up(i)
+        client = self._clients[i]
+        if op == RPC.REPLAY_SAMPLE and client.row_digests:  # its MAC over the wide rows' digests (kept by the shard)
+            meta = {**meta, "row_digests": True}
         with self._tags:  # stats() may come from another thread than sample() (the learner's metrics)
-            fut = self._clients[i].submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+            fut = client.submit(op, meta, bufs, timeout_s=self.timeout_s if timeout_s is None else timeout_s)
             self._sent[i] += 1
             return int(self._sent[i]), fut
 

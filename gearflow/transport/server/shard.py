@@ -281,8 +281,9 @@ class ShardService:
         batch, slots, rec, (total, count, counters), release = self._draw(
             b, timeout, beta if isinstance(beta, (int, float)) and not isinstance(beta, bool) else None,
             deferred, self.wire.gathered, lane, lambda: conn.closed, pace)  # fmt: skip
+        row_key = conn.row_key if meta.get("row_digests") is True else None  # the learner takes row digests
         meta = {"total": total, "count": count, "beta": getattr(self.table.selector, "beta", None), **counters}
-        return self.wire.reply(batch, slots, rec, meta, release)
+        return self.wire.reply(batch, slots, rec, meta, release, row_key)
 
     def _total(self, meta: dict, bufs, deferred: bool = False):
         """The table's priority total, live count and counters now (after a scan), as a draw would

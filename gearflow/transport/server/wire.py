@@ -32,8 +32,12 @@ import numpy as np
 
 from gearflow.replay.items import ItemKind
 from gearflow.transport.framing import Chunks
+from gearflow.transport.server.row_digests import RowDigests
+from gearflow.transport.torn_marks import ROW_DIGESTS
 
-__all__ = ["WireRows"]
+__all__ = ["MAX_KEYS", "WireRows"]
+
+MAX_KEYS = 4  # row keys (secrets) whose digests a shard keeps at once
 
 
 class WireRows:
@@ -58,22 +62,40 @@ class WireRows:
         self._zeros = memoryview(np.zeros(0, np.uint8))
         self._zeros_at = 0  # its address
         self.torn = 0  # items marked torn in replies (the sampler redraws them)
+        self._digests: dict[bytes, RowDigests] = {}  # kept row digests, by row key
+        self.keep_digests = True  # False: a draw digests its rows afresh every time (the bench's worst case)
 
     def __bool__(self) -> bool:
         return bool(self.columns)
 
-    def reply(self, batch, slots: np.ndarray, rec: np.ndarray, meta: dict, release: Callable[[], None]) -> tuple:
+    def row_digests(self, key: bytes) -> RowDigests:
+        """The kept digests of the wide columns under row ``key`` (one set per key: a learner
+        secret's; the oldest set is dropped past :data:`MAX_KEYS`)."""
+        d = self._digests.get(key)
+        if d is None:
+            if len(self._digests) >= MAX_KEYS:
+                self._digests.pop(next(iter(self._digests)))
+            cols = {n: (self._base[n], self._row_bytes[n]) for n in self.columns}
+            d = self._digests[key] = RowDigests(self.table.storage, cols, key, self.keep_digests)
+        return d
+
+    def reply(self, batch, slots: np.ndarray, rec: np.ndarray, meta: dict, release: Callable[[], None],
+              row_key: bytes | None = None) -> tuple:  # fmt: skip
         """The ``replay.sample`` handler's result for a draw ``(batch, slots, rec)`` made with
         :attr:`gathered`: ``meta`` with the output ``names``; the buffers — keys,
         probabilities, weights, every output (the wide ones as :class:`Chunks` of segment
         rows) — and ``release`` (the batch's buffer set is free once the reply is sent). With
         wide columns, a last buffer ``torn`` (``meta["torn"]``) and the tail that fills it
-        once the rest has been written (counting the items it marks in :attr:`torn`)."""
+        once the rest has been written (counting the items it marks in :attr:`torn`).
+        ``row_key``: the frame MAC takes the wide rows' digests under it in their place
+        (``meta["digested"]``: :mod:`~gearflow.transport.server.row_digests`)."""
         names = list(batch.data)
         bufs = [batch.keys, batch.probabilities, batch.weights]
         if not self.columns:
             return {**meta, "names": names}, [*bufs, *(batch.data[n] for n in names)], release
+        spec = []
         try:
+            digests = self.row_digests(row_key) if row_key is not None else None
             rows, lengths = self.table.rows_of(slots, rec)
             wired = self.table.kind.wire_rows(self.columns, rows, lengths)
             for name in names:
@@ -84,10 +106,15 @@ class WireRows:
                     continue
                 col, idx, zero = w
                 pieces, addresses = self._pieces(col, idx, zero)
-                bufs.append(Chunks(out.numpy().dtype, tuple(out.shape), pieces, addresses))
+                d, fill = digests.of(col, idx, zero) if digests is not None else (None, None)
+                if d is not None:
+                    spec.append([len(bufs), self._row_bytes[col]])
+                bufs.append(Chunks(out.numpy().dtype, tuple(out.shape), pieces, addresses, d, fill))
         except BaseException:
             release()
             raise
+        if spec:
+            meta = {**meta, ROW_DIGESTS: spec}
         torn = np.zeros(slots.size, np.uint8)
 
         def tail() -> None:  # called again after each of the MAC's passes over a reply with torn rows
