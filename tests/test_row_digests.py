@@ -273,3 +273,26 @@ def test_a_learner_that_does_not_ask_gets_the_mac_over_the_rows(make_table, shar
         sampler.close()
         relay.close()
     assert not shard.wire._digests and not any(seen)
+
+
+def test_a_row_nh_feeds_only_the_frame_nh_it_was_given():
+    """A row NH made alone (``NH(key, 0, 0, rows=True)``) or outliving the frame NH that took it
+    (``set_rows``) has nowhere to put its outputs: feeding it is a ValueError, never a write
+    through a stale pointer; ``NH(key, 0, 0)`` without ``rows`` is still refused."""
+    from gearflow.transport import _mac
+
+    with pytest.raises(ValueError, match="non-null fn"):
+        _mac.NH(ROW_KEY, 0, 0)
+    alone = integrity.RowNH(ROW_KEY).nh
+    alone.update(bytes(4096))
+    with pytest.raises(ValueError, match="update of its outputs failed"):
+        alone.finish()
+    opener = integrity.Opener(KEY, ROW_KEY)
+    rows = opener.row_nh.nh
+    opener.begin()
+    opener.set_rows(np.array([[0, 2048, 1024]], np.int64))
+    opener.update(bytes(3000))  # two rows through it, into the frame's NH; the rest plain
+    del opener  # the frame's NH goes; the row NH stays (held here)
+    rows.update(bytes(2048))
+    with pytest.raises(ValueError, match="update of its outputs failed"):
+        rows.finish()

@@ -287,8 +287,10 @@ static void nh_end_row(NHObject *o) {
     nh_flush(o);
 }
 
-/* a row NH's outputs, as bytes of the frame's NH (its fn while it serves a frame: set_rows) */
+/* a row NH's outputs, as bytes of the frame's NH (its fn: set_rows points ctx at that NH; none, a failure) */
 static int nh_sink(void *ctx, const unsigned char *data, size_t n) {
+    if (ctx == NULL)
+        return 0;
     nh_feed_plain((NHObject *)ctx, data, n);
     return 1;
 }
@@ -326,11 +328,15 @@ static void nh_clear_rows(NHObject *o);
 static int nh_init(NHObject *o, PyObject *args, PyObject *kw) {
     Py_buffer key;
     unsigned long long fn_addr, ctx_addr;
-    int simd = 1;
-    static char *names[] = {"key", "fn", "ctx", "simd", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*KK|p", names, &key, &fn_addr, &ctx_addr, &simd))
+    int simd = 1, rows = 0;
+    static char *names[] = {"key", "fn", "ctx", "simd", "rows", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*KK|pp", names, &key, &fn_addr, &ctx_addr, &simd, &rows))
         return -1;
-    if (key.len != NH_KEY_WORDS * 4 || fn_addr == 0 || ctx_addr == 0) {
+    if (rows && fn_addr == 0 && ctx_addr == 0)  /* a row NH: its outputs go nowhere until set_rows gives it a frame's NH */
+        fn_addr = (unsigned long long)(uintptr_t)nh_sink;
+    else
+        rows = 0;
+    if (key.len != NH_KEY_WORDS * 4 || fn_addr == 0 || (ctx_addr == 0 && !rows)) {
         PyErr_Format(PyExc_ValueError, "NH(key, fn, ctx): a %d-byte key and non-null fn, ctx (got %zd bytes)",
                      NH_KEY_WORDS * 4, key.len);
         PyBuffer_Release(&key);
@@ -469,6 +475,8 @@ static PyObject *nh_digest_rows(NHObject *o, PyObject *args) {
 
 static void nh_dealloc(NHObject *o) {
     PyMem_RawFree(o->plan);
+    if (o->rows != NULL && o->rows->ctx == o)  /* the row NH outlives this one: it feeds nothing now */
+        o->rows->ctx = NULL;
     Py_XDECREF(o->rows);
     Py_TYPE(o)->tp_free((PyObject *)o);
 }
@@ -569,8 +577,9 @@ static PyTypeObject NHType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gearflow.transport._mac.NH",
     .tp_basicsize = sizeof(NHObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "NH(key, fn, ctx, simd=True): NH of a message's chunks into fn(ctx, data, n) (the frame's Poly1305); "
-              "simd=False: the scalar pass (the same bytes).",
+    .tp_doc = "NH(key, fn, ctx, simd=True, rows=False): NH of a message's chunks into fn(ctx, data, n) (the frame's "
+              "Poly1305); simd=False: the scalar pass (the same bytes); rows=True with fn = ctx = 0: a row NH (digest_rows, "
+              "and another NH's set_rows).",
     .tp_methods = nh_methods,
     .tp_init = (initproc)nh_init,
     .tp_dealloc = (destructor)nh_dealloc,

@@ -139,7 +139,8 @@ row's digest once computed (:mod:`gearflow.transport.server.row_digests`) and fe
 digests: a row drawn again is not read again for the MAC — the sender's pass over cold rows was
 ~0.17 of the raw socket's rate of the ~0.30 integrity cost (``gearflow/transport/README.md``).
 A row not kept yet is digested in the frame's MAC thread while the kernel sends it, as the frame
-was MACed before. With torn marks an item's digests are left out as its rows were
+was MACed before. Only asked-for replies change: a shard that does not know the request's field
+(an older one) sends the rows MACed as above, and the learner takes either, by the reply's meta. With torn marks an item's digests are left out as its rows were
 (:func:`masked_frame` over the digests; a digested buffer holds a whole number of rows per item).
 
 Why it is still a MAC. Let ``V(M)`` be the MAC input of frame ``M``: its header and envelope as
@@ -253,11 +254,9 @@ class RowNH:
     through it (``_mac.NH.set_rows``). ``_mac.c`` only (:func:`rows_available`)."""
 
     def __init__(self, key: bytes):
-        lib = require()
         if not rows_available():
             raise MissingDependencyError("row digests need gearflow's _mac extension (pip install -e . builds it)")
-        self._box = ctypes.create_string_buffer(8)  # fn's ctx until set_rows points it at a frame's NH
-        self.nh = _native.NH(key, ctypes.cast(lib.EVP_MAC_update, ctypes.c_void_p).value, ctypes.addressof(self._box))
+        self.nh = _native.NH(key, 0, 0, rows=True)  # its outputs feed a frame's NH once set_rows names one
 
     def digest_rows(self, addresses: np.ndarray, row_bytes: int, outs: np.ndarray) -> None:
         """The digest of the ``row_bytes`` at each of ``addresses`` (int64) written at ``outs``

@@ -1,7 +1,7 @@
 """Where a transport round's time goes, per phase and per thread (``gearflow bench transport --profile``).
 
 :class:`PhaseProfile` wraps the transport's own functions in this process (the shard's sample
-handler, the frame send, the MAC calls, the frame reader's receive, the trailer check, the torn
+handler and its kept row digests, the frame send, the MAC calls, the frame reader's receive, the trailer check, the torn
 rows' reseal, the client's submit and wait) with counters of calls, items (MAC updates, bytes
 received), wall time and the calling thread's CPU time, and reads every thread's CPU time from
 ``/proc/self/task/*/schedstat``. It is a measuring tool: the wrappers cost ~1 µs a call (on the
