@@ -296,3 +296,37 @@ def test_a_row_nh_feeds_only_the_frame_nh_it_was_given():
     rows.update(bytes(2048))
     with pytest.raises(ValueError, match="update of its outputs failed"):
         rows.finish()
+
+
+def test_padding_rows_of_short_sequences_are_digested_as_the_zeros_sent(make_table, shard_of):
+    """Sequence windows of 8 over episodes of 5 steps: each item's last 3 rows go out as zeros
+    (padding), digested as zeros; the batches check, the valid steps hold the storage's rows and
+    the padding is zero."""
+    from gearflow.kinds.sequence import Sequence
+
+    table = make_table(spec={"obs": "uint8[2048]"}, P=2, S=64, kind=Sequence(length=8, period=4))
+    st = table.storage
+    w = Writer(st, np.arange(2), prefault=False)
+    rng = np.random.default_rng(9)
+    for p in range(2):
+        for e in range(10):  # episodes of 5 steps, one item each
+            obs = rng.integers(1, 256, (5, 2048), dtype=np.uint8)
+            w.extend({"obs": obs}, stream=p)
+            w.create_items(np.ones(1), 5, streams=p, ends=np.array([5 * (e + 1)]))
+            w.end_episode(streams=[p])
+    w.close()
+    _, port = shard_of(table, wire_min_row_bytes=1024)
+    sampler = RemoteSampler([("127.0.0.1", port)], token=TOKEN, prefetch=0, timeout_s=10)
+    try:
+        for _ in range(4):
+            got = sampler.sample(8)
+            obs, length = got.data["obs"].numpy(), got.data["length"].numpy()
+            assert (length == 5).all()
+            assert not obs[:, 5:].any()  # padding: zeros
+            keys = got.keys.numpy()
+            P, S, R = st.num_partitions, st.steps_per_partition, st.items_per_partition
+            p, seq = keys % P, keys // P
+            first = p * S + st.item_start[p, seq % R] % S
+            np.testing.assert_array_equal(obs[:, :5], st.columns["obs"][first[:, None] + np.arange(5)])
+    finally:
+        sampler.close()
