@@ -150,6 +150,10 @@ def test_a_malformed_digested_list_is_a_frame_error_naming_it():
                       ([[1, 2400]], "a whole number per item"), ([[5, 1500]], "not a data buffer")]:  # fmt: skip
         with pytest.raises(ValueError, match=what):
             row_plan({**torn, "digested": bad}, layout)
+    with pytest.raises(ValueError, match="not rows of 1400 bytes$"):  # no marks: whole rows of the buffer
+        row_plan({"digested": [[1, 1400]]}, layout)
+    assert row_plan({"digested": [[1, 2400], [2, 64]]}, [*layout[:2], (np.dtype(np.uint8), (128,), 12064)]).tolist() == \
+        [[64, 12064, 2400], [12064, 12192, 64]]  # fmt: skip
     frame, _ = _digested_frame(np.zeros(4, np.uint8))
     bad = frame.replace(b'"digested":[[1,1500]]', b'"digested":[[1,1400]]')
     got = _open(bad)
