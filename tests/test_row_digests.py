@@ -58,6 +58,24 @@ def test_a_row_digest_is_nh_of_the_row_by_its_definition():
         assert got.tobytes() == _digests_by_definition(rows, rb), rb
 
 
+def test_row_steps_reads_the_row_rule_back():
+    """``layout.row_steps``: the step a storage row holds after ``commit`` steps of its partition —
+    the latest one the row rule puts there (``step_rows`` of it gives the row back, and the next
+    one there is not committed yet); negative for a row not written yet."""
+    from gearflow.replay.layout import row_steps, step_rows
+
+    S, rng = 16, np.random.default_rng(4)
+    for _ in range(50):
+        commit = rng.integers(0, 200, 3)
+        rows = np.arange(3 * S)
+        t = row_steps(rows, commit, S)
+        p = rows // S
+        ok = t >= 0
+        np.testing.assert_array_equal(step_rows(p[ok], t[ok], S), rows[ok])
+        assert (t < commit[p]).all() and (t + S >= commit[p]).all()
+        np.testing.assert_array_equal(ok, rows % S < commit[p])
+
+
 def _digested_frame(marks: np.ndarray, rb: int = 1500) -> tuple[bytes, list]:
     """A reply sealed as a shard seals one with row digests whose tail marked ``marks``: 4 items,
     each two rows of ``rb`` bytes sent as pieces (the MAC takes their digests), the marks last."""

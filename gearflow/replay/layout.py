@@ -6,6 +6,7 @@ writers, the CUDA/RDMA back ends (:mod:`gearflow.native`) and the transport all 
     P partitions (one per env stream), S steps and R item records per partition
 
     row  of step t of partition p  = p * S + t % S          (the storage's column rings)
+    step row j of partition p holds = c - 1 - (c - 1 - j) % S  (c: its COMMIT; < 0: none yet)
     slot of item seq of partition p = p * R + seq % R        (the record ring, the selector's slot)
     key  of item seq of partition p = seq * P + p            (unique while the table lives)
     partition of a slot             = slot // R;  of a key: key % P, its seq: key // P
@@ -32,6 +33,7 @@ __all__ = [
     "key_shard",
     "local_key",
     "record_slot",
+    "row_steps",
     "shard_key",
     "slot_partition",
     "step_rows",
@@ -48,6 +50,14 @@ def step_rows(partitions, steps, S: int):
     """The row rule: absolute step ``t`` of partition ``p`` lives in row ``p * S + t % S``
     (ints or int64 arrays, broadcast)."""
     return partitions * S + steps % S
+
+
+def row_steps(rows, commit, S: int):
+    """The row rule read back: the step storage ``rows`` hold once their partitions have committed
+    ``commit`` steps (``commit`` per partition, int64): the latest ``t < c`` with
+    ``step_rows(p, t, S) == row`` (negative where none was written yet)."""
+    c = commit[rows // S]
+    return c - 1 - (c - 1 - rows % S) % S
 
 
 def record_slot(partitions, seqs, R: int):

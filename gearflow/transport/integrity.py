@@ -140,8 +140,9 @@ digests: a row drawn again is not read again for the MAC — the sender's pass o
 ~0.17 of the raw socket's rate of the ~0.30 integrity cost (``gearflow/transport/README.md``).
 A row not kept yet is digested in the frame's MAC thread while the kernel sends it, as the frame
 was MACed before. Only asked-for replies change: a shard that does not know the request's field
-(an older one) sends the rows MACed as above, and the learner takes either, by the reply's meta. With torn marks an item's digests are left out as its rows were
-(:func:`masked_frame` over the digests; a digested buffer holds a whole number of rows per item).
+(an older one) sends the rows MACed as above, and the learner takes either, by the reply's meta.
+With torn marks an item's digests are left out as its rows were (:func:`masked_frame` over the
+digests; a digested buffer holds a whole number of rows per item).
 
 Why it is still a MAC. Let ``V(M)`` be the MAC input of frame ``M``: its header and envelope as
 they are, its other buffers' bytes, its digested buffers' digests. The tag is the MAC above over

@@ -7,6 +7,8 @@ all apply them."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["marks_of", "masked_frame", "row_plan"]
@@ -46,7 +48,7 @@ def row_plan(meta: dict, layout: list):
         if not last < i < len(layout) - (n is not None):
             raise ValueError(f"{ROW_DIGESTS}: buffer {i} is out of order or not a data buffer")
         dtype, shape, off = layout[i][:3]
-        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         lead = shape[0] if shape else 1
         if rb < MIN_ROW_BYTES or nbytes % rb or (n is not None and lead == n and n and (nbytes // n) % rb):
             raise ValueError(f"{ROW_DIGESTS}: buffer {i} of {nbytes} bytes is not rows of {rb} bytes"

@@ -10,13 +10,14 @@ reply whose MAC takes each wide row's *digest* — NH under the connection's row
 in every reply and on every connection of that secret, so the shard keeps it: it is computed the
 first time the row is drawn after it was written, and a draw of the same row again reads 32
 bytes per KiB instead of the row. The first draw's digests are computed in the frame's MAC
-thread while the kernel sends the rows (where the MAC read the rows before), so a reply whose
-rows are all new costs what it cost without digests.
+thread while the kernel sends the rows (where the MAC read the rows before): a reply whose rows
+are all new costs a little more than without digests (~0.04 of the raw socket's rate on 2 cores,
+the digests written, kept and read again), one whose rows were drawn before ~0.12 less.
 
 Which write a kept digest belongs to: each storage row remembers the absolute step it was
-computed for. A row ``j`` of partition ``p`` holds step ``t = c - 1 - ((c - 1 - j) mod S)``
-(``c``: the partition's ``COMMIT`` counter, ``S``: its steps); a draw that finds another step
-there computes the digest again. A digest computed while a writer was overwriting its row (or
+computed for, and a draw that finds another step there now
+(:func:`~gearflow.replay.layout.row_steps` of the partition's ``COMMIT`` counter) computes the
+digest again. A digest computed while a writer was overwriting its row (or
 kept for a step since overwritten) is only ever sent for an item the reply's tail marks torn
 (the row was reserved for writing after the draw, or before it — then the item is overwritten
 and marked too): the MAC leaves those items out, as it leaves out their rows' bytes. This needs
@@ -38,6 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gearflow.replay.layout import row_steps
 from gearflow.replay.storage import COMMIT
 from gearflow.transport.integrity import RowNH, digest_bytes
 
@@ -76,9 +78,7 @@ class RowDigests:
         rows = np.asarray(idx, np.int64) if zero is None else np.where(zero, 0, idx).astype(np.int64)
         d = dig.shape[1]
         with self._lock:  # a row's digest and its step change together
-            commit = self._commit.copy()
-            c = commit[rows // self._S]
-            step = c - 1 - ((c - 1 - rows % self._S) % self._S)
+            step = row_steps(rows, self._commit, self._S)
             need = stamp[rows] != step if self.keep else np.ones(rows.size, bool)
             if zero is not None:
                 need &= ~zero
