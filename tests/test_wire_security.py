@@ -599,6 +599,59 @@ def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
         Client(("127.0.0.1", 1), TOKEN, tls=str(tmp_path / "half"))
 
 
+def test_tls_pieces_regroups_parts_without_copying():
+    from gearflow.transport.tls import pieces
+
+    a = np.arange(10, dtype=np.uint8)
+    b = np.arange(12, dtype=np.float32).reshape(3, 4)  # 48 bytes, 2-D
+    parts = [b"head", a, b"", b, b"t"]
+    groups = list(pieces(parts, 16))
+    flat = b"".join(bytes(p) for p in parts)
+    assert b"".join(bytes(v) for g in groups for v in g) == flat  # every byte, in order
+    assert [sum(len(v) for v in g) for g in groups] == [16, 16, 16, 15]
+    a[3] = 99  # views of the parts, not copies
+    assert bytes(groups[0][1])[3] == 99
+    assert list(pieces([], 16)) == [] and list(pieces([b""], 16)) == []
+    assert [[bytes(v) for v in g] for g in pieces([b"x" * 32], 16)] == [[b"x" * 16], [b"x" * 16]]
+
+
+def test_tls_big_frames_reach_the_transport_in_pieces(tls_dirs, monkeypatch):
+    """A big frame goes to a TLS transport a piece at a time (tls.PIECE bytes), both ways: written
+    whole, the transport grew OpenSSL's memory BIO to the frame's size before sending any of it."""
+    from gearflow.transport import framing
+    from gearflow.transport.tls import PIECE
+
+    writes: list[int] = []
+    made = framing.FramedProtocol.connection_made
+
+    def recording(self, transport):
+        made(self, transport)
+        inner = transport.writelines
+
+        def writelines(parts):
+            writes.append(sum(memoryview(p).nbytes for p in parts))
+            inner(parts)
+
+        transport.writelines = writelines
+
+    monkeypatch.setattr(framing.FramedProtocol, "connection_made", recording)
+    svc = Service(token=TOKEN, tls=str(tls_dirs / "run"), loop="asyncio")
+    svc.register("echo", lambda meta, bufs: (meta, bufs), roles=ANY_ROLE)
+    svc.start()
+    try:
+        big = np.random.default_rng(0).integers(0, 255, 3 * PIECE + 12345, dtype=np.uint8)
+        odd = np.arange(40_001, dtype=np.float64)  # a part that straddles pieces
+        with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b"),
+                    loop="asyncio") as c:  # fmt: skip
+            writes.clear()
+            meta, (b1, b2) = c.call("echo", {"k": 1}, [big, odd])
+        assert meta == {"k": 1} and np.array_equal(b1, big) and np.array_equal(b2, odd)
+        sent = big.nbytes + odd.nbytes
+        assert max(writes) <= PIECE and sum(writes) > 2 * sent  # the request and the reply, in pieces
+    finally:
+        svc.stop()
+
+
 def test_an_actor_credential_writes_only_the_partitions_of_its_joined_place(make_table):
     """Writer sessions of an actor-role connection are bound to the places joined under its
     credential's name (``run.join`` on its control connection, then writers on others)."""

@@ -53,6 +53,7 @@ from gearflow.transport.framing import (
     encode,
     new_event_loop,
 )
+from gearflow.transport.tls import pieces
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,8 @@ class Client:
     def _tls_write(proto: _ClientProtocol, data: bytes) -> None:
         t = proto.transport
         if t is not None and not t.is_closing():
-            t.write(data)
+            for piece in pieces([data]):  # each piece's records leave before the next is encrypted
+                t.writelines(piece)
 
     @staticmethod
     def _poll_out(sock, timeout_s: float) -> bool:

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from gearflow.errors import GearflowError
+from gearflow.transport.tls import pieces
 from gearflow.transport.torn_marks import marks_of, masked_frame, row_plan
 from gearflow.transport.wire_io import WIRE_BYTES, WireIO
 
@@ -558,12 +559,14 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self._mac_job: list | None = None  # [more, on_sent] of a frame whose MAC runs in a MAC thread
         self._backlog: list[tuple] = []  # frames sent meanwhile: written after its trailer, in order
         self._wire: WireIO | None | bool = None  # the connection's wire thread (False: none here), made on first use
+        self._tls = False  # the transport encrypts: frames go to it in pieces (tls.pieces)
         self.closed = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
         self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=0, low=0)
+        self._tls = transport.get_extra_info("sslcontext") is not None
 
     wire_threads = True  # a big block is read by a wire thread where the protocol asks and the transport allows
 
@@ -649,14 +652,23 @@ class FramedProtocol(asyncio.BufferedProtocol):
                 self._mac_job = job = [more, on_sent]
                 self.sealer.seal_async(macs, functools.partial(self._to_loop, self._sealed, job), started=True,
                                        before=fills)  # fmt: skip
-                t.writelines(parts)
+                self._write(parts)
                 return
             self.sealer.update_spans(macs)
             if not more:
                 parts = [*parts, self.sealer.trailer()]
-        t.writelines(parts)
+        self._write(parts)
         if on_sent is not None:
             self._after_drain(on_sent)
+
+    def _write(self, parts: list) -> None:
+        """``writelines``; to a TLS transport in pieces (``tls.pieces``: each piece's records leave
+        before the next is encrypted)."""
+        if not self._tls:
+            self.transport.writelines(parts)
+            return
+        for piece in pieces(parts):
+            self.transport.writelines(piece)
 
     def _after_drain(self, on_sent: Callable[[], None]) -> None:
         t = self.transport
