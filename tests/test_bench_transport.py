@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -22,6 +23,9 @@ def test_bench_transport_smoke():
                 ("writeback", "updates_per_s[rtt=10ms,learn=10ms]")]:  # fmt: skip
         row = by[key]
         assert row["value"] > 0 and row["floor"] > 0, row  # measured, and against a floor of the same run
+    if shutil.which("openssl"):  # the TLS sampler, where certificates can be made
+        tls = by[("sample", "GB_per_s[batch=256,tls]")]
+        assert tls["value"] > 0 and tls["floor"] == by[("sample", "GB_per_s[batch=256]")]["floor"], tls
 
 
 def test_bench_transport_unknown_workload():
