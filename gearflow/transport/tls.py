@@ -16,8 +16,8 @@ Keep ``ca.key`` on the machine that makes certificates; a node needs ``ca.pem`` 
 
 A big frame goes to the TLS transport in pieces of :data:`PIECE` bytes (:func:`pieces`): the
 transport encrypts what it is given into OpenSSL's memory BIO and only then reads the BIO out to
-the socket, so a 14.5 MB sample reply written at once grew that BIO to 14.5 MB (reallocated and
-wiped as it grew, then copied out cold); in 256 KiB pieces each piece's records leave while they
+the socket, so a 14.5 MB sample reply written at once grew that BIO to 14.5 MB (reallocated as
+it grew, then copied out cold); in 256 KiB pieces each piece's records leave while they
 are still in L2. Measured (``gearflow bench transport --workloads sample``'s TLS shard and sampler,
 the raw socket in the same runs, 7 paired runs): 0.26–0.29 → 0.30–0.36 of the raw socket.
 """
