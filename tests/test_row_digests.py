@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from gearflow.kinds.transition import Transition
+from gearflow.replay.layout import key_partition, record_slot, step_rows
 from gearflow.replay.writer import Writer
 from gearflow.transport import auth, integrity
 from gearflow.transport.client import Client, ServiceUnavailable
@@ -199,11 +200,16 @@ def _fill(table, lap: int) -> None:
     w.close()
 
 
-def _rows_of(table, keys: np.ndarray) -> np.ndarray:
+def _rows_of(table, keys: np.ndarray, window: int | None = None) -> np.ndarray:
+    """The storage row of each item's first step, by the layout's rules; with ``window``, the rows
+    of its first ``window`` steps, ``(N, window)``."""
     st = table.storage
     P, S, R = st.num_partitions, st.steps_per_partition, st.items_per_partition
-    p, seq = keys % P, keys // P
-    return p * S + st.item_start[p, seq % R] % S
+    p, seq = key_partition(keys, P), keys // P
+    start = st.item_start.reshape(-1)[record_slot(p, seq, R)]
+    if window is None:
+        return step_rows(p, start, S)
+    return step_rows(p[:, None], start[:, None] + np.arange(window), S)
 
 
 def test_the_shard_digests_each_written_row_once_and_again_after_it_is_overwritten(make_table, shard_of):
@@ -345,10 +351,6 @@ def test_padding_rows_of_short_sequences_are_digested_as_the_zeros_sent(make_tab
             obs, length = got.data["obs"].numpy(), got.data["length"].numpy()
             assert (length == 5).all()
             assert not obs[:, 5:].any()  # padding: zeros
-            keys = got.keys.numpy()
-            P, S, R = st.num_partitions, st.steps_per_partition, st.items_per_partition
-            p, seq = keys % P, keys // P
-            first = p * S + st.item_start[p, seq % R] % S
-            np.testing.assert_array_equal(obs[:, :5], st.columns["obs"][first[:, None] + np.arange(5)])
+            np.testing.assert_array_equal(obs[:, :5], st.columns["obs"][_rows_of(table, got.keys.numpy(), 5)])
     finally:
         sampler.close()

@@ -611,6 +611,9 @@ def test_tls_pieces_regroups_parts_without_copying():
     assert [sum(len(v) for v in g) for g in groups] == [16, 16, 16, 15]
     a[3] = 99  # views of the parts, not copies
     assert bytes(groups[0][1])[3] == 99
+    assert all(type(v) is memoryview and any(v.obj is p for p in parts) for g in groups for v in g)
+    big = bytes(range(256)) * 64  # a bytes part sliced into pieces: views of it, not copies of the rest
+    assert [v.obj is big for g in pieces([big], 4096) for v in g] == [True] * 4
     assert list(pieces([], 16)) == [] and list(pieces([b""], 16)) == []
     assert [[bytes(v) for v in g] for g in pieces([b"x" * 32], 16)] == [[b"x" * 16], [b"x" * 16]]
 

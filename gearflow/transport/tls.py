@@ -32,11 +32,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gearflow.errors import GearflowError
+from gearflow.transport.wire_io import PIECE as WIRE_PIECE
 
 __all__ = ["PIECE", "TlsError", "client_context", "init", "pieces", "server_context"]
 
 _FILES = ("ca.pem", "node.pem", "node.key")
-PIECE = 256 << 10  # bytes handed to a TLS transport at once (see the module docstring)
+PIECE = WIRE_PIECE  # bytes handed to a TLS transport at once: the wire thread's piece, within L2
 _DAYS = "825"
 
 
@@ -82,7 +83,7 @@ def pieces(parts: list, size: int = PIECE) -> Iterator[list]:
     is sliced across pieces."""
     group, held = [], 0
     for p in parts:
-        v = p if type(p) is bytes else memoryview(p).cast("B")
+        v = memoryview(p).cast("B")  # bytes too: a slice of bytes would be a copy
         while len(v):
             take = min(len(v), size - held)
             group.append(v if take == len(v) else v[:take])
