@@ -599,6 +599,23 @@ def test_tls_round_trip_and_refusals(tls_dirs, tmp_path):
         Client(("127.0.0.1", 1), TOKEN, tls=str(tmp_path / "half"))
 
 
+def test_tls_init_takes_a_relative_directory(tmp_path, monkeypatch):
+    """``gearflow tls init runs/tls`` (as the docs write it) from the directory above: openssl runs
+    inside it, so the paths handed to it must not be relative to the caller's directory."""
+    import shutil
+    from pathlib import Path
+
+    from gearflow.transport.tls import client_context, init
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make certificates")
+    monkeypatch.chdir(tmp_path)
+    made = init("runs/tls") + init("runs/tls", name="box-b")
+    assert {Path(p).name for p in made} == {"ca.pem", "ca.key", "node.pem", "node.key"}
+    assert (tmp_path / "runs/tls/node.pem").is_file() and (tmp_path / "runs/tls/box-b/node.key").is_file()
+    client_context("runs/tls/box-b")  # a usable pair
+
+
 def test_tls_pieces_regroups_parts_without_copying():
     from gearflow.transport.tls import pieces
 

@@ -109,7 +109,7 @@ def init(directory: str, name: str = "") -> list[str]:
     """Make the CA in ``directory`` (if it has none) and a node certificate: ``node.pem`` /
     ``node.key`` there, or under ``directory/name/`` (with a copy of ``ca.pem``) for another
     machine. Keys are written 0600. Returns the files written."""
-    d = Path(directory)
+    d = Path(directory).resolve()  # openssl runs in it: the paths handed to it must not be relative
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     made = []
