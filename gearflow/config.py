@@ -335,6 +335,12 @@ class TransportConfig:
     """Mutual TLS (confidentiality): a directory with ``ca.pem``, ``node.pem``, ``node.key`` from
     ``gearflow tls init DIR``; every end of the run needs one from the same CA. Empty: no TLS
     (frames are in clear, integrity-protected when ``integrity`` is on)."""
+    tls_records: str = "gearflow"
+    """What carries the frames under ``tls``: ``gearflow`` — the TLS handshake (certificates, fresh
+    keys inside it), then gearflow's records: every byte AES-128-CTR under those keys, each frame
+    under the frame MAC (needs ``integrity``; ``gearflow/transport/records.py``), ~1.5× TLS's
+    throughput here; ``tls`` — TLS's own records for everything. Both ends must agree. With
+    ``integrity`` false frames always stay in TLS records."""
     loop: str = "auto"
     """Event loop of the transport threads: ``auto`` (uvloop when installed), ``uvloop`` or ``asyncio``."""
     shards: list = field(default_factory=list)

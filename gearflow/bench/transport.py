@@ -102,6 +102,8 @@ def run(args, wanted: list[str], emit: Callable[[dict], None]) -> int:
         rec("sample", f"integrity_cost[batch={r['batch']},rows_maced]", r["integrity_cost_rows_maced"], "fraction")
         if "tls_gb_per_s" in r:
             rec("sample", f"GB_per_s[batch={r['batch']},tls]", r["tls_gb_per_s"], "GB/s", r["raw_socket_gb_per_s"])
+            rec("sample", f"GB_per_s[batch={r['batch']},tls,tls_records=tls]", r["tls_records_gb_per_s"], "GB/s",
+                r["raw_socket_gb_per_s"])  # fmt: skip
     if "latency" in todo:
         for r in tb.latency(seconds / 2):
             # floors are round-trip times: ratio = gearflow's time over the raw socket's

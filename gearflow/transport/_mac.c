@@ -8,8 +8,9 @@
  * of 256 rows is ~520 spans: one Python call and one GIL hand-off instead of ~520 of each, so a MAC
  * thread runs beside the loop thread that writes the same bytes without waiting on it for the GIL.
  *
- * recv_into(fd, buffer, nh=None, piece) reads a frame's big block from a socket in pieces without the
- * GIL, each piece fed to nh as it lands (a client's wire thread: transport/wire_io.py).
+ * recv_into(fd, buffer, nh=None, piece, cipher=None) reads a frame's big block from a socket in pieces
+ * without the GIL, each piece decrypted (gearflow's records under TLS) and fed to nh as it lands (a
+ * client's wire thread: transport/wire_io.py). xor_spans / xor_inplace: the records' stream cipher.
  *
  * No OpenSSL header is needed: fn is int (*)(void *ctx, const unsigned char *data, size_t n),
  * EVP_MAC_update's signature (OpenSSL >= 3), returning 1 on success.
@@ -589,10 +590,11 @@ static PyTypeObject NHType = {
 
 /* ------------------------------------------------------------------ a big frame's block from the socket, MACed as it lands
  *
- * recv_into(fd, buffer, nh=None, piece=262144): fill buffer from a non-blocking socket without the
+ * recv_into(fd, buffer, nh=None, piece=262144, cipher=None): fill buffer from a non-blocking socket without the
  * GIL, piece by piece, each piece fed to nh (the frame's NH) just after the kernel copied it in: the
  * MAC reads it from this core's cache, never from memory again, and no Python call or MAC thread
- * wakes per piece. The connection's wire thread runs it (transport/wire_io.py) on a duplicate of the
+ * wakes per piece; with a cipher (gearflow's records under TLS) each piece is decrypted in place
+ * first. The connection's wire thread runs it (transport/wire_io.py) on a duplicate of the
  * socket (shutdown() on it from another thread ends the call with an OSError).
  */
 static int wire_wait(int fd, short events) {
@@ -608,25 +610,146 @@ static int wire_wait(int fd, short events) {
 
 static NHObject *wire_nh(PyObject *nh);
 
+/* ------------------------------------------------------------------ the records' stream cipher
+ *
+ * gearflow's records under TLS (transport/records.py) encrypt every byte after the key exchange with
+ * AES-128-CTR through libcrypto's EVP_EncryptUpdate, whose address records.py passes in (as
+ * integrity.py passes EVP_MAC_update's): int (*)(void *ctx, unsigned char *out, int *outl,
+ * const unsigned char *in, int inl), returning 1 on success. A CTR context is a keystream that goes
+ * on where the last call stopped (partial blocks included), so pieces of any size chain.
+ */
+typedef int (*cipher_fn)(void *ctx, unsigned char *out, int *outl, const unsigned char *in, int inl);
+
+typedef struct {
+    cipher_fn fn;
+    void *ctx;
+} Cipher;
+
+static int cipher_run(const Cipher *c, uint8_t *out, const uint8_t *in, size_t n) {
+    while (n) {
+        int take = n > (1u << 30) ? (1 << 30) : (int)n, outl = 0;
+        if (c->fn(c->ctx, out, &outl, in, take) != 1 || outl != take)
+            return -1;
+        out += take, in += take, n -= (size_t)take;
+    }
+    return 0;
+}
+
+static int cipher_parse(PyObject *arg, Cipher *c) {  /* (fn, ctx) addresses, or None: 0 / 1 (none) / -1 */
+    if (arg == NULL || arg == Py_None)
+        return 1;
+    unsigned long long fn = 0, ctx = 0;
+    if (!PyTuple_Check(arg) || !PyArg_ParseTuple(arg, "KK", &fn, &ctx) || !fn || !ctx) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "cipher must be (EVP_EncryptUpdate address, EVP_CIPHER_CTX address), non-zero");
+        }
+        return -1;
+    }
+    c->fn = (cipher_fn)(uintptr_t)fn;
+    c->ctx = (void *)(uintptr_t)ctx;
+    return 0;
+}
+
+static PyObject *cipher_failed(void) {
+    PyErr_SetString(PyExc_RuntimeError, "EVP_EncryptUpdate failed (the records' stream cipher)");
+    return NULL;
+}
+
+/* xor_spans(cipher, spans, out): the spans' bytes (as update_spans takes them), in order, through the
+ * cipher into out (a writable buffer of exactly their total size); without the GIL. */
+static PyObject *xor_spans(PyObject *self, PyObject *args) {
+    PyObject *carg, *spans;
+    Py_buffer out;
+    Cipher c;
+    Spans sp;
+    if (!PyArg_ParseTuple(args, "OOw*", &carg, &spans, &out))
+        return NULL;
+    if (cipher_parse(carg, &c) != 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "xor_spans: a cipher is needed");
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (spans_parse(spans, &sp) < 0) {
+        spans_release(&sp);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < sp.n; i++)
+        total += sp.len[i];
+    int bad = 0;
+    if (total != (size_t)out.len) {
+        PyErr_Format(PyExc_ValueError, "xor_spans: spans of %zu bytes into a buffer of %zd", total, out.len);
+        bad = 1;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        uint8_t *o = out.buf;
+        for (Py_ssize_t i = 0; i < sp.n && !bad; i++) {
+            bad = cipher_run(&c, o, sp.addr[i], sp.len[i]) != 0;
+            o += sp.len[i];
+        }
+        Py_END_ALLOW_THREADS
+        if (bad)
+            cipher_failed();
+    }
+    spans_release(&sp);
+    PyBuffer_Release(&out);
+    if (bad)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* xor_inplace(cipher, buffer): the buffer through the cipher, in place; without the GIL. */
+static PyObject *xor_inplace(PyObject *self, PyObject *args) {
+    PyObject *carg;
+    Py_buffer b;
+    Cipher c;
+    if (!PyArg_ParseTuple(args, "Ow*", &carg, &b))
+        return NULL;
+    if (cipher_parse(carg, &c) != 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "xor_inplace: a cipher is needed");
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = cipher_run(&c, b.buf, b.buf, (size_t)b.len) != 0;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (bad)
+        return cipher_failed();
+    Py_RETURN_NONE;
+}
+
 static PyObject *recv_into(PyObject *self, PyObject *args, PyObject *kw) {
     int fd;
-    PyObject *nh_arg = Py_None;
+    PyObject *nh_arg = Py_None, *cipher_arg = Py_None;
     Py_buffer b;
     Py_ssize_t piece = 256 << 10;
-    static char *names[] = {"fd", "buffer", "nh", "piece", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iw*|On", names, &fd, &b, &nh_arg, &piece))
+    Cipher cipher;
+    static char *names[] = {"fd", "buffer", "nh", "piece", "cipher", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iw*|OnO", names, &fd, &b, &nh_arg, &piece, &cipher_arg))
         return NULL;
     if (piece < 4096) {
         PyBuffer_Release(&b);
         PyErr_Format(PyExc_ValueError, "recv_into: piece must be >= 4096 bytes, got %zd", piece);
         return NULL;
     }
+    int has_cipher = cipher_parse(cipher_arg, &cipher);
+    if (has_cipher < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    has_cipher = has_cipher == 0;
     NHObject *nh = wire_nh(nh_arg);
     if (nh == NULL && nh_arg != Py_None) {
         PyBuffer_Release(&b);
         return NULL;
     }
-    int err = 0, eof = 0;
+    int err = 0, eof = 0, bad = 0;
     size_t got = 0, n = (size_t)b.len;
     uint8_t *p = b.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -645,12 +768,18 @@ static PyObject *recv_into(PyObject *self, PyObject *args, PyObject *kw) {
             eof = 1;
             break;
         }
+        if (has_cipher && cipher_run(&cipher, p + got, p + got, (size_t)r) != 0) {  /* decrypted in cache */
+            bad = 1;
+            break;
+        }
         if (nh != NULL)  /* the MAC reads the piece the kernel just wrote, in this core's cache */
             nh_feed(nh, p + got, (size_t)r);
         got += (size_t)r;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
+    if (bad)
+        return cipher_failed();
     if (err) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -679,8 +808,12 @@ static PyObject *avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong
 static PyMethodDef methods[] = {
     {"avx2", avx2, METH_NOARGS, "avx2(): whether NH runs its AVX2 pass on this CPU."},
     {"recv_into", (PyCFunction)(void (*)(void))recv_into, METH_VARARGS | METH_KEYWORDS,
-     "recv_into(fd, buffer, nh=None, piece=262144): fill buffer from the non-blocking socket fd without the GIL; nh: "
-     "each piece MACed as it lands. ConnectionResetError at the peer's end of stream, OSError on a socket error."},
+     "recv_into(fd, buffer, nh=None, piece=262144, cipher=None): fill buffer from the non-blocking socket fd without "
+     "the GIL; cipher: each piece decrypted as it lands, nh: then MACed. ConnectionResetError at the peer's end of stream, OSError on a socket error."},
+    {"xor_spans", xor_spans, METH_VARARGS,
+     "xor_spans(cipher, spans, out): the spans' bytes through the stream cipher (fn, ctx) into out, without the GIL."},
+    {"xor_inplace", xor_inplace, METH_VARARGS,
+     "xor_inplace(cipher, buffer): buffer through the stream cipher (fn, ctx), in place, without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -54,6 +54,7 @@ __all__ = [
     "AuthorizationError",
     "Credential",
     "IntegrityMismatch",
+    "TransportMismatch",
     "actor_credential",
     "client_mac",
     "configure",
@@ -61,6 +62,7 @@ __all__ = [
     "default_integrity",
     "default_row_digests",
     "default_tls",
+    "default_tls_records",
     "frame_keys",
     "new_nonce",
     "resolve_token",
@@ -68,6 +70,7 @@ __all__ = [
     "set_default_integrity",
     "set_default_row_digests",
     "set_default_tls",
+    "set_default_tls_records",
 ]  # fmt: skip
 
 TOKEN_ENV = "GEARFLOW_TOKEN"
@@ -88,6 +91,11 @@ class AuthenticationError(GearflowError, PermissionError):
 
 class IntegrityMismatch(AuthenticationError):
     """The two ends disagree on ``transport.integrity``."""
+
+
+class TransportMismatch(IntegrityMismatch):
+    """The two ends disagree on how frames are carried under TLS (``transport.tls_records``, or
+    ``transport.integrity``, which gearflow's records need)."""
 
 
 class AuthorizationError(GearflowError, PermissionError):
@@ -126,6 +134,32 @@ def default_tls() -> str:
     return env if env is not None else _tls_default
 
 
+TLS_RECORDS_ENV = "GEARFLOW_TLS_RECORDS"
+TLS_RECORDS = ("gearflow", "tls")
+_tls_records_default = "gearflow"
+
+
+def tls_records_mode(value: str) -> str:
+    """``transport.tls_records`` checked: ``gearflow`` or ``tls``."""
+    mode = str(value).strip().lower()
+    if mode not in TLS_RECORDS:
+        raise ValueError(f"transport.tls_records must be one of {', '.join(TLS_RECORDS)}, got {value!r}")
+    return mode
+
+
+def set_default_tls_records(mode: str) -> None:
+    """What carries frames under TLS for ``Service`` / ``Client`` given ``tls_records=None``
+    (``transport.tls_records``; :mod:`gearflow.transport.records`); also ``$GEARFLOW_TLS_RECORDS``."""
+    global _tls_records_default
+    _tls_records_default = tls_records_mode(mode)
+    os.environ[TLS_RECORDS_ENV] = _tls_records_default
+
+
+def default_tls_records() -> str:
+    env = os.environ.get(TLS_RECORDS_ENV)
+    return tls_records_mode(env) if env else _tls_records_default
+
+
 ROW_DIGESTS_ENV = "GEARFLOW_ROW_DIGESTS"
 _row_digests_default = True
 
@@ -146,11 +180,12 @@ def default_row_digests() -> bool:
 
 
 def configure(transport) -> None:
-    """This process's defaults from a config's ``transport`` section: ``integrity``, ``row_digests``
-    and ``tls``."""
+    """This process's defaults from a config's ``transport`` section: ``integrity``, ``row_digests``,
+    ``tls`` and ``tls_records``."""
     set_default_integrity(bool(transport.get("integrity", True)))
     set_default_row_digests(bool(transport.get("row_digests", True)))
     set_default_tls(str(transport.get("tls", "") or ""))
+    set_default_tls_records(str(transport.get("tls_records", "gearflow") or "gearflow"))
 
 
 def default_integrity() -> bool:

@@ -72,15 +72,20 @@ def _recvs(E: int, b: int, n: int, obs_shape, seed: int = 0) -> list:
 
 
 def _serve_shard(spec: dict, P: int, S: int, selector: str, wire: int | None, conn, integrity: bool = True,
-                 tls: str = "", profile: bool = False, keep_digests: bool = True) -> None:  # fmt: skip
+                 tls: str = "", profile: bool = False, keep_digests: bool = True, tls_records: str = "gearflow") -> None:  # fmt: skip
     """Child process: a table and its shard service; sends the port, serves until told to stop
     (``"stop"``); with ``profile``, its phases are counted (``"profile"``: sends them and starts
     counting afresh); ``keep_digests=False``: its replies' row digests are computed at every
     draw (the cost when every drawn row is drawn for the first time)."""
-    from gearflow.transport.auth import set_default_integrity, set_default_tls
+    from gearflow.transport.auth import (
+        set_default_integrity,
+        set_default_tls,
+        set_default_tls_records,
+    )
 
     set_default_integrity(integrity)
     set_default_tls(tls)
+    set_default_tls_records(tls_records)
     prof = None
     if profile:
         from gearflow.transport.profile import PhaseProfile
@@ -104,14 +109,16 @@ class ShardProcess:
     """A shard service in its own process (as on another machine: its own GIL)."""
 
     def __init__(self, spec: dict, P: int, S: int, selector: str = "uniform", wire: int | None = 1024,
-                 integrity: bool = True, tls: str = "", profile: bool = False, keep_digests: bool = True):  # fmt: skip
+                 integrity: bool = True, tls: str = "", profile: bool = False, keep_digests: bool = True,
+                 tls_records: str = "gearflow"):  # fmt: skip
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.integrity = integrity
         self.proc = ctx.Process(target=_serve_shard, daemon=True,
-                                args=(spec, P, S, selector, wire, child, integrity, tls, profile, keep_digests))  # fmt: skip
+                                args=(spec, P, S, selector, wire, child, integrity, tls, profile, keep_digests,
+                                      tls_records))  # fmt: skip
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the shard process did not start")
@@ -236,13 +243,14 @@ def call_times(fn, seconds: float, min_calls: int = 5) -> list[float]:
 
 
 def _atari_shard(obs, items: int, wire: int | None, integrity: bool = True, tls: str = "",
-                 profile: bool = False, keep_digests: bool = True) -> ShardProcess:  # fmt: skip
+                 profile: bool = False, keep_digests: bool = True, tls_records: str = "gearflow") -> ShardProcess:  # fmt: skip
     """A shard process holding ``items`` 2-step transitions of uint8 ``obs`` rows."""
     spec = {"obs": f"uint8[{','.join(map(str, obs))}]", "action": "int64", "ret": "float32", "disc": "float32",
             "version": "int64"}  # fmt: skip
     shard = ShardProcess(spec, 4, items // 4 + 8, wire=wire, integrity=integrity, tls=tls, profile=profile,
-                         keep_digests=keep_digests)  # fmt: skip
-    w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity, tls=tls), num_streams=4, token=TOKEN)
+                         keep_digests=keep_digests, tls_records=tls_records)  # fmt: skip
+    w = RemoteWriter(Client(("127.0.0.1", shard.port), TOKEN, integrity=integrity, tls=tls, tls_records=tls_records),
+                     num_streams=4, token=TOKEN)  # fmt: skip
     k = items // 4
     rng = np.random.default_rng(0)
     for s in range(4):
@@ -262,7 +270,9 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
     ``ratio_no_integrity``, ``ratio_gathered``; integrity on with every draw's row digests
     computed afresh (the cost when every row drawn is drawn for the first time: ``ratio_fresh_rows``,
     ``integrity_cost_fresh_rows``) and with no row digests (the MAC reads the rows at every send:
-    ``ratio_rows_maced``, ``integrity_cost_rows_maced``); and over TLS where ``openssl`` is installed."""
+    ``ratio_rows_maced``, ``integrity_cost_rows_maced``); and over TLS where ``openssl`` is installed:
+    gearflow's records under the TLS handshake (the default: ``ratio_tls``) and TLS's own records
+    (``transport.tls_records=tls``: ``ratio_tls_records``)."""
     import shutil
     import tempfile
 
@@ -270,19 +280,20 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
     raw = _RawServer()
     c = None
     tls_dir = None
-    # (wire_min_row_bytes, integrity, tls, the shard keeps row digests, the learner asks for them)
-    variants = [(1024, True, "", True, True), (1024, False, "", True, True), (None, False, "", True, True),
-                (1024, True, "", False, True), (1024, True, "", True, False)]  # fmt: skip
+    # (wire_min_row_bytes, integrity, tls, the shard keeps row digests, the learner asks for them, tls_records)
+    variants = [(1024, True, "", True, True, "gearflow"), (1024, False, "", True, True, "gearflow"),
+                (None, False, "", True, True, "gearflow"), (1024, True, "", False, True, "gearflow"),
+                (1024, True, "", True, False, "gearflow")]  # fmt: skip
     if shutil.which("openssl"):  # and over mutual TLS (integrity on too: the default with transport.tls)
         from gearflow.transport.tls import init
 
         tls_dir = tempfile.mkdtemp(prefix="gearflow-bench-tls-")
         init(tls_dir)
-        variants.append((1024, True, tls_dir, True, True))
+        variants += [(1024, True, tls_dir, True, True, "gearflow"), (1024, True, tls_dir, True, True, "tls")]
     try:
-        for wire, integrity, tls, keep, digests in variants:
-            shards.append(_atari_shard(obs, items, wire, integrity, tls, keep_digests=keep))
-            client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity, tls=tls)
+        for wire, integrity, tls, keep, digests, records in variants:
+            shards.append(_atari_shard(obs, items, wire, integrity, tls, keep_digests=keep, tls_records=records))
+            client = Client(("127.0.0.1", shards[-1].port), TOKEN, integrity=integrity, tls=tls, tls_records=records)
             client.row_digests = client.row_digests and digests
             samplers.append(RemoteSampler([client], token=TOKEN, prefetch=LEARNER_PREFETCH))
         b0 = samplers[0].sample(batch)  # as a learner samples: LEARNER_PREFETCH rounds ahead
@@ -290,13 +301,13 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
             sm.sample(batch)
         nbytes = sum(t.numel() * t.element_size() for t in [*b0.data.values(), b0.keys, b0.weights, b0.probabilities])
         c, call = raw.client()
-        remote, plain, gathered, floor, fresh, maced, tls_rates = [], [], [], [], [], [], []
+        remote, plain, gathered, floor, fresh, maced, tls_rates, tls_records = [], [], [], [], [], [], [], []
         for r in range(rounds):
             paths = [(remote, lambda: samplers[0].sample(batch)), (plain, lambda: samplers[1].sample(batch)),
                      (gathered, lambda: samplers[2].sample(batch)), (floor, lambda: call(nbytes)),
                      (fresh, lambda: samplers[3].sample(batch)), (maced, lambda: samplers[4].sample(batch))]  # fmt: skip
             if tls_dir:
-                paths.append((tls_rates, lambda: samplers[5].sample(batch)))
+                paths += [(tls_rates, lambda: samplers[5].sample(batch)), (tls_records, lambda: samplers[6].sample(batch))]
             k = r % len(paths)
             for out, fn in paths[k:] + paths[:k]:
                 t = call_times(fn, seconds / rounds)
@@ -314,7 +325,9 @@ def sample(seconds: float = 2.0, batch: int = 256, obs=(4, 84, 84), items: int =
     tls_out = {}
     if tls_rates:
         tls_out = {"tls_gb_per_s": float(np.median(tls_rates)) * nbytes / 1e9,
-                   "ratio_tls": float(np.median(np.array(tls_rates) / np.array(floor)))}  # fmt: skip
+                   "ratio_tls": float(np.median(np.array(tls_rates) / np.array(floor))),
+                   "tls_records_gb_per_s": float(np.median(tls_records)) * nbytes / 1e9,
+                   "ratio_tls_records": float(np.median(np.array(tls_records) / np.array(floor)))}  # fmt: skip
     r, p, g, f = (float(np.median(x)) for x in (remote, plain, gathered, floor))
     remote, plain, gathered, floor, fresh, maced = (np.array(x) for x in (remote, plain, gathered, floor, fresh, maced))
     return {"bench": "transport/sample", "batch": batch, "bytes_per_batch": nbytes, "rounds": rounds,

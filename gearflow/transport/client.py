@@ -53,6 +53,7 @@ from gearflow.transport.framing import (
     encode,
     new_event_loop,
 )
+from gearflow.transport.records import KeyExchange
 from gearflow.transport.tls import pieces
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,20 @@ def parse_address(address: Any) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _tls_write(proto: _ClientProtocol, data: bytes) -> None:
+    """In the loop: a frame to a TLS transport (TLS's records), a piece at a time."""
+    t = proto.transport
+    if t is not None and not t.is_closing():
+        for piece in pieces([data]):  # each piece's records leave before the next is encrypted
+            t.writelines(piece)
+
+
+def _poll_out(sock, timeout_s: float) -> bool:
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLOUT)
+    return bool(p.poll(max(1, int(timeout_s * 1000))))
+
+
 class _ClientProtocol(FramedProtocol):
     def __init__(self, client: Client):
         super().__init__(FrameReader(self._on_frame, client.limits, {CHALLENGE, ERROR}))
@@ -117,6 +132,18 @@ class _ClientProtocol(FramedProtocol):
         self.script = b""  # the handshake's transcript (auth.transcript)
         self.wsock: socket.socket | None = None  # the calling threads' duplicate, for sending
         self.asked = False  # this side closed it (Client.close, a send cut short): not a loss to report
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.client.records:  # TLS's handshake and the key exchange; the service's challenge follows
+            self.start_records(KeyExchange(self.client._ssl, False, transport.write))
+
+    def records_failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, AuthenticationError):  # a settings mismatch is not retried; a failed TLS is
+            exc = ServiceUnavailable(f"the connection to {self.client.address_text} failed: {exc}")
+        self._fail_handshake(exc)
+        if self.transport is not None:
+            self.transport.abort()
 
     def _fail_handshake(self, exc: BaseException) -> None:
         if not self.ready.done():
@@ -175,6 +202,7 @@ class _ClientProtocol(FramedProtocol):
         log.warning("transport: %s from %s: %s; closing the connection, the frame was not applied", what,
                     self.client.address_text, exc)  # fmt: skip
         err = ServiceUnavailable(f"{what} from {self.client.address_text}: {exc}")
+        self.closed = True  # for callers now: one woken by the error below connects afresh, not through this one
         if self.transport is not None:
             self.transport.abort()
         self._fail_handshake(err)
@@ -201,7 +229,8 @@ class Client:
 
     def __init__(self, address: Any, token: str | None = None, *, timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, max_in_flight: int = 8, limits: FrameLimits | None = None,
-                 loop: str = "auto", integrity: bool | None = None, tls: str | None = None):  # fmt: skip
+                 loop: str = "auto", integrity: bool | None = None, tls: str | None = None,
+                 tls_records: str | None = None):  # fmt: skip
         self.host, self.port = parse_address(address)
         self.address_text = f"{self.host}:{self.port}"
         self._credential = auth.credential(auth.resolve_token(token))
@@ -217,6 +246,9 @@ class Client:
             from gearflow.transport.tls import client_context
 
             self._ssl = client_context(self.tls)
+        mode = auth.default_tls_records() if tls_records is None else auth.tls_records_mode(tls_records)
+        # gearflow's records: TLS's handshake, then records of its own (records.py); sent as on plain TCP
+        self.records = bool(self._ssl) and self.integrity and mode == "gearflow"
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.limits = limits or FrameLimits()
         if max_in_flight < 1:
@@ -233,6 +265,7 @@ class Client:
         self._send_lock = threading.Lock()
         self._backoff = 0.0
         self._next_attempt = 0.0
+        self._last_error = ""  # why the last connection attempt failed (said while backing off)
         self.generation = 0  # connections made so far
         self.closed = False
 
@@ -261,8 +294,8 @@ class Client:
                 wait = self._next_attempt - now
                 if wait > 0:
                     if now + wait > deadline:
-                        raise ServiceUnavailable(f"no service at {self.address_text} (retrying with backoff, "
-                                                 f"next attempt in {wait:.2f} s)")  # fmt: skip
+                        raise ServiceUnavailable(f"no service at {self.address_text} (last attempt: {self._last_error}; "
+                                                 f"retrying with backoff, next attempt in {wait:.2f} s)")  # fmt: skip
                     time.sleep(wait)
                 if p is not None:
                     self._drop_wsock(p)
@@ -275,6 +308,7 @@ class Client:
                 except AuthenticationError:
                     raise
                 except (concurrent.futures.TimeoutError, OSError, ServiceUnavailable) as exc:
+                    self._last_error = str(exc) or type(exc).__name__
                     lo, hi = self.BACKOFF_S
                     self._backoff = lo if self._backoff == 0 else min(hi, self._backoff * 2)
                     self._next_attempt = time.monotonic() + self._backoff
@@ -290,8 +324,9 @@ class Client:
             return proto_box[0]
 
         try:
-            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port, ssl=self._ssl,
-                                                          server_hostname=self.host if self._ssl else None),
+            ssl = None if self.records else self._ssl  # gearflow's records: the protocol runs TLS's handshake
+            await asyncio.wait_for(loop.create_connection(factory, self.host, self.port, ssl=ssl,
+                                                          server_hostname=self.host if ssl else None),
                                    self.connect_timeout_s)  # fmt: skip
             await asyncio.wait_for(proto_box[0].ready, self.connect_timeout_s)
         except BaseException:
@@ -301,7 +336,7 @@ class Client:
         proto = proto_box[0]
         # requests are sent from the calling threads on a duplicate of the socket (see _write);
         # the loop only reads. The duplicate shares the non-blocking flag and TCP_NODELAY.
-        if self._ssl is None:
+        if self._ssl is None or self.records:
             proto.wsock = socket.socket(fileno=os.dup(proto.transport.get_extra_info("socket").fileno()))
         return proto
 
@@ -363,22 +398,27 @@ class Client:
         timeout mid-frame closes the connection."""
         with self._send_lock:
             sock = proto.wsock
-            if proto.closed or (sock is None and self._ssl is None):
+            tx = proto._tx  # gearflow's records under TLS: encrypted here, in wire order
+            tls = self._ssl is not None and tx is None  # TLS's records: the loop's transport encrypts
+            if proto.closed or (sock is None and not tls):
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
-            sealer, mac = proto.sealer, None
+            sealer, mac, written = proto.sealer, None, parts
             if sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
-                if self._ssl is None and sum(len(p) for p in parts) >= sealer.thread_bytes:
+                sealer.begin()
+                if proto.reader.head_tags:  # gearflow's records: the head tag follows the envelope
+                    written = [parts[0], sealer.head_tag(parts[0]), *parts[1:]]
+                if not tls and sum(len(p) for p in parts) >= sealer.thread_bytes:
                     # a big request: a MAC thread reads it while sendmsg hands it to the kernel
-                    sealer.begin()
                     mac = concurrent.futures.Future()
                     sealer.seal_async(parts, mac.set_result)
                 else:
-                    parts = sealer.seal(parts)
-            if self._ssl is not None:  # TLS encrypts in the loop: a copy, queued in order
-                self._loop.call_soon_threadsafe(self._tls_write, proto, b"".join(parts))
+                    sealer.update_spans(parts)
+                    written = [*written, sealer.trailer()]
+            if tls:  # a copy, queued in order
+                self._loop.call_soon_threadsafe(_tls_write, proto, b"".join(written))
                 return
             try:
-                self._send_views(proto, sock, [memoryview(p) for p in parts], deadline, op)
+                self._send_parts(proto, sock, tx, written, deadline, op)
             finally:
                 error = mac.result() if mac is not None else None  # the parts stay untouched until it is done
             if error is not None:
@@ -386,7 +426,18 @@ class Client:
                 raise ServiceUnavailable(f"{op}: the frame's MAC failed ({error}); the connection to "
                                          f"{self.address_text} is closed")  # fmt: skip
             if mac is not None:
-                self._send_views(proto, sock, [memoryview(sealer.trailer())], deadline, op, started=True)
+                self._send_parts(proto, sock, tx, [sealer.trailer()], deadline, op, started=True)
+
+    def _send_parts(self, proto: _ClientProtocol, sock, tx, parts: list, deadline: float, op: str,
+                    started: bool = False) -> None:  # fmt: skip
+        """:meth:`_send_views` of ``parts``; with gearflow's records (``tx``) each piece encrypted
+        just before it is sent."""
+        if tx is None:
+            self._send_views(proto, sock, [memoryview(p) for p in parts], deadline, op, started)
+            return
+        for piece in tx.seal_iter(parts):
+            self._send_views(proto, sock, [memoryview(piece)], deadline, op, started)
+            started = True
 
     def _send_views(self, proto: _ClientProtocol, sock, views: list, deadline: float, op: str,
                     started: bool = False) -> None:  # fmt: skip
@@ -411,23 +462,10 @@ class Client:
             if not views:
                 return
             left = deadline - time.monotonic()
-            if left <= 0 or not self._poll_out(sock, left):
+            if left <= 0 or not _poll_out(sock, left):
                 if started or proto.sealer is not None:  # a sealed frame not sent: the next one's number is off
                     self._loop.call_soon_threadsafe(self._abort, proto)
                 raise RequestTimeout(f"{op}: could not send to {self.address_text} in time (the service is not reading)")
-
-    @staticmethod
-    def _tls_write(proto: _ClientProtocol, data: bytes) -> None:
-        t = proto.transport
-        if t is not None and not t.is_closing():
-            for piece in pieces([data]):  # each piece's records leave before the next is encrypted
-                t.writelines(piece)
-
-    @staticmethod
-    def _poll_out(sock, timeout_s: float) -> bool:
-        p = select.poll()
-        p.register(sock.fileno(), select.POLLOUT)
-        return bool(p.poll(max(1, int(timeout_s * 1000))))
 
     @staticmethod
     def _abort(proto: _ClientProtocol, asked: bool = True) -> None:

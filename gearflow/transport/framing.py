@@ -7,6 +7,9 @@ One frame::
              number of buffers, buffer bytes (every buffer, with its padding)
     envelope UTF-8 JSON object (never pickle): {"op": name, "meta": {...},
              "bufs": [[dtype, [shape...]], ...]}
+    head tag on gearflow's records under TLS only (:mod:`gearflow.transport.records`): 16 bytes,
+             Poly1305 of the header and envelope (``Sealer.head_tag``), checked before the
+             envelope is parsed
     buffers  the raw bytes of each array, C order, each starting at a multiple of
              ALIGN bytes from the start of the buffer block (zero padding between)
     trailer  after the handshake, with transport.integrity on: 24 bytes "<Q16s",
@@ -261,6 +264,10 @@ def parse_header(raw, limits: FrameLimits, kinds: frozenset) -> tuple[int, int, 
     checked against ``limits`` and the ``kinds`` accepted now."""
     magic, version, kind, rid, meta_len, nbufs, buf_bytes = HEADER.unpack(raw)
     if magic != MAGIC:
+        if magic == b"GFKY":  # records.MAGIC: the peer's key message, inside TLS
+            raise FrameError("the peer uses gearflow's records under TLS (transport.tls_records=gearflow, integrity on) "
+                             "and this side TLS's records: set transport.tls_records and transport.integrity the same "
+                             "on both ends")  # fmt: skip
         raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a gearflow peer")
     if version != VERSION:
         raise FrameError(f"protocol version {version} (this side speaks {VERSION})")
@@ -353,6 +360,7 @@ class FrameReader:
         self._wired = False  # this frame's block goes through the wire thread
         self.failed = False
         self.hold = False  # True: parse no further frame out of the staged bytes (back-pressure)
+        self.head_tags = False  # each envelope is followed by its head tag, checked before it is parsed (records.py)
 
     # -------------------------------------------------------------- protocol side
 
@@ -438,14 +446,18 @@ class FrameReader:
                 continue
             _, _, meta_len, nbufs, buf_bytes = self._head
             if self._env is None:
-                if avail < meta_len:
+                tag = _HEAD_TAG_BYTES if self.head_tags else 0
+                if avail < meta_len + tag:
                     return
+                if tag:  # gearflow's records: nothing of the envelope is read before its tag is checked
+                    end = self._lo + meta_len
+                    self.opener.check_head(self._head_bytes[0] + bytes(self._view[self._lo:end]), self._view[end:end + tag])
                 self._env = parse_envelope(self._view[self._lo:self._lo + meta_len], nbufs, buf_bytes, self.limits)
                 if self.opener is not None:
                     self._head_bytes.append(bytes(self._view[self._lo:self._lo + meta_len]))
                     self.opener.update(self._head_bytes[1])
                     self._rows = self._row_plan()
-                self._lo += meta_len
+                self._lo += meta_len + tag
                 self._block = self.alloc(buf_bytes) if buf_bytes else _EMPTY
                 self._filled = 0
                 self._wired = (self.wire is not None and buf_bytes >= WIRE_BYTES
@@ -540,6 +552,8 @@ class FrameReader:
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _TRAILER_BYTES = 24  # integrity.TRAILER.size
+_HEAD_TAG_BYTES = 16  # integrity.TAG_BYTES
+_KX_BUFFER = 64 << 10  # what one read takes during the TLS handshake of gearflow's records
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -560,6 +574,10 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self._backlog: list[tuple] = []  # frames sent meanwhile: written after its trailer, in order
         self._wire: WireIO | None | bool = None  # the connection's wire thread (False: none here), made on first use
         self._tls = False  # the transport encrypts: frames go to it in pieces (tls.pieces)
+        self._kx = None  # records.KeyExchange while gearflow's records under TLS are being keyed
+        self._kx_buf: bytearray | None = None
+        self._tx = self._rx = None  # records.StreamCipher of each direction once keyed: every byte after the exchange
+        self._rx_view: memoryview | None = None  # what get_buffer handed out last (decrypted in buffer_updated)
         self.closed = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -584,7 +602,50 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def _wire_read(self, view: memoryview, nh, trailer: bytearray | None) -> None:
         self.transport.pause_reading()
-        self._wire.recv(view, nh, trailer, functools.partial(self._to_loop, self._wire_landed, trailer))
+        self._wire.recv(view, nh, trailer, functools.partial(self._to_loop, self._wire_landed, trailer),
+                        self._rx.native if self._rx is not None else None)  # fmt: skip
+
+    # ----------------------------------------------------------------- gearflow's records under TLS
+    def start_records(self, kx) -> None:
+        """gearflow's records under TLS on this plain connection (:mod:`~gearflow.transport.records`):
+        ``kx`` (a ``records.KeyExchange`` writing to this transport) runs TLS's handshake and the key
+        exchange inside it first; :meth:`records_ready` once frames may flow, each encrypted,
+        MACed and head-tagged."""
+        self._kx_buf = bytearray(_KX_BUFFER)
+        self._kx = kx
+        self._kx_feed(b"")  # the client's first flight
+
+    def records_ready(self) -> None:
+        """The key exchange is done (the service sends its challenge here)."""
+
+    def records_failed(self, exc: BaseException) -> None:
+        """The TLS handshake or the key exchange failed: the connection is closed."""
+        logging.getLogger(__name__).info("transport: %s; closing the connection", exc)
+        self.transport.abort()
+
+    def _kx_feed(self, data: bytes) -> None:
+        done = self._kx.step(data)  # None (not yet), the error that ended it, or the hand-over
+        if done is None:
+            return
+        self._kx = self._kx_buf = None
+        if isinstance(done, BaseException):
+            return self.records_failed(done)
+        # every frame from the first is MACed (these keys until the secret handshake's own) and head-tagged
+        rest, self._tx, self._rx, self.sealer, self.reader.opener = done
+        self.reader.head_tags = True
+        self.records_ready()
+        if rest and not self.closed:  # the first bytes of the peer's records came with its key message
+            view = memoryview(bytearray(rest))
+            self._rx.apply(view)
+            while len(view) and not (self.closed or self.reader.failed):
+                dst = self.reader.get_buffer(len(view))
+                n = min(len(dst), len(view))
+                dst[:n] = view[:n]
+                view = view[n:]
+                try:
+                    self.reader.buffer_updated(n)
+                except FrameError as exc:
+                    return self.frame_error(exc)
 
     def _to_loop(self, then: Callable, *args) -> None:
         """In a MAC or wire thread: hand its result back to the loop."""
@@ -610,9 +671,18 @@ class FramedProtocol(asyncio.BufferedProtocol):
             t.resume_reading()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
+        if self._kx is not None:
+            return memoryview(self._kx_buf)
+        view = self.reader.get_buffer(sizehint)
+        if self._rx is not None:
+            self._rx_view = view
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._kx is not None:
+            return self._kx_feed(bytes(self._kx_buf[:nbytes]))
+        if self._rx is not None:  # decrypted in place as it lands, before the reader (and the MAC) see it
+            self._rx.apply(self._rx_view[:nbytes])
         try:
             self.reader.buffer_updated(nbytes)
         except FrameError as exc:
@@ -637,9 +707,12 @@ class FramedProtocol(asyncio.BufferedProtocol):
         if self._mac_job is not None:  # the frame before is being MACed: this one goes after its trailer
             self._backlog.append((parts, on_sent, more, spans))
             return
+        written = parts
         if self.sealer is not None:
             if not self._sealing:
                 self.sealer.begin()
+                if self.reader.head_tags:  # gearflow's records: the head tag follows the envelope
+                    written = [parts[0], self.sealer.head_tag(parts[0]), *parts[1:]]
             self._sealing = more
             macs = parts if spans is None else spans
             fills = [m.fn for m in macs if type(m) is Fill] if spans is not None else ()
@@ -652,18 +725,23 @@ class FramedProtocol(asyncio.BufferedProtocol):
                 self._mac_job = job = [more, on_sent]
                 self.sealer.seal_async(macs, functools.partial(self._to_loop, self._sealed, job), started=True,
                                        before=fills)  # fmt: skip
-                self._write(parts)
+                self._write(written)
                 return
             self.sealer.update_spans(macs)
             if not more:
-                parts = [*parts, self.sealer.trailer()]
-        self._write(parts)
+                written = [*written, self.sealer.trailer()]
+        self._write(written)
         if on_sent is not None:
             self._after_drain(on_sent)
 
     def _write(self, parts: list) -> None:
         """``writelines``; to a TLS transport in pieces (``tls.pieces``: each piece's records leave
-        before the next is encrypted)."""
+        before the next is encrypted); on gearflow's records, each piece encrypted just before it
+        is written (a copy: the parts are free once this returns, as with any write)."""
+        if self._tx is not None:
+            for piece in self._tx.seal_iter(parts):
+                self.transport.write(memoryview(piece))
+            return
         if not self._tls:
             self.transport.writelines(parts)
             return
@@ -688,7 +766,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
             if t is not None:
                 t.abort()
         elif not more and not (self.closed or t is None or t.is_closing()):
-            t.writelines([self.sealer.trailer()])
+            self._write([self.sealer.trailer()])
         if on_sent is not None:
             self._after_drain(on_sent)
         backlog, self._backlog = self._backlog, []

@@ -13,7 +13,11 @@ block, padding included) cut into 1 KiB chunks (the last one shorter, zero-padde
 * ``otk(seq)``: the frame's one-time key, the first 32 bytes of ChaCha20's keystream under the
   direction's key with counter 0 and nonce ``0⁴ | seq`` (little-endian, 8 B) — RFC 8439's
   ``poly1305_key_gen``, as ChaCha20-Poly1305 makes its MAC key, here with the frame in clear
-  (integrity, not confidentiality: that is TLS's job);
+  (integrity, not confidentiality: that is TLS's job, or gearflow's records under TLS); bytes
+  32–63 of that block key the frame's *head tag* (Poly1305 over its header and envelope, sent
+  after the envelope and checked before it is parsed) on gearflow's records under TLS
+  (:mod:`gearflow.transport.records`, :meth:`Sealer.head_tag`): a second one-time key of the
+  same block, used once;
 * ``NH_K``: Adiantum's NH (Crowley & Biggers, "Adiantum", ToSC 2018; Linux's
   ``crypto/nh_generic.c``): each 16-byte unit ``i`` of a chunk (four little-endian u32 ``m0..m3``)
   adds, for each pass ``p`` of four, ``(m0 + K[4i+4p]) · (m2 + K[4i+4p+2]) + (m1 + K[4i+4p+1]) ·
@@ -205,7 +209,7 @@ NH_CHUNK = 1024  # NH's message chunk: 32 bytes of NH output per 1 KiB to Poly13
 NH_KEY_BYTES = NH_CHUNK + 48  # 268 words: 256 for a chunk, 12 more for the three shifted passes
 NH_OUT = 32  # NH's output per chunk (four u64 sums)
 _NH_NONCE = b"nhky" + bytes(8)  # ChaCha20 nonce of the NH key (frames' nonces start with 0⁴)
-_ZERO_KEY = bytes(32)
+_ZERO_BLOCK = bytes(64)
 RESEAL_PASSES = 3  # MAC passes over a frame with torn rows before the sender marks every item
 MAC_THREAD_BYTES = 1 << 20  # frames with at least this many buffer bytes are MACed in a MAC thread, beside the socket
 FEED_BYTES = 256 << 10  # the receiving MAC thread is woken once this much has landed unMACed (or at the frame's end)
@@ -434,7 +438,8 @@ class _Mac:
             raise MemoryError("EVP_MAC_CTX_new / EVP_CIPHER_CTX_new failed")
         if lib.EVP_EncryptInit_ex(self._kctx, _chacha, None, key, bytes(16)) != 1:
             raise IntegrityError("EVP_EncryptInit_ex (ChaCha20) failed")
-        self._otk = ctypes.create_string_buffer(32)  # the frame's one-time key
+        self._otk = ctypes.create_string_buffer(64)  # the frame's ChaCha20 block 0: its tag's one-time key, its head's
+        self._hctx = None  # the head tag's Poly1305 (gearflow's records under TLS: records.py)
         self._otklen = ctypes.c_int()
         self._out = ctypes.create_string_buffer(TAG_BYTES)
         self._outlen = ctypes.c_size_t()
@@ -468,10 +473,28 @@ class _Mac:
     def _init(self, seq: int) -> None:
         lib = self._lib  # ChaCha20 block 0 under nonce 0^4 | seq: counter (4 B) | nonce (12 B)
         if (lib.EVP_EncryptInit_ex(self._kctx, None, None, None, bytes(8) + seq.to_bytes(8, "little")) != 1
-                or lib.EVP_EncryptUpdate(self._kctx, self._otk, ctypes.byref(self._otklen), _ZERO_KEY, 32) != 1
+                or lib.EVP_EncryptUpdate(self._kctx, self._otk, ctypes.byref(self._otklen), _ZERO_BLOCK, 64) != 1
                 or lib.EVP_MAC_init(self._ctx, self._otk, 32, None) != 1):  # fmt: skip
             raise IntegrityError("deriving the frame's one-time key failed")
         self._nh.reset()
+
+    def _head(self, head) -> bytes:
+        """The frame's head tag: Poly1305 over ``head`` (its header and envelope) under bytes 32–63
+        of its ChaCha20 block 0 — the frame tag's one-time key is bytes 0–31: two keys, each used
+        once. Sent after the envelope on gearflow's records under TLS (:mod:`~gearflow.transport.records`),
+        so a receiver parses no envelope an attacker could have altered."""
+        lib = self._lib
+        if self._hctx is None:
+            self._hctx = lib.EVP_MAC_CTX_new(_poly)
+            if not self._hctx:
+                raise MemoryError("EVP_MAC_CTX_new failed")
+        out, n = ctypes.create_string_buffer(TAG_BYTES), ctypes.c_size_t()
+        head = bytes(head)
+        if (lib.EVP_MAC_init(self._hctx, self._otk.raw[32:64], 32, None) != 1
+                or lib.EVP_MAC_update(self._hctx, head, len(head)) != 1
+                or lib.EVP_MAC_final(self._hctx, out, ctypes.byref(n), TAG_BYTES) != 1):  # fmt: skip
+            raise IntegrityError("the head tag's Poly1305 failed")
+        return out.raw
 
     def update(self, part) -> None:
         self._nh.update(part)
@@ -506,6 +529,9 @@ class _Mac:
         kctx, self._kctx = getattr(self, "_kctx", None), None
         if kctx:
             self._lib.EVP_CIPHER_CTX_free(kctx)
+        hctx, self._hctx = getattr(self, "_hctx", None), None
+        if hctx:
+            self._lib.EVP_MAC_CTX_free(hctx)
 
 
 class Sealer(_Mac):
@@ -550,6 +576,10 @@ class Sealer(_Mac):
     def trailer(self) -> bytes:
         return TRAILER.pack(self.seq - 1, self.final())
 
+    def head_tag(self, head) -> bytes:
+        """The head tag of the frame begun (:meth:`_Mac._head`): call once, after :meth:`begin`."""
+        return self._head(head)
+
 
 class Opener(_Mac):
     """The receiving direction: :meth:`begin` at a frame's header, :meth:`update` with its bytes
@@ -581,6 +611,12 @@ class Opener(_Mac):
             raise IntegrityError("a frame with row digests, where this connection has no row key or no _mac.c: "
                                  "it never asks for them")  # fmt: skip
         self._nh.set_rows(rows.nh, np.ascontiguousarray(plan, np.int64))
+
+    def check_head(self, head, tag) -> None:
+        """The head tag of the frame begun, before its envelope is parsed (raises :class:`IntegrityError`)."""
+        if not hmac.compare_digest(bytes(tag), self._head(head)):
+            raise IntegrityError(f"frame {self.seq - 1}'s header and envelope failed their MAC check: altered or "
+                                 "injected on the way")  # fmt: skip
 
     def check(self, trailer) -> None:
         seq, tag = TRAILER.unpack(bytes(trailer))

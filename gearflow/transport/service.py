@@ -68,6 +68,7 @@ from gearflow.transport.framing import (
     new_event_loop,
 )
 from gearflow.transport.limits import ReceivePool, ServiceLimits, service_limits
+from gearflow.transport.records import KeyExchange
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,18 @@ class _ServerProtocol(FramedProtocol):
         svc._protocols.add(self)
         svc._admit_preauth(self)
         svc.counts["connections"] += 1
-        self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": auth.PROTOCOL, "integrity": svc.integrity}))
         self.timer = asyncio.get_running_loop().call_later(svc.limits.auth_timeout_s, self._auth_timeout)
+        if svc.records:  # the TLS handshake and key exchange first; the challenge once they are done
+            self.start_records(KeyExchange(svc._ssl, True, transport.write))
+        else:
+            self.records_ready()
+
+    def records_ready(self) -> None:
+        self.send(encode(CHALLENGE, 0, "", {"nonce": self.nonce, "version": auth.PROTOCOL, "integrity": self.service.integrity}))
+
+    def records_failed(self, exc: BaseException) -> None:
+        self.service._refuse(self.conn.peer, str(exc), auth_failure=True)
+        self.transport.abort()
 
     def _auth_timeout(self) -> None:
         if not self.authed and not self.closed:
@@ -403,7 +414,7 @@ class Service:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  limits: ServiceLimits | None = None, loop: str = "auto", name: str = "gearflow",
-                 integrity: bool | None = None, tls: str | None = None):  # fmt: skip
+                 integrity: bool | None = None, tls: str | None = None, tls_records: str | None = None):  # fmt: skip
         self.host, self.port, self.name = host, int(port), name
         self._secret = auth.resolve_token(token)
         if auth.credential(self._secret).role != auth.LEARNER:
@@ -417,6 +428,9 @@ class Service:
             from gearflow.transport.tls import server_context
 
             self._ssl = server_context(self.tls)
+        mode = auth.default_tls_records() if tls_records is None else auth.tls_records_mode(tls_records)
+        # gearflow's records: the TLS handshake on each connection, then its own records (records.py)
+        self.records = bool(self._ssl) and self.integrity and mode == "gearflow"
         self.limits = limits or ServiceLimits()
         self.loop_kind = loop
         new_event_loop(loop).close()  # an unknown or missing loop kind fails here, not in the thread
@@ -480,9 +494,10 @@ class Service:
         asyncio.set_event_loop(loop)
 
         async def serve():
+            ssl = None if self.records else self._ssl  # gearflow's records: each protocol runs TLS's handshake
             self._server = await loop.create_server(lambda: _ServerProtocol(self), self.host, self.port,
-                                                    reuse_address=True, ssl=self._ssl,
-                                                    ssl_handshake_timeout=self.limits.auth_timeout_s if self._ssl else None)  # fmt: skip
+                                                    reuse_address=True, ssl=ssl,
+                                                    ssl_handshake_timeout=self.limits.auth_timeout_s if ssl else None)  # fmt: skip
             return self._server.sockets[0].getsockname()[1]
 
         try:

@@ -8,13 +8,21 @@ the standard :mod:`ssl` module under asyncio or uvloop); host names are not chec
 peer is trusted for holding a certificate of the run's CA. The secret handshake and frame
 MACs (``auth.py``, ``integrity.py``) run inside it unchanged.
 
+What carries the frames (``transport.tls_records``): ``gearflow`` (the default; with
+``transport.integrity`` on) — TLS's handshake, then gearflow's records keyed inside it
+(:mod:`gearflow.transport.records`: AES-128-CTR over every byte, the frame MAC on every frame,
+read and decrypted by the client's wire thread as bytes land); ``tls`` — TLS's own records for
+everything, through the loop's TLS transport (below). Measured (``gearflow bench transport
+--workloads sample``, both in the same runs): gearflow's records 0.48–0.55 of the raw socket,
+TLS's 0.28–0.34 (``gearflow/transport/README.md``).
+
     gearflow tls init runs/tls                 # ca.pem, ca.key, node.pem, node.key
     gearflow tls init runs/tls --name box-b    # box-b/node.pem, box-b/node.key: copy box-b/ and ca.pem there
     gearflow train CONFIG transport.tls=runs/tls ...
 
 Keep ``ca.key`` on the machine that makes certificates; a node needs ``ca.pem`` and its own pair.
 
-A big frame goes to the TLS transport in pieces of :data:`PIECE` bytes (:func:`pieces`): the
+With TLS's records, a big frame goes to the TLS transport in pieces of :data:`PIECE` bytes (:func:`pieces`): the
 transport encrypts what it is given into OpenSSL's memory BIO and only then reads the BIO out to
 the socket, so a 14.5 MB sample reply written at once grew that BIO to 14.5 MB (reallocated as
 it grew, then copied out cold); in 256 KiB pieces each piece's records leave while they
@@ -68,8 +76,12 @@ def _context(directory: str, purpose) -> ssl.SSLContext:
 
 
 def server_context(directory: str) -> ssl.SSLContext:
-    """The service's context: presents node.pem, requires a client certificate from ca.pem."""
-    return _context(directory, ssl.Purpose.CLIENT_AUTH)
+    """The service's context: presents node.pem, requires a client certificate from ca.pem; no
+    session tickets (nothing resumes a session, and no TLS message may follow the key exchange of
+    gearflow's records: :mod:`gearflow.transport.records`)."""
+    ctx = _context(directory, ssl.Purpose.CLIENT_AUTH)
+    ctx.num_tickets = 0
+    return ctx
 
 
 def client_context(directory: str) -> ssl.SSLContext:

@@ -19,7 +19,8 @@ is the loopback's busier side and the hand-offs to a thread cost it what they fr
 
 The wire thread owns a duplicate of the connection's socket (so the loop closing its own never
 frees a descriptor the thread is using); :meth:`WireIO.close` shuts it down (a read waiting on a
-silent peer returns with an error) and closes it once the thread is done. Plain TCP only: a TLS
+silent peer returns with an error) and closes it once the thread is done. Plain TCP only (gearflow's records under TLS included: each piece is decrypted as it lands,
+before its MAC, :mod:`gearflow.transport.records`): a TLS
 transport decrypts in the loop (:meth:`WireIO.of` gives None there), as does a build without
 ``_mac.c``.
 
@@ -73,17 +74,19 @@ class WireIO:
         self.closed = False
         self.received = 0  # blocks read
 
-    def recv(self, view: memoryview, nh, trailer: bytearray | None, done: Callable[[BaseException | None], None]) -> None:
-        """Fill ``view`` from the socket in the wire thread, each piece fed to ``nh`` (a ``_mac.NH``,
-        or None) as it lands, then ``trailer`` (if given); ``done(error)`` there (error: None, or
-        what cut it short: the connection is then unusable). Nothing else may read the socket
-        meanwhile (the caller pauses its loop's reading)."""
+    def recv(self, view: memoryview, nh, trailer: bytearray | None, done: Callable[[BaseException | None], None],
+             cipher: tuple | None = None) -> None:  # fmt: skip
+        """Fill ``view`` from the socket in the wire thread, each piece decrypted by ``cipher`` (a
+        :class:`~gearflow.transport.records.StreamCipher` 's ``native``: gearflow's records under
+        TLS) and fed to ``nh`` (a ``_mac.NH``, or None) as it lands, then ``trailer`` (if given);
+        ``done(error)`` there (error: None, or what cut it short: the connection is then unusable).
+        Nothing else may read the socket meanwhile (the caller pauses its loop's reading)."""
         with self._lock:
             if not self.closed:
                 if self._jobs is None:  # a daemon thread: one blocked on a silent peer never holds up the exit
                     self._jobs = queue.SimpleQueue()
                     threading.Thread(target=self._run, name="gearflow-wire", daemon=True).start()
-                self._jobs.put((view, nh, trailer, done))
+                self._jobs.put((view, nh, trailer, done, cipher))
                 return
         done(ConnectionResetError("the connection's wire thread is closed"))
 
@@ -92,13 +95,13 @@ class WireIO:
             self._recv_job(*job)
         self._sock.close()  # after the last read: the descriptor is never reused under it
 
-    def _recv_job(self, view: memoryview, nh, trailer: bytearray | None, done: Callable) -> None:
+    def _recv_job(self, view: memoryview, nh, trailer: bytearray | None, done: Callable, cipher: tuple | None) -> None:
         err = None
         try:
             fd = self._sock.fileno()
-            _native.recv_into(fd, view, nh, PIECE)
+            _native.recv_into(fd, view, nh, PIECE, cipher)
             if trailer is not None:
-                _native.recv_into(fd, trailer, None, PIECE)
+                _native.recv_into(fd, trailer, None, PIECE, cipher)
             self.received += 1
         except BaseException as exc:  # noqa: BLE001 - handed to done(): the caller closes its connection
             err = exc
