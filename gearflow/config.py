@@ -338,7 +338,7 @@ class TransportConfig:
     tls_records: str = "gearflow"
     """What carries the frames under ``tls``: ``gearflow`` — the TLS handshake (certificates, fresh
     keys inside it), then gearflow's records: every byte AES-128-CTR under those keys, each frame
-    under the frame MAC (needs ``integrity``; ``gearflow/transport/records.py``), ~1.5× TLS's
+    under the frame MAC (needs ``integrity``; ``gearflow/transport/records.py``), ~1.7× TLS's
     throughput here; ``tls`` — TLS's own records for everything. Both ends must agree. With
     ``integrity`` false frames always stay in TLS records."""
     loop: str = "auto"

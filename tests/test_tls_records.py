@@ -266,7 +266,7 @@ def test_integrity_off_keeps_frames_in_tls_records(tls_dirs):  # noqa: F811
         with Client(("127.0.0.1", svc.port), TOKEN, timeout_s=10, tls=str(tls_dirs / "run" / "box-b"),
                     integrity=False) as c:  # fmt: skip
             assert c.call("echo", {"k": 1})[0] == {"k": 1}
-            assert not c.records and c._proto._tx is None and c._proto._tls
+            assert not c.records and c._proto.send_cipher is None and c._proto._tls
     finally:
         svc.stop()
 

@@ -561,9 +561,9 @@ def test_tls_round_trip_and_refusals(tls_dirs, tmp_path, records, monkeypatch):
                 meta, (back,) = c.call("echo", {"i": i}, [data])
                 assert meta == {"i": i} and np.array_equal(back, data)
             if records == "tls":  # TLS decrypts in the loop: no wire thread reads the raw socket
-                assert c._proto._wire is False and c._proto._tx is None
+                assert c._proto._wire is False and c._proto.send_cipher is None
             else:  # gearflow's records: the wire thread reads (and decrypts) the plain socket
-                assert c._proto._wire and c._proto._tx is not None and c._proto.reader.head_tags
+                assert c._proto._wire and c._proto.send_cipher is not None and c._proto.reader.head_tags
         # an on-path listener sees neither the frames nor what they carry
         seen = bytearray()
         listener = socket.create_server(("127.0.0.1", 0))

@@ -398,7 +398,7 @@ class Client:
         timeout mid-frame closes the connection."""
         with self._send_lock:
             sock = proto.wsock
-            tx = proto._tx  # gearflow's records under TLS: encrypted here, in wire order
+            tx = proto.send_cipher  # gearflow's records under TLS: encrypted here, in wire order
             tls = self._ssl is not None and tx is None  # TLS's records: the loop's transport encrypts
             if proto.closed or (sock is None and not tls):
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")

@@ -615,6 +615,12 @@ class FramedProtocol(asyncio.BufferedProtocol):
         self._kx = kx
         self._kx_feed(b"")  # the client's first flight
 
+    @property
+    def send_cipher(self):
+        """This connection's outgoing ``records.StreamCipher`` on gearflow's records (a client
+        encrypts its requests with it, under its send lock), else None."""
+        return self._tx
+
     def records_ready(self) -> None:
         """The key exchange is done (the service sends its challenge here)."""
 
