@@ -602,8 +602,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def _wire_read(self, view: memoryview, nh, trailer: bytearray | None) -> None:
         self.transport.pause_reading()
-        self._wire.recv(view, nh, trailer, functools.partial(self._to_loop, self._wire_landed, trailer),
-                        self._rx.native if self._rx is not None else None)  # fmt: skip
+        self._wire.recv(view, nh, trailer, functools.partial(self._to_loop, self._wire_landed, trailer), self._rx)
 
     # ----------------------------------------------------------------- gearflow's records under TLS
     def start_records(self, kx) -> None:

@@ -75,10 +75,10 @@ class WireIO:
         self.received = 0  # blocks read
 
     def recv(self, view: memoryview, nh, trailer: bytearray | None, done: Callable[[BaseException | None], None],
-             cipher: tuple | None = None) -> None:  # fmt: skip
+             cipher=None) -> None:  # fmt: skip
         """Fill ``view`` from the socket in the wire thread, each piece decrypted by ``cipher`` (a
-        :class:`~gearflow.transport.records.StreamCipher` 's ``native``: gearflow's records under
-        TLS) and fed to ``nh`` (a ``_mac.NH``, or None) as it lands, then ``trailer`` (if given);
+        :class:`~gearflow.transport.records.StreamCipher`, held until the job is done: gearflow's
+        records under TLS) and fed to ``nh`` (a ``_mac.NH``, or None) as it lands, then ``trailer`` (if given);
         ``done(error)`` there (error: None, or what cut it short: the connection is then unusable).
         Nothing else may read the socket meanwhile (the caller pauses its loop's reading)."""
         with self._lock:
@@ -95,13 +95,14 @@ class WireIO:
             self._recv_job(*job)
         self._sock.close()  # after the last read: the descriptor is never reused under it
 
-    def _recv_job(self, view: memoryview, nh, trailer: bytearray | None, done: Callable, cipher: tuple | None) -> None:
+    def _recv_job(self, view: memoryview, nh, trailer: bytearray | None, done: Callable, cipher) -> None:
         err = None
         try:
             fd = self._sock.fileno()
-            _native.recv_into(fd, view, nh, PIECE, cipher)
+            native = cipher.native if cipher is not None else None  # its context's address: cipher stays referenced
+            _native.recv_into(fd, view, nh, PIECE, native)
             if trailer is not None:
-                _native.recv_into(fd, trailer, None, PIECE, cipher)
+                _native.recv_into(fd, trailer, None, PIECE, native)
             self.received += 1
         except BaseException as exc:  # noqa: BLE001 - handed to done(): the caller closes its connection
             err = exc
