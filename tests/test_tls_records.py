@@ -62,6 +62,32 @@ def test_the_stream_cipher_is_aes_128_ctr_and_chains_across_pieces(native):
     back = np.concatenate(sealed)
     cipher().apply(back)
     assert np.array_equal(back, big)
+    if native:  # encrypted ahead by a thread while this one writes what is done: the same keystream
+        got: list = []
+        cipher().write_ahead(parts, lambda v: got.append(bytes(v)))
+        assert b"".join(got) == _CT
+        got.clear()
+        c = cipher()
+        c.write_ahead([big[:100], big[100:]], lambda v: got.append(bytes(v)))
+        assert b"".join(got) == np.concatenate(sealed).tobytes()  # written as the pieces got done
+        from gearflow.transport import _mac
+
+        # each write is of bytes already encrypted: its last ones checked the moment it is handed over
+        # (a writer told of bytes not done yet would find them unencrypted)
+        frame = np.random.default_rng(3).integers(0, 255, 16 << 20, dtype=np.uint8)
+        want, at = np.concatenate(cipher().seal([frame])), [0]
+
+        def check(v):
+            end = at[0] + len(v)
+            assert bytes(v[-16:]) == want[end - 16:end].tobytes(), f"bytes {end - 16}..{end} not encrypted yet"
+            at[0] = end
+
+        cipher().write_ahead([frame], check)
+        assert at[0] == frame.nbytes
+        progress = np.zeros(1, np.int64)  # a failure says so at once: the writer never waits for it
+        with pytest.raises(ValueError, match="spans of 3 bytes into a buffer of 2"):
+            _mac.xor_spans_ahead(c.native, [b"abc"], np.empty(2, np.uint8), progress, 4096)
+        assert progress[0] == -1 and _mac.wait_progress(progress, 1) == -1
     with pytest.raises(ValueError, match="stream key has 16 bytes"):
         StreamCipher(bytes(32))
 

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 typedef int (*update_fn)(void *ctx, const unsigned char *data, size_t n);
 
@@ -701,6 +702,93 @@ static PyObject *xor_spans(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* xor_spans_ahead(cipher, spans, out, progress, piece): xor_spans, storing after each piece of out
+ * the bytes done so far into progress (an int64, release order; -1 on a failure): a thread encrypts a
+ * frame ahead while another writes what is done (wait_progress). */
+static PyObject *xor_spans_ahead(PyObject *self, PyObject *args) {
+    PyObject *carg, *spans;
+    Py_buffer out, prog;
+    Py_ssize_t piece;
+    Cipher c;
+    Spans sp;
+    if (!PyArg_ParseTuple(args, "OOw*w*n", &carg, &spans, &out, &prog, &piece))
+        return NULL;
+    int bad = 0;
+    if (cipher_parse(carg, &c) != 0 || prog.len < (Py_ssize_t)sizeof(int64_t) || piece < 4096) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "xor_spans_ahead: a cipher, an int64 progress and a piece >= 4096 are needed");
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&prog);
+        return NULL;
+    }
+    if (spans_parse(spans, &sp) < 0) {
+        spans_release(&sp);
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&prog);
+        return NULL;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < sp.n; i++)
+        total += sp.len[i];
+    int64_t *done = (int64_t *)prog.buf;
+    if (total != (size_t)out.len) {
+        PyErr_Format(PyExc_ValueError, "xor_spans_ahead: spans of %zu bytes into a buffer of %zd", total, out.len);
+        __atomic_store_n(done, -1, __ATOMIC_RELEASE);
+        bad = 2;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        uint8_t *o = out.buf;
+        size_t at = 0, mark = (size_t)piece;
+        for (Py_ssize_t i = 0; i < sp.n && !bad; i++) {
+            const uint8_t *src = sp.addr[i];
+            size_t left = sp.len[i];
+            while (left && !bad) {  /* up to the next piece boundary, then say so */
+                size_t take = mark - at < left ? mark - at : left;
+                bad = cipher_run(&c, o + at, src, take) != 0;
+                at += take, src += take, left -= take;
+                if (at == mark) {
+                    __atomic_store_n(done, (int64_t)at, __ATOMIC_RELEASE);
+                    mark += (size_t)piece;
+                }
+            }
+        }
+        __atomic_store_n(done, bad ? (int64_t)-1 : (int64_t)at, __ATOMIC_RELEASE);
+        Py_END_ALLOW_THREADS
+        if (bad)
+            cipher_failed();
+    }
+    spans_release(&sp);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&prog);
+    if (bad)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* wait_progress(progress, at_least): progress's value once it is >= at_least or < 0 (a failure),
+ * waiting without the GIL (the writer of a frame encrypted ahead by xor_spans_ahead). */
+static PyObject *wait_progress(PyObject *self, PyObject *args) {
+    Py_buffer prog;
+    long long want;
+    if (!PyArg_ParseTuple(args, "w*L", &prog, &want))
+        return NULL;
+    if (prog.len < (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&prog);
+        PyErr_SetString(PyExc_ValueError, "wait_progress: progress must be an int64");
+        return NULL;
+    }
+    int64_t *done = (int64_t *)prog.buf, v = __atomic_load_n(done, __ATOMIC_ACQUIRE);
+    if (v >= 0 && v < want) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = {0, 5000};  /* a piece is ~30 us of AES: poll at 5 us */
+        while ((v = __atomic_load_n(done, __ATOMIC_ACQUIRE)) >= 0 && v < want)
+            nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&prog);
+    return PyLong_FromLongLong((long long)v);
+}
+
 /* xor_inplace(cipher, buffer): the buffer through the cipher, in place; without the GIL. */
 static PyObject *xor_inplace(PyObject *self, PyObject *args) {
     PyObject *carg;
@@ -812,6 +900,11 @@ static PyMethodDef methods[] = {
      "the GIL; cipher: each piece decrypted as it lands, nh: then MACed. ConnectionResetError at the peer's end of stream, OSError on a socket error."},
     {"xor_spans", xor_spans, METH_VARARGS,
      "xor_spans(cipher, spans, out): the spans' bytes through the stream cipher (fn, ctx) into out, without the GIL."},
+    {"xor_spans_ahead", xor_spans_ahead, METH_VARARGS,
+     "xor_spans_ahead(cipher, spans, out, progress, piece): xor_spans, storing the bytes done into progress "
+     "(int64) after each piece, -1 on a failure; without the GIL."},
+    {"wait_progress", wait_progress, METH_VARARGS,
+     "wait_progress(progress, at_least): progress once it is >= at_least or < 0, waiting without the GIL."},
     {"xor_inplace", xor_inplace, METH_VARARGS,
      "xor_inplace(cipher, buffer): buffer through the stream cipher (fn, ctx), in place, without the GIL."},
     {NULL, NULL, 0, NULL},

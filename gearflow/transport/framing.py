@@ -554,6 +554,7 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 _TRAILER_BYTES = 24  # integrity.TRAILER.size
 _HEAD_TAG_BYTES = 16  # integrity.TAG_BYTES
 _KX_BUFFER = 64 << 10  # what one read takes during the TLS handshake of gearflow's records
+AHEAD_BYTES = 1 << 20  # on gearflow's records, a write this big is encrypted ahead by a thread (records.write_ahead)
 
 
 class FramedProtocol(asyncio.BufferedProtocol):
@@ -744,6 +745,13 @@ class FramedProtocol(asyncio.BufferedProtocol):
         before the next is encrypted); on gearflow's records, each piece encrypted just before it
         is written (a copy: the parts are free once this returns, as with any write)."""
         if self._tx is not None:
+            if sum(memoryview(p).nbytes for p in parts) >= AHEAD_BYTES:  # AES ahead, in a thread
+                try:
+                    self._tx.write_ahead(parts, self.transport.write)
+                except ConnectionError as exc:  # records.RecordsError: the stream is cut short
+                    logging.getLogger(__name__).error("transport: %s; closing the connection", exc)
+                    self.transport.abort()
+                return
             for piece in self._tx.seal_iter(parts):
                 self.transport.write(memoryview(piece))
             return

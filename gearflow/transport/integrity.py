@@ -634,8 +634,9 @@ _pool_lock = threading.Lock()
 
 def mac_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The process's MAC threads (2 to 4, by cores): a big frame's MAC runs there while the
-    thread that moves its bytes moves them. A job never waits for bytes (a receiving job ends
-    when it has caught up), so a few threads serve every connection."""
+    thread that moves its bytes moves them (and, on gearflow's records, its encryption ahead of
+    the writes: ``records.StreamCipher.write_ahead``). A job never waits for bytes (a receiving
+    job ends when it has caught up), so a few threads serve every connection."""
     global _pool
     if _pool is None:
         with _pool_lock:

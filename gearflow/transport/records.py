@@ -9,7 +9,7 @@ The frame MAC already authenticates every frame, off the critical path (MAC thre
 thread's MAC as bytes land); what TLS adds beyond it is confidentiality, which a stream cipher
 gives at one pass over the bytes, in place on the receiver, as they land. Measured
 (``gearflow bench transport --workloads sample``, 14.5 MB batches, ``gearflow/transport/README.md``):
-TLS's records 0.28–0.34 of the raw socket, gearflow's records 0.48–0.55 in the same runs.
+TLS's records 0.28–0.34 of the raw socket, gearflow's records 0.45–0.55 (median 0.485 of 15 runs).
 
 The connection (both ends have ``transport.tls`` and ``transport.integrity`` on; with integrity off
 frames stay in TLS records — nothing else would authenticate them):
@@ -33,6 +33,10 @@ frames stay in TLS records — nothing else would authenticate them):
    keyed by bytes 32–63 of the frame's ChaCha20 block (``Sealer.head_tag``; bytes 0–31 are the
    frame tag's one-time key), over the frame's header and envelope, checked before the envelope is
    parsed.
+
+A frame of ≥ 1 MiB is encrypted ahead of its writes (:meth:`StreamCipher.write_ahead`): a MAC-pool
+thread runs the AES over the whole frame without the GIL while the loop writes what is done — the
+shard's loop thread was the bound, its AES in series with its sends.
 
 Why it is as safe as TLS's records here (the argument: ``docs/security.md``, "Records under TLS").
 Confidentiality: CTR under a key known only to the two TLS endpoints, each keystream position
@@ -159,6 +163,30 @@ class StreamCipher:
                     self._run(at, src.ctypes.data, len(v))
                     at += len(v)
             yield out
+
+    def write_ahead(self, parts: list, write: Callable) -> None:
+        """``parts`` through the keystream to ``write`` (a transport's), encrypted ahead by a thread
+        of :func:`~gearflow.transport.integrity.mac_pool` into one buffer while this thread writes
+        what is done, a piece or more at a time, waiting for the next without the GIL: the AES
+        runs beside the writes instead of in series with them (a big frame on a busy loop).
+        Raises :class:`RecordsError` if the encryption failed (the connection is unusable)."""
+        if self.native is None or not hasattr(_native, "xor_spans_ahead"):
+            for piece in self.seal_iter(parts):
+                write(memoryview(piece))
+            return
+        total = sum(memoryview(p).nbytes for p in parts)
+        out, progress = np.empty(total, np.uint8), np.zeros(1, np.int64)
+        job = integrity.mac_pool().submit(_native.xor_spans_ahead, self.native, parts, out, progress, PIECE)
+        view, sent = memoryview(out), 0
+        while sent < total:
+            ready = _native.wait_progress(progress, sent + 1)
+            if ready < 0:
+                break
+            write(view[sent:ready])
+            sent = ready
+        err = job.exception()
+        if err is not None or sent < total:
+            raise RecordsError(f"encrypting a frame failed ({err}): the connection is unusable")
 
     def _run(self, out: int, src: int, n: int) -> None:
         outl = ctypes.c_int()

@@ -13,8 +13,8 @@ What carries the frames (``transport.tls_records``): ``gearflow`` (the default; 
 (:mod:`gearflow.transport.records`: AES-128-CTR over every byte, the frame MAC on every frame,
 read and decrypted by the client's wire thread as bytes land); ``tls`` — TLS's own records for
 everything, through the loop's TLS transport (below). Measured (``gearflow bench transport
---workloads sample``, both in the same runs): gearflow's records 0.48–0.55 of the raw socket,
-TLS's 0.28–0.34 (``gearflow/transport/README.md``).
+--workloads sample``): gearflow's records 0.45–0.55 of the raw socket (median 0.485 of 15 runs),
+TLS's 0.28–0.34 in the same runs (``gearflow/transport/README.md``).
 
     gearflow tls init runs/tls                 # ca.pem, ca.key, node.pem, node.key
     gearflow tls init runs/tls --name box-b    # box-b/node.pem, box-b/node.key: copy box-b/ and ca.pem there
