@@ -88,6 +88,8 @@ def test_the_stream_cipher_is_aes_128_ctr_and_chains_across_pieces(native):
         with pytest.raises(ValueError, match="spans of 3 bytes into a buffer of 2"):
             _mac.xor_spans_ahead(c.native, [b"abc"], np.empty(2, np.uint8), progress, 4096)
         assert progress[0] == -1 and _mac.wait_progress(progress, 1) == -1
+        with pytest.raises(RecordsError, match="encrypting a frame failed"):  # a part the C pass cannot read
+            c.write_ahead([np.arange(100, dtype=np.uint8)[::2]], lambda v: None)  # (the writer once hung here)
     with pytest.raises(ValueError, match="stream key has 16 bytes"):
         StreamCipher(bytes(32))
 

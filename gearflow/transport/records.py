@@ -176,7 +176,7 @@ class StreamCipher:
             return
         total = sum(memoryview(p).nbytes for p in parts)
         out, progress = np.empty(total, np.uint8), np.zeros(1, np.int64)
-        job = integrity.mac_pool().submit(_native.xor_spans_ahead, self.native, parts, out, progress, PIECE)
+        job = integrity.mac_pool().submit(_ahead, self.native, parts, out, progress)
         view, sent = memoryview(out), 0
         while sent < total:
             ready = _native.wait_progress(progress, sent + 1)
@@ -200,6 +200,16 @@ class StreamCipher:
         ctx, self._ctx = getattr(self, "_ctx", None), None
         if ctx:
             self._lib.EVP_CIPHER_CTX_free(ctx)
+
+
+def _ahead(native: tuple, parts: list, out: np.ndarray, progress: np.ndarray) -> None:
+    """:meth:`StreamCipher.write_ahead`'s job: any failure (one raised before the C pass stored
+    its progress too, such as a part it cannot read) reads -1, so the writer never waits on it."""
+    try:
+        _native.xor_spans_ahead(native, parts, out, progress, PIECE)
+    except BaseException:
+        progress[0] = -1
+        raise
 
 
 class KeyExchange:
