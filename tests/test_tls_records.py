@@ -153,6 +153,28 @@ def test_the_key_exchange_hands_over_at_the_record_boundary(tls_dirs):  # noqa: 
         cli.feed(b"x")
 
 
+def test_the_service_issues_no_session_tickets(tls_dirs):  # noqa: F811
+    """No TLS message after the handshake (gearflow's records leave TLS there) and nothing to
+    resume a session with: the service's context sends TLS 1.3 no NewSessionTicket."""
+    from gearflow.transport.tls import client_context, server_context
+
+    a, b = socket.socketpair()
+    ctx = server_context(str(tls_dirs / "run"))
+
+    def serve():
+        with ctx.wrap_socket(a, server_side=True) as s:
+            s.sendall(b"k")  # after any tickets: the client has read them when this arrives
+            s.recv(1)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with client_context(str(tls_dirs / "run" / "box-b")).wrap_socket(b) as c:
+        assert c.recv(1) == b"k" and c.version() == "TLSv1.3"
+        assert not c.session.has_ticket
+        c.sendall(b"x")
+    t.join(timeout=60)
+
+
 def test_a_peer_flooding_the_key_exchange_is_cut_off(tls_dirs):  # noqa: F811
     from gearflow.transport.tls import server_context
 
