@@ -404,9 +404,7 @@ class Client:
                 raise ServiceUnavailable(f"connection to {self.address_text} lost before {op} was sent")
             sealer, mac, written = proto.sealer, None, parts
             if sealer is not None:  # sealed here, under the lock: sequence numbers in wire order
-                sealer.begin()
-                if proto.reader.head_tags:  # gearflow's records: the head tag follows the envelope
-                    written = [parts[0], sealer.head_tag(parts[0]), *parts[1:]]
+                written = proto.begin_frame(parts)
                 if not tls and sum(len(p) for p in parts) >= sealer.thread_bytes:
                     # a big request: a MAC thread reads it while sendmsg hands it to the kernel
                     mac = concurrent.futures.Future()

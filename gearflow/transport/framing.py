@@ -697,6 +697,14 @@ class FramedProtocol(asyncio.BufferedProtocol):
     def frame_error(self, exc: FrameError) -> None:
         raise NotImplementedError
 
+    def begin_frame(self, parts: list) -> list:
+        """Begin a frame's MAC (the sealer's next sequence number): ``parts`` as they go on the
+        wire — on gearflow's records, the head tag after the envelope (``parts[0]``)."""
+        self.sealer.begin()
+        if self.reader.head_tags:
+            return [parts[0], self.sealer.head_tag(parts[0]), *parts[1:]]
+        return parts
+
     def send(self, parts: list, on_sent: Callable[[], None] | None = None, more: bool = False,
              spans: list | None = None) -> None:  # fmt: skip
         """Write ``parts`` (one frame, or with ``more=True`` the first pieces of one whose rest
@@ -716,9 +724,7 @@ class FramedProtocol(asyncio.BufferedProtocol):
         written = parts
         if self.sealer is not None:
             if not self._sealing:
-                self.sealer.begin()
-                if self.reader.head_tags:  # gearflow's records: the head tag follows the envelope
-                    written = [parts[0], self.sealer.head_tag(parts[0]), *parts[1:]]
+                written = self.begin_frame(parts)
             self._sealing = more
             macs = parts if spans is None else spans
             fills = [m.fn for m in macs if type(m) is Fill] if spans is not None else ()
