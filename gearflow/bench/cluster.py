@@ -83,7 +83,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gearflow.bench.cluster_figures import measure
 from gearflow.errors import GearflowError
 
 Emit = Callable[[dict], None]
@@ -373,7 +372,12 @@ def run(args, wanted: list[str], emit: Emit) -> int:
     link = float(args.link_gbps or LINK_GBPS[kind])
     if link <= 0:
         raise GearflowError(f"--link-gbps {args.link_gbps}: must be > 0")
-    fig = load_figures(args.from_file) if args.from_file else measure(args.config, args.quick, args.seed)
+    if args.from_file:
+        fig = load_figures(args.from_file)
+    else:  # here, not at import: the figures need torch and the replay, the CLI's parser neither
+        from gearflow.bench.cluster_figures import measure
+
+        fig = measure(args.config, args.quick, args.seed)
     if args.save:
         Path(args.save).write_text(json.dumps(fig, indent=1) + "\n")
     rho = float(fig["samples_per_insert"]) if args.samples_per_insert < 0 else float(args.samples_per_insert)
