@@ -104,7 +104,7 @@ def test_help_through_the_module_entry_point():
 def test_the_parser_imports_no_torch():
     """Every `gearflow ...` builds the whole parser first: a command that needs no torch (--help,
     tls init, a config error) must not pay its ~1.5 s import (bench cluster's figures once did)."""
-    code = "import sys; from gearflow.cli import build_parser; build_parser(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'envpool') or m.startswith('gearflow.replay')))"  # noqa: E501
+    code = "import sys; from gearflow.cli import build_parser; build_parser(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'envpool') or m.startswith('gearflow.replay')))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout[:500] + proc.stderr
 
