@@ -32,6 +32,15 @@ from gearflow.replay.spec import TableSpec
 from gearflow.replay.storage import PREFIX, SHM_DIR, SharedStorage, list_segments
 
 
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (``-n 2 --dist loadgroup``, the README's command), the tests that start
+    whole clusters — emulated hosts (``hosts``) and Ray — run one after another on one worker: two
+    Ray heads, or two sets of namespaced hosts with their relays, never share the box at once."""
+    for item in items:
+        if item.get_closest_marker("hosts") or item.path.name.startswith("test_ray"):
+            item.add_marker(pytest.mark.xdist_group("clusters"))
+
+
 def seg_prefix() -> str:
     """Prefix of segment names that tests choose themselves (counted by the leak check)."""
     return f"{PREFIX}_test_{os.getpid()}_"
