@@ -209,6 +209,24 @@ def test_placement_puts_a_shard_where_its_group_fits(three_nodes):
         place_roles(nodes, 1, {"CPU": 3.0}, 3, {"CPU": 1.0})
 
 
+def test_an_empty_address_starts_ray_of_its_own_beside_a_running_cluster(three_nodes, tmp_path):
+    """``cluster.address`` empty means a Ray instance of the run's own on this machine, even while
+    another runs here (the fixture's cluster wrote /tmp/ray/ray_current_cluster, as `ray start`
+    does): a bare ``ray.init(num_cpus=...)`` joined that one and failed with Ray's "num_cpus and
+    num_gpus must not be provided" (seen when the suite's two workers ran it beside this fixture)."""
+    from gearflow.roles.ray import init_kwargs
+
+    cfg = _cfg(tmp_path)
+    kwargs = init_kwargs(cfg)
+    ray.init(**kwargs)
+    try:
+        assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == kwargs["num_cpus"]
+    finally:
+        ray.shutdown()
+    cluster, _ = three_nodes
+    assert init_kwargs(_cfg(tmp_path, f"cluster.address={cluster.address}"))["address"] == cluster.address
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_learners_files_reach_the_drivers_run_dir(three_nodes, tmp_path):

@@ -145,13 +145,7 @@ class RayShards(Part):
         shard_cpus, group_cpus, learner_cpus = float(cl.shard_cpus), M * float(cl.actor_cpus), float(cl.learner_cpus)
         self.started = not ray.is_initialized()
         if self.started:
-            kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": _runtime_env(), "log_to_driver": True}
-            if cl.address:
-                kwargs["address"] = str(cl.address)
-            else:  # a Ray instance on this machine: enough logical CPUs for every role
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(S * (shard_cpus + group_cpus) + K * learner_cpus))
-                kwargs["resources"] = {k: float(v) * S for k, v in (cl.shard_resources or {}).items()}
-            ray.init(**kwargs)
+            ray.init(**init_kwargs(cfg))
         self.gpus = gpus = learner_gpus(cfg, ray.cluster_resources().get("GPU", 0.0))
         extra = {k: float(v) for k, v in (cl.shard_resources or {}).items()}
         nodes, self.learner_nodes = place_roles(ray.nodes(), S, {"CPU": shard_cpus + group_cpus, **extra}, K,
@@ -280,6 +274,24 @@ class RayLearners(Part):
 
 
 # ---------------------------------------------------------------------- the driver's helpers
+
+
+def init_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """``ray.init``'s arguments for a run: ``cluster.address`` joined where it is set; else a Ray
+    instance of its own on this machine (``address="local"``: never one that ``ray start`` or a
+    test's cluster left running here, which a bare ``ray.init()`` would join and then refuse its
+    ``num_cpus``), with enough logical CPUs for every role."""
+    cl = cfg.cluster
+    kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": _runtime_env(), "log_to_driver": True}
+    if cl.address:
+        kwargs["address"] = str(cl.address)
+        return kwargs
+    S, K, M = int(cl.shards), int(cl.learners), int(cfg.actor.num_actors)
+    need = S * (float(cl.shard_cpus) + M * float(cl.actor_cpus)) + K * float(cl.learner_cpus)
+    kwargs["address"] = "local"
+    kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need))
+    kwargs["resources"] = {k: float(v) * S for k, v in (cl.shard_resources or {}).items()}
+    return kwargs
 
 
 def _runtime_env() -> dict[str, Any]:
