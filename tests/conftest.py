@@ -33,8 +33,8 @@ from gearflow.replay.storage import PREFIX, SHM_DIR, SharedStorage, list_segment
 
 
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``-n 2 --dist loadgroup``: not the README's command yet — two of three
-    whole runs so had a cluster test fail under the other worker's load), the tests that start
+    """With pytest-xdist (``-n 2 --dist loadgroup``: not the README's command yet — the third whole
+    run so had two cluster tests fail under the other worker's load), the tests that start
     whole clusters — emulated hosts (``hosts``) and Ray — run one after another on one worker: two
     Ray heads, or two sets of namespaced hosts with their relays, never share the box at once."""
     for item in items:
